@@ -1,0 +1,1 @@
+"""The shard format: aligned tar writer, indexes, manifest, reader (see DESIGN.md)."""

@@ -1,0 +1,206 @@
+"""Per-shard indexes: ours (`NAME.idx`) and DALI's (`NAME.dali.idx`).
+
+`NAME.idx` is an uncompressed NumPy `.npz` holding flat arrays, so loading the index of a shard
+with millions of members is a few array reads, never a tar scan:
+
+- `meta`: UTF-8 JSON `{"format": "gdsload-index", "version": 1, "extensions": [...]}`
+- `key_blob` (uint8) and `key_offsets` (int64, n+1): sample keys, concatenated UTF-8
+- `sample_start` (int64, n+1): members of sample i are rows `sample_start[i]:sample_start[i+1]`
+- `member_ext` (uint16, index into `extensions`), `member_offset` and `member_size` (uint64):
+  the byte offset of each member's payload in the tar, and its length
+
+`NAME.dali.idx` is the text format DALI's `wds2idx` writes (version `v1.2`): a header line
+`v1.2 N`, then one line per sample of `ext offset size name` groups, offsets being payload
+offsets. We write it ourselves because `wds2idx` takes offsets from GNU tar's block numbers and
+would point into our PAX padding headers.
+
+Keys follow the webdataset convention: a member `KEY.EXT` splits at the first dot of its base
+name, so keys hold no dots; DALI's index is whitespace-separated, so keys hold no whitespace.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gdsload.errors import FormatError
+
+INDEX_VERSION = 1
+DALI_INDEX_VERSION = "v1.2"
+
+_BAD_KEY = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is a valid sample key, else raise FormatError naming the problem."""
+    if not key:
+        raise FormatError("empty sample key")
+    if "." in key.rsplit("/", 1)[-1]:
+        raise FormatError(f"sample key {key!r} contains a dot (webdataset splits names at the first dot)")
+    if _BAD_KEY.search(key):
+        raise FormatError(f"sample key {key!r} contains whitespace or control characters")
+    if key.startswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
+        raise FormatError(f"sample key {key!r} is absolute or has empty, '.' or '..' path parts")
+    return key
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """Split a member name `dir/KEY.EXT` into (`dir/KEY`, `EXT`) at the base name's first dot."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1 :]
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """The members of one shard. Arrays are read-only views; cheap to pickle to worker processes."""
+
+    extensions: tuple[str, ...]
+    key_blob: np.ndarray
+    key_offsets: np.ndarray
+    sample_start: np.ndarray
+    member_ext: np.ndarray
+    member_offset: np.ndarray
+    member_size: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_start) - 1
+
+    @property
+    def num_members(self) -> int:
+        return len(self.member_offset)
+
+    def key(self, i: int) -> str:
+        return bytes(self.key_blob[self.key_offsets[i] : self.key_offsets[i + 1]]).decode("utf-8")
+
+    def keys(self) -> list[str]:
+        blob = bytes(self.key_blob)
+        offs = self.key_offsets.tolist()
+        return [blob[a:b].decode("utf-8") for a, b in zip(offs, offs[1:])]
+
+    def members(self, i: int) -> list[tuple[str, int, int]]:
+        """(extension, payload offset, size) of sample i's members, in tar order."""
+        a, b = int(self.sample_start[i]), int(self.sample_start[i + 1])
+        return [
+            (self.extensions[e], o, s)
+            for e, o, s in zip(
+                self.member_ext[a:b].tolist(),
+                self.member_offset[a:b].tolist(),
+                self.member_size[a:b].tolist(),
+            )
+        ]
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, samples: list[tuple[str, list[tuple[str, int, int]]]]) -> "ShardIndex":
+        """From `[(key, [(ext, offset, size), ...]), ...]` in tar order."""
+        exts: dict[str, int] = {}
+        keys = [k.encode("utf-8") for k, _ in samples]
+        key_offsets = np.zeros(len(keys) + 1, np.int64)
+        np.cumsum([len(k) for k in keys], out=key_offsets[1:])
+        start = np.zeros(len(samples) + 1, np.int64)
+        np.cumsum([len(m) for _, m in samples], out=start[1:])
+        rows = [m for _, ms in samples for m in ms]
+        ext_ids = [exts.setdefault(e, len(exts)) for e, _, _ in rows]
+        return cls(
+            extensions=tuple(exts),
+            key_blob=np.frombuffer(b"".join(keys), np.uint8),
+            key_offsets=key_offsets,
+            sample_start=start,
+            member_ext=np.asarray(ext_ids, np.uint16),
+            member_offset=np.asarray([o for _, o, _ in rows], np.uint64),
+            member_size=np.asarray([s for _, _, s in rows], np.uint64),
+        )
+
+    # -- our file ------------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        meta = {"format": "gdsload-index", "version": INDEX_VERSION, "extensions": list(self.extensions)}
+        buf = io.BytesIO()
+        np.savez(
+            buf,
+            meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+            key_blob=self.key_blob,
+            key_offsets=self.key_offsets,
+            sample_start=self.sample_start,
+            member_ext=self.member_ext,
+            member_offset=self.member_offset,
+            member_size=self.member_size,
+        )
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, name: str = "<index>") -> "ShardIndex":
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+                if meta.get("format") != "gdsload-index":
+                    raise FormatError(f"{name}: not a gdsload index")
+                if meta.get("version") != INDEX_VERSION:
+                    raise FormatError(
+                        f"{name}: index version {meta.get('version')} is not supported "
+                        f"(this gdsload reads version {INDEX_VERSION}); re-run gdsload convert"
+                    )
+                idx = cls(
+                    extensions=tuple(meta["extensions"]),
+                    **{k: z[k] for k in (
+                        "key_blob", "key_offsets", "sample_start",
+                        "member_ext", "member_offset", "member_size",
+                    )},
+                )
+        except FormatError:
+            raise
+        except Exception as exc:  # zipfile/numpy raise many types for a damaged file
+            raise FormatError(f"{name}: unreadable index ({type(exc).__name__}: {exc})") from exc
+        idx._check(name)
+        return idx
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ShardIndex":
+        return cls.from_bytes(Path(path).read_bytes(), name=str(path))
+
+    def _check(self, name: str) -> None:
+        n = self.num_samples
+        if (
+            n < 0
+            or len(self.key_offsets) != n + 1
+            or self.sample_start[0] != 0
+            or self.sample_start[-1] != self.num_members
+            or len(self.member_ext) != self.num_members
+            or len(self.member_size) != self.num_members
+            or (self.num_members and int(self.member_ext.max()) >= len(self.extensions))
+            or np.any(np.diff(self.sample_start) < 1)
+        ):
+            raise FormatError(f"{name}: index arrays are inconsistent")
+
+    # -- DALI's file ---------------------------------------------------------------------------
+    def to_dali(self) -> str:
+        lines = [f"{DALI_INDEX_VERSION} {self.num_samples}"]
+        for i in range(self.num_samples):
+            key = self.key(i)
+            lines.append(" ".join(f"{e} {o} {s} {key}.{e}" for e, o, s in self.members(i)))
+        return "\n".join(lines) + "\n"
+
+
+def parse_dali_index(text: str, *, name: str = "<dali index>") -> list[list[tuple[str, int, int, str]]]:
+    """Parse a `v1.2` DALI webdataset index into per-sample `(ext, offset, size, member)` lists."""
+    lines = text.splitlines()
+    head = lines[0].split() if lines else []
+    if len(head) != 2 or head[0] != DALI_INDEX_VERSION:
+        raise FormatError(f"{name}: not a {DALI_INDEX_VERSION} DALI index")
+    out = []
+    for line in lines[1:]:
+        parts = line.split()
+        if len(parts) % 4:
+            raise FormatError(f"{name}: malformed line {line[:80]!r}")
+        out.append([(parts[j], int(parts[j + 1]), int(parts[j + 2]), parts[j + 3]) for j in range(0, len(parts), 4)])
+    if len(out) != int(head[1]):
+        raise FormatError(f"{name}: header says {head[1]} samples, found {len(out)}")
+    return out

@@ -1,0 +1,87 @@
+"""`.npy` payloads whose array data is 4 KiB-aligned.
+
+The npy header (magic, version, length, dict literal) is padded with spaces so that header plus
+preamble fill exactly `ALIGN` bytes; the payload itself starts at an aligned file offset, so the
+array data does too and a tensor can be read straight into device memory. The result is an
+ordinary npy v1.0 file that `numpy.load` reads (its header stays under NumPy's 10,000-byte safety
+limit).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from numpy.lib import format as npformat
+
+from gdsload.errors import FormatError
+from gdsload.format.tar import ALIGN
+
+MAGIC = b"\x93NUMPY"
+_PREAMBLE = len(MAGIC) + 2 + 2  # magic, version (1.0), header length (uint16)
+
+
+def aligned_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool = False) -> bytes:
+    """An npy v1.0 header exactly `ALIGN` bytes long."""
+    if dtype.hasobject:
+        raise FormatError(f"npy arrays of dtype {dtype} hold Python objects and cannot be stored")
+    text = "{'descr': %r, 'fortran_order': %r, 'shape': %r, }" % (
+        npformat.dtype_to_descr(dtype),
+        bool(fortran_order),
+        tuple(int(d) for d in shape),
+    )
+    body_len = ALIGN - _PREAMBLE
+    if len(text) + 1 > body_len:
+        raise FormatError(f"npy header for shape {shape} does not fit in {ALIGN} bytes")
+    body = text.ljust(body_len - 1).encode("latin1") + b"\n"
+    return MAGIC + b"\x01\x00" + body_len.to_bytes(2, "little") + body
+
+
+def parse_header(buf: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """Parse an npy header from the start of `buf`: (dtype, shape, fortran_order, data_offset).
+
+    Raises FormatError for anything that is not an npy file, without reading past the header.
+    """
+    head = bytes(buf[:_PREAMBLE + 2])
+    if len(head) < _PREAMBLE or head[:6] != MAGIC:
+        raise FormatError("not an .npy file (bad magic)")
+    f = io.BytesIO(bytes(buf[: min(len(buf), 1 << 20)]))
+    try:
+        version = npformat.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = npformat.read_array_header_1_0(f, max_header_size=1 << 20)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = npformat.read_array_header_2_0(f, max_header_size=1 << 20)
+        else:
+            raise FormatError(f"unsupported .npy version {version}")
+    except (ValueError, SyntaxError) as exc:  # numpy raises ValueError for bad headers
+        raise FormatError(f"malformed .npy header: {exc}") from exc
+    if dtype.hasobject:
+        raise FormatError(f"npy arrays of dtype {dtype} hold Python objects and are refused")
+    return dtype, tuple(shape), bool(fortran), f.tell()
+
+
+def realign(payload: bytes | memoryview) -> bytes:
+    """Rewrite an npy file so its array data sits `ALIGN` bytes after the payload start.
+
+    The array bytes are copied unchanged; the data length is checked against the header.
+    """
+    dtype, shape, fortran, data_off = parse_header(payload)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    data = memoryview(payload)[data_off:]
+    if len(data) != nbytes:
+        raise FormatError(
+            f".npy data is {len(data)} bytes but its header (shape {shape}, dtype {dtype}) "
+            f"says {nbytes}"
+        )
+    if data_off == ALIGN:
+        return bytes(payload)
+    return aligned_header(dtype, shape, fortran) + bytes(data)
+
+
+def encode(array: np.ndarray) -> bytes:
+    """An aligned npy payload for `array`."""
+    array = np.asarray(array)
+    fortran = array.flags.f_contiguous and not array.flags.c_contiguous
+    data = array.tobytes(order="F" if fortran else "C")
+    return aligned_header(array.dtype, array.shape, fortran) + data

@@ -1,0 +1,272 @@
+"""Shard reader: random access to any sample through the index, streaming, integrity checks.
+
+Opening a dataset reads `manifest.json` only; a shard's index is loaded on first access to that
+shard and cached. `sample(i)` costs one positioned read (`pread`) spanning the sample's adjacent
+members; nothing scans a tar. Paths may be local folders or fsspec URLs (`s3://…`, `file://…`,
+`http(s)://…`); local paths use `os.pread` on cached file descriptors.
+
+Thread-safety: `sample()` and `read_extent()` may be called from many threads at once (pread does
+not share a file position); `close()` must not race with them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import tarfile
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gdsload.errors import FormatError
+from gdsload.format import manifest as mf
+from gdsload.format import npy
+from gdsload.format.index import ShardIndex, parse_dali_index, split_name
+from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+class ShardedDataset:
+    """A converted dataset: `len()`, `sample(i)`, `iter_samples()`, `verify()`."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = str(root).rstrip("/") if _is_url(str(root)) else str(Path(str(root).removeprefix("file://")))
+        self._fs = None
+        if _is_url(self.root):
+            import fsspec
+
+            self._fs, _ = fsspec.core.url_to_fs(self.root)
+            self.manifest = mf.parse(self._fs.cat_file(f"{self.root}/{mf.MANIFEST}").decode(), name=self.root)
+        else:
+            self.manifest = mf.load(self.root)
+        self.shards: list[mf.ShardEntry] = self.manifest["shards"]
+        self._starts = np.concatenate([[0], np.cumsum([s["samples"] for s in self.shards])]).tolist()
+        self._indexes: dict[int, ShardIndex] = {}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    # -- basics ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.manifest["num_samples"]
+
+    def __repr__(self) -> str:
+        return f"ShardedDataset({self.root!r}, samples={len(self)}, shards={len(self.shards)})"
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return self.manifest["fields"]
+
+    @property
+    def classes(self) -> list[str] | None:
+        return self.manifest.get("classes")
+
+    def shard_path(self, i: int, which: str = "name") -> str:
+        return f"{self.root}/{self.shards[i][which]}"
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """Global sample number -> (shard number, sample number within the shard)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
+        s = bisect.bisect_right(self._starts, i) - 1
+        return s, i - self._starts[s]
+
+    def index(self, shard: int) -> ShardIndex:
+        idx = self._indexes.get(shard)
+        if idx is None:
+            name = self.shard_path(shard, "index")
+            idx = ShardIndex.from_bytes(self._read_file(name), name=name)
+            if idx.num_samples != self.shards[shard]["samples"]:
+                raise FormatError(
+                    f"{name}: index lists {idx.num_samples} samples, manifest says "
+                    f"{self.shards[shard]['samples']}"
+                )
+            self._indexes[shard] = idx
+        return idx
+
+    # -- raw I/O -------------------------------------------------------------------------------
+    def _read_file(self, path: str) -> bytes:
+        if self._fs is not None:
+            return self._fs.cat_file(path)
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise FormatError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    def _fd(self, shard: int) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(shard)
+                if fd is None:
+                    path = self.shard_path(shard)
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                    except OSError as exc:
+                        raise FormatError(f"cannot open shard {path}: {exc.strerror}") from exc
+                    self._fds[shard] = fd
+        return fd
+
+    def read_extent(self, shard: int, offset: int, nbytes: int) -> bytes:
+        """Bytes `[offset, offset + nbytes)` of a shard; a short read is a FormatError."""
+        if self._fs is not None:
+            data = self._fs.cat_file(self.shard_path(shard), start=offset, end=offset + nbytes)
+        else:
+            data = os.pread(self._fd(shard), nbytes, offset)
+        if len(data) != nbytes:
+            raise FormatError(
+                f"{self.shard_path(shard)}: truncated (wanted {nbytes} bytes at offset {offset}, "
+                f"got {len(data)})"
+            )
+        return data
+
+    # -- samples -------------------------------------------------------------------------------
+    def sample_in_shard(self, shard: int, j: int) -> dict[str, Any]:
+        idx = self.index(shard)
+        members = idx.members(j)
+        lo = members[0][1]
+        hi = max(o + s for _, o, s in members)
+        blob = memoryview(self.read_extent(shard, lo, hi - lo))
+        out: dict[str, Any] = {"__key__": idx.key(j), "__shard__": self.shards[shard]["name"]}
+        for ext, o, s in members:
+            out[ext] = bytes(blob[o - lo : o - lo + s])
+        return out
+
+    def sample(self, i: int) -> dict[str, Any]:
+        """Sample `i` (global order of the dataset) as `{"__key__": ..., ext: bytes, ...}`."""
+        return self.sample_in_shard(*self.locate(i))
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.sample(i)
+
+    def iter_samples(self, shards: list[int] | None = None) -> Iterator[dict[str, Any]]:
+        """Stream samples in storage order (all shards, or the given ones)."""
+        for s in range(len(self.shards)) if shards is None else shards:
+            for j in range(self.shards[s]["samples"]):
+                yield self.sample_in_shard(s, j)
+
+    def keys(self) -> list[str]:
+        return [k for s in range(len(self.shards)) for k in self.index(s).keys()]
+
+    # -- summaries -----------------------------------------------------------------------------
+    def alignment(self) -> dict[str, int]:
+        """Payloads of 4 KiB or more, how many start 4096-aligned, and the smallest ones."""
+        big = aligned = small = 0
+        for s in range(len(self.shards)):
+            idx = self.index(s)
+            mask = idx.member_size >= ALIGN_MIN_NBYTES
+            big += int(mask.sum())
+            aligned += int((idx.member_offset[mask] % ALIGN == 0).sum())
+            small += int((~mask).sum())
+        return {"payloads_4k_or_more": big, "aligned": aligned, "smaller_payloads": small}
+
+    def class_histogram(self, field: str = "cls") -> Counter[int]:
+        """Label counts from the `.cls` members (reads only those small members)."""
+        hist: Counter[int] = Counter()
+        for s in range(len(self.shards)):
+            idx = self.index(s)
+            for j in range(idx.num_samples):
+                for ext, o, n in idx.members(j):
+                    if ext == field:
+                        hist[int(self.read_extent(s, o, n).decode().strip())] += 1
+        return hist
+
+    # -- integrity -----------------------------------------------------------------------------
+    def verify(self, *, hashes: bool = True) -> dict[str, list[str]]:
+        """Check every shard; returns `{shard name: [problem, ...]}` for the bad ones only."""
+        bad: dict[str, list[str]] = {}
+        for s, entry in enumerate(self.shards):
+            problems = self._verify_shard(s, entry, hashes=hashes)
+            if problems:
+                bad[entry["name"]] = problems
+        return bad
+
+    def _verify_shard(self, s: int, entry: mf.ShardEntry, *, hashes: bool) -> list[str]:
+        if self._fs is not None:
+            raise FormatError("verify works on local datasets only")
+        path = Path(self.shard_path(s))
+        if not path.is_file():
+            return [f"missing file {path}"]
+        problems = []
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"size is {size} bytes, manifest says {entry['bytes']}")
+        if hashes:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            if h.hexdigest() != entry["sha256"]:
+                problems.append("sha256 differs from the manifest")
+        try:
+            idx = self.index(s)
+        except FormatError as exc:
+            return problems + [str(exc)]
+        # index against the tar as Python's tarfile parses it
+        expected = []
+        for j in range(idx.num_samples):
+            key = idx.key(j)
+            expected += [(f"{key}.{e}", o, n) for e, o, n in idx.members(j)]
+        try:
+            with tarfile.open(path, "r:") as tf:
+                found = [(m.name, m.offset_data, m.size) for m in tf if m.isreg()]
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            return problems + [f"tar does not parse: {exc}"]
+        if found != expected:
+            diff = next(((a, b) for a, b in zip(found, expected) if a != b), None)
+            problems.append(
+                f"index does not match the tar ({len(found)} members in tar, {len(expected)} in "
+                f"index; first difference: tar {diff[0] if diff else None} vs index {diff[1] if diff else None})"
+            )
+        for name, off, n in expected:
+            if n >= ALIGN_MIN_NBYTES and off % ALIGN:
+                problems.append(f"{name}: payload at offset {off} is not {ALIGN}-aligned")
+                break
+            if split_name(name)[1] == "npy" and n >= ALIGN_MIN_NBYTES:
+                try:
+                    _, _, _, data_off = npy.parse_header(self.read_extent(s, off, min(n, 2 * ALIGN)))
+                except FormatError as exc:
+                    problems.append(f"{name}: {exc}")
+                    break
+                if (off + data_off) % ALIGN:
+                    problems.append(f"{name}: array data is not {ALIGN}-aligned")
+                    break
+        dali_path = Path(self.shard_path(s, "dali_index"))
+        try:
+            dali = dali_path.read_text()
+            parse_dali_index(dali, name=str(dali_path))
+            if dali != idx.to_dali():
+                problems.append(f"{dali_path.name} does not match the index")
+        except (OSError, FormatError, ValueError) as exc:
+            problems.append(f"DALI index: {exc}")
+        return problems
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> "ShardedDataset":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def open_dataset(root: str | os.PathLike[str]) -> ShardedDataset:
+    """Open a converted dataset by path or URL."""
+    return ShardedDataset(root)

@@ -1,0 +1,117 @@
+"""Aligned tar members: the byte layout of one shard.
+
+Invariant: every payload of `ALIGN_MIN_NBYTES` (4 KiB) or more starts at a file offset that is a
+multiple of `ALIGN` (4096), so GDS can read it straight into device memory without a bounce
+buffer. The padding is a PAX extended header (`comment=` record, which every reader ignores) placed
+before the member; GNU tar, Python's tarfile, webdataset and DALI's `readers.webdataset` read such
+shards unchanged. Smaller payloads get a plain ustar header and no padding.
+
+Headers are built with Python's `tarfile.TarInfo`; only the PAX record bytes are formatted here.
+Output is deterministic: fixed mtime, uid/gid 0, mode 0644, no user or group names, so the same
+input gives the same bytes on any machine.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from typing import BinaryIO
+
+BLOCK = 512
+ALIGN = 4096
+ALIGN_MIN_NBYTES = 4096
+# Fixed mtime (2020-01-01T00:00:00Z) keeps output byte-identical across runs and hosts.
+MTIME = 1577836800
+_USTAR_NAME_MAX = 100
+
+
+def _pax_record(keyword: str, value: bytes) -> bytes:
+    """One PAX record `"LEN KEYWORD=VALUE\\n"`, where LEN counts the whole record."""
+    body = b" " + keyword.encode("ascii") + b"=" + value + b"\n"
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    return str(n).encode("ascii") + body
+
+
+def _info(name: str, size: int, type_: bytes = tarfile.REGTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = MTIME
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = type_
+    return info
+
+
+def _ustar(info: tarfile.TarInfo) -> bytes:
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+def _pax_block(records: bytes) -> bytes:
+    """A PAX extended header (header block + records padded to whole blocks)."""
+    hdr = _ustar(_info("././@PaxHeader", len(records), tarfile.XHDTYPE))
+    pad = -len(records) % BLOCK
+    return hdr + records + b"\0" * pad
+
+
+def needs_alignment(nbytes: int) -> bool:
+    return nbytes >= ALIGN_MIN_NBYTES
+
+
+def member_header(name: str, size: int, offset: int, *, align: bool | None = None) -> bytes:
+    """Header bytes to write at file `offset` so that the payload that follows starts aligned.
+
+    `offset` must be a multiple of 512 (tar members always start on a block). The payload of
+    `size` bytes begins at `offset + len(result)`; it is a multiple of `ALIGN` whenever `align` is
+    true (default: when `size >= ALIGN_MIN_NBYTES`). Names longer than 100 bytes or not ASCII go
+    into a PAX `path` record, so no name is ever truncated.
+    """
+    if offset % BLOCK:
+        raise ValueError(f"tar member offset {offset} is not a multiple of {BLOCK}")
+    if align is None:
+        align = needs_alignment(size)
+    raw_name = name.encode("utf-8")
+    long_name = len(raw_name) > _USTAR_NAME_MAX or not name.isascii()
+    records = _pax_record("path", raw_name) if long_name else b""
+    ustar_name = name if not long_name else raw_name[:_USTAR_NAME_MAX].decode("ascii", "replace")
+    main = _ustar(_info(ustar_name if name.isascii() else "long-name", size))
+
+    def layout(pad: int) -> bytes:
+        recs = records + (_pax_record("comment", b"x" * pad) if pad else b"")
+        return (_pax_block(recs) if recs else b"") + main
+
+    if not align:
+        return layout(0)
+    buf = layout(0)
+    if (offset + len(buf)) % ALIGN == 0:
+        return buf
+    # Grow the PAX data to k blocks so the header run ends on an ALIGN boundary. The record
+    # length is aimed mid-block so its own length digits cannot push it across a block boundary.
+    min_blocks = max(1, -(-len(records) // BLOCK))
+    for k in range(min_blocks, min_blocks + ALIGN // BLOCK):
+        if (offset + BLOCK + k * BLOCK + len(main)) % ALIGN:
+            continue
+        overhead = len(_pax_record("comment", b""))
+        pad = max(1, k * BLOCK - BLOCK // 2 - len(records) - overhead)
+        buf = layout(pad)
+        if (offset + len(buf)) % ALIGN == 0:
+            return buf
+    raise AssertionError(f"could not align member {name!r} at offset {offset}")  # unreachable
+
+
+def end_of_archive() -> bytes:
+    """Two zero blocks; GNU tar pads archives to 10 KiB records but readers do not need it."""
+    return b"\0" * (2 * BLOCK)
+
+
+def write_member(f: BinaryIO, offset: int, name: str, payload: bytes | memoryview) -> tuple[int, int]:
+    """Write one member at `offset`; return `(data_offset, next_offset)`."""
+    hdr = member_header(name, len(payload), offset)
+    f.write(hdr)
+    data_offset = offset + len(hdr)
+    f.write(payload)
+    pad = -len(payload) % BLOCK
+    if pad:
+        f.write(b"\0" * pad)
+    return data_offset, data_offset + len(payload) + pad

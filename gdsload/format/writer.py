@@ -1,0 +1,202 @@
+"""Shard writer: samples in, an aligned tar plus its two indexes out.
+
+A shard is written as `.NAME.tar.tmp-PID` next to its final name, hashed while it is written
+(SHA-256, no second read), and renamed to `NAME.tar` only after its data is fsynced and both
+index files are in place. `abort()` (or an exception inside `with`) removes the temporary file,
+so a shard under its final name is always complete.
+
+Memory: one sample's payloads at a time. Not thread-safe: one writer per thread or process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gdsload.errors import FormatError
+from gdsload.format import manifest as mf
+from gdsload.format import npy
+from gdsload.format.index import ShardIndex, check_key
+from gdsload.format.tar import end_of_archive, write_member
+
+
+def shard_name(prefix: str, i: int) -> str:
+    return f"{prefix}-{i:06d}"
+
+
+def prepare_payload(ext: str, payload: bytes | memoryview) -> bytes | memoryview:
+    """Apply the format's per-field rules: `.npy` array data is realigned to 4 KiB."""
+    if mf.field_kind(ext) == "tensor" and len(payload) >= npy.ALIGN:
+        return npy.realign(payload)
+    return payload
+
+
+class ShardWriter:
+    """Write one shard `root/NAME.tar` with `NAME.idx` and `NAME.dali.idx`."""
+
+    def __init__(self, root: str | Path, name: str):
+        self.root = Path(root)
+        self.name = name
+        self._tmp = self.root / f".{name}.tar.tmp-{os.getpid()}"
+        self._f = open(self._tmp, "wb")
+        self._hash = hashlib.sha256()
+        self._offset = 0
+        self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+        self._keys: set[str] = set()
+        self._sink = _Tee(self)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    @property
+    def nbytes(self) -> int:
+        return self._offset
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        self._hash.update(data)
+        self._offset += len(data)
+
+    def add(self, key: str, fields: Mapping[str, bytes | memoryview]) -> None:
+        """Append one sample; its members are written adjacent, in the order of `fields`."""
+        check_key(key)
+        if key in self._keys:
+            raise FormatError(f"duplicate sample key {key!r} in shard {self.name}")
+        if not fields:
+            raise FormatError(f"sample {key!r} has no fields")
+        prepared = []
+        for ext, payload in fields.items():
+            if not ext or ext != ext.strip() or "/" in ext or any(c.isspace() for c in ext):
+                raise FormatError(f"sample {key!r}: invalid field name {ext!r}")
+            prepared.append((ext, prepare_payload(ext, payload)))
+        members = []
+        for ext, payload in prepared:
+            hdr_start = self._offset
+            data_off, _ = write_member(self._sink, hdr_start, f"{key}.{ext}", payload)
+            members.append((ext, data_off, len(payload)))
+        self._keys.add(key)
+        self._samples.append((key, members))
+
+    def close(self) -> mf.ShardEntry:
+        """Finish the archive, write both indexes, and rename the shard into place."""
+        self._write(end_of_archive())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        index = ShardIndex.build(self._samples)
+        mf.write_atomic(self.root / f"{self.name}.idx", index.to_bytes())
+        mf.write_atomic(self.root / f"{self.name}.dali.idx", index.to_dali().encode())
+        os.replace(self._tmp, self.root / f"{self.name}.tar")
+        return {
+            "name": f"{self.name}.tar",
+            "index": f"{self.name}.idx",
+            "dali_index": f"{self.name}.dali.idx",
+            "samples": len(self._samples),
+            "bytes": self._offset,
+            "sha256": self._hash.hexdigest(),
+        }
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class _Tee:
+    """File-like `write` that goes through the shard writer's hashing and offset accounting."""
+
+    def __init__(self, w: ShardWriter):
+        self._w = w
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._w._write(data)
+        return len(data)
+
+
+def make_manifest(
+    shards: list[mf.ShardEntry],
+    fields: Mapping[str, str],
+    *,
+    classes: list[str] | None = None,
+    created: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    from gdsload import __version__
+
+    return {
+        "format": "gdsload",
+        "version": mf.FORMAT_VERSION,
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_bytes": sum(s["bytes"] for s in shards),
+        "shards": list(shards),
+        "fields": dict(sorted(fields.items())),
+        "classes": classes,
+        "created": {
+            "by": f"gdsload {__version__}",
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **(created or {}),
+        },
+    }
+
+
+class DatasetWriter:
+    """Stream samples into shards rolled at `shard_size` bytes; `close()` writes the manifest.
+
+    The single-process counterpart of `webdataset.ShardWriter` for library use; the CLI's
+    `convert` plans shards up front instead, so it can write them in parallel.
+    """
+
+    def __init__(self, root: str | Path, *, shard_size: int = 1 << 30, prefix: str = "shard",
+                 classes: list[str] | None = None):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (self.root / mf.MANIFEST).exists():
+            from gdsload.errors import DestinationError
+
+            raise DestinationError(f"{self.root} already holds a dataset ({mf.MANIFEST} exists)")
+        self.shard_size = shard_size
+        self.prefix = prefix
+        self.classes = classes
+        self.shards: list[mf.ShardEntry] = []
+        self.fields: dict[str, str] = {}
+        self._cur: ShardWriter | None = None
+
+    def write(self, key: str, fields: Mapping[str, bytes | memoryview]) -> None:
+        if self._cur is not None and self._cur.nbytes >= self.shard_size:
+            self.shards.append(self._cur.close())
+            self._cur = None
+        if self._cur is None:
+            self._cur = ShardWriter(self.root, shard_name(self.prefix, len(self.shards)))
+        self._cur.add(key, fields)
+        for ext in fields:
+            self.fields.setdefault(ext, mf.field_kind(ext))
+
+    def close(self) -> dict[str, Any]:
+        if self._cur is not None:
+            self.shards.append(self._cur.close())
+            self._cur = None
+        m = make_manifest(self.shards, self.fields, classes=self.classes, created={"source_format": "api"})
+        mf.save(self.root, m)
+        return m
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._cur is not None:
+            self._cur.abort()
