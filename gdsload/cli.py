@@ -1,0 +1,197 @@
+"""The `gdsload` command: convert, inspect, verify, doctor.
+
+Exit status: 0 on success, 1 when gdsload refuses or fails with a message (bad input, a
+destination that holds a dataset, a shard that fails verification), 2 for usage errors, 130 on
+Ctrl-C. Errors print one line naming the problem to stderr, never a traceback
+(`GDSLOAD_DEBUG=1` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from gdsload.errors import GdsloadError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """`1073741824`, `512MB`, `1GiB`, `1.5G` -> bytes (decimal units for KB/MB/GB, binary for KiB...)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a number with a unit such as 512MB, 1GiB"
+        )
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be positive")
+    return n
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n}"
+
+
+# -- commands ------------------------------------------------------------------------------------
+def cmd_convert(a: argparse.Namespace) -> int:
+    from gdsload.convert.engine import ConvertOptions, convert
+
+    opts = ConvertOptions(
+        shard_size=a.shard_size, workers=a.workers, shuffle=a.shuffle, seed=a.seed,
+        validate=a.validate, resume=a.resume, overwrite=a.overwrite, format=a.format,
+        labels=a.labels, prefix=a.prefix, progress=not a.quiet,
+    )
+    r = convert(a.src, a.dst, opts)
+    print(
+        f"converted {r['samples']} samples into {r['shards']} shards ({_human(r['bytes'])}) in "
+        f"{r['seconds']:.1f} s: {r['samples_per_s']:.0f} samples/s, {r['mb_per_s']:.1f} MB/s, "
+        f"{r['workers']} worker(s)"
+        + (f"; {r['resumed_shards']} shards kept from the interrupted run" if r["resumed_shards"] else "")
+    )
+    if r["rejected"]:
+        print(f"{r['rejected']} inputs rejected and left out: see {os.path.join(a.dst, 'rejected.jsonl')}")
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from gdsload.format.reader import open_dataset
+
+    with open_dataset(a.dataset) as ds:
+        m = ds.manifest
+        info = {
+            "path": ds.root,
+            "samples": len(ds),
+            "shards": len(ds.shards),
+            "bytes": m["num_bytes"],
+            "fields": m["fields"],
+            "classes": len(ds.classes) if ds.classes else None,
+            "alignment": ds.alignment(),
+            "created": m.get("created", {}),
+        }
+        if "cls" in ds.fields:
+            hist = ds.class_histogram()
+            names = ds.classes or []
+            info["class_histogram"] = {
+                (names[k] if 0 <= k < len(names) else str(k)): v for k, v in sorted(hist.items())
+            }
+    if a.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    al = info["alignment"]
+    print(f"dataset   {info['path']}")
+    print(f"samples   {info['samples']}")
+    print(f"shards    {info['shards']}  ({_human(info['bytes'])}, mean {_human(info['bytes'] / max(info['shards'], 1))})")
+    print("fields    " + ", ".join(f"{k} ({v})" for k, v in info["fields"].items()))
+    print(f"alignment {al['aligned']}/{al['payloads_4k_or_more']} payloads of 4 KiB or more start 4096-aligned "
+          f"({al['smaller_payloads']} smaller payloads need no alignment)")
+    c = info["created"]
+    if c:
+        print(f"created   {c.get('at', '?')} by {c.get('by', '?')} from {c.get('source_format', '?')} "
+              f"{c.get('source', '')} ({c.get('rejected', 0)} rejected)")
+    hist = info.get("class_histogram")
+    if hist:
+        print(f"classes   {len(hist)}")
+        top = max(hist.values())
+        for name, n in list(hist.items())[: a.max_classes]:
+            print(f"  {name:<24} {n:>8}  {'#' * max(1, round(30 * n / top))}")
+        if len(hist) > a.max_classes:
+            print(f"  ... {len(hist) - a.max_classes} more (use --max-classes)")
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from gdsload.format.reader import open_dataset
+
+    with open_dataset(a.dataset) as ds:
+        bad = ds.verify(hashes=not a.no_hash)
+        n = len(ds.shards)
+    if not bad:
+        print(f"ok: {n} shards verified (sizes, {'' if a.no_hash else 'hashes, '}index against tar, alignment, DALI index)")
+        return 0
+    for name, problems in bad.items():
+        for p in problems:
+            print(f"BAD {name}: {p}", file=sys.stderr)
+    print(f"{len(bad)} of {n} shards failed verification", file=sys.stderr)
+    return 1
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from gdsload import doctor
+
+    report = doctor.collect()
+    print(json.dumps(report, indent=1) if a.json else doctor.render(report))
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdsload", description="GPU-direct data pipeline for training.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="convert a dataset into aligned WebDataset shards",
+                       description="Convert an image folder (CLASS/IMAGE), a folder of KEY.EXT files, "
+                       "WebDataset tars (file, folder or brace pattern) or a folder of .npy files.")
+    c.add_argument("src", help="source folder, .tar file, or pattern like 'train-{000000..000099}.tar'")
+    c.add_argument("dst", help="destination folder (new or empty, unless --resume/--overwrite)")
+    c.add_argument("--format", choices=["imagefolder", "files", "tar", "npy"], help="source layout (default: detected)")
+    c.add_argument("--shard-size", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",
+                   help="target shard size, e.g. 512MB, 1GiB (default 1GiB)")
+    c.add_argument("--workers", type=int, default=None, help="parallel writers (default: all cores)")
+    c.add_argument("--shuffle", action="store_true", help="pre-shuffle samples across shards")
+    c.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
+    c.add_argument("--validate", action="store_true",
+                   help="decode every image; rejects go to DST/rejected.jsonl and are left out")
+    c.add_argument("--labels", help="labels file for an .npy folder (CSV 'key,label' or JSON {key: label})")
+    c.add_argument("--prefix", default="shard", help="shard file name prefix (default 'shard')")
+    c.add_argument("--resume", action="store_true", help="continue an interrupted conversion into DST")
+    c.add_argument("--overwrite", action="store_true", help="replace the gdsload dataset in DST")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("inspect", help="summarise a dataset: samples, shards, fields, classes, alignment")
+    i.add_argument("dataset")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--max-classes", type=int, default=20, help="classes shown in the histogram")
+    i.set_defaults(func=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check hashes, index against tar, alignment; non-zero if bad")
+    v.add_argument("dataset")
+    v.add_argument("--no-hash", action="store_true", help="skip SHA-256 (faster)")
+    v.set_defaults(func=cmd_verify)
+
+    d = sub.add_parser("doctor", help="what this host can do: CUDA, GDS, KvikIO, CuPy, DALI, torch")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_doctor)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except GdsloadError as exc:
+        if os.environ.get("GDSLOAD_DEBUG"):
+            raise
+        print(f"gdsload {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `gdsload inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"gdsload {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

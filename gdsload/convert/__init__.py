@@ -1,0 +1,1 @@
+"""Conversion of existing datasets into gdsload shards (see engine.py)."""
