@@ -134,6 +134,13 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(a: argparse.Namespace) -> int:
+    from gdsload import demo
+
+    demo.run(a.workdir, num_images=a.images, num_classes=a.classes, seed=a.seed)
+    return 0
+
+
 # -- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gdsload", description="GPU-direct data pipeline for training.")
@@ -169,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dataset")
     v.add_argument("--no-hash", action="store_true", help="skip SHA-256 (faster)")
     v.set_defaults(func=cmd_verify)
+
+    m = sub.add_parser("demo", help="generate a sample dataset, convert, verify and decode it")
+    m.add_argument("--workdir", default="gdsload-demo", help="where the sample data goes (default ./gdsload-demo)")
+    m.add_argument("--images", type=int, default=600, help="number of images (default 600)")
+    m.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_demo)
 
     d = sub.add_parser("doctor", help="what this host can do: CUDA, GDS, KvikIO, CuPy, DALI, torch")
     d.add_argument("--json", action="store_true")

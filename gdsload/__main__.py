@@ -1,0 +1,5 @@
+import sys
+
+from gdsload.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""Package-level contracts: import cost, the CLI entry points, the README commands."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("nvidia.dali", "torch", "grpc", "cupy", "kvikio", "PIL", "fsspec", "tqdm", "webdataset", "skimage")
+
+
+def test_import_needs_numpy_only():
+    # A meta-path finder makes every heavy module unimportable; `import gdsload` must still work.
+    code = (
+        "import sys\n"
+        f"HEAVY = {HEAVY!r}\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {h.split('.')[0] for h in HEAVY}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import gdsload, gdsload.cli, gdsload.sampledata, gdsload.doctor\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {h.split('.')[0] for h in HEAVY}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_help_and_usage_errors():
+    ok = subprocess.run([sys.executable, "-m", "gdsload", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0
+    for cmd in ("convert", "inspect", "verify", "doctor", "demo"):
+        assert cmd in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "gdsload", "convert"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "src" in bad.stderr
+
+
+def test_inspect_missing_dataset_is_a_clear_error(tmp_path, capsys):
+    from gdsload.cli import main
+
+    assert main(["inspect", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert "nope" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_readme_commands_are_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    for tag in ("demo", "test"):
+        m = re.search(rf"<!-- ci:{tag} -->\n```bash\n(.+?)\n```", readme, re.S)
+        assert m, f"README lacks the {tag} command block"
+        assert "pip install" in m.group(1)
+    assert "for name in test demo" in ci
+    assert "torch" not in re.search(r"<!-- ci:test -->\n```bash\n(.+?)\n```", readme, re.S).group(1).replace(
+        "torch==2.13.0", ""
+    ), "CI must never pull an unpinned (CUDA) torch"
+
+
+@pytest.mark.dali
+def test_demo_tiny(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    pytest.importorskip("skimage")
+    from gdsload import demo
+
+    lines = []
+    r = demo.run(tmp_path / "d", num_images=24, num_classes=3, log=lines.append)
+    assert r["convert"]["samples"] == 24 and r["decode"]["images"] == 24
+    assert sum(r["decode"]["labels"].values()) == 24 and len(r["decode"]["labels"]) == 3
+    assert r["alignment"]["aligned"] == r["alignment"]["payloads_4k_or_more"] > 0
+    assert any("demo finished" in line for line in lines)
