@@ -19,6 +19,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -169,15 +170,17 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
         for s in samples:
             try:
                 payloads = {ext: read_ref(ref) for ext, ref in s.fields}
+            except OSError as exc:
+                rejects.append({"source": s.source, "key": s.key, "reason": f"unreadable: {exc}"})
+                continue
+            try:
                 if validate:
                     for ext, data in payloads.items():
                         if field_kind(ext) == "image":
                             validate_image(data)
                 w.add(s.key, payloads)
-            except (OSError, FormatError, ValueError, SyntaxError) as exc:
-                # OSError: unreadable file or Pillow's "cannot identify image"; FormatError: bad npy
-                kind = "unreadable" if isinstance(exc, OSError) and not validate else "invalid"
-                rejects.append({"source": s.source, "key": s.key, "reason": f"{kind}: {exc}"})
+            except (FormatError, ValueError) as exc:  # a corrupt image, an invalid .npy
+                rejects.append({"source": s.source, "key": s.key, "reason": f"invalid: {exc}"})
                 continue
             for ext in payloads:
                 fields.setdefault(ext, field_kind(ext))
@@ -204,10 +207,14 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
 
 
 # -- destination handling ------------------------------------------------------------------------
+_SHARD_FILE = re.compile(r"^[\w.-]+-\d{6}\.(tar|idx|dali\.idx)$")
+
+
 def _ours(name: str) -> bool:
+    """Files gdsload writes into a dataset folder (only trusted where a manifest or state exists)."""
     return (
         name in (mf.MANIFEST, REJECTED, STATE_DIR)
-        or name.endswith((".tar", ".idx"))
+        or bool(_SHARD_FILE.match(name))
         or (name.startswith(".") and ".tmp-" in name)
     )
 
@@ -228,7 +235,8 @@ def prepare_destination(dst: Path, opts: ConvertOptions, fp: str) -> set[str]:
         raise DestinationError(f"{dst}: exists and is not a folder")
     if dst.is_dir():
         entries = [e.name for e in dst.iterdir()]
-        foreign = sorted(n for n in entries if not _ours(n))
+        ours = (dst / mf.MANIFEST).exists() or state.exists()
+        foreign = sorted(n for n in entries if not (ours and _ours(n)))
         if (dst / mf.MANIFEST).exists() and not opts.overwrite:
             raise DestinationError(
                 f"{dst} already holds a dataset ({mf.MANIFEST} exists); pass --overwrite to replace it"
@@ -278,13 +286,18 @@ def prepare_destination(dst: Path, opts: ConvertOptions, fp: str) -> set[str]:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def _check_paths(src: str, dst: Path) -> None:
-    if "{" in src:
-        return
-    s = Path(src).resolve()
+def _check_paths(src: str, dst: Path, inputs: list[str]) -> None:
+    """Refuse a destination inside the source, or inputs inside the destination."""
     d = dst.resolve()
-    if d == s or s in d.parents:
-        raise InputError(f"destination {dst} is inside the source {src}; choose a folder outside it")
+    if "{" in src:
+        inside = [p for p in inputs if d in Path(p).resolve().parents]  # a pattern names few tars
+    else:
+        s = Path(src).resolve()
+        if d == s or s in d.parents:
+            raise InputError(f"destination {dst} is inside the source {src}; choose a folder outside it")
+        inside = [src] if d in s.parents or (s.is_file() and d == s.parent) else []
+    if inside:
+        raise InputError(f"input {inside[0]} is inside the destination {dst}; choose another destination")
 
 
 def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
@@ -294,8 +307,8 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
     dst = Path(dst)
     if opts.shard_size < 4 * ALIGN:
         raise InputError(f"--shard-size {opts.shard_size} is too small (minimum {4 * ALIGN} bytes)")
-    _check_paths(src, dst)
     listing = list_source(src, opts.format, labels=opts.labels)
+    _check_paths(src, dst, listing.inputs)
     samples = listing.samples
     if opts.shuffle:
         order = np.random.default_rng(opts.seed).permutation(len(samples))

@@ -133,7 +133,10 @@ def list_imagefolder(root: Path) -> Listing:
     for label, cls in enumerate(classes):
         for path in _walk(root / cls):
             rel = path.relative_to(root).as_posix()
-            stem, ext = split_name(rel)
+            # the image type is the last suffix: "img.001.jpg" is image "img.001" of type jpg
+            stem, dot, ext = rel.rpartition(".")
+            if not dot or "/" in ext:
+                stem, ext = rel, ""
             ext = ext.lower()
             reject = None
             if ext.rsplit(".", 1)[-1] not in IMAGE_EXTS:
@@ -248,7 +251,7 @@ def list_npy(root: Path, labels: Path | None = None) -> Listing:
     listing = Listing("npy", [], classes=classes)
     keys = _KeyRegistry()
     for path in _walk(root):
-        if labels is not None and path == labels:
+        if labels is not None and path.resolve() == labels.resolve():
             continue
         name = path.relative_to(root).as_posix()
         if not name.endswith(".npy"):
@@ -374,7 +377,7 @@ def list_tars(src: str) -> Listing:
         for key, ext, off, size in scan_tar(path):
             if key != current_key:
                 flush()
-                keys.add(key, f"{path}: member {key}.{ext} at offset {off}")
+                keys.add(key, f"{path}: member {key + '.' + ext!r} at offset {off}")
                 current, current_key, exts = [], key, set()
             if ext in exts:
                 raise InputError(f"{path}: member {key}.{ext} appears twice in one sample")
