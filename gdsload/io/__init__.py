@@ -1,0 +1,157 @@
+"""Storage backends behind one interface (`Backend`): read byte extents into caller-owned buffers.
+
+| name            | module                          | memory            | needs                    |
+| --------------- | ------------------------------- | ----------------- | ------------------------ |
+| `posix`         | `gdsload.io.posix`              | host              | nothing (preadv)         |
+| `posix-odirect` | `gdsload.io.posix` (O_DIRECT)   | host              | a filesystem allowing it |
+| `fsspec`        | `gdsload.io.fsspec_backend`     | host              | fsspec (+ aiohttp, s3fs) |
+| `kvikio`        | `gdsload.io.kvikio_backend`     | device or host    | KvikIO, a CUDA device    |
+
+Backends are registered by import path and loaded on first use (fsspec-style), so `import
+gdsload.io` costs the standard library and NumPy only. `choose_backend` makes the automatic
+choice and `open_backend` builds one; the instance's `name` then says which path is really in use
+("kvikio-gds" or "kvikio-compat", "posix" after an O_DIRECT refusal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gdsload.errors import GdsloadError, MissingDependencyError
+from gdsload.io.base import PAGE, Backend, Extent, Piece, ReadGroup, coalesce
+
+__all__ = [
+    "PAGE",
+    "REGISTRY",
+    "Backend",
+    "BackendSpec",
+    "Extent",
+    "Piece",
+    "ReadGroup",
+    "available_backends",
+    "choose_backend",
+    "coalesce",
+    "is_url",
+    "kvikio_usable",
+    "open_backend",
+]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Where a backend lives and what it needs: `target` is "module:Class"; `requires` are the
+    modules that must import; `hint` says how to install them; `defaults` are constructor kwargs."""
+
+    target: str
+    requires: tuple[str, ...] = ()
+    hint: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+REGISTRY: dict[str, BackendSpec] = {
+    "posix": BackendSpec("gdsload.io.posix:PosixBackend"),
+    "posix-odirect": BackendSpec("gdsload.io.posix:PosixBackend", defaults={"o_direct": True}),
+    "fsspec": BackendSpec(
+        "gdsload.io.fsspec_backend:FsspecBackend",
+        requires=("fsspec",),
+        hint="pip install fsspec (plus aiohttp for http(s)://, s3fs for s3://, gcsfs for gs://)",
+    ),
+    "kvikio": BackendSpec(
+        "gdsload.io.kvikio_backend:KvikioBackend",
+        requires=("kvikio",),
+        hint="pip install 'gdsload[cuda12]' (or 'gdsload[cuda13]' on a CUDA 13 host)",
+    ),
+}
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: str) -> bool:
+    """True for `scheme://...` (s3://, gs://, http(s)://, memory://, file://)."""
+    return bool(_URL.match(path))
+
+
+def _cuda_device_count() -> int:
+    """CUDA devices visible through the driver API (libcuda.so.1), 0 without a driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+@functools.cache
+def kvikio_usable() -> bool:
+    """KvikIO imports, libcuda.so.1 loads and a CUDA device exists (cached for the process).
+
+    The driver is probed first, so a CPU-only host never imports KvikIO here.
+    """
+    if _cuda_device_count() < 1:
+        return False
+    try:
+        importlib.import_module("kvikio")
+    except Exception:  # ImportError, or a broken native install
+        return False
+    return True
+
+
+def choose_backend(path: str, *, device: bool) -> str:
+    """The registry name to use for `path`: "fsspec" for URLs; "kvikio" when device buffers are
+    wanted and KvikIO is usable on this host; "posix" otherwise."""
+    if is_url(path):
+        return "fsspec"
+    if device and kvikio_usable():
+        return "kvikio"
+    return "posix"
+
+
+def _load(name: str) -> type:
+    try:
+        spec = REGISTRY[name]
+    except KeyError:
+        raise GdsloadError(
+            f"unknown I/O backend {name!r}; valid names: {', '.join(['auto', *REGISTRY])}"
+        ) from None
+    for module in spec.requires:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"the {name!r} I/O backend needs the Python module {module!r}, which is not "
+                f"installed or does not load ({exc}); install it with: {spec.hint}"
+            ) from exc
+    module_name, _, attr = spec.target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def open_backend(
+    name: str = "auto", *, path: str | None = None, device: bool = False, **kwargs: Any
+) -> Backend:
+    """Build the backend `name` (a REGISTRY key), or the one `choose_backend(path, device=...)`
+    picks for "auto" (a local path when `path` is None). `kwargs` go to its constructor."""
+    if name == "auto":
+        name = choose_backend(path or os.curdir, device=device)
+    cls = _load(name)
+    return cls(**{**REGISTRY[name].defaults, **kwargs})
+
+
+def available_backends() -> list[str]:
+    """Registry names that can work on this host now."""
+    names = ["posix"]
+    if hasattr(os, "O_DIRECT"):
+        names.append("posix-odirect")
+    if importlib.util.find_spec("fsspec") is not None:
+        names.append("fsspec")
+    if kvikio_usable():
+        names.append("kvikio")
+    return names

@@ -1,0 +1,267 @@
+"""POSIX backend: positioned vectored reads (`preadv`) on cached file descriptors, on a thread pool.
+
+Invariant: one coalesced group is one `preadv` system call (more only when the kernel returns a
+partial read), scattering straight into the caller's buffer: the iovec list holds views of `out`
+for the requested extents and views of a per-thread scratch buffer (`max_gap` bytes) for the tar
+headers between them, so payload bytes are never copied in user space.
+
+O_DIRECT (`o_direct=True`): the kernel then needs the file offset, the length and the buffer
+address all aligned to 4096 bytes, which a caller's packed `out` generally is not. This backend
+therefore widens each group to whole pages, reads them into a per-thread page-aligned scratch
+buffer (`direct_chunk` bytes, read in chunks of that size) and copies the requested bytes out:
+every extent works, at the cost of one memcpy; what O_DIRECT buys is bypassing the page cache.
+When the filesystem refuses O_DIRECT (EINVAL on open or on read, e.g. some tmpfs or FUSE mounts),
+the backend falls back to buffered reads for good and its `name` becomes "posix", so stats never
+claim a path that is not in use.
+
+Threads: `read` may be called from many threads; the fd cache is guarded by a lock, and an fd
+is closed only by `close()` (never while another read could be using it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from gdsload.errors import GdsloadError
+from gdsload.io.base import PAGE, Extent, ReadGroup, ReadStats, check_request, coalesce, gather, short_read
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """A uint8 array of `nbytes` whose data address is a multiple of PAGE (over-allocate, slice)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % PAGE
+    return raw[skip : skip + nbytes]
+
+
+def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> tuple[int, int]:
+    """preadv until every buffer is full or EOF; returns (bytes read, system calls made)."""
+    done = calls = 0
+    first = 0
+    while first < len(bufs):
+        n = os.preadv(fd, bufs[first:], offset + done)
+        calls += 1
+        if n == 0:
+            break
+        done += n
+        while first < len(bufs) and n >= len(bufs[first]):
+            n -= len(bufs[first])
+            first += 1
+        if n:
+            bufs[first] = bufs[first][n:]
+    return done, calls
+
+
+class _DirectRefused(Exception):
+    """The filesystem refused an O_DIRECT read (EINVAL); the group is retried buffered."""
+
+
+class PosixBackend:
+    """Local files through `preadv` on a pool of `threads` threads; see the module docstring.
+
+    `max_gap` (bytes): extents of one file at most this far apart are read in one call, the gap
+    bytes going to scratch. `max_span` (bytes): a coalesced read grows no larger, so a big batch
+    still spreads over the threads. `direct_chunk` (bytes, multiple of 4096): the O_DIRECT bounce
+    buffer per thread.
+    """
+
+    device_capable = False
+
+    def __init__(
+        self,
+        threads: int = 4,
+        o_direct: bool = False,
+        max_gap: int = 64 * 1024,
+        *,
+        max_span: int = 8 * 1024 * 1024,
+        direct_chunk: int = 8 * 1024 * 1024,
+    ) -> None:
+        if threads < 1:
+            raise GdsloadError(f"threads={threads} must be >= 1")
+        if max_gap < 0:
+            raise GdsloadError(f"max_gap={max_gap} must be >= 0")
+        if max_span < 1:
+            raise GdsloadError(f"max_span={max_span} must be >= 1")
+        if direct_chunk < PAGE or direct_chunk % PAGE:
+            raise GdsloadError(f"direct_chunk={direct_chunk} must be a positive multiple of {PAGE}")
+        self.threads = threads
+        self.max_gap = max_gap
+        self.max_span = max_span
+        self.direct_chunk = direct_chunk
+        self.o_direct_requested = o_direct
+        self._direct = bool(o_direct and _O_DIRECT)  # False once the filesystem refused it
+        self._lock = threading.Lock()
+        self._fds: dict[str, tuple[int, bool]] = {}  # path -> (fd, opened with O_DIRECT)
+        self._retired: list[int] = []  # O_DIRECT fds replaced after a refusal; closed in close()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._local = threading.local()
+        self._stats = ReadStats()
+
+    @property
+    def name(self) -> str:
+        return "posix-odirect" if self._direct else "posix"
+
+    def __repr__(self) -> str:
+        return f"PosixBackend(name={self.name!r}, threads={self.threads}, max_gap={self.max_gap})"
+
+    # -- public ------------------------------------------------------------------------------
+    def read(self, extents: Sequence[Extent], out: Any, out_offsets: Sequence[int]) -> Future[int]:
+        check_request(extents, out, out_offsets, device_ok=False)
+        # Each piece may need a gap buffer before it, hence half of IOV_MAX pieces per call.
+        groups = coalesce(extents, out_offsets, max_gap=self.max_gap, max_pieces=_IOV_MAX // 2,
+                          max_span=self.max_span)
+        pool = self._executor()
+        return gather([pool.submit(self._read_group, g, out) for g in groups])
+
+    def stats(self) -> dict[str, int]:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            fds = [fd for fd, _ in self._fds.values()] + self._retired
+            self._fds.clear()
+            self._retired.clear()
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> PosixBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise GdsloadError(f"{self!r} is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gdsload-posix")
+            return self._pool
+
+    def _fd(self, path: str) -> tuple[int, bool]:
+        """The cached fd for `path` and whether it is O_DIRECT; opened on first use."""
+        with self._lock:
+            if self._closed:
+                raise GdsloadError(f"{self!r} is closed")
+            entry = self._fds.get(path)
+            if entry is not None:
+                fd, direct = entry
+                if not direct or self._direct:
+                    return entry
+                # An O_DIRECT fd after a refusal: reopen buffered; other threads may still be
+                # using the old fd, so it is closed only by close().
+                self._retired.append(fd)
+            flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+            fd = -1
+            if self._direct:
+                try:
+                    fd = os.open(path, flags | _O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise GdsloadError(f"cannot open {path!r}: {exc.strerror}") from exc
+                    self._direct = False
+            if fd < 0:
+                try:
+                    fd = os.open(path, flags)
+                except OSError as exc:
+                    raise GdsloadError(f"cannot open {path!r}: {exc.strerror}") from exc
+            entry = (fd, self._direct)
+            self._fds[path] = entry
+            return entry
+
+    def _scratch(self, attr: str, nbytes: int, aligned: bool) -> np.ndarray:
+        buf = getattr(self._local, attr, None)
+        if buf is None or len(buf) < nbytes:
+            buf = _aligned_empty(nbytes) if aligned else np.empty(nbytes, dtype=np.uint8)
+            setattr(self._local, attr, buf)
+        return buf
+
+    def _read_group(self, group: ReadGroup, out: np.ndarray) -> int:
+        fd, direct = self._fd(group.path)
+        if direct:
+            try:
+                return self._read_direct(fd, group, out)
+            except _DirectRefused:
+                with self._lock:
+                    self._direct = False
+                fd, _ = self._fd(group.path)
+        return self._read_buffered(fd, group, out)
+
+    def _read_buffered(self, fd: int, group: ReadGroup, out: np.ndarray) -> int:
+        gap_scratch = memoryview(self._scratch("gap", max(self.max_gap, 1), aligned=False))
+        bufs: list[memoryview] = []
+        pos = group.offset
+        for p in group.pieces:
+            if p.offset > pos:
+                bufs.append(gap_scratch[: p.offset - pos])
+            bufs.append(memoryview(out[p.out_offset : p.out_offset + p.nbytes]))
+            pos = p.offset + p.nbytes
+        try:
+            got, calls = _preadv_full(fd, bufs, group.offset)
+        except OSError as exc:
+            raise GdsloadError(f"reading {group.path!r} at offset {group.offset} failed: {exc.strerror}") from exc
+        self._stats.add(reads=calls, bytes_read=group.payload_nbytes if got == group.nbytes else 0,
+                        bytes_transferred=got)
+        if got < group.nbytes:
+            raise self._short(fd, group, group.offset + got)
+        return group.payload_nbytes
+
+    def _read_direct(self, fd: int, group: ReadGroup, out: np.ndarray) -> int:
+        start = group.offset - group.offset % PAGE
+        stop = -(-group.end // PAGE) * PAGE
+        scratch = self._scratch("direct", self.direct_chunk, aligned=True)
+        pos = reached = start  # absolute file offsets; pos (scratch[0]) is always page-aligned
+        calls = transferred = 0
+        while reached < group.end:
+            want = min(self.direct_chunk, stop - pos)
+            try:
+                got = os.preadv(fd, [memoryview(scratch[:want])], pos)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and calls == 0:
+                    raise _DirectRefused from exc
+                raise GdsloadError(f"reading {group.path!r} at offset {pos} failed: {exc.strerror}") from exc
+            calls += 1
+            transferred += got
+            for p in group.pieces:
+                lo, hi = max(p.offset, pos), min(p.offset + p.nbytes, pos + got)
+                if lo < hi:
+                    dst = p.out_offset + lo - p.offset
+                    out[dst : dst + hi - lo] = scratch[lo - pos : hi - pos]
+            reached = pos + got
+            # A short O_DIRECT read means EOF, unless it stopped on a page boundary (then go on).
+            if got == 0 or (got < want and got % PAGE):
+                break
+            pos = reached
+        reached = min(reached, group.end)
+        self._stats.add(reads=calls, bytes_read=group.payload_nbytes if reached == group.end else 0,
+                        bytes_transferred=transferred)
+        if reached < group.end:
+            raise self._short(fd, group, reached)
+        return group.payload_nbytes
+
+    def _short(self, fd: int, group: ReadGroup, reached: int) -> Exception:
+        """The FormatError for the first piece of `group` that ends past file byte `reached`."""
+        try:
+            size: int | None = os.fstat(fd).st_size
+        except OSError:
+            size = None
+        piece = next(p for p in group.pieces if p.offset + p.nbytes > reached)
+        return short_read(group.path, piece.offset, piece.nbytes, max(0, reached - piece.offset), size)

@@ -1,0 +1,84 @@
+"""Backend choice and the registry: URLs go to fsspec, device buffers to KvikIO only where it can
+work, POSIX otherwise; missing dependencies are named with an install hint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import gdsload.io as gio
+from gdsload.errors import GdsloadError, MissingDependencyError
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3://bucket/train-000000.tar", "gs://b/x.tar", "http://host/x.tar", "https://host:8443/x.tar",
+     "memory://x.tar", "file:///data/x.tar"],
+)
+@pytest.mark.parametrize("device", [False, True])
+def test_urls_go_to_fsspec(url, device):
+    assert gio.choose_backend(url, device=device) == "fsspec"
+
+
+@pytest.mark.parametrize("path", ["/data/shards/train-000000.tar", "shards/x.tar", "C:x.tar"])
+def test_local_paths_go_to_posix_for_host_buffers(path):
+    assert gio.choose_backend(path, device=False) == "posix"
+
+
+@pytest.mark.skipif(gio.kvikio_usable(), reason="this host has KvikIO and a CUDA device")
+def test_device_buffers_fall_back_to_posix_without_a_usable_kvikio():
+    assert gio.choose_backend("/data/x.tar", device=True) == "posix"
+    assert "kvikio" not in gio.available_backends()
+    with gio.open_backend(path="/data/x.tar", device=True) as b:
+        assert b.name == "posix"
+
+
+def test_kvikio_usable_needs_a_cuda_driver(monkeypatch):
+    monkeypatch.setattr(gio, "_cuda_device_count", lambda: 0)
+    gio.kvikio_usable.cache_clear()
+    try:
+        assert gio.kvikio_usable() is False
+        assert gio.choose_backend("/x.tar", device=True) == "posix"
+    finally:
+        gio.kvikio_usable.cache_clear()
+
+
+def test_missing_kvikio_is_a_missing_dependency_error_with_an_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvikio", None)  # makes `import kvikio` fail, also on GPU hosts
+    with pytest.raises(MissingDependencyError) as info:
+        gio.open_backend("kvikio")
+    message = str(info.value)
+    assert "'kvikio'" in message and "pip install 'gdsload[cuda12]'" in message
+    assert isinstance(info.value, ImportError)  # callers may catch it as an ImportError too
+
+
+def test_unknown_backend_names_the_valid_ones():
+    with pytest.raises(GdsloadError, match="unknown I/O backend 'nfs'.*posix, posix-odirect, fsspec, kvikio"):
+        gio.open_backend("nfs")
+
+
+def test_open_backend_builds_registered_backends():
+    with gio.open_backend("posix", threads=2) as b:
+        assert (b.name, b.threads, b.device_capable) == ("posix", 2, False)
+    with gio.open_backend("posix-odirect") as b:
+        assert b.o_direct_requested and b.name in ("posix-odirect", "posix")
+    with gio.open_backend(path="s3://bucket/x.tar", retries=1) as b:
+        assert (b.name, b.retries) == ("fsspec", 1)
+    for name in gio.available_backends():
+        assert name in gio.REGISTRY
+    assert {"posix", "fsspec"} <= set(gio.available_backends())
+
+
+def test_import_gdsload_io_needs_stdlib_and_numpy_only():
+    code = (
+        "import sys\n"
+        "import gdsload\n"
+        "before = set(sys.modules)\n"
+        "import gdsload.io\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "print(sorted(new - set(sys.stdlib_module_names) - {'numpy', 'gdsload'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
