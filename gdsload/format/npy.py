@@ -22,7 +22,8 @@ _PREAMBLE = len(MAGIC) + 2 + 2  # magic, version (1.0), header length (uint16)
 
 
 def aligned_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool = False) -> bytes:
-    """An npy v1.0 header exactly `ALIGN` bytes long."""
+    """An npy header exactly `ALIGN` bytes long: version 1.0 (latin-1), or 3.0 (UTF-8) when a
+    structured dtype's field names need it."""
     if dtype.hasobject:
         raise FormatError(f"npy arrays of dtype {dtype} hold Python objects and cannot be stored")
     text = "{'descr': %r, 'fortran_order': %r, 'shape': %r, }" % (
@@ -30,11 +31,25 @@ def aligned_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool 
         bool(fortran_order),
         tuple(int(d) for d in shape),
     )
-    body_len = ALIGN - _PREAMBLE
-    if len(text) + 1 > body_len:
+    try:
+        raw, version, len_bytes = text.encode("latin1"), b"\x01\x00", 2
+    except UnicodeEncodeError:
+        raw, version, len_bytes = text.encode("utf8"), b"\x03\x00", 4
+    body_len = ALIGN - len(MAGIC) - 2 - len_bytes
+    if len(raw) + 1 > body_len:
         raise FormatError(f"npy header for shape {shape} does not fit in {ALIGN} bytes")
-    body = text.ljust(body_len - 1).encode("latin1") + b"\n"
-    return MAGIC + b"\x01\x00" + body_len.to_bytes(2, "little") + body
+    body = raw.ljust(body_len - 1) + b"\n"
+    return MAGIC + version + body_len.to_bytes(len_bytes, "little") + body
+
+
+def _read_v3(f: io.BytesIO):
+    import importlib
+
+    for mod in ("numpy.lib._format_impl", "numpy.lib.format"):
+        reader = getattr(importlib.import_module(mod), "_read_array_header", None)
+        if reader is not None:
+            return reader(f, (3, 0), max_header_size=1 << 20)
+    raise FormatError("this NumPy cannot read .npy version 3.0 headers")
 
 
 def parse_header(buf: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bool, int]:
@@ -48,14 +63,18 @@ def parse_header(buf: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bo
     f = io.BytesIO(bytes(buf[: min(len(buf), 1 << 20)]))
     try:
         version = npformat.read_magic(f)
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise FormatError(f"unsupported .npy version {version}")
         if version == (1, 0):
             shape, fortran, dtype = npformat.read_array_header_1_0(f, max_header_size=1 << 20)
-        elif version in ((2, 0), (3, 0)):
+        elif version == (2, 0):
             shape, fortran, dtype = npformat.read_array_header_2_0(f, max_header_size=1 << 20)
-        else:
-            raise FormatError(f"unsupported .npy version {version}")
-    except (ValueError, SyntaxError) as exc:  # numpy raises ValueError for bad headers
-        raise FormatError(f"malformed .npy header: {exc}") from exc
+        else:  # 3.0 headers are UTF-8; numpy reads them only through its private helper
+            shape, fortran, dtype = _read_v3(f)
+    except FormatError:
+        raise
+    except Exception as exc:  # ValueError, SyntaxError, tokenize.TokenError...: a bad header
+        raise FormatError(f"malformed .npy header: {type(exc).__name__}: {exc}") from exc
     if dtype.hasobject:
         raise FormatError(f"npy arrays of dtype {dtype} hold Python objects and are refused")
     return dtype, tuple(shape), bool(fortran), f.tell()

@@ -80,8 +80,9 @@ class ShardWriter:
             raise FormatError(f"sample {key!r} has no fields")
         prepared = []
         for ext, payload in fields.items():
-            if not ext or ext != ext.strip() or "/" in ext or any(c.isspace() for c in ext):
-                raise FormatError(f"sample {key!r}: invalid field name {ext!r}")
+            if not ext or "/" in ext or any(c.isspace() or not c.isprintable() for c in ext):
+                raise FormatError(f"sample {key!r}: invalid field name {ext!r} (no '/', whitespace "
+                                  f"or control characters)")
             prepared.append((ext, prepare_payload(ext, payload)))
         members = []
         for ext, payload in prepared:
@@ -173,14 +174,18 @@ class DatasetWriter:
         self.shards: list[mf.ShardEntry] = []
         self.fields: dict[str, str] = {}
         self._cur: ShardWriter | None = None
+        self._keys: set[str] = set()
 
     def write(self, key: str, fields: Mapping[str, bytes | memoryview]) -> None:
         if self._cur is not None and self._cur.nbytes >= self.shard_size:
             self.shards.append(self._cur.close())
             self._cur = None
+        if key in self._keys:
+            raise FormatError(f"duplicate sample key {key!r}: keys must be unique across the dataset")
         if self._cur is None:
             self._cur = ShardWriter(self.root, shard_name(self.prefix, len(self.shards)))
         self._cur.add(key, fields)
+        self._keys.add(key)
         for ext in fields:
             self.fields.setdefault(ext, mf.field_kind(ext))
 

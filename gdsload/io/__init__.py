@@ -78,7 +78,7 @@ def is_url(path: str) -> bool:
     return bool(_URL.match(path))
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     """CUDA devices visible through the driver API (libcuda.so.1), 0 without a driver."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -96,7 +96,7 @@ def kvikio_usable() -> bool:
 
     The driver is probed first, so a CPU-only host never imports KvikIO here.
     """
-    if _cuda_device_count() < 1:
+    if cuda_device_count() < 1:
         return False
     try:
         importlib.import_module("kvikio")

@@ -170,11 +170,14 @@ def test_gnu_tar_reads_padded_members(tmp_path) -> None:
             if len(p) >= ALIGN:
                 assert data_off % ALIGN == 0
         f.write(end_of_archive())
+    tar = shutil.which("tar")
     env = {"LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"}
-    listed = subprocess.run(["tar", "-tf", str(path)], capture_output=True, check=True, env=env)
+    listed = subprocess.run(
+        [tar, "--quoting-style=literal", "-tf", str(path)], capture_output=True, check=True, env=env
+    )
     assert listed.stdout.decode("utf-8").splitlines() == names
     out = tmp_path / "x"
     out.mkdir()
-    subprocess.run(["tar", "-xf", str(path), "-C", str(out)], capture_output=True, check=True, env=env)
+    subprocess.run([tar, "-xf", str(path), "-C", str(out)], capture_output=True, check=True, env=env)
     for name, p in zip(names, payloads):
         assert (out / name).read_bytes() == p

@@ -36,7 +36,7 @@ def test_device_buffers_fall_back_to_posix_without_a_usable_kvikio():
 
 
 def test_kvikio_usable_needs_a_cuda_driver(monkeypatch):
-    monkeypatch.setattr(gio, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(gio, "cuda_device_count", lambda: 0)
     gio.kvikio_usable.cache_clear()
     try:
         assert gio.kvikio_usable() is False
