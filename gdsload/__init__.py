@@ -17,7 +17,28 @@ from gdsload.format.reader import ShardedDataset, open_dataset
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "DataLoader": "gdsload.loader",
+    "Dataset": "gdsload.loader",
+    "ImageTransform": "gdsload.decode.image",
+    "RemoteLoader": "gdsload.service.client",
+}
+
+
+def __getattr__(name: str):
+    """`gdsload.DataLoader` and friends, imported on first use."""
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'gdsload' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)
+
 __all__ = [
+    "DataLoader",
+    "Dataset",
+    "ImageTransform",
+    "RemoteLoader",
     "DestinationError",
     "FormatError",
     "GdsloadError",

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gdsload.errors import GdsloadError
 
@@ -141,6 +142,24 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    import json as _json
+
+    from gdsload.bench.harness import format_table, run_suite
+    from gdsload.format.reader import open_dataset
+
+    with open_dataset(a.dataset) as ds:
+        kind = "image" if "image" in ds.fields.values() else "tensor"
+    contestants = ["gdsload", "torch", "read"] + (["dali", "decode1"] if kind == "image" else [])
+    r = run_suite(a.dataset, kind=kind, tiers=a.tiers.split(",") if kind == "image" else ["R"],
+                  contestants=contestants, rounds=a.rounds, batch_size=a.batch_size,
+                  step_ms=a.step_ms, log=lambda m: print(m, file=sys.stderr))
+    print(format_table(r))
+    if a.json:
+        Path(a.json).write_text(_json.dumps(r, indent=1) + "\n")
+    return 0
+
+
 # -- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gdsload", description="GPU-direct data pipeline for training.")
@@ -183,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmark gdsload against PyTorch+webdataset, DALI and raw reads on a dataset")
+    b.add_argument("dataset")
+    b.add_argument("--tiers", default="R,D,T", help="R raw bytes, D decode+resize, T decode+train transform")
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--batch-size", type=int, default=256)
+    b.add_argument("--step-ms", type=float, default=0.0, help="synthetic training step per batch (ms)")
+    b.add_argument("--json", help="also write the results here")
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("doctor", help="what this host can do: CUDA, GDS, KvikIO, CuPy, DALI, torch")
     d.add_argument("--json", action="store_true")

@@ -21,3 +21,25 @@ def test_convert_bench_tiny(tmp_path):
     assert r["source"]["images"] == 40
     assert r["ratio_samples_per_s"]["median"] > 0
     assert (tmp_path / "r.json").is_file()
+
+
+@pytest.mark.dali
+def test_loader_bench_tiny(tmp_path):
+    pytest.importorskip("webdataset")
+    pytest.importorskip("torch")
+    r = _load("loader_bench").main(["--tiny", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    t = r["images"]["tiers"]["T"]
+    assert {"gdsload", "torch", "dali", "read", "decode1"} <= set(t)
+    assert t["torch"]["ratio_gdsload_over"]["median"] > 0 and t["gdsload"]["samples_per_s"] > 0
+    assert r["tensors"]["tiers"]["R"]["read"]["ratio_bytes_gdsload_over"]["median"] > 0
+    assert (tmp_path / "r.json").is_file()
+
+
+def test_gdsload_bench_cli_refuses_unlabelled_data(tmp_path, capsys):
+    from gdsload.cli import main
+    from gdsload.format.writer import DatasetWriter
+
+    with DatasetWriter(tmp_path / "d") as w:
+        w.write("a", {"bin": b"x"})
+    assert main(["bench", str(tmp_path / "d"), "--rounds", "1"]) == 1
+    assert "needs a 'cls' field" in capsys.readouterr().err

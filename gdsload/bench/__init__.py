@@ -1,0 +1,1 @@
+"""Benchmark harness: gdsload against its baselines in one run (see harness.py, runners.py)."""

@@ -1,0 +1,305 @@
+"""One benchmark run of one contestant, in its own process (`python -m gdsload.bench.runners`).
+
+Contestants, all over the same shards and the same work:
+
+- `gdsload`: `gdsload.DataLoader` (threads, DALI decode, prefetch ring).
+- `torch`: `torch.utils.data.DataLoader(num_workers=cores)` over `webdataset.WebDataset` with
+  Pillow decode and the same transforms written with Pillow and NumPy (torchvision is not
+  installable beside the CPU torch wheel here; the transforms follow torchvision's definitions).
+- `dali`: DALI's own `fn.readers.webdataset` pipeline (with the `.dali.idx` index files) and the
+  same DALI operators gdsload uses.
+- `read`: the raw limit, a plain sequential read of the shard files (hot page cache, or cold:
+  evicted with `posix_fadvise(DONTNEED)` and read with O_DIRECT).
+- `decode1`: the single-core Pillow decode (+ transform) rate on a sample of the images; the
+  harness multiplies it by the core count.
+
+Tiers: `R` raw bytes (no decode; `.npy` datasets always run R, as tensors), `D` decode + resize to
+224x224 uint8 (a fixed shape is needed to batch), `T` decode + random resized crop 224 + flip +
+normalize to float32 NCHW.
+
+Each run reports samples, a label histogram (the harness checks all contestants agree), wall and
+CPU seconds, time to first batch (from constructing the loader; imports excluded), and, with a
+synthetic step (`step_ms`, a sleep standing in for a GPU-bound training step), the fraction of
+wall time the consumer waited for data.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import resource
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
+STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
+SIZE = 224
+
+
+def _cpu_s() -> float:
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def _shards(dataset: str) -> tuple[list[str], list[str], dict]:
+    m = json.load(open(os.path.join(dataset, "manifest.json")))
+    tars = [os.path.join(dataset, s["name"]) for s in m["shards"]]
+    idx = [os.path.join(dataset, s["dali_index"]) for s in m["shards"]]
+    return tars, idx, m
+
+
+# -- Pillow transforms for the torch baseline (torchvision's definitions) ------------------------
+def pil_random_resized_crop(img, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision.transforms.RandomResizedCrop(224) semantics, bilinear."""
+    from PIL import Image
+
+    w, h = img.size
+    area = w * h
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        ar = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
+        cw, ch = int(round(np.sqrt(target * ar))), int(round(np.sqrt(target / ar)))
+        if 0 < cw <= w and 0 < ch <= h:
+            x, y = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
+            break
+    else:  # fall back to a center crop, as torchvision does
+        cw, ch = w, h
+        x, y = 0, 0
+    return img.resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+
+
+def pil_transform(tier: str):
+    from PIL import Image
+
+    rng = np.random.default_rng(os.getpid())
+
+    def fn(img):
+        img = img.convert("RGB")
+        if tier == "D":
+            return np.asarray(img.resize((SIZE, SIZE), Image.BILINEAR))
+        img = pil_random_resized_crop(img, rng)
+        if rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        a = (np.asarray(img, np.float32) - MEAN) / STD
+        return np.ascontiguousarray(a.transpose(2, 0, 1))
+
+    return fn
+
+
+# -- contestants -----------------------------------------------------------------------------------
+def _consume(it, step_ms: float, label_of) -> dict[str, Any]:
+    """Iterate, timing the wait for each batch; returns counts, labels and timings."""
+    labels: Counter = Counter()
+    n = 0
+    wait = 0.0
+    first = None
+    t0 = time.perf_counter()
+    while True:
+        a = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        b = time.perf_counter()
+        wait += b - a
+        if first is None:
+            first = b - t0
+        ls = label_of(batch)
+        n += len(ls)
+        labels.update(int(x) for x in ls)
+        if step_ms:
+            time.sleep(step_ms / 1000)
+    wall = time.perf_counter() - t0
+    return {"samples": n, "labels": dict(sorted(labels.items())), "wall_s": wall, "wait_s": wait,
+            "first_batch_s": first}
+
+
+def run_gdsload(a: dict) -> dict:
+    import gdsload
+    from gdsload.decode.image import ImageTransform
+
+    t0 = time.perf_counter()
+    kind = a["kind"]
+    kw: dict[str, Any] = {}
+    if kind == "image":
+        if a["tier"] == "R":
+            kw["decode"] = False
+        elif a["tier"] == "D":
+            kw["transform"] = ImageTransform(train=False, size=SIZE, resize=SIZE, mean=None, std=None,
+                                             dtype="uint8", layout="NHWC")
+        else:
+            kw["transform"] = ImageTransform()
+    dl = gdsload.DataLoader(gdsload.Dataset(a["dataset"]), batch_size=a["batch_size"],
+                            num_workers=a["workers"], shuffle=False, **kw)
+    it = iter(dl)
+    construct = time.perf_counter() - t0
+    r = _consume(it, a["step_ms"], lambda b: b["cls"].tolist())
+    r["first_batch_s"] += construct
+    r["stats"] = {k: v for k, v in dl.stats().items() if isinstance(v, (int, float, str))}
+    dl.close()
+    return r
+
+
+def run_torch(a: dict) -> dict:
+    import torch
+    import webdataset as wds
+
+    tars, _, _ = _shards(a["dataset"])
+    t0 = time.perf_counter()
+    if a["kind"] == "tensor":
+        ds = wds.WebDataset(tars, shardshuffle=False, empty_check=False).decode().to_tuple("npy", "cls")
+    elif a["tier"] == "R":
+        ds = wds.WebDataset(tars, shardshuffle=False, empty_check=False).to_tuple(a["image_field"], "cls").map_tuple(
+            lambda b: b, lambda c: int(c))
+    else:
+        ds = (wds.WebDataset(tars, shardshuffle=False, empty_check=False).decode("pil")
+              .to_tuple(a["image_field"], "cls").map_tuple(pil_transform(a["tier"]), int))
+    collate = None
+    if a["kind"] == "image" and a["tier"] == "R":
+        def collate(items):  # encoded bytes cannot be stacked
+            return [x for x, _ in items], torch.tensor([c for _, c in items])
+    dl = torch.utils.data.DataLoader(ds, batch_size=a["batch_size"], num_workers=a["workers"],
+                                     collate_fn=collate, persistent_workers=False)
+    construct = time.perf_counter() - t0
+    r = _consume(iter(dl), a["step_ms"], lambda b: b[1].tolist())
+    r["first_batch_s"] += construct
+    return r
+
+
+def run_dali(a: dict) -> dict:
+    from nvidia.dali import fn, pipeline_def, types
+
+    tars, idx, m = _shards(a["dataset"])
+    n_total = m["num_samples"]
+    bs = a["batch_size"]
+    t0 = time.perf_counter()
+
+    @pipeline_def(batch_size=bs, num_threads=a["workers"], device_id=None)
+    def pipe():
+        img, cls = fn.readers.webdataset(paths=tars, index_paths=idx, ext=[a["image_field"], "cls"], name="r",
+                                         dtypes=[types.UINT8, types.UINT8], pad_last_batch=True)
+        if a["tier"] == "R":
+            return img, cls
+        if a["tier"] == "D":
+            out = fn.decoders.image(img, device="cpu", output_type=types.RGB)
+            out = fn.resize(out, size=(SIZE, SIZE))
+            return out, cls
+        out = fn.decoders.image_random_crop(img, device="cpu", output_type=types.RGB)
+        out = fn.resize(out, size=(SIZE, SIZE))
+        out = fn.crop_mirror_normalize(out, dtype=types.FLOAT, output_layout="CHW", crop=(SIZE, SIZE),
+                                       mean=MEAN.tolist(), std=STD.tolist(),
+                                       mirror=fn.random.coin_flip(probability=0.5))
+        return out, cls
+
+    p = pipe()
+    p.build()
+    construct = time.perf_counter() - t0
+    seen = [0]
+
+    def gen():
+        while seen[0] < n_total:
+            out, cls = p.run()
+            take = min(len(cls), n_total - seen[0])
+            seen[0] += take
+            yield [int(bytes(cls.at(k)).decode()) for k in range(take)]
+
+    r = _consume(gen(), a["step_ms"], lambda b: b)
+    r["first_batch_s"] += construct
+    return r
+
+
+def _read_file(path: str, view: memoryview, *, direct: bool) -> int:
+    """Read a whole file sequentially into `view`-sized chunks; O_DIRECT when asked and allowed."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                n = 0
+                while (k := os.readv(fd, [view])) > 0:
+                    n += k
+                return n
+            finally:
+                os.close(fd)
+        except OSError:  # the filesystem refuses O_DIRECT: read it buffered below
+            pass
+    with open(path, "rb", buffering=0) as f:
+        n = 0
+        while (k := f.readinto(view)) > 0:
+            n += k
+        return n
+
+
+def run_read(a: dict) -> dict:
+    tars, _, m = _shards(a["dataset"])
+    cold = a.get("cold", False)
+    t0 = time.perf_counter()
+    nbytes = 0
+    chunk = 8 << 20
+    buf = np.empty(chunk + 4096, np.uint8)
+    off = (-buf.ctypes.data) % 4096
+    view = memoryview(buf[off : off + chunk])
+    for t in tars:
+        if cold:
+            fd = os.open(t, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        nbytes += _read_file(t, view, direct=cold)
+    wall = time.perf_counter() - t0
+    return {"samples": m["num_samples"], "labels": None, "wall_s": wall, "wait_s": 0.0,
+            "first_batch_s": None, "bytes": nbytes}
+
+
+def run_decode1(a: dict) -> dict:
+    """Single-core Pillow decode (+ the tier's transform) over the first `limit` images."""
+    import io
+
+    from PIL import Image
+
+    import gdsload
+
+    ds = gdsload.open_dataset(a["dataset"])
+    n = min(a.get("limit", 200), len(ds))
+    payloads = [ds.sample(i)[a["image_field"]] for i in range(n)]
+    tf = pil_transform(a["tier"] if a["tier"] != "R" else "D")
+    t0 = time.perf_counter()
+    for p in payloads:
+        tf(Image.open(io.BytesIO(p)))
+    wall = time.perf_counter() - t0
+    return {"samples": n, "labels": None, "wall_s": wall, "wait_s": 0.0, "first_batch_s": None}
+
+
+RUNNERS = {"gdsload": run_gdsload, "torch": run_torch, "dali": run_dali, "read": run_read,
+           "decode1": run_decode1}
+
+
+# Imports each contestant needs, done before the clock and the CPU counter start: the benchmark
+# compares loading, not library import times (which a training job pays once).
+PRELOAD = {"gdsload": ["torch", "nvidia.dali", "gdsload.loader", "gdsload.decode.image", "gdsload.ring",
+                       "gdsload.io.posix", "gdsload.plan"],
+           "torch": ["torch", "webdataset", "PIL.Image"],
+           "dali": ["nvidia.dali"], "read": [], "decode1": ["PIL.Image", "gdsload"]}
+
+
+def main() -> None:
+    import importlib
+
+    a = json.loads(sys.argv[1])
+    for mod in PRELOAD[a["contestant"]]:
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass
+    cpu0 = _cpu_s()
+    r = RUNNERS[a["contestant"]](a)
+    r["cpu_s"] = _cpu_s() - cpu0
+    print("RESULT " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
