@@ -162,13 +162,16 @@ class Slot:
     keys, lengths, ...). Owned by one producer between `acquire` and `publish`/`fail`, then by the
     consumer between `get` and `release`; the views are invalid after `release`."""
 
-    __slots__ = ("index", "seq", "buffers", "meta")
+    __slots__ = ("index", "seq", "buffers", "meta", "flat")
 
-    def __init__(self, index: int, seq: int, buffers: dict[str, Any]):
+    def __init__(self, index: int, seq: int, buffers: dict[str, Any], flat: Any = None):
         self.index = index
         self.seq = seq
         self.buffers = buffers
         self.meta: dict[str, Any] = {}
+        # the whole slot as one uint8 array; field `name` starts at `spec.layout()[name][0]`,
+        # so one read call can scatter into several fields of the slot
+        self.flat = flat
 
     def copy(self) -> dict[str, Any]:
         """Owned copies of the buffers (same array kind), to keep a batch past its `release`."""
@@ -337,7 +340,8 @@ class Ring:
                 f"acquiring batch {seq}",
                 "_producer_wait_s",
             )
-            slot = Slot(i, seq, dict(self._arrays[i]))
+            slot = Slot(i, seq, dict(self._arrays[i]),
+                        self._arena[i * self.nbytes_per_slot : (i + 1) * self.nbytes_per_slot])
             self._state[i] = _FILLING
             self._slot[i] = slot
             return slot

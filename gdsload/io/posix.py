@@ -84,6 +84,7 @@ class PosixBackend:
         *,
         max_span: int = 8 * 1024 * 1024,
         direct_chunk: int = 8 * 1024 * 1024,
+        inline_nbytes: int = 64 * 1024,
     ) -> None:
         if threads < 1:
             raise GdsloadError(f"threads={threads} must be >= 1")
@@ -97,6 +98,7 @@ class PosixBackend:
         self.max_gap = max_gap
         self.max_span = max_span
         self.direct_chunk = direct_chunk
+        self.inline_nbytes = inline_nbytes  # groups this small are read in the caller's thread
         self.o_direct_requested = o_direct
         self._direct = bool(o_direct and _O_DIRECT)  # False once the filesystem refused it
         self._lock = threading.Lock()
@@ -121,7 +123,20 @@ class PosixBackend:
         groups = coalesce(extents, out_offsets, max_gap=self.max_gap, max_pieces=_IOV_MAX // 2,
                           max_span=self.max_span)
         pool = self._executor()
-        return gather([pool.submit(self._read_group, g, out) for g in groups])
+        futures: list[Future[int]] = []
+        for g in groups:
+            if g.nbytes <= self.inline_nbytes:
+                # A small read costs less than a hand-off to the pool: do it in this thread.
+                f: Future[int] = Future()
+                f.set_running_or_notify_cancel()
+                try:
+                    f.set_result(self._read_group(g, out))
+                except BaseException as exc:
+                    f.set_exception(exc)
+                futures.append(f)
+            else:
+                futures.append(pool.submit(self._read_group, g, out))
+        return gather(futures)
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()

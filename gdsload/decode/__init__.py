@@ -1,0 +1,1 @@
+"""Decoders: raw tensors (no decode step) and images (DALI, "mixed" on GPU hosts, "cpu" otherwise)."""
