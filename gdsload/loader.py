@@ -244,27 +244,32 @@ class DataLoader:
             )
         self._fields = fplans
 
+        # Batch tensors (decoded images, .npy rows) go where the batch is consumed; encoded bytes
+        # and labels stay on the host, where DALI and the label parser read them.
         spec: dict[str, tuple[tuple[int, ...], str]] = {}
+        host: dict[str, tuple[tuple[int, ...], str]] = {}
         staging = 0
         for fp in fplans:
             if fp.kind == "tensor":
                 spec[fp.name] = ((B, *fp.tensor.shape), fp.tensor.dtype.str)
             elif fp.kind == "image":
                 spec[fp.name] = ((B, *self.transform.output_shape()), self.transform.dtype)
-                staging += B * (-(-fp.max_nbytes // 64) * 64)
             elif fp.kind == "label":
-                spec[fp.name] = ((B,), "int64")
+                host[fp.name] = ((B,), "int64")
+            if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
-            else:
-                staging += B * (-(-fp.max_nbytes // 64) * 64)
-        spec["__staging__"] = ((max(staging, 64),), "uint8")
+        host["__staging__"] = ((max(staging, 64),), "uint8")
         want_device = self.device == "cuda"
         io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
         self._backend = open_backend(io, threads=max(2, self.num_workers))
-        ring_device = "cuda" if want_device and getattr(self._backend, "device_capable", False) else "cpu"
-        self._ring_specs = spec
-        self._ring = Ring(SlotSpec(fields=spec), self.num_workers * self.prefetch_factor,
-                          device=ring_device, pin=self.pin_memory and want_device)
+        on_device = want_device and getattr(self._backend, "device_capable", False)
+        slots = self.num_workers * self.prefetch_factor
+        pin = self.pin_memory and want_device
+        if on_device:  # two arenas: device (GDS target) and pinned host
+            self._ring = Ring(SlotSpec(fields=spec), slots, device="cuda", pin=pin,
+                              host_spec=SlotSpec(fields=host))
+        else:  # one host arena: one read per batch scatters into every field
+            self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
 
     # -- iteration -------------------------------------------------------------------------------
     @property
@@ -332,6 +337,8 @@ class _Epoch:
         self._decode_turn = 0
         self.has_images = any(fp.kind == "image" for fp in loader._fields)
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}
+        hs = self.ring.host_spec
+        self._host_layout = {name: off for name, (off, _) in hs.layout().items()} if hs else None
         self.bytes_read = 0
         self.samples = 0
         self.skipped = 0
@@ -457,10 +464,17 @@ class _Epoch:
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
         layout = self._layout
-        extents = [e for ex, _ in direct.values() for e in ex] + staged
+        extents = [e for ex, _ in direct.values() for e in ex]
         outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
-        outs += [layout["__staging__"] + o for o in staged_off]
-        nbytes = L._backend.read(extents, slot.flat, outs).result() if extents else 0
+        if self._host_layout is None:
+            extents += staged
+            outs += [layout["__staging__"] + o for o in staged_off]
+            staged = []
+        reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
+        if staged:  # device ring: encoded bytes and labels go to the pinned host arena
+            base = self._host_layout["__staging__"]
+            reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+        nbytes = sum(f.result() for f in reads)
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
         keep = None
         decoded = False
@@ -533,14 +547,19 @@ class _Epoch:
         return out
 
     def _convert(self, arr, *, copy: bool):
+        """A slot view as the output type, on the loader's device (zero copy where it is there)."""
         L = self.loader
+        on_device = hasattr(arr, "__cuda_array_interface__")
         if L.output == "torch":
             torch = _torch()
-            if hasattr(arr, "__cuda_array_interface__"):
-                t = torch.from_dlpack(arr)
-            else:
-                t = torch.from_numpy(arr)
+            t = torch.from_dlpack(arr) if on_device else torch.from_numpy(arr)
+            if L.device == "cuda" and not on_device:
+                return t.to("cuda")  # labels, or a host ring without KvikIO: a copy (blocking)
             return t.clone() if copy else t
+        if L.device == "cuda" and not on_device:
+            import cupy
+
+            return cupy.asarray(arr)
         return arr.copy() if copy else arr
 
     def _update_stats(self) -> None:

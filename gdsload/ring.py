@@ -162,7 +162,7 @@ class Slot:
     keys, lengths, ...). Owned by one producer between `acquire` and `publish`/`fail`, then by the
     consumer between `get` and `release`; the views are invalid after `release`."""
 
-    __slots__ = ("index", "seq", "buffers", "meta", "flat")
+    __slots__ = ("index", "seq", "buffers", "meta", "flat", "host_flat")
 
     def __init__(self, index: int, seq: int, buffers: dict[str, Any], flat: Any = None):
         self.index = index
@@ -172,6 +172,7 @@ class Slot:
         # the whole slot as one uint8 array; field `name` starts at `spec.layout()[name][0]`,
         # so one read call can scatter into several fields of the slot
         self.flat = flat
+        self.host_flat = None  # the host-memory fields' range (Ring(host_spec=...)), else None
 
     def copy(self) -> dict[str, Any]:
         """Owned copies of the buffers (same array kind), to keep a batch past its `release`."""
@@ -204,9 +205,15 @@ class Ring:
     """`num_slots` preallocated batch slots; N producer threads fill them, one consumer reads them
     in seq order. See the module docstring for layout, invariant, backpressure and shutdown."""
 
-    def __init__(self, spec: SlotSpec, num_slots: int, *, device: str = "cpu", pin: bool = False):
+    def __init__(self, spec: SlotSpec, num_slots: int, *, device: str = "cpu", pin: bool = False,
+                 host_spec: SlotSpec | None = None):
+        """`host_spec`: fields that must stay in host memory (pinned when `pin`) even when the
+        ring is on the device, such as encoded bytes that DALI parses on the host. They live in a
+        second arena with the same layout rules; `Slot.host_flat` is their slot range."""
         if not isinstance(spec, SlotSpec):
             raise RingError(f"spec must be a SlotSpec, got {type(spec).__name__}")
+        if host_spec is not None and set(host_spec.fields) & set(spec.fields):
+            raise RingError(f"fields {sorted(set(host_spec.fields) & set(spec.fields))} are in both specs")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise RingError(f"num_slots must be an int >= 1, got {num_slots!r}")
         self.spec = spec
@@ -214,16 +221,20 @@ class Ring:
         self.nbytes_per_slot = spec.nbytes
         self.nbytes_total = num_slots * self.nbytes_per_slot
         self.pin_error: str | None = None  # why pin=True fell back to pageable memory
-        self.device, self.pinned, arena = self._allocate(device, pin)
+        self.device, self.pinned, arena = self._allocate(device, pin, self.nbytes_total)
         self._arena = arena  # keeps the backing allocation alive
-        layout = spec.layout()
+        self.host_spec = host_spec
+        self.host_nbytes_per_slot = host_spec.nbytes if host_spec else 0
+        self._host_arena = None
+        if host_spec is not None:
+            _, self.host_pinned, self._host_arena = self._allocate(
+                "cpu", pin, num_slots * self.host_nbytes_per_slot)
+            self.nbytes_total += num_slots * self.host_nbytes_per_slot
         self._arrays: list[dict[str, Any]] = []
         for i in range(num_slots):
-            base = i * self.nbytes_per_slot
-            views = {}
-            for name, (shape, dtype) in spec.fields.items():
-                off, nbytes = layout[name]
-                views[name] = arena[base + off : base + off + nbytes].view(dtype).reshape(shape)
+            views = self._views(spec, arena, i * self.nbytes_per_slot)
+            if host_spec is not None:
+                views.update(self._views(host_spec, self._host_arena, i * self.host_nbytes_per_slot))
             self._arrays.append(views)
 
         self._lock = threading.Lock()
@@ -242,8 +253,16 @@ class Ring:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def _allocate(self, device: str, pin: bool) -> tuple[str, bool, Any]:
-        total = self.nbytes_total
+    @staticmethod
+    def _views(spec: SlotSpec, arena: Any, base: int) -> dict[str, Any]:
+        layout = spec.layout()
+        views = {}
+        for name, (shape, dtype) in spec.fields.items():
+            off, nbytes = layout[name]
+            views[name] = arena[base + off : base + off + nbytes].view(dtype).reshape(shape)
+        return views
+
+    def _allocate(self, device: str, pin: bool, total: int) -> tuple[str, bool, Any]:
         if device == "cpu":
             if pin:
                 try:
@@ -342,6 +361,9 @@ class Ring:
             )
             slot = Slot(i, seq, dict(self._arrays[i]),
                         self._arena[i * self.nbytes_per_slot : (i + 1) * self.nbytes_per_slot])
+            if self._host_arena is not None:
+                h = self.host_nbytes_per_slot
+                slot.host_flat = self._host_arena[i * h : (i + 1) * h]
             self._state[i] = _FILLING
             self._slot[i] = slot
             return slot

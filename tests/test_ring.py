@@ -539,3 +539,19 @@ def test_reset_reuses_the_same_memory_for_a_new_pass():
         assert int(got.buffers["x"][0]) == seq
         ring.release(got)
     assert [s["x"].ctypes.data for s in ring._arrays] == addrs
+
+
+def test_host_spec_fields_get_their_own_arena():
+    spec = SlotSpec(fields={"x": ((3, 5), "float32")})
+    host = SlotSpec(fields={"__staging__": ((1000,), "uint8"), "cls": ((3,), "int64")})
+    ring = Ring(spec, 2, host_spec=host)
+    slot = ring.acquire(0)
+    assert set(slot.buffers) == {"x", "__staging__", "cls"}
+    assert slot.flat.nbytes == spec.nbytes and slot.host_flat.nbytes == host.nbytes
+    off = host.layout()["cls"][0]
+    slot.host_flat[off : off + 8] = np.array([42], np.int64).view(np.uint8)  # writes through
+    assert slot.buffers["cls"][0] == 42
+    assert slot.buffers["__staging__"].ctypes.data % ALIGN == 0
+    assert ring.stats()["nbytes_total"] == 2 * (spec.nbytes + host.nbytes)
+    with pytest.raises(RingError, match="both specs"):
+        Ring(spec, 1, host_spec=SlotSpec(fields={"x": ((1,), "uint8")}))
