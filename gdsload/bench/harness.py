@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 

@@ -25,7 +25,6 @@ wall time the consumer waited for data.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import resource

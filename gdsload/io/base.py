@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -305,3 +305,54 @@ class Backend(Protocol):
     def __enter__(self) -> Backend: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
+
+
+class PooledBackend:
+    """Lifecycle shared by the backends: a lazily started thread pool, stats, close, `with`.
+
+    Subclasses set `_pool_threads` and `_pool_name`, and release their open files in
+    `_release()`, which `close()` calls once, after the pool has drained (no read in flight).
+    """
+
+    _pool_name = "gdsload-io"
+
+    def __init__(self, pool_threads: int) -> None:
+        self._pool_threads = pool_threads
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._stats = ReadStats()
+
+    def stats(self) -> dict[str, int]:
+        return self._stats.snapshot()
+
+    def _check_open(self) -> None:
+        """Raise if closed; call with `self._lock` held."""
+        if self._closed:
+            raise GdsloadError(f"{self!r} is closed")
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._pool_threads, thread_name_prefix=self._pool_name)
+            return self._pool
+
+    def _release(self) -> None:
+        """Close cached files; called once by `close()` after the pool has drained."""
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -16,16 +16,15 @@ fsspec is imported on first use; HTTP also needs aiohttp, S3 s3fs, GCS gcsfs.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from gdsload.errors import GdsloadError, MissingDependencyError
-from gdsload.io.base import Extent, ReadGroup, ReadStats, check_request, coalesce, gather, short_read
+from gdsload.io.base import PooledBackend, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -43,7 +42,7 @@ def _is_transient(exc: BaseException) -> bool:
     return aiohttp is not None and isinstance(exc, (aiohttp.ClientError, aiohttp.ServerTimeoutError))
 
 
-class FsspecBackend:
+class FsspecBackend(PooledBackend):
     """Any fsspec URL through ranged reads on a pool of `threads` threads.
 
     `retries`: extra attempts per request after a transient error, sleeping `backoff_s`,
@@ -52,6 +51,8 @@ class FsspecBackend:
     worth fetching rather than paying another round trip, and the largest single request (so big
     batches still become several parallel requests). Host memory only.
     """
+
+    _pool_name = "gdsload-fsspec"
 
     name = "fsspec"
     device_capable = False
@@ -74,18 +75,15 @@ class FsspecBackend:
             raise GdsloadError(f"max_gap={max_gap} must be >= 0")
         if max_span < 1:
             raise GdsloadError(f"max_span={max_span} must be >= 1")
+        super().__init__(threads)
         self.threads = threads
         self.retries = retries
         self.max_gap = max_gap
         self.max_span = max_span
         self.backoff_s = backoff_s
         self.storage_options = dict(storage_options or {})
-        self._lock = threading.Lock()
         self._filesystems: dict[str, Any] = {}  # protocol -> filesystem owned by this backend
         self._sizes: dict[str, int] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = False
-        self._stats = ReadStats()
 
     def __repr__(self) -> str:
         return f"FsspecBackend(threads={self.threads}, retries={self.retries}, max_gap={self.max_gap})"
@@ -97,45 +95,20 @@ class FsspecBackend:
         pool = self._executor()
         return gather([pool.submit(self._read_group, g, out) for g in groups])
 
-    def stats(self) -> dict[str, int]:
-        return self._stats.snapshot()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+    def _release(self) -> None:
         with self._lock:
             filesystems = list(self._filesystems.values())
             self._filesystems.clear()
         for fs in filesystems:
             _close_filesystem(fs)
 
-    def __enter__(self) -> FsspecBackend:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # -- internals ---------------------------------------------------------------------------
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise GdsloadError(f"{self!r} is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gdsload-fsspec")
-            return self._pool
-
     def _resolve(self, url: str) -> tuple[Any, str]:
         """(filesystem, path within it) for `url`; one owned filesystem per protocol."""
         import fsspec  # a core dependency of gdsload, imported here to keep `import gdsload` light
         protocol = fsspec.core.split_protocol(url)[0] or "file"
         with self._lock:
-            if self._closed:
-                raise GdsloadError(f"{self!r} is closed")
+            self._check_open()
             fs = self._filesystems.get(protocol)
             if fs is None:
                 try:

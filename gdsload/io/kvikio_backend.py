@@ -24,13 +24,12 @@ reads below KvikIO's `gds_threshold` run synchronously in the issuing thread.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from gdsload.errors import GdsloadError, MissingDependencyError
-from gdsload.io.base import Extent, ReadGroup, ReadStats, check_request, coalesce, gather, short_read
+from gdsload.io.base import PooledBackend, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 INSTALL_HINT = "pip install 'gdsload[cuda12]' (or 'gdsload[cuda13]' on a CUDA 13 host)"
 
@@ -59,12 +58,14 @@ def gds_active(kvikio: Any) -> bool:
         return False
 
 
-class KvikioBackend:
+class KvikioBackend(PooledBackend):
     """Local files through KvikIO's `CuFile.pread` into CuPy (device) or NumPy (host) arrays.
 
     `threads`: the size of KvikIO's thread pool (process-wide; None keeps KvikIO's setting,
     `KVIKIO_NTHREADS`). `issue_threads`: this backend's own threads that issue reads.
     """
+
+    _pool_name = "gdsload-kvikio"
 
     device_capable = True
 
@@ -73,16 +74,13 @@ class KvikioBackend:
             raise GdsloadError(f"threads={threads} must be >= 1 or None")
         if issue_threads < 1:
             raise GdsloadError(f"issue_threads={issue_threads} must be >= 1")
+        super().__init__(issue_threads)
         self._kvikio = import_kvikio()
         if threads is not None:
             self._kvikio.defaults.set("num_threads", threads)
         self._gds = gds_active(self._kvikio)
         self.issue_threads = issue_threads
-        self._lock = threading.Lock()
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (CuFile, file size in bytes)
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = False
-        self._stats = ReadStats()
 
     @property
     def name(self) -> str:
@@ -98,42 +96,17 @@ class KvikioBackend:
         pool = self._executor()
         return gather([pool.submit(self._read_group, g, out) for g in groups])
 
-    def stats(self) -> dict[str, int]:
-        return self._stats.snapshot()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+    def _release(self) -> None:
         with self._lock:
             files = [f for f, _ in self._files.values()]
             self._files.clear()
         for f in files:
             f.close()
 
-    def __enter__(self) -> KvikioBackend:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # -- internals ---------------------------------------------------------------------------
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise GdsloadError(f"{self!r} is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.issue_threads, thread_name_prefix="gdsload-kvikio")
-            return self._pool
-
     def _file(self, path: str) -> tuple[Any, int]:
         with self._lock:
-            if self._closed:
-                raise GdsloadError(f"{self!r} is closed")
+            self._check_open()
             entry = self._files.get(path)
             if entry is None:
                 try:

@@ -24,13 +24,13 @@ import errno
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from gdsload.errors import GdsloadError
-from gdsload.io.base import PAGE, Extent, ReadGroup, ReadStats, check_request, coalesce, gather, short_read
+from gdsload.io.base import PooledBackend, PAGE, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -65,7 +65,7 @@ class _DirectRefused(Exception):
     """The filesystem refused an O_DIRECT read (EINVAL); the group is retried buffered."""
 
 
-class PosixBackend:
+class PosixBackend(PooledBackend):
     """Local files through `preadv` on a pool of `threads` threads; see the module docstring.
 
     `max_gap` (bytes): extents of one file at most this far apart are read in one call, the gap
@@ -73,6 +73,8 @@ class PosixBackend:
     still spreads over the threads. `direct_chunk` (bytes, multiple of 4096): the O_DIRECT bounce
     buffer per thread.
     """
+
+    _pool_name = "gdsload-posix"
 
     device_capable = False
 
@@ -94,6 +96,7 @@ class PosixBackend:
             raise GdsloadError(f"max_span={max_span} must be >= 1")
         if direct_chunk < PAGE or direct_chunk % PAGE:
             raise GdsloadError(f"direct_chunk={direct_chunk} must be a positive multiple of {PAGE}")
+        super().__init__(threads)
         self.threads = threads
         self.max_gap = max_gap
         self.max_span = max_span
@@ -101,13 +104,9 @@ class PosixBackend:
         self.inline_nbytes = inline_nbytes  # groups this small are read in the caller's thread
         self.o_direct_requested = o_direct
         self._direct = bool(o_direct and _O_DIRECT)  # False once the filesystem refused it
-        self._lock = threading.Lock()
         self._fds: dict[str, tuple[int, bool]] = {}  # path -> (fd, opened with O_DIRECT)
         self._retired: list[int] = []  # O_DIRECT fds replaced after a refusal; closed in close()
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = False
         self._local = threading.local()
-        self._stats = ReadStats()
 
     @property
     def name(self) -> str:
@@ -138,17 +137,7 @@ class PosixBackend:
                 futures.append(pool.submit(self._read_group, g, out))
         return gather(futures)
 
-    def stats(self) -> dict[str, int]:
-        return self._stats.snapshot()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+    def _release(self) -> None:
         with self._lock:
             fds = [fd for fd, _ in self._fds.values()] + self._retired
             self._fds.clear()
@@ -156,26 +145,11 @@ class PosixBackend:
         for fd in fds:
             os.close(fd)
 
-    def __enter__(self) -> PosixBackend:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # -- internals ---------------------------------------------------------------------------
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise GdsloadError(f"{self!r} is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gdsload-posix")
-            return self._pool
-
     def _fd(self, path: str) -> tuple[int, bool]:
         """The cached fd for `path` and whether it is O_DIRECT; opened on first use."""
         with self._lock:
-            if self._closed:
-                raise GdsloadError(f"{self!r} is closed")
+            self._check_open()
             entry = self._fds.get(path)
             if entry is not None:
                 fd, direct = entry

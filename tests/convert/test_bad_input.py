@@ -343,9 +343,9 @@ def test_all_inputs_rejected_is_fatal(tmp_path, capsys):
 
 # -- paths and destinations ----------------------------------------------------------------------
 def test_missing_src(tmp_path, capsys):
-    err = assert_fatal(capsys, tmp_path, tmp_path / "nope", tmp_path / "dst", str(tmp_path / "nope"), "no such file")
+    assert_fatal(capsys, tmp_path, tmp_path / "nope", tmp_path / "dst", str(tmp_path / "nope"), "no such file")
     assert not (tmp_path / "dst").exists()
-    err = assert_fatal(capsys, tmp_path, tmp_path / "nope.tar", tmp_path / "dst", "nope.tar", "no such file")
+    assert_fatal(capsys, tmp_path, tmp_path / "nope.tar", tmp_path / "dst", "nope.tar", "no such file")
 
 
 def test_dst_inside_src_is_refused(tmp_path, capsys):
