@@ -99,8 +99,9 @@ class DataLoader:
     """A drop-in for `torch.utils.data.DataLoader` over a gdsload dataset.
 
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
-    `num_workers` (reader/decoder threads, not processes), `prefetch_factor` (batches ahead per
-    worker: the ring has `num_workers * prefetch_factor` slots), `pin_memory` (pinned staging on a
+    `num_workers` (reader/decoder threads, not processes), `prefetch_factor` (batches filled ahead
+    of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
+    per worker, since workers are threads filling one shared ring), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
     GPU is usable), `transform` (an `ImageTransform`, or None for the default training transform;
     `decode=False` returns encoded bytes), `fields` (which fields, in which order; the batch is then
@@ -263,7 +264,7 @@ class DataLoader:
         io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
         self._backend = open_backend(io, threads=max(2, self.num_workers))
         on_device = want_device and getattr(self._backend, "device_capable", False)
-        slots = self.num_workers * self.prefetch_factor
+        slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
         if on_device:  # two arenas: device (GDS target) and pinned host
             self._ring = Ring(SlotSpec(fields=spec), slots, device="cuda", pin=pin,
