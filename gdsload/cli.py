@@ -53,7 +53,14 @@ def cmd_convert(a: argparse.Namespace) -> int:
         validate=a.validate, resume=a.resume, overwrite=a.overwrite, format=a.format,
         labels=a.labels, prefix=a.prefix, progress=not a.quiet,
     )
-    r = convert(a.src, a.dst, opts)
+    if a.engine == "ray":
+        from gdsload.convert.ray_engine import convert_ray
+
+        r = convert_ray(a.src, a.dst, opts, address=a.ray_address)
+    elif a.ray_address:
+        raise GdsloadError(f"--ray-address {a.ray_address} applies to --engine ray only (engine is {a.engine!r})")
+    else:
+        r = convert(a.src, a.dst, opts)
     print(
         f"converted {r['samples']} samples into {r['shards']} shards ({_human(r['bytes'])}) in "
         f"{r['seconds']:.1f} s: {r['samples_per_s']:.0f} samples/s, {r['mb_per_s']:.1f} MB/s, "
@@ -183,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", action="store_true", help="continue an interrupted conversion into DST")
     c.add_argument("--overwrite", action="store_true", help="replace the gdsload dataset in DST")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="where shards are written: local processes (default) or Ray tasks "
+                   "(pip install 'gdsload[ray]'); the output is the same")
+    c.add_argument("--ray-address", metavar="ADDR",
+                   help="Ray cluster to join with --engine ray (default: $RAY_ADDRESS, else a local instance)")
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="summarise a dataset: samples, shards, fields, classes, alignment")

@@ -22,11 +22,11 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -206,6 +206,21 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
     return result
 
 
+class UnitRunner(Protocol):
+    """Runs shard units outside this process's pool, e.g. as tasks of a Ray cluster.
+
+    Called once, with the units still to write in plan order as `(name, samples)`; yields each
+    unit's name once its shard is in place under its final name and its done record is written
+    (`write_shard` writes the record itself where it sees `DST/.gdsload-convert/done/`). Calls
+    `report(samples, nbytes)` from the calling thread as work completes; once per unit is enough.
+    Raises a `GdsloadError` when a unit fails for good; the done records of finished units stay,
+    so `--resume` continues. `workers` is the parallelism the driver would use on this host.
+    """
+
+    def __call__(self, dst: str, units: list[tuple[str, list[Sample]]], validate: bool, workers: int,
+                 report: Callable[[int, int], None]) -> Iterator[str]: ...
+
+
 # -- destination handling ------------------------------------------------------------------------
 _SHARD_FILE = re.compile(r"^[\w.-]+-\d{6}\.(tar|idx|dali\.idx)$")
 
@@ -301,8 +316,12 @@ def _check_paths(src: str, dst: Path, inputs: list[str]) -> None:
 
 
 def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
-            *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Convert `src` into a gdsload dataset at `dst`; returns a summary with the manifest."""
+            *, log: Callable[[str], None] | None = None, runner: UnitRunner | None = None) -> dict[str, Any]:
+    """Convert `src` into a gdsload dataset at `dst`; returns a summary with the manifest.
+
+    `runner` writes the shard units elsewhere (see `UnitRunner`); by default they are written by
+    this process (`workers == 1`) or a process pool. The output does not depend on the runner.
+    """
     t0 = time.perf_counter()
     dst = Path(dst)
     if opts.shard_size < 4 * ALIGN:
@@ -333,17 +352,23 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
 
         bar = tqdm(total=total_samples, unit="sample", desc="convert", dynamic_ncols=True, smoothing=0.1)
     moved = [0]
+    finished = [0]  # shards done in this run
     tb = time.perf_counter()
 
     def report(n: int, nbytes: int) -> None:
         moved[0] += nbytes
         if bar is not None:
             bar.update(n)
-            bar.set_postfix_str(f"{moved[0] / 1e6 / max(time.perf_counter() - tb, 1e-9):.0f} MB/s", refresh=False)
+            bar.set_postfix_str(f"{moved[0] / 1e6 / max(time.perf_counter() - tb, 1e-9):.0f} MB/s, "
+                                f"{finished[0]}/{len(todo)} shards", refresh=False)
 
-    if workers == 1:
+    if runner is not None:
+        for _ in runner(str(dst), [(names[i], plan[i]) for i in todo], opts.validate, workers, report):
+            finished[0] += 1
+    elif workers == 1:
         for i in todo:
             write_shard(str(dst), names[i], plan[i], opts.validate, report)
+            finished[0] += 1
     else:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         queue = ctx.Queue()
@@ -355,6 +380,7 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
                     report(*queue.get())
                 for f in done:
                     f.result()  # re-raise a worker's error here
+                    finished[0] += 1
     if bar is not None:
         bar.update(total_samples - bar.n)  # progress messages still in flight when the pool ended
         bar.close()
