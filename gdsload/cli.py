@@ -1,4 +1,4 @@
-"""The `gdsload` command: convert, inspect, verify, doctor.
+"""The `gdsload` command: convert, inspect, verify, doctor, demo, bench, serve.
 
 Exit status: 0 on success, 1 when gdsload refuses or fails with a message (bad input, a
 destination that holds a dataset, a shard that fails verification), 2 for usage errors, 130 on
@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="what this host can do: CUDA, GDS, KvikIO, CuPy, DALI, torch")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_doctor)
+
+    from gdsload.service.cli import add_serve_parser  # stdlib-only at import; grpc on first use
+
+    add_serve_parser(sub)
     return p
 
 

@@ -1,0 +1,167 @@
+"""The datasets a server serves: found below its roots, opened once, shared by every stream.
+
+A dataset is a folder holding a `manifest.json`; its name is its path relative to the root it was
+found under ("train", "imagenet/val"), or the folder's own name when a root is itself a dataset.
+Hidden folders (a name starting with ".") are not searched. Two datasets of the same name under
+different roots are refused at start-up, naming both paths.
+
+What is shared between consumers of one dataset (thread-safe):
+* the opened `gdsload.Dataset`: manifest, shard indexes (loaded once, on first use), the shard
+  file descriptors used for index and header reads, the dataset id;
+* the per-field upper bounds of sample sizes, used to check requests against `max_batch_bytes`;
+* the epoch order: `gdsload.plan` caches the last few (dataset, seed, epoch) orders, so N ranks of
+  one job compute the permutation once;
+* the page cache: every stream reads the same shard files, so one job's ranks, which read
+  disjoint samples of the same few open shards (the shuffle window), hit the same cached pages.
+Per stream: a `DataLoader` with its reader threads, I/O backend and ring (bounded memory:
+`workers * prefetch` batches), and its DALI pipeline when decoding.
+
+Names are rescanned (at most once every `rescan_s`) when a name is not found, so datasets
+converted after the server started appear without a restart; a dataset whose manifest changed
+(rewritten with --overwrite) is reopened.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gdsload.errors import GdsloadError
+from gdsload.format.manifest import MANIFEST
+from gdsload.loader import Dataset
+from gdsload.service.status import BadRequest, UnknownDataset
+
+
+@dataclass
+class _Entry:
+    path: Path
+    stamp: tuple[int, int]  # (mtime_ns, size) of manifest.json when opened
+    dataset: Dataset
+    max_nbytes: dict[str, int]  # field -> largest member of that field, in bytes
+
+
+def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path]:
+    """Name -> folder of every dataset below `roots` (see the module docstring)."""
+    found: dict[str, Path] = {}
+
+    def add(name: str, path: Path) -> None:
+        if name in found and found[name] != path:
+            raise GdsloadError(
+                f"two datasets are named {name!r}: {found[name]} and {path}; serve them from one root "
+                "each in different sub-folders, or rename one"
+            )
+        found[name] = path
+
+    for root in roots:
+        root = Path(root).resolve()
+        if not root.is_dir():
+            raise GdsloadError(f"dataset root {root} is not a folder")
+        if (root / MANIFEST).is_file():
+            add(root.name, root)
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            if MANIFEST in filenames and Path(dirpath) != root:
+                add(Path(dirpath).relative_to(root).as_posix(), Path(dirpath))
+                dirnames[:] = []  # a dataset's own folder holds shards, not datasets
+    return found
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = (path / MANIFEST).stat()
+    return st.st_mtime_ns, st.st_size
+
+
+class Catalog:
+    """Thread-safe name -> shared `Dataset`. Raises `UnknownDataset` naming the name and the
+    served ones."""
+
+    def __init__(self, roots: Sequence[str | os.PathLike[str]], *, rescan_s: float = 2.0):
+        if not roots:
+            raise GdsloadError("give at least one dataset root")
+        self.roots = [str(r) for r in roots]
+        self.rescan_s = rescan_s
+        self._lock = threading.Lock()
+        self._paths = find_datasets(self.roots)
+        self._scanned = time.monotonic()
+        self._open: dict[str, _Entry] = {}
+
+    def names(self, *, rescan: bool = False) -> list[str]:
+        if rescan:
+            self._rescan(force=True)
+        with self._lock:
+            return sorted(self._paths)
+
+    def _rescan(self, *, force: bool = False) -> None:
+        with self._lock:
+            if not force and time.monotonic() - self._scanned < self.rescan_s:
+                return
+            self._scanned = time.monotonic()
+        paths = find_datasets(self.roots)
+        with self._lock:
+            self._paths = paths
+
+    def _entry(self, name: str) -> _Entry:
+        if not name:
+            raise BadRequest("the request names no dataset; ListDatasets gives the served names")
+        with self._lock:
+            path = self._paths.get(name)
+        if path is None:
+            self._rescan()
+            with self._lock:
+                path = self._paths.get(name)
+                known = sorted(self._paths)
+        if path is None:
+            shown = ", ".join(repr(n) for n in known[:20]) + (" ..." if len(known) > 20 else "")
+            raise UnknownDataset(f"unknown dataset {name!r}; this server serves: {shown or 'nothing'}")
+        try:
+            stamp = _stamp(path)
+        except OSError:
+            raise UnknownDataset(f"dataset {name!r} ({path}) has no {MANIFEST} any more") from None
+        with self._lock:
+            entry = self._open.get(name)
+            if entry is not None and entry.stamp == stamp and entry.path == path:
+                return entry
+        dataset = Dataset(str(path))  # outside the lock: reads the manifest
+        entry = _Entry(path, stamp, dataset, {})
+        with self._lock:
+            current = self._open.get(name)
+            if current is not None and current.stamp == stamp and current.path == path:
+                return current
+            self._open[name] = entry
+        return entry
+
+    def dataset(self, name: str, fields: Sequence[str] = ()) -> Dataset:
+        """The shared dataset, or a view of it limited to `fields` (sharing its shards)."""
+        base = self._entry(name).dataset
+        if not fields:
+            return base
+        have = base.shards.fields
+        unknown = [f for f in fields if f not in have]
+        if unknown:
+            raise BadRequest(f"fields {unknown} are not in dataset {name!r} (it has {sorted(have)})")
+        if len(set(fields)) != len(fields):
+            raise BadRequest(f"fields {list(fields)} name a field twice")
+        view = copy.copy(base)  # shares .shards (manifest, indexes, descriptors)
+        view.fields = list(fields)
+        return view
+
+    def max_member_nbytes(self, name: str) -> dict[str, int]:
+        """Field -> the largest member of that field, in bytes (from the indexes; cached)."""
+        entry = self._entry(name)
+        if not entry.max_nbytes:
+            ds = entry.dataset.shards
+            sizes: dict[str, int] = {}
+            for s in range(len(ds.shards)):
+                idx = ds.index(s)
+                for e, ext in enumerate(idx.extensions):
+                    member = idx.member_size[idx.member_ext == e]
+                    if len(member):
+                        sizes[ext] = max(sizes.get(ext, 0), int(member.max()))
+            entry.max_nbytes = sizes
+        return dict(entry.max_nbytes)

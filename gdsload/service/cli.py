@@ -1,0 +1,97 @@
+"""`gdsload serve ROOT... --listen HOST:PORT`: run a feed server until SIGTERM or Ctrl-C.
+
+On SIGTERM/SIGINT: health turns NOT_SERVING, open streams end at a batch boundary (clients resume
+elsewhere or after the restart), the server stops within `--grace` seconds, exit status 0. Logs are
+JSON lines on stderr. `gdsload/cli.py` registers the command with `add_serve_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    s = subparsers.add_parser(
+        "serve", help="serve datasets to RemoteLoader clients over gRPC",
+        description="Serve every dataset (a folder with manifest.json, named by its path below the "
+        "root) under the given roots over gRPC (gdsload.v1.Feed, grpc.health.v1).")
+    configure_serve_parser(s)
+    return s
+
+
+def configure_serve_parser(s: argparse.ArgumentParser) -> None:
+    from gdsload.service.config import Limits
+
+    d = Limits()
+    s.add_argument("roots", nargs="+", metavar="ROOT", help="folders holding datasets")
+    s.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces)")
+    s.add_argument("--token-file", metavar="PATH", help="require 'authorization: Bearer TOKEN' (token in PATH)")
+    s.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (TLS)")
+    s.add_argument("--tls-key", metavar="PEM", help="server private key (TLS)")
+    s.add_argument("--tls-client-ca", metavar="PEM", help="CA of client certificates: mutual TLS")
+    s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
+    s.add_argument("--metrics-address", default="0.0.0.0", metavar="HOST", help="metrics bind address")
+    s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help=f"largest message sent; batches are chunked below it (default {d.max_message_bytes})")
+    s.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="largest batch_size accepted")
+    s.add_argument("--max-batch-bytes", type=int, default=d.max_batch_bytes, help="largest batch body, bytes")
+    s.add_argument("--max-streams", type=int, default=d.max_streams, help="concurrent streams (more: UNAVAILABLE)")
+    s.add_argument("--workers", type=int, default=2, help="reader threads per stream (default 2)")
+    s.add_argument("--prefetch", type=int, default=2, help="batches prefetched per reader thread (default 2)")
+    s.add_argument("--decode-threads", type=int, default=2, help="DALI threads per stream (default 2)")
+    s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
+    s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    s.set_defaults(func=cmd_serve)
+
+
+def warm_up() -> None:
+    """Import what the first stream would (the loader imports torch when installed, seconds), so
+    that the server reports SERVING only once it can answer promptly."""
+    import importlib.util
+
+    import gdsload.loader  # noqa: F401
+
+    if importlib.util.find_spec("torch") is not None:
+        import torch  # noqa: F401
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gdsload.errors import GdsloadError
+    from gdsload.service.auth import read_token
+    from gdsload.service.config import Limits, TlsConfig
+    from gdsload.service.logs import configure, event
+    from gdsload.service.server import create_server
+
+    log = configure(level=args.log_level)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise GdsloadError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise GdsloadError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    token = read_token(args.token_file) if args.token_file else None
+    limits = Limits(max_message_bytes=args.max_message_bytes, max_batch_size=args.max_batch_size,
+                    max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams)
+    server, _ = create_server(
+        args.roots, address=args.listen, token=token, tls=tls, limits=limits,
+        metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
+        prefetch=args.prefetch, decode_threads=args.decode_threads, grace_s=args.grace, logger=log,
+    )
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum, frame) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    warm_up()
+    server.start()
+    while not stop.wait(0.5):
+        pass
+    event(log, "signal", signal=received[0] if received else None)
+    server.shutdown()
+    return 0

@@ -1,0 +1,571 @@
+"""`RemoteLoader`: the local `DataLoader`'s batches, pulled from feed servers over gRPC.
+
+With equal arguments a `RemoteLoader` yields the batches the local `gdsload.DataLoader` would, in
+the same order and with the same structure (a dict field -> tensor, plus "__key__"; a tuple when
+`fields` is given), because the server runs that very loader for the requested slice.
+
+Cursor and resumption: the loader owns its cursor (epoch, position), where position counts the
+global positions consumed, as in the local loader's state. Each stream asks for "this rank's
+batches from position p"; a batch counts only once its last chunk arrived. When a stream breaks,
+the server restarts or a server refuses (a retryable status, `gdsload.service.status.RETRYABLE`),
+the loader waits (exponential backoff with jitter), moves to the next address when it has several,
+and asks again from the position after the last complete batch: nothing is lost or repeated.
+`max_retries` bounds consecutive attempts that bring no batch. `state_dict()` /
+`load_state_dict()` are the local loader's (same format, checked by `gdsload.plan.Plan`), so a
+state saved by either loader resumes in the other.
+
+Prefetch: one receiver thread per iteration pulls and assembles up to `prefetch` batches ahead;
+the cursor (and so `state_dict()`) moves only when a batch is handed to the caller. Batches are the
+caller's to keep (fresh memory per batch).
+
+Deadlines: unary calls have `deadline_s`; a stream has `stream_deadline_s` as its gRPC deadline
+(it is then resumed like a broken one) and is cancelled and resumed when no message arrives for
+`deadline_s`.
+
+Processes: channels are made on first use in each process (keyed by `os.getpid()`), so a loader
+built in a parent can be used inside forked `torch.utils.data.DataLoader` workers; pickling drops
+channels and threads (spawned workers). grpc is imported here, not by `import gdsload`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from gdsload.errors import GdsloadError, require
+
+require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
+
+import grpc
+
+from gdsload.service import status, wire
+from gdsload.service.auth import metadata
+from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
+from gdsload.v1 import feed_pb2 as pb
+from gdsload.v1 import feed_pb2_grpc as pb_grpc
+
+__all__ = ["RemoteLoader"]
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None
+
+
+def _dist_rank_world() -> tuple[int, int] | None:
+    torch = _torch()
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None
+
+
+class _FeedStub(pb_grpc.FeedStub):
+    """The generated stub, but StreamBatches yields `(BatchChunk without data, data view)` from
+    `wire.split_chunk`: protobuf would copy every chunk's data twice."""
+
+    def __init__(self, channel: grpc.Channel):
+        super().__init__(channel)
+        self.StreamBatches = channel.unary_stream(
+            "/gdsload.v1.Feed/StreamBatches", request_serializer=pb.BatchRequest.SerializeToString,
+            response_deserializer=wire.split_chunk, _registered_method=True)
+
+
+class _Channels:
+    """One channel per address, per process. After a fork the child makes its own channels and
+    leaves the parent's alone (their threads and sockets belong to the parent)."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]):
+        self._credentials = credentials
+        self._options = options
+        self._pid = -1
+        self._stubs: dict[str, tuple[grpc.Channel, _FeedStub]] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, address: str) -> _FeedStub:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._stubs = {}
+                self._pid = os.getpid()
+            entry = self._stubs.get(address)
+            if entry is None:
+                if self._credentials is not None:
+                    channel = grpc.secure_channel(address, self._credentials, options=self._options)
+                else:
+                    channel = grpc.insecure_channel(address, options=self._options)
+                entry = (channel, _FeedStub(channel))
+                self._stubs[address] = entry
+            return entry[1]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for channel, _ in self._stubs.values():
+                    channel.close()
+            self._stubs = {}
+
+
+class RemoteLoader:
+    """Batches of a dataset served by `gdsload serve`, as the local `DataLoader` would make them.
+
+    `address`: "HOST:PORT" or a list of them; rank r starts on address ``r % len`` and fails
+    over to the next one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
+    `drop_last`, `seed`, `rank`, `world_size` (default: from `torch.distributed` when initialised,
+    else 0 and 1), `shuffle_window`, `decode` (decode images on the server; False: encoded
+    bytes), `transform` (an `ImageTransform`; None: the default training transform, as locally),
+    `fields`, `on_error`, `output` ("torch" when torch is installed, else "numpy") mean what
+    they mean for `DataLoader`. `device`: where torch tensors go ("cpu", "cuda"; default cuda
+    when torch sees a GPU, as locally).
+
+    Connection: `token` (bearer token), `tls` (use TLS with the system roots), `tls_ca` (CA
+    bundle, PEM bytes or path; implies TLS), `tls_cert`/`tls_key` (client certificate for mutual
+    TLS), `tls_server_name` (override the name checked in the server certificate). `deadline_s`:
+    deadline of unary calls, and the longest wait for the next message of a stream.
+    `stream_deadline_s`: gRPC deadline of one stream (then it is resumed). `max_retries`:
+    consecutive attempts without a batch before giving up with `RemoteError`. `backoff_s`,
+    `max_backoff_s`: first and largest wait between attempts. `prefetch`: batches received ahead.
+    `batches_per_stream`: end each stream after this many batches and open the next one (0: one
+    stream per epoch); short streams let a list of servers rebalance. `max_message_bytes`: the
+    largest message accepted (the server chunks below it).
+
+    Training transforms are random: remote and local batches are the same crops only when both
+    decode the same batches in the same sequence; evaluation transforms are deterministic.
+    """
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        *,
+        dataset: str,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle_window: int = 4,
+        decode: bool = True,
+        transform: Any = None,
+        fields: Sequence[str] | None = None,
+        on_error: Literal["raise", "skip"] = "raise",
+        output: Literal["torch", "numpy", None] = None,
+        device: str | None = None,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: bytes | str | Path | None = None,
+        tls_cert: bytes | str | Path | None = None,
+        tls_key: bytes | str | Path | None = None,
+        tls_server_name: str | None = None,
+        deadline_s: float = 30.0,
+        stream_deadline_s: float = 3600.0,
+        max_retries: int = 10,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        prefetch: int = 2,
+        batches_per_stream: int = 0,
+        max_message_bytes: int = 64 * MiB,
+        keepalive: Keepalive | None = None,
+    ):
+        addresses = [address] if isinstance(address, str) else list(address)
+        if not addresses or not all(isinstance(a, str) and a for a in addresses):
+            raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
+        if not isinstance(dataset, str) or not dataset:
+            raise GdsloadError(f"dataset must be the served dataset's name, got {dataset!r}")
+        if on_error not in ("raise", "skip"):
+            raise GdsloadError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        if output not in ("torch", "numpy", None):
+            raise GdsloadError(f"output must be 'torch', 'numpy' or None, not {output!r}")
+        for name, value in (("deadline_s", deadline_s), ("stream_deadline_s", stream_deadline_s),
+                            ("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
+            if not value > 0:
+                raise GdsloadError(f"{name} must be > 0 seconds, got {value!r}")
+        if max_retries < 0 or prefetch < 1 or batches_per_stream < 0:
+            raise GdsloadError(f"max_retries and batches_per_stream must be >= 0 and prefetch >= 1, got "
+                               f"{max_retries}, {batches_per_stream} and {prefetch}")
+        dist = _dist_rank_world()
+        self.rank = rank if rank is not None else (dist[0] if dist else 0)
+        self.world_size = world_size if world_size is not None else (dist[1] if dist else 1)
+        self.addresses = addresses
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.shuffle_window = shuffle_window
+        self.decode = decode
+        if decode and transform is None:
+            transform = wire.ImageTransform()
+        self.transform = transform
+        self._spec = wire.transform_to_spec(transform) if decode else None
+        self.tuple_fields = list(fields) if fields is not None else None
+        self._request_fields = [f for f in (fields or []) if f != wire.KEY]
+        self.on_error = on_error
+        self.output = output or ("torch" if _torch() is not None else "numpy")
+        if device is None:
+            torch = _torch()
+            device = "cuda" if self.output == "torch" and torch is not None and torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") or (device == "cuda" and self.output != "torch"):
+            raise GdsloadError(f"device must be 'cpu', or 'cuda' with torch output, not {device!r}")
+        self.device = device
+        self.deadline_s = float(deadline_s)
+        self.stream_deadline_s = float(stream_deadline_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self.prefetch = int(prefetch)
+        self.batches_per_stream = int(batches_per_stream)
+        self.max_message_bytes = int(max_message_bytes)
+        self._metadata = metadata(token)
+        credentials = None
+        if tls or tls_ca or tls_cert or tls_key:
+            if bool(tls_cert) != bool(tls_key):
+                raise GdsloadError("mutual TLS needs both tls_cert and tls_key")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read_pem(tls_ca, "tls_ca") if tls_ca else None,
+                private_key=read_pem(tls_key, "tls_key") if tls_key else None,
+                certificate_chain=read_pem(tls_cert, "tls_cert") if tls_cert else None,
+            )
+        options: list[tuple[str, Any]] = channel_options(self.max_message_bytes, keepalive or Keepalive())
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self._channel_args = (credentials, options)
+        self._channels = _Channels(credentials, options)
+        self._addr_index = self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0
+        self._addr_lock = threading.Lock()
+        self._rng = random.Random()
+        self._plan = None
+        self._info: pb.DatasetInfo | None = None
+        self._epoch = 0
+        self._position = 0
+        self._active: _RemoteEpoch | None = None
+        self._stats: dict[str, Any] = {"reconnects": 0, "batches": 0, "bytes": 0, "wait_s": 0.0}
+
+    # -- plan, from the server's manifest ---------------------------------------------------------
+    @property
+    def plan(self):
+        """The `gdsload.plan.Plan` of this rank (asks the server for the dataset on first use)."""
+        if self._plan is None:
+            from gdsload.plan import Plan
+
+            info = self.dataset_info()
+            if self._request_fields:
+                unknown = [f for f in self._request_fields if f not in info.fields]
+                if unknown:
+                    raise GdsloadError(f"fields {unknown} are not in dataset {self.dataset!r} "
+                                       f"(it has {sorted(info.fields)})")
+            self._plan = Plan(
+                dataset_id=info.dataset_id, shard_sizes=tuple(info.shard_sizes),
+                batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
+                shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last,
+            )
+        return self._plan
+
+    def dataset_info(self) -> pb.DatasetInfo:
+        """The server's `DatasetInfo` of this dataset (name, id, shard sizes, fields, manifest)."""
+        if self._info is None:
+            resp = self._unary("ListDatasets", pb.ListDatasetsRequest(name=self.dataset))
+            if len(resp.datasets) != 1:
+                raise GdsloadError(f"the server answered {len(resp.datasets)} datasets for {self.dataset!r}")
+            self._info = resp.datasets[0]
+        return self._info
+
+    def server_info(self) -> pb.ServerInfo:
+        return self._unary("GetServerInfo", pb.GetServerInfoRequest())
+
+    # -- torch-like surface ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.plan.num_batches(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            self._epoch, self._position = epoch, 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.plan.state(self._epoch, self._position))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch, self._position = self.plan.resume(state)
+
+    def __iter__(self) -> _RemoteEpoch:
+        if self._active is not None:
+            self._active.close()
+        ep = _RemoteEpoch(self, self._epoch, self._position)
+        self._active = ep
+        return ep
+
+    def stats(self) -> dict[str, Any]:
+        """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address."""
+        return dict(self._stats, address=self.addresses[self._addr_index])
+
+    def close(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        self._channels.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for k in ("_channels", "_active", "_addr_lock", "_rng"):
+            state.pop(k)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._channels = _Channels(*self._channel_args)
+        self._active = None
+        self._addr_lock = threading.Lock()
+        self._rng = random.Random()
+
+    def __repr__(self) -> str:
+        return (f"gdsload.RemoteLoader({self.addresses!r}, dataset={self.dataset!r}, "
+                f"batch_size={self.batch_size}, rank={self.rank}, world_size={self.world_size})")
+
+    # -- calls ------------------------------------------------------------------------------------
+    def _address(self) -> str:
+        with self._addr_lock:
+            return self.addresses[self._addr_index]
+
+    def _failover(self, failed: str) -> None:
+        with self._addr_lock:
+            if self.addresses[self._addr_index] == failed:
+                self._addr_index = (self._addr_index + 1) % len(self.addresses)
+        self._stats["reconnects"] += 1
+
+    def _backoff(self, failures: int) -> float:
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
+        return delay * (0.5 + 0.5 * self._rng.random())
+
+    def _unary(self, method: str, request: Any) -> Any:
+        failures = 0
+        while True:
+            address = self._address()
+            try:
+                call = getattr(self._channels.stub(address), method)
+                return call(request, timeout=self.deadline_s, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if not status.is_retryable(err) or failures >= self.max_retries:
+                    raise status.from_rpc_error(err, address) from None
+                failures += 1
+                self._failover(address)
+                time.sleep(self._backoff(failures))
+
+    def _request(self, epoch: int, position: int) -> pb.BatchRequest:
+        plan = self.plan
+        return pb.BatchRequest(
+            dataset=self.dataset, dataset_id=plan.dataset_id, seed=plan.seed, epoch=epoch,
+            shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
+            batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size,
+            start_position=position,
+            payload=pb.PAYLOAD_DECODED if self.decode else pb.PAYLOAD_RAW,
+            transform=self._spec, fields=self._request_fields,
+            on_error=pb.ON_ERROR_SKIP if self.on_error == "skip" else pb.ON_ERROR_RAISE,
+            max_chunk_bytes=self.max_message_bytes, max_batches=self.batches_per_stream,
+        )
+
+    def _convert(self, batch: dict[str, Any]) -> Any:
+        if self.output == "torch":
+            torch = _torch()
+            for k, v in batch.items():
+                if isinstance(v, np.ndarray):
+                    t = torch.from_numpy(v)
+                    batch[k] = t.to(self.device, non_blocking=True) if self.device != "cpu" else t
+        if self.tuple_fields is not None:
+            return tuple(batch[f] for f in self.tuple_fields)
+        return batch
+
+
+class _Retry(Exception):
+    """A stream ended early without an error status (e.g. a draining server)."""
+
+
+class _RemoteEpoch:
+    """One pass: a receiver thread streams and assembles batches; `__next__` hands them out."""
+
+    def __init__(self, loader: RemoteLoader, epoch: int, position: int):
+        self.loader = loader
+        self.epoch = epoch
+        plan = loader.plan
+        self.G = plan.global_batch
+        self.end = plan.end_position
+        self.next_request = position
+        self.queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
+        self.pid = os.getpid()
+        self._stop = threading.Event()
+        self._call_lock = threading.Lock()
+        self._call: Any = None
+        self._waiting_since: float | None = None
+        self._idle_cancelled = False
+        self._done = False
+        self.thread = threading.Thread(target=self._receive, name="gdsload-remote", daemon=True)
+        self.thread.start()
+
+    # receiver ---------------------------------------------------------------------------------
+    def _put(self, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _receive(self) -> None:
+        L = self.loader
+        failures = 0
+        last_error = "no attempt"
+        try:
+            while self.next_request < self.end and not self._stop.is_set():
+                address = L._address()
+                progressed = False
+                try:
+                    call = L._channels.stub(address).StreamBatches(
+                        L._request(self.epoch, self.next_request), timeout=L.stream_deadline_s,
+                        metadata=L._metadata)
+                    with self._call_lock:
+                        self._call = call
+                    if self._stop.is_set():
+                        call.cancel()
+                        return
+                    asm = wire.BatchAssembler()
+                    it = iter(call)
+                    while True:
+                        self._waiting_since = time.monotonic()
+                        try:
+                            chunk, data = next(it)
+                        except StopIteration:
+                            break
+                        finally:
+                            self._waiting_since = None
+                        batch = asm.add(chunk, data)
+                        if batch is None:
+                            continue
+                        expected = self.next_request + self.G
+                        if chunk.epoch != self.epoch or chunk.position != expected:
+                            raise wire.ProtocolError(
+                                f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
+                                f"expected epoch {self.epoch} position {expected}")
+                        if not self._put(("batch", batch, expected, wire.body_nbytes(batch))):
+                            return
+                        self.next_request = expected
+                        progressed = True
+                        failures = 0
+                    if self.next_request < self.end and not progressed:
+                        raise _Retry(f"{address} ended the stream without a batch (draining?)")
+                except grpc.RpcError as err:
+                    if self._stop.is_set():
+                        return
+                    idle = self._idle_cancelled
+                    self._idle_cancelled = False
+                    if not idle and not status.is_retryable(err):
+                        self._put(("error", status.from_rpc_error(err, address)))
+                        return
+                    last_error = (f"no message for {L.deadline_s} s from {address}" if idle
+                                  else str(status.from_rpc_error(err, address)))
+                    failures += 1
+                except (_Retry, wire.ProtocolError) as exc:
+                    last_error = str(exc)
+                    failures += 1
+                finally:
+                    with self._call_lock:
+                        self._call = None
+                if failures and not progressed:
+                    if failures > L.max_retries:
+                        self._put(("error", status.RemoteError(
+                            f"gave up on dataset {L.dataset!r} after {failures} attempts without a batch "
+                            f"(addresses {L.addresses}); last error: {last_error}", code="UNAVAILABLE",
+                            address=address)))
+                        return
+                    L._failover(address)
+                    if self._stop.wait(L._backoff(failures)):
+                        return
+                elif failures:
+                    failures = 0
+            if not self._stop.is_set():
+                self._put(("end",))
+        except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
+            self._put(("error", exc))
+
+    def _watchdog(self) -> None:
+        since = self._waiting_since
+        if since is not None and time.monotonic() - since > self.loader.deadline_s:
+            with self._call_lock:
+                if self._call is not None and self._waiting_since is not None:
+                    self._idle_cancelled = True
+                    self._call.cancel()
+
+    # consumer ---------------------------------------------------------------------------------
+    def __iter__(self) -> _RemoteEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        L = self.loader
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self.queue.get(timeout=0.25)
+                break
+            except queue.Empty:
+                self._watchdog()
+                if not self.thread.is_alive() and self.queue.empty():
+                    self.close()
+                    raise status.RemoteError("the receiver thread ended without a result",
+                                             code="INTERNAL") from None
+        L._stats["wait_s"] += time.perf_counter() - t0
+        if item[0] == "batch":
+            _, batch, position, nbytes = item
+            L._position = position
+            L._stats["batches"] += 1
+            L._stats["bytes"] += nbytes
+            return L._convert(batch)
+        if item[0] == "end":
+            self._finish()
+            raise StopIteration
+        self.close()
+        raise item[1]
+
+    def _finish(self) -> None:
+        self.close()
+        self.loader._epoch = self.epoch + 1
+        self.loader._position = 0
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._stop.set()
+        if os.getpid() == self.pid:  # a forked child must not touch the parent's call or thread
+            with self._call_lock:
+                if self._call is not None:
+                    self._call.cancel()
+            self.thread.join(timeout=10)
+        if self.loader._active is self:
+            self.loader._active = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,57 @@
+"""Prometheus metrics of a feed server, in a registry of its own (several servers may share a
+process, as in the tests), exposed over HTTP on `--metrics-port`.
+
+| metric                                  | type      | labels            |
+| --------------------------------------- | --------- | ----------------- |
+| gdsload_feed_batches_total              | counter   | dataset, payload  |
+| gdsload_feed_samples_total              | counter   | dataset, payload  |
+| gdsload_feed_bytes_total (batch bodies) | counter   | dataset, payload  |
+| gdsload_feed_streams_total              | counter   | dataset           |
+| gdsload_feed_consumers (open streams)   | gauge     | dataset           |
+| gdsload_feed_errors_total               | counter   | code              |
+| gdsload_feed_read_seconds               | histogram | payload           |
+| gdsload_feed_send_seconds               | histogram | payload           |
+
+read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
+send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
+(serialization and flow control: a slow consumer shows up here).
+"""
+
+from __future__ import annotations
+
+from gdsload.errors import require
+
+
+class Metrics:
+    def __init__(self) -> None:
+        prom = require("prometheus_client", extra="serve", purpose="the feed server's metrics")
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        buckets = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        self.batches = prom.Counter("gdsload_feed_batches", "Batches sent", ["dataset", "payload"], registry=r)
+        self.samples = prom.Counter("gdsload_feed_samples", "Samples sent", ["dataset", "payload"], registry=r)
+        self.bytes = prom.Counter("gdsload_feed_bytes", "Batch body bytes sent", ["dataset", "payload"], registry=r)
+        self.streams = prom.Counter("gdsload_feed_streams", "StreamBatches calls started", ["dataset"], registry=r)
+        self.consumers = prom.Gauge("gdsload_feed_consumers", "StreamBatches calls in progress", ["dataset"], registry=r)
+        self.errors = prom.Counter("gdsload_feed_errors", "Calls ended with an error status", ["code"], registry=r)
+        self.read_s = prom.Histogram("gdsload_feed_read_seconds", "Wait for the next batch from the loader",
+                                     ["payload"], buckets=buckets, registry=r)
+        self.send_s = prom.Histogram("gdsload_feed_send_seconds", "Time to hand one batch's chunks to gRPC",
+                                     ["payload"], buckets=buckets, registry=r)
+        self._http = None
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Start the HTTP exporter (a daemon thread); returns the bound port (`port` 0: any)."""
+        prom = require("prometheus_client", extra="serve", purpose="the feed server's metrics")
+        self._http, _ = prom.start_http_server(port, addr=addr, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def text(self) -> str:
+        prom = require("prometheus_client", extra="serve", purpose="the feed server's metrics")
+        return prom.generate_latest(self.registry).decode()

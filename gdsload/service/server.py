@@ -1,0 +1,512 @@
+"""The feed server: `create_server(roots, ...) -> (server, port)`.
+
+Each StreamBatches call runs the local `gdsload.DataLoader` itself (CPU, NumPy output, no copy)
+for the requested (dataset, seed, epoch, shuffle, window, drop_last, batch size, rank, world size,
+fields, payload, transform), positioned with `load_state_dict` at the requested start, and streams
+its batches as chunks. Remote batches are therefore the local batches, byte for byte and in the
+same order, by construction. The server keeps nothing per job between calls: the client sends its
+cursor with every request, so a restarted server, or another one, continues any job.
+
+Concurrency: one gRPC worker thread per stream (up to `Limits.max_streams`, more get UNAVAILABLE),
+each with its own loader (`workers` reader threads, a ring of `workers * prefetch` batches); the
+opened datasets are shared (see `gdsload.service.catalog`). Memory is therefore bounded by
+max_streams * workers * prefetch * the largest batch.
+
+Shutdown (`FeedServer.shutdown`, SIGTERM under `gdsload serve`): health turns NOT_SERVING, new
+streams are refused with UNAVAILABLE, open streams end at the next batch boundary (status OK, so
+their clients resume elsewhere or after the restart with nothing lost), then the gRPC server stops
+after at most `grace_s`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+
+import gdsload
+from gdsload.errors import FormatError, require
+
+require("grpc", extra="serve", purpose="the feed server (gdsload serve)")
+require("grpc_health", extra="serve", purpose="the feed server's health service")
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gdsload.loader import DataLoader
+from gdsload.service import wire
+from gdsload.service.auth import TokenInterceptor
+from gdsload.service.catalog import Catalog
+from gdsload.service.config import (
+    MIN_CHUNK_BYTES,
+    PROTOCOL_VERSION,
+    Keepalive,
+    Limits,
+    TlsConfig,
+    server_options,
+)
+from gdsload.service.logs import LOGGER, event
+from gdsload.service.metrics import Metrics
+from gdsload.service.status import (
+    BadRequest,
+    DatasetChanged,
+    OverLimit,
+    Unavailable,
+    abort,
+    to_status,
+)
+from gdsload.v1 import feed_pb2 as pb
+from gdsload.v1 import feed_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "gdsload.v1.Feed"
+_PAYLOADS = {pb.PAYLOAD_UNSPECIFIED: "raw", pb.PAYLOAD_RAW: "raw", pb.PAYLOAD_DECODED: "decoded"}
+_ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_ERROR_SKIP: "skip"}
+
+
+def _decode_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _peer(context: grpc.ServicerContext) -> str:
+    try:
+        return context.peer()
+    except Exception:
+        return "?"
+
+
+class FeedServicer(pb_grpc.FeedServicer):
+    """The Feed service. Errors go through `gdsload.service.status` (the one mapping)."""
+
+    def __init__(self, catalog: Catalog, limits: Limits, metrics: Metrics, *, workers: int = 2,
+                 prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None):
+        self.catalog = catalog
+        self.limits = limits
+        self.metrics = metrics
+        self.workers = workers
+        self.prefetch = prefetch
+        self.decode_threads = decode_threads
+        self.log = logger or logging.getLogger(LOGGER)
+        self.draining = threading.Event()
+        self._lock = threading.Lock()
+        self._active = 0
+        self._idle = threading.Condition(self._lock)
+
+    # -- the one place where exceptions become statuses ----------------------------------------
+    def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+        code, message = to_status(exc)
+        self.metrics.errors.labels(code.name).inc()
+        internal = code == grpc.StatusCode.INTERNAL
+        event(self.log, "call_failed", level=logging.ERROR if internal else logging.WARNING,
+              exc_info=exc if internal else None, method=method, code=code.name, message=message,
+              peer=_peer(context))
+        abort(context, exc)
+
+    @staticmethod
+    def _unary(method):
+        @functools.wraps(method)
+        def wrapper(self, request, context):
+            try:
+                return method(self, request, context)
+            except Exception as exc:
+                self._fail(context, method.__name__, exc)
+
+        return wrapper
+
+    # -- unary calls -----------------------------------------------------------------------------
+    def _info(self, name: str) -> pb.DatasetInfo:
+        ds = self.catalog.dataset(name)
+        return pb.DatasetInfo(
+            name=name, dataset_id=ds.dataset_id, num_samples=len(ds), shard_sizes=ds.shard_sizes,
+            fields=dict(ds.shards.fields), manifest_json=_manifest_text(ds),
+        )
+
+    @_unary
+    def ListDatasets(self, request: pb.ListDatasetsRequest, context) -> pb.ListDatasetsResponse:
+        if request.name:
+            return pb.ListDatasetsResponse(datasets=[self._info(request.name)])
+        infos = []
+        for name in self.catalog.names(rescan=True):
+            try:
+                infos.append(self._info(name))
+            except FormatError as exc:  # one broken dataset does not hide the others
+                event(self.log, "dataset_unreadable", level=logging.WARNING, dataset=name, message=str(exc))
+        return pb.ListDatasetsResponse(datasets=infos)
+
+    @_unary
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
+        L = self.limits
+        with self._lock:
+            active = self._active
+        return pb.ServerInfo(
+            version=gdsload.__version__, protocol_version=PROTOCOL_VERSION,
+            max_message_bytes=L.max_message_bytes, max_batch_size=L.max_batch_size,
+            max_batch_bytes=L.max_batch_bytes, max_image_side=L.max_image_side,
+            max_streams=L.max_streams, active_streams=active, decode_available=_decode_available(),
+            decode_device="cpu", num_datasets=len(self.catalog.names()),
+        )
+
+    # -- streams ---------------------------------------------------------------------------------
+    def active_streams(self) -> int:
+        with self._lock:
+            return self._active
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no stream is open (True) or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def StreamBatches(self, request: pb.BatchRequest, context) -> Iterator[bytes]:
+        try:
+            yield from self._stream(request, context)
+        except Exception as exc:
+            self._fail(context, "StreamBatches", exc)
+
+    def _open_loader(self, req: pb.BatchRequest) -> tuple[DataLoader, dict[str, Any]]:
+        """Validate the request against the limits and build the loader positioned at its start."""
+        L = self.limits
+        if req.payload not in _PAYLOADS:
+            raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
+        if req.on_error not in _ON_ERROR:
+            raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
+        payload = _PAYLOADS[req.payload]
+        if req.batch_size < 1:
+            raise BadRequest(f"batch_size must be >= 1, got {req.batch_size}")
+        if req.batch_size > L.max_batch_size:
+            raise OverLimit(f"batch_size {req.batch_size} is over the server's limit of "
+                            f"{L.max_batch_size} samples per batch")
+        if req.max_chunk_bytes and req.max_chunk_bytes < MIN_CHUNK_BYTES:
+            raise BadRequest(f"max_chunk_bytes must be 0 (server default) or >= {MIN_CHUNK_BYTES}, "
+                             f"got {req.max_chunk_bytes}")
+        fields = list(req.fields)
+        dataset = self.catalog.dataset(req.dataset, fields)
+        if req.dataset_id and req.dataset_id != dataset.dataset_id:
+            raise DatasetChanged(
+                f"dataset {req.dataset!r} on this server has id {dataset.dataset_id}, the client "
+                f"planned with {req.dataset_id}: the dataset was rewritten; start from a fresh state"
+            )
+        transform = None
+        if payload == "decoded":
+            transform = (wire.spec_to_transform(req.transform, max_side=L.max_image_side)
+                         if req.HasField("transform") else wire.ImageTransform())
+        self._check_batch_bytes(req, dataset.fields, transform)
+        loader = DataLoader(
+            dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
+            num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
+            seed=req.seed, device="cpu", decode=payload == "decoded", transform=transform,
+            rank=req.rank, world_size=req.world_size or 1, shuffle_window=req.shuffle_window or 4,
+            on_error=_ON_ERROR[req.on_error], copy=False, io="auto", output="numpy",
+            decode_threads=self.decode_threads,
+        )
+        try:
+            loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
+        except Exception:
+            loader.close()
+            raise
+        chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
+        return loader, {"payload": payload, "max_chunk_bytes": chunk}
+
+    def _check_batch_bytes(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> None:
+        from gdsload.format.manifest import field_kind
+
+        sizes = self.catalog.max_member_nbytes(req.dataset)
+        per_sample = 0
+        for f in fields:
+            if transform is not None and field_kind(f) == "image":
+                c, h, w = transform.output_shape()
+                per_sample += c * h * w * np.dtype(transform.dtype).itemsize
+            else:
+                per_sample += sizes.get(f, 0) + 8  # labels become int64
+        total = per_sample * req.batch_size
+        if total > self.limits.max_batch_bytes:
+            raise OverLimit(
+                f"a batch of {req.batch_size} samples of {req.dataset!r} can take up to {total} bytes "
+                f"({per_sample} per sample), over the server's limit of {self.limits.max_batch_bytes} "
+                f"bytes per batch; lower batch_size"
+            )
+
+    def _enter(self, dataset: str) -> None:
+        if self.draining.is_set():
+            raise Unavailable("the server is shutting down; retry on another server or after the restart")
+        with self._lock:
+            if self._active >= self.limits.max_streams:
+                raise Unavailable(f"the server is at capacity ({self.limits.max_streams} streams); retry later")
+            self._active += 1
+        self.metrics.consumers.labels(dataset).inc()
+        self.metrics.streams.labels(dataset).inc()
+
+    def _leave(self, dataset: str) -> None:
+        self.metrics.consumers.labels(dataset).dec()
+        with self._idle:
+            self._active -= 1
+            self._idle.notify_all()
+
+    def _stream(self, req: pb.BatchRequest, context) -> Iterator[bytes]:
+        # Validate first (cheap: the loader allocates and reads only when iterated), so metrics are
+        # labelled with served dataset names only.
+        loader, opts = self._open_loader(req)
+        try:
+            self._enter(req.dataset)
+        except BaseException:
+            loader.close()
+            raise
+        t0 = time.perf_counter()
+        sent_batches = sent_bytes = 0
+        outcome = "ok"
+        try:
+            payload = opts["payload"]
+            G = loader.plan.global_batch
+            step = req.start_position // G
+            event(self.log, "stream_start", peer=_peer(context), dataset=req.dataset, payload=payload,
+                  epoch=req.epoch, start_position=req.start_position, rank=loader.plan.rank,
+                  world_size=loader.plan.world_size, batch_size=req.batch_size)
+            it = iter(loader)
+            skipped_before = 0
+            m_batches = self.metrics.batches.labels(req.dataset, payload)
+            m_samples = self.metrics.samples.labels(req.dataset, payload)
+            m_bytes = self.metrics.bytes.labels(req.dataset, payload)
+            m_read = self.metrics.read_s.labels(payload)
+            m_send = self.metrics.send_s.labels(payload)
+            while True:
+                if self.draining.is_set():
+                    outcome = "drained"
+                    return  # at a batch boundary: the client resumes from its cursor
+                if not context.is_active():
+                    outcome = "cancelled"
+                    return
+                if req.max_batches and sent_batches >= req.max_batches:
+                    return
+                t_read = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                m_read.observe(time.perf_counter() - t_read)
+                skipped = loader.stats().get("skipped", 0)
+                t_send = time.perf_counter()
+                nbytes = wire.body_nbytes(batch)
+                yield from wire.encode_batch(batch, epoch=req.epoch, step=step, position=(step + 1) * G,
+                                             max_chunk_bytes=opts["max_chunk_bytes"],
+                                             skipped=skipped - skipped_before)
+                m_send.observe(time.perf_counter() - t_send)
+                skipped_before = skipped
+                step += 1
+                sent_batches += 1
+                sent_bytes += nbytes
+                m_batches.inc()
+                m_samples.inc(len(batch[wire.KEY]))
+                m_bytes.inc(nbytes)
+        except GeneratorExit:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            outcome = to_status(exc)[0].name
+            raise
+        finally:
+            loader.close()
+            self._leave(req.dataset)
+            el = time.perf_counter() - t0
+            event(self.log, "stream_end", peer=_peer(context), dataset=req.dataset, outcome=outcome,
+                  batches=sent_batches, bytes=sent_bytes, seconds=round(el, 3),
+                  mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None)
+
+
+
+def _add_feed(servicer: FeedServicer, server: grpc.Server) -> None:
+    """Register the Feed service as the generated `add_FeedServicer_to_server` does, except that
+    StreamBatches yields chunks already serialized by `wire.encode_batch` (one copy of the data
+    instead of three), so its response serializer is the identity."""
+    handlers = {
+        "ListDatasets": grpc.unary_unary_rpc_method_handler(
+            servicer.ListDatasets, request_deserializer=pb.ListDatasetsRequest.FromString,
+            response_serializer=pb.ListDatasetsResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.ServerInfo.SerializeToString),
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamBatches, request_deserializer=pb.BatchRequest.FromString,
+            response_serializer=bytes),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _manifest_text(ds) -> str:
+    import json
+
+    return json.dumps(ds.shards.manifest, sort_keys=True)
+
+
+class FeedServer:
+    """A feed server: `start()`, `shutdown()` (graceful), `stop(grace)`, `wait_for_termination()`.
+
+    Made by `create_server`; `port` is the bound port, `metrics_port` the Prometheus port (None when
+    off), `servicer` the Feed implementation, `health` the grpc.health.v1 servicer.
+    """
+
+    def __init__(self, grpc_server: grpc.Server, servicer: FeedServicer, health_servicer,
+                 metrics: Metrics, *, port: int, address: str, metrics_port: int | None,
+                 metrics_address: str, grace_s: float, logger: logging.Logger):
+        self.grpc_server = grpc_server
+        self.servicer = servicer
+        self.health = health_servicer
+        self.metrics = metrics
+        self.port = port
+        self.address = address
+        self.metrics_port = metrics_port
+        self._metrics_address = metrics_address
+        self.grace_s = grace_s
+        self.log = logger
+        self._started = False
+        self._stopped = threading.Event()
+        self._shutdown_lock = threading.Lock()
+
+    def start(self) -> FeedServer:
+        self.grpc_server.start()
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.metrics_port, self._metrics_address)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._started = True
+        event(self.log, "server_start", address=self.address, port=self.port,
+              datasets=self.servicer.catalog.names(), metrics_port=self.metrics_port,
+              max_message_bytes=self.servicer.limits.max_message_bytes,
+              max_streams=self.servicer.limits.max_streams)
+        return self
+
+    def shutdown(self, grace_s: float | None = None) -> bool:
+        """Graceful stop: NOT_SERVING, refuse new streams, let open streams end at a batch boundary
+        (at most `grace_s`), stop gRPC. Returns True when every stream ended within the grace."""
+        grace = self.grace_s if grace_s is None else grace_s
+        with self._shutdown_lock:
+            if self._stopped.is_set():
+                return True
+            t0 = time.monotonic()
+            self.health.enter_graceful_shutdown()
+            self.servicer.draining.set()
+            open_streams = self.servicer.active_streams()
+            event(self.log, "shutdown_begin", open_streams=open_streams, grace_s=grace)
+            drained = self.servicer.wait_idle(grace)
+            left = max(0.0, grace - (time.monotonic() - t0))
+            # What is still open now is not a stream (health watches, unary calls): short grace.
+            self.grpc_server.stop(min(left, 1.0)).wait()
+            self.metrics.close()
+            self._stopped.set()
+            event(self.log, "shutdown_done", drained=drained, open_streams=open_streams,
+                  seconds=round(time.monotonic() - t0, 3))
+            return drained
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """gRPC's abrupt stop (in-flight calls are cancelled after `grace`)."""
+        self.health.enter_graceful_shutdown()
+        self.servicer.draining.set()
+        ev = self.grpc_server.stop(grace)
+
+        def done() -> None:
+            ev.wait()
+            self.metrics.close()
+            self._stopped.set()
+
+        threading.Thread(target=done, daemon=True).start()
+        return ev
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> FeedServer:
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def create_server(
+    roots: Sequence[str],
+    *,
+    address: str = "127.0.0.1:0",
+    token: str | None = None,
+    tls: TlsConfig | None = None,
+    limits: Limits | None = None,
+    max_message_bytes: int | None = None,
+    keepalive: Keepalive | None = None,
+    metrics_port: int | None = None,
+    metrics_address: str = "0.0.0.0",
+    workers: int = 2,
+    prefetch: int = 2,
+    decode_threads: int = 2,
+    grace_s: float = 10.0,
+    logger: logging.Logger | None = None,
+) -> tuple[FeedServer, int]:
+    """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
+
+    Returns `(server, port)`; call `server.start()`. `token`: require `authorization: Bearer
+    TOKEN`. `tls`: serve TLS (mutual TLS when `tls.client_ca` is set). `limits` (or just
+    `max_message_bytes`): see `Limits`. `metrics_port`: serve Prometheus metrics there (0: any
+    port; None: off). `workers`/`prefetch`/`decode_threads`: per stream, as in `DataLoader`.
+    `grace_s`: how long `shutdown()` waits for open streams.
+    """
+    limits = limits or Limits()
+    if max_message_bytes is not None:
+        from dataclasses import replace
+
+        limits = replace(limits, max_message_bytes=max_message_bytes)
+    log = logger or logging.getLogger(LOGGER)
+    catalog = Catalog(roots)
+    metrics = Metrics()
+    servicer = FeedServicer(catalog, limits, metrics, workers=workers, prefetch=prefetch,
+                            decode_threads=decode_threads, logger=log)
+
+    def rejected(method: str, reason: str) -> None:
+        metrics.errors.labels("UNAUTHENTICATED").inc()
+        event(log, "call_failed", level=logging.WARNING, method=method, code="UNAUTHENTICATED",
+              message=reason)
+
+    interceptors = [TokenInterceptor(token, on_reject=rejected)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=limits.max_streams + 8, thread_name_prefix="gdsload-feed"),
+        interceptors=interceptors, options=server_options(limits, keepalive or Keepalive()),
+    )
+    _add_feed(servicer, server)
+    health_servicer = health.HealthServicer(
+        experimental_non_blocking=True,
+        experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdsload-health"),
+    )
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        if tls is not None:
+            creds = grpc.ssl_server_credentials(
+                [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
+                require_client_auth=tls.client_ca is not None,
+            )
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise gdsload.GdsloadError(f"cannot listen on {address} (in use, or not a local address)")
+    host = address.rsplit(":", 1)[0]
+    fs = FeedServer(server, servicer, health_servicer, metrics, port=port, address=f"{host}:{port}",
+                    metrics_port=metrics_port, metrics_address=metrics_address, grace_s=grace_s,
+                    logger=log)
+    return fs, port

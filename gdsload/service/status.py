@@ -1,0 +1,125 @@
+"""Errors and gRPC status codes, in one place: exceptions -> codes on the server, codes -> exceptions
+and the retry decision on the client.
+
+Server side, every handler (and the auth interceptor) funnels what it raises through `to_status`:
+
+| raised                                             | status              |
+| -------------------------------------------------- | ------------------- |
+| `UnknownDataset`                                   | NOT_FOUND           |
+| `BadRequest`, `PlanError`/`StateError`, other `GdsloadError` | INVALID_ARGUMENT |
+| `OverLimit`                                        | RESOURCE_EXHAUSTED  |
+| `DatasetChanged`, `MissingDependencyError`         | FAILED_PRECONDITION |
+| `FormatError`, `DecodeError` (corrupt data)        | DATA_LOSS           |
+| `Unavailable` (at capacity, shutting down)         | UNAVAILABLE         |
+| `Unauthenticated`                                  | UNAUTHENTICATED     |
+| anything else (a bug; logged with its traceback)   | INTERNAL            |
+
+Client side, `RETRYABLE` are the codes of a broken or refused connection; the loader reconnects
+(with backoff, failing over to the next address) and resumes from its cursor. Every other code is
+raised as a `RemoteError` carrying the code and the server's message.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from gdsload.errors import FormatError, GdsloadError, MissingDependencyError, require
+
+require("grpc", extra="serve", purpose="the remote feed (gdsload serve, RemoteLoader)")
+
+import grpc
+
+
+class ServiceError(GdsloadError):
+    """An error the feed server reports on purpose; subclasses pick the status code."""
+
+
+class UnknownDataset(ServiceError):
+    """No dataset of that name below the server's roots."""
+
+
+class BadRequest(ServiceError):
+    """The request is malformed (a missing name, an unknown field, a bad transform)."""
+
+
+class OverLimit(ServiceError):
+    """The request is valid but over one of the server's `Limits`."""
+
+
+class DatasetChanged(ServiceError):
+    """The client planned with another version of the dataset than the server has now."""
+
+
+class Unavailable(ServiceError):
+    """The server cannot take the call now (at capacity, shutting down); retry later or elsewhere."""
+
+
+class Unauthenticated(ServiceError):
+    """Missing or wrong bearer token."""
+
+
+class RemoteError(GdsloadError):
+    """A feed call failed; `code` is the gRPC status code name, `address` the server."""
+
+    def __init__(self, message: str, *, code: str, address: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.address = address
+
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnknownDataset, grpc.StatusCode.NOT_FOUND),
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DatasetChanged, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (MissingDependencyError, grpc.StatusCode.FAILED_PRECONDITION),
+    (FormatError, grpc.StatusCode.DATA_LOSS),
+)
+
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+})
+"""Codes after which the client reconnects and resumes. INTERNAL and UNKNOWN are included because
+gRPC reports a connection reset mid-stream with them; the retry budget bounds a real server bug."""
+
+
+def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an exception raised while serving a call."""
+    from gdsload.decode.image import DecodeError
+
+    if isinstance(exc, DecodeError):
+        return grpc.StatusCode.DATA_LOSS, str(exc)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    if isinstance(exc, GdsloadError):  # PlanError, StateError, unknown fields, ...
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc}); see the server log"
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the status `to_status` gives for `exc` (raises, as `context.abort` does)."""
+    code, message = to_status(exc)
+    context.abort(code, message)
+    raise AssertionError("unreachable: grpc's context.abort raises")  # pragma: no cover
+
+
+def is_retryable(err: grpc.RpcError) -> bool:
+    code = err.code() if hasattr(err, "code") else None
+    return code in RETRYABLE
+
+
+def from_rpc_error(err: grpc.RpcError, address: str | None = None) -> RemoteError:
+    """A `RemoteError` with the code and the server's message (the message is the useful part)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    name = code.name if code is not None else "UNKNOWN"
+    where = f" from {address}" if address else ""
+    return RemoteError(f"{name}{where}: {details}", code=name, address=address)

@@ -1,0 +1,319 @@
+"""Batches <-> BatchChunk messages, and ImageTransform <-> ImageTransformSpec.
+
+Wire layout (documented in proto/gdsload/v1/feed.proto): a batch is a header (keys, and per field
+its layout, dtype, shape or item lengths, byte count) and a body, the fields' bytes one after
+another. The body is cut into chunks so that no message exceeds `max_chunk_bytes`; the header
+rides in chunk 0.
+
+Copies: the server serializes each chunk by hand, copying each byte of the batch once, straight
+from the loader's arrays and byte strings into the message; the client takes `data` out of the
+received message without protobuf (`split_chunk`, a view) and copies each byte once: into the
+arrays it returns (writable, so `torch.from_numpy` accepts them) and the byte strings, or, for a
+batch of several chunks, into one `bytearray` of which the arrays are views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gdsload.decode.image import ImageTransform
+from gdsload.service.config import CHUNK_OVERHEAD_BYTES
+from gdsload.service.status import BadRequest, OverLimit
+from gdsload.v1 import feed_pb2 as pb
+
+KEY = "__key__"
+
+
+# -- server: batch -> chunks ---------------------------------------------------------------------
+_DATA_TAG = bytes([(7 << 3) | 2])  # BatchChunk.data: field 7, wire type 2 (length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: int,
+                 max_chunk_bytes: int, skipped: int = 0) -> Iterator[bytes]:
+    """The serialized BatchChunk messages of one batch (a dict field -> NumPy array or list of
+    bytes, plus "__key__"), each at most `max_chunk_bytes` long.
+
+    The messages are built by hand: the small fields through protobuf, then `data` (field 7)
+    appended as tag, length and the batch's bytes, joined straight from the arrays and byte
+    strings. That is exactly protobuf's encoding of BatchChunk, with one copy of the data instead
+    of three (join, message, serialization).
+    """
+    keys = list(batch.get(KEY, ()))
+    fields: list[pb.FieldData] = []
+    pieces: list[Any] = []  # bytes-like objects, the body in order
+    for name, value in batch.items():
+        if name == KEY:
+            continue
+        if isinstance(value, np.ndarray):
+            arr = np.ascontiguousarray(value)
+            fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_TENSOR, dtype=arr.dtype.str,
+                                       shape=arr.shape, nbytes=arr.nbytes))
+            if arr.nbytes:
+                pieces.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        elif isinstance(value, (list, tuple)):
+            lengths = [memoryview(v).nbytes for v in value]
+            fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_BYTES, item_nbytes=lengths,
+                                       nbytes=sum(lengths)))
+            pieces.extend(v for v, n in zip(value, lengths) if n)
+        else:
+            raise TypeError(f"field {name!r}: cannot send a {type(value).__name__}")
+    body = sum(f.nbytes for f in fields)
+    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=skipped,
+                            body_nbytes=body)
+    first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
+    if first_room <= 0:
+        raise OverLimit(
+            f"the header of one batch (keys and field layout of {len(keys)} samples) takes "
+            f"{header.ByteSize()} bytes, more than the message limit of {max_chunk_bytes} bytes; "
+            f"lower batch_size or raise the message limit"
+        )
+    room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES
+    chunk_index = 0
+    sent = 0
+    queue = iter(pieces)
+    current: Any = None  # the piece being cut, and how much of it is left
+    left = 0
+    while True:
+        want = first_room if chunk_index == 0 else room
+        parts: list[Any] = []
+        got = 0
+        while got < want:
+            if not left:
+                current = next(queue, None)
+                if current is None:
+                    break
+                left = memoryview(current).nbytes
+            view = memoryview(current)
+            n = view.nbytes
+            if left == n and left <= want - got:
+                parts.append(current)  # the whole piece: no slicing
+                got += n
+                left = 0
+            else:
+                take = min(left, want - got)
+                if view.format != "B" or view.ndim != 1:
+                    view = view.cast("B")
+                parts.append(view[n - left : n - left + take])
+                got += take
+                left -= take
+        sent += got
+        last = sent >= body
+        meta = pb.BatchChunk(step=step, position=position, epoch=epoch, chunk_index=chunk_index, last=last,
+                             header=header if chunk_index == 0 else None).SerializeToString()
+        if got:
+            yield b"".join([meta, _DATA_TAG, _varint(got), *parts])
+        else:
+            yield meta
+        if last:
+            return
+        chunk_index += 1
+
+
+def body_nbytes(batch: Mapping[str, Any]) -> int:
+    """Bytes of a batch's body (all fields but the keys)."""
+    n = 0
+    for name, value in batch.items():
+        if name != KEY:
+            n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(v).nbytes for v in value)
+    return n
+
+
+# -- client: chunks -> batch ---------------------------------------------------------------------
+class ProtocolError(Exception):
+    """The server sent chunks that do not form a batch (a bug or a broken stream)."""
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ProtocolError("truncated varint in a BatchChunk")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def split_chunk(raw: bytes) -> tuple[pb.BatchChunk, memoryview]:
+    """A serialized BatchChunk as (the message without `data`, a zero-copy view of `data`).
+
+    Used as the client's deserializer: protobuf would copy the data twice (into the message, then
+    into a new bytes object on access). Accepts any valid encoding (fields in any order).
+    """
+    buf = memoryview(raw)
+    pos = 0
+    data = buf[0:0]
+    rest: list[memoryview] = []
+    while pos < len(buf):
+        start = pos
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire_type == 2:
+            n, pos = _read_varint(buf, pos)
+            if number == 7:
+                data = buf[pos : pos + n]
+                pos += n
+                continue
+            pos += n
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise ProtocolError(f"BatchChunk field {number} has unsupported wire type {wire_type}")
+        rest.append(buf[start:pos])
+    if pos != len(buf):
+        raise ProtocolError("a BatchChunk ends inside a field")
+    meta = pb.BatchChunk.FromString(b"".join(rest) if len(rest) != 1 else bytes(rest[0]))
+    return meta, data
+
+
+class BatchAssembler:
+    """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived."""
+
+    def __init__(self) -> None:
+        self._header: pb.BatchHeader | None = None
+        self._body: bytearray | None = None
+        self._filled = 0
+        self._next_chunk = 0
+        self._step = -1
+
+    def add(self, chunk: pb.BatchChunk, data: bytes | memoryview | None = None) -> dict[str, Any] | None:
+        """Take one chunk (`data`: its data, when `split_chunk` took it out of the message)."""
+        if data is None:
+            data = chunk.data
+        if chunk.chunk_index != self._next_chunk:
+            raise ProtocolError(f"expected chunk {self._next_chunk} of a batch, got {chunk.chunk_index}")
+        if chunk.chunk_index == 0:
+            if not chunk.HasField("header"):
+                raise ProtocolError(f"chunk 0 of step {chunk.step} has no header")
+            self._header = chunk.header
+            self._step = chunk.step
+            if chunk.last:  # the whole batch in one message: no staging copy
+                if len(data) != chunk.header.body_nbytes:
+                    raise ProtocolError(f"step {chunk.step}: got {len(data)} of {chunk.header.body_nbytes} bytes")
+                return decode_body(chunk.header, data)
+            self._body = bytearray(chunk.header.body_nbytes)
+            self._filled = 0
+        elif chunk.step != self._step:
+            raise ProtocolError(f"chunk {chunk.chunk_index} is of step {chunk.step}, expected {self._step}")
+        end = self._filled + len(data)
+        if end > len(self._body):
+            raise ProtocolError(f"step {chunk.step}: chunks carry more than the {len(self._body)} bytes announced")
+        self._body[self._filled:end] = data
+        self._filled = end
+        if not chunk.last:
+            self._next_chunk += 1
+            return None
+        if self._filled != len(self._body):
+            raise ProtocolError(f"step {chunk.step}: got {self._filled} of {len(self._body)} bytes")
+        self._next_chunk = 0
+        body, self._body = self._body, None
+        return decode_body(self._header, body, owned=True)
+
+
+def decode_body(header: pb.BatchHeader, body: bytes | bytearray | memoryview, *, owned: bool = False) -> dict[str, Any]:
+    """The batch dict: tensors as writable arrays (views of `body` when `owned`, a bytearray the
+    caller gives away; else copies), byte fields as lists of bytes."""
+    out: dict[str, Any] = {}
+    offset = 0
+    view = memoryview(body)
+    for f in header.fields:
+        if f.layout == pb.FIELD_LAYOUT_TENSOR:
+            dtype = np.dtype(f.dtype)
+            shape = tuple(f.shape)
+            count = int(np.prod(shape, dtype=np.int64))
+            if count * dtype.itemsize != f.nbytes:
+                raise ProtocolError(f"field {f.name!r}: {f.dtype}{list(shape)} is not {f.nbytes} bytes")
+            src = view[offset : offset + f.nbytes] if owned else bytearray(view[offset : offset + f.nbytes])
+            out[f.name] = np.frombuffer(src, dtype=dtype, count=count).reshape(shape)
+        elif f.layout == pb.FIELD_LAYOUT_BYTES:
+            items, pos = [], offset
+            for n in f.item_nbytes:
+                items.append(bytes(view[pos : pos + n]))
+                pos += n
+            if pos - offset != f.nbytes:
+                raise ProtocolError(f"field {f.name!r}: item lengths do not add up to {f.nbytes}")
+            out[f.name] = items
+        else:
+            raise ProtocolError(f"field {f.name!r}: unknown layout {f.layout}")
+        offset += f.nbytes
+    out[KEY] = list(header.keys)
+    return out
+
+
+# -- transforms ------------------------------------------------------------------------------------
+def transform_to_spec(t: ImageTransform) -> pb.ImageTransformSpec:
+    """The wire form of an ImageTransform (doubles: the values arrive exactly)."""
+    if t.user_fn is not None:
+        raise BadRequest(
+            "an ImageTransform with a user_fn cannot be sent to the server (code does not travel); "
+            "decode remotely without it and apply the function to the batches on the trainer"
+        )
+    return pb.ImageTransformSpec(
+        size=t.size, train=t.train, scale_min=t.scale[0], scale_max=t.scale[1],
+        ratio_min=t.ratio[0], ratio_max=t.ratio[1], resize=t.resize, flip=t.flip,
+        mean=list(t.mean) if t.mean is not None else [], std=list(t.std) if t.std is not None else [],
+        layout=t.layout, dtype=t.dtype,
+    )
+
+
+def _three(name: str, values: Sequence[float]) -> tuple[float, float, float] | None:
+    if not values:
+        return None
+    if len(values) != 3:
+        raise BadRequest(f"transform.{name} must have 3 values (one per channel) or none, got {len(values)}")
+    return (float(values[0]), float(values[1]), float(values[2]))
+
+
+def spec_to_transform(spec: pb.ImageTransformSpec, *, max_side: int) -> ImageTransform:
+    """An ImageTransform from the wire, validated (BadRequest / OverLimit name the bad value)."""
+    if spec.size < 1:
+        raise BadRequest(f"transform.size must be >= 1 pixel, got {spec.size}")
+    if spec.layout not in ("NCHW", "NHWC"):
+        raise BadRequest(f"transform.layout must be 'NCHW' or 'NHWC', got {spec.layout!r}")
+    if spec.dtype not in ("float32", "float16", "uint8"):
+        raise BadRequest(f"transform.dtype must be 'float32', 'float16' or 'uint8', got {spec.dtype!r}")
+    for name in ("size", "resize"):
+        if getattr(spec, name) > max_side:
+            raise OverLimit(
+                f"transform.{name} {getattr(spec, name)} is over the server's limit of {max_side} pixels"
+            )
+    if not spec.train and spec.resize < spec.size:
+        raise BadRequest(f"transform.resize ({spec.resize}) must be >= transform.size ({spec.size}) "
+                         "for the eval transform (resize, then center crop)")
+    if spec.train and not (0 < spec.scale_min <= spec.scale_max <= 1):
+        raise BadRequest(f"transform scale range must satisfy 0 < min <= max <= 1, got "
+                         f"({spec.scale_min}, {spec.scale_max})")
+    if spec.train and not (0 < spec.ratio_min <= spec.ratio_max):
+        raise BadRequest(f"transform ratio range must satisfy 0 < min <= max, got "
+                         f"({spec.ratio_min}, {spec.ratio_max})")
+    if not 0 <= spec.flip <= 1:
+        raise BadRequest(f"transform.flip is a probability in [0, 1], got {spec.flip}")
+    std = _three("std", spec.std)
+    if std is not None and min(std) <= 0:
+        raise BadRequest(f"transform.std values must be > 0, got {list(std)}")
+    return ImageTransform(
+        size=spec.size, train=spec.train, scale=(spec.scale_min, spec.scale_max),
+        ratio=(spec.ratio_min, spec.ratio_max), resize=spec.resize, flip=spec.flip,
+        mean=_three("mean", spec.mean), std=std, layout=spec.layout, dtype=spec.dtype,
+    )

@@ -1,0 +1,214 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Payload(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_UNSPECIFIED: _ClassVar[Payload]
+    PAYLOAD_RAW: _ClassVar[Payload]
+    PAYLOAD_DECODED: _ClassVar[Payload]
+
+class OnError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_ERROR_UNSPECIFIED: _ClassVar[OnError]
+    ON_ERROR_RAISE: _ClassVar[OnError]
+    ON_ERROR_SKIP: _ClassVar[OnError]
+
+class FieldLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FIELD_LAYOUT_UNSPECIFIED: _ClassVar[FieldLayout]
+    FIELD_LAYOUT_TENSOR: _ClassVar[FieldLayout]
+    FIELD_LAYOUT_BYTES: _ClassVar[FieldLayout]
+PAYLOAD_UNSPECIFIED: Payload
+PAYLOAD_RAW: Payload
+PAYLOAD_DECODED: Payload
+ON_ERROR_UNSPECIFIED: OnError
+ON_ERROR_RAISE: OnError
+ON_ERROR_SKIP: OnError
+FIELD_LAYOUT_UNSPECIFIED: FieldLayout
+FIELD_LAYOUT_TENSOR: FieldLayout
+FIELD_LAYOUT_BYTES: FieldLayout
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("name", "dataset_id", "num_samples", "shard_sizes", "fields", "manifest_json")
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIZES_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dataset_id: str
+    num_samples: int
+    shard_sizes: _containers.RepeatedScalarFieldContainer[int]
+    fields: _containers.ScalarMap[str, str]
+    manifest_json: str
+    def __init__(self, name: _Optional[str] = ..., dataset_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., fields: _Optional[_Mapping[str, str]] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class ListDatasetsResponse(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_SIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    protocol_version: int
+    max_message_bytes: int
+    max_batch_size: int
+    max_batch_bytes: int
+    max_image_side: int
+    max_streams: int
+    active_streams: int
+    decode_available: bool
+    decode_device: str
+    num_datasets: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ...) -> None: ...
+
+class ImageTransformSpec(_message.Message):
+    __slots__ = ("size", "train", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "layout", "dtype")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MIN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MAX_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    FLIP_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    train: bool
+    scale_min: float
+    scale_max: float
+    ratio_min: float
+    ratio_max: float
+    resize: int
+    flip: float
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    std: _containers.RepeatedScalarFieldContainer[float]
+    layout: str
+    dtype: str
+    def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORM_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    ON_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    dataset_id: str
+    seed: int
+    epoch: int
+    shuffle: bool
+    shuffle_window: int
+    drop_last: bool
+    batch_size: int
+    rank: int
+    world_size: int
+    start_position: int
+    payload: Payload
+    transform: ImageTransformSpec
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    on_error: OnError
+    max_batches: int
+    max_chunk_bytes: int
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class BatchChunk(_message.Message):
+    __slots__ = ("step", "position", "epoch", "chunk_index", "last", "header", "data")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    position: int
+    epoch: int
+    chunk_index: int
+    last: bool
+    header: BatchHeader
+    data: bytes
+    def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BatchHeader(_message.Message):
+    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes")
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BODY_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    num_samples: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    fields: _containers.RepeatedCompositeFieldContainer[FieldData]
+    skipped: int
+    body_nbytes: int
+    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ...) -> None: ...
+
+class FieldData(_message.Message):
+    __slots__ = ("name", "layout", "dtype", "shape", "item_nbytes", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layout: FieldLayout
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    item_nbytes: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[FieldLayout, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., item_nbytes: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
