@@ -145,7 +145,11 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from gdsload import demo
 
-    demo.run(a.workdir, num_images=a.images, num_classes=a.classes, seed=a.seed)
+    overrides = {k: v for k, v in (("num_images", a.images), ("num_classes", a.classes), ("steps", a.steps),
+                                    ("batch_size", a.batch_size), ("seed", a.seed)) if v is not None}
+    result = demo.run(a.workdir, tiny=a.tiny, **overrides)
+    if a.json:
+        demo.write_json(result, a.json)
     return 0
 
 
@@ -208,11 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-hash", action="store_true", help="skip SHA-256 (faster)")
     v.set_defaults(func=cmd_verify)
 
-    m = sub.add_parser("demo", help="generate a sample dataset, convert, verify and decode it")
+    m = sub.add_parser("demo", help="the whole product on sample data: convert, serve, train, resume, compare",
+                       description="Generate an ImageNet-like JPEG folder, convert and verify it, train a tiny "
+                       "torch model fed by gdsload.DataLoader, by RemoteLoader from a loopback server and by "
+                       "PyTorch's DataLoader, checkpoint and resume mid-epoch, and print a report. Needs "
+                       "torch, webdataset and the cpu (or cudaNN), demo and serve extras.")
     m.add_argument("--workdir", default="gdsload-demo", help="where the sample data goes (default ./gdsload-demo)")
-    m.add_argument("--images", type=int, default=600, help="number of images (default 600)")
-    m.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--tiny", action="store_true", help="tiny sizes: the whole demo in a few seconds (for tests)")
+    m.add_argument("--images", type=int, help="number of images (default 800; 48 with --tiny)")
+    m.add_argument("--classes", type=int, help="number of classes (default 10; 3 with --tiny)")
+    m.add_argument("--steps", type=int, help="training steps per loader (default 100; 8 with --tiny)")
+    m.add_argument("--batch-size", type=int, help="batch size (default 32; 8 with --tiny)")
+    m.add_argument("--seed", type=int)
+    m.add_argument("--json", help="also write every figure of the run here")
     m.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmark gdsload against PyTorch+webdataset, DALI and raw reads on a dataset")

@@ -88,6 +88,15 @@ def _torch():
         return None
 
 
+def _current_cuda_device() -> int:
+    """The CUDA device this process uses (torch's current device, as set per rank under torchrun;
+    else LOCAL_RANK; else 0)."""
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def _dist_rank_world() -> tuple[int, int] | None:
     torch = _torch()
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -267,7 +276,7 @@ class DataLoader:
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
         if on_device:  # two arenas: device (GDS target) and pinned host
-            self._ring = Ring(SlotSpec(fields=spec), slots, device="cuda", pin=pin,
+            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{_current_cuda_device()}", pin=pin,
                               host_spec=SlotSpec(fields=host))
         else:  # one host arena: one read per batch scatters into every field
             self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
@@ -295,7 +304,7 @@ class DataLoader:
             self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
-                                         on_error=self.on_error)
+                                         on_error=self.on_error, device_id=_current_cuda_device())
         return self._decoder
 
     def stats(self) -> dict[str, Any]:

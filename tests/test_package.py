@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("nvidia.dali", "torch", "grpc", "cupy", "kvikio", "PIL", "fsspec", "tqdm", "webdataset", "skimage")
 
@@ -57,16 +55,3 @@ def test_readme_commands_are_what_ci_runs():
         "torch==2.13.0", ""
     ), "CI must never pull an unpinned (CUDA) torch"
 
-
-@pytest.mark.dali
-def test_demo_tiny(tmp_path):
-    pytest.importorskip("nvidia.dali")
-    pytest.importorskip("skimage")
-    from gdsload import demo
-
-    lines = []
-    r = demo.run(tmp_path / "d", num_images=24, num_classes=3, log=lines.append)
-    assert r["convert"]["samples"] == 24 and r["decode"]["images"] == 24
-    assert sum(r["decode"]["labels"].values()) == 24 and len(r["decode"]["labels"]) == 3
-    assert r["alignment"]["aligned"] == r["alignment"]["payloads_4k_or_more"] > 0
-    assert any("demo finished" in line for line in lines)

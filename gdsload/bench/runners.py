@@ -54,8 +54,8 @@ def _shards(dataset: str) -> tuple[list[str], list[str], dict]:
 
 
 # -- Pillow transforms for the torch baseline (torchvision's definitions) ------------------------
-def pil_random_resized_crop(img, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """torchvision.transforms.RandomResizedCrop(224) semantics, bilinear."""
+def pil_random_resized_crop(img, rng, size: int = SIZE, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision.transforms.RandomResizedCrop(size) semantics, bilinear."""
     from PIL import Image
 
     w, h = img.size
@@ -65,24 +65,29 @@ def pil_random_resized_crop(img, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
         ar = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
         cw, ch = int(round(np.sqrt(target * ar))), int(round(np.sqrt(target / ar)))
         if 0 < cw <= w and 0 < ch <= h:
-            x, y = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
+            x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
             break
     else:  # fall back to a center crop, as torchvision does
-        cw, ch = w, h
-        x, y = 0, 0
-    return img.resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+        cw, ch, x, y = w, h, 0, 0
+    return img.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
 
 
-def pil_transform(tier: str):
+def pil_transform(tier: str, *, size: int = SIZE, seed: int = 0):
+    """The tier's transform with Pillow and NumPy (D: resize; T: random resized crop + flip +
+    normalize, float32 CHW). One random generator per worker process, seeded by (seed, pid), so
+    forked DataLoader workers do not repeat each other's crops."""
     from PIL import Image
 
-    rng = np.random.default_rng(os.getpid())
+    state: dict[int, np.random.Generator] = {}
 
     def fn(img):
         img = img.convert("RGB")
         if tier == "D":
-            return np.asarray(img.resize((SIZE, SIZE), Image.BILINEAR))
-        img = pil_random_resized_crop(img, rng)
+            return np.asarray(img.resize((size, size), Image.BILINEAR))
+        rng = state.get(os.getpid())
+        if rng is None:
+            rng = state[os.getpid()] = np.random.default_rng([seed, os.getpid()])
+        img = pil_random_resized_crop(img, rng, size)
         if rng.random() < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
         a = (np.asarray(img, np.float32) - MEAN) / STD

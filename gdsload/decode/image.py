@@ -70,6 +70,7 @@ class ImageDecoder:
     """Decode + transform batches of encoded images with one DALI pipeline."""
 
     def __init__(self, transform: ImageTransform, *, batch_size: int, device: Literal["cpu", "mixed"] = "cpu",
+                 device_id: int = 0,
                  threads: int = 2, seed: int = 0, on_error: Literal["raise", "skip"] = "raise"):
         if device not in ("cpu", "mixed"):
             raise ValueError(f"decode device must be 'cpu' or 'mixed', not {device!r}")
@@ -81,6 +82,7 @@ class ImageDecoder:
         self.threads = threads
         self.seed = seed
         self.on_error = on_error
+        self.device_id = device_id  # the GPU that "mixed" decodes on (the rank's own under torchrun)
         self.skipped = 0
         self._pipe = None
         self._builds = 0
@@ -93,7 +95,7 @@ class ImageDecoder:
         dev = self.device
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
-                      device_id=0 if dev == "mixed" else None, seed=self.seed + 7919 * self._builds,
+                      device_id=self.device_id if dev == "mixed" else None, seed=self.seed + 7919 * self._builds,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
         def pipe():
             enc = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)

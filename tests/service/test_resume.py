@@ -9,7 +9,6 @@ import time
 from collections import Counter
 
 import grpc
-import pytest
 from feedkit import free_port, health_status, spawn_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
