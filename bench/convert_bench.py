@@ -139,11 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'gdsload convert':<26}{g['samples_per_s_median']:>12.0f}{g['cpu_s_per_1000']:>10.2f}{g['peak_rss_mb']:>13.0f}")
     print(f"{'webdataset.ShardWriter':<26}{w['samples_per_s_median']:>12.0f}{w['cpu_s_per_1000']:>10.2f}{w['peak_rss_mb']:>13.0f}")
     print(f"ratio gdsload/webdataset samples/s: median {r['median']:.2f} (min {r['min']:.2f}, max {r['max']:.2f}) over {a.rounds} rounds")
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"convert-{platform.node() or 'host'}.json"
-    if not a.tiny or a.out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+    from gdsload.bench.harness import write_result
+
+    write_result(result, a.out, Path(__file__).parent / "results", "convert", tiny=a.tiny)
     if not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return result

@@ -12,7 +12,6 @@ JSON to --out (default bench/results/loader-<node>.json). See bench/README.md fo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -80,11 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         for ms, d in out["stall"].items():
             print(f"{float(ms):>8.0f}{d['gdsload']:>10.2f}{d['torch']:>10.2f}")
     out["seconds"] = time.time() - t0
-    dest = Path(a.out) if a.out else Path(__file__).parent / "results" / f"loader-{platform.node() or 'host'}.json"
-    if not a.tiny or a.out:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {dest}", file=sys.stderr)
+    from gdsload.bench.harness import write_result
+
+    write_result(out, a.out, Path(__file__).parent / "results", "loader", tiny=a.tiny)
     return out
 
 

@@ -193,11 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'-' if cpu is None else f'{cpu:.2f}':>10}")
     print(f"driver listing+planning: {lst['samples_per_s']:.0f} samples/s ({lst['samples']} samples, "
           f"{lst['shards']} shards); per-core conversion rate {per_core:.0f} samples/s")
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"ray-convert-{platform.node() or 'host'}.json"
-    if not a.tiny or a.out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+    from gdsload.bench.harness import write_result
+
+    write_result(result, a.out, Path(__file__).parent / "results", "ray-convert", tiny=a.tiny)
     if not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return result

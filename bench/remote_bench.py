@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import shutil
@@ -232,11 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['server_cpu_s_per_gb']:>17.2f}{r['client_cpu_s_per_gb']:>17.2f}{r['local_cpu_s_per_gb']:>16.2f}")
     print(f"load average (1 min) at start and end: {result['machine']['loadavg_1m_start_end']} on "
           f"{os.cpu_count()} CPUs; other work on the host widens the min-max ranges")
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"remote-{platform.node() or 'host'}.json"
-    if not a.tiny or a.out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+    from gdsload.bench.harness import write_result
+
+    write_result(result, a.out, Path(__file__).parent / "results", "remote", tiny=a.tiny)
     if not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return result

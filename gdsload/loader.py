@@ -35,6 +35,7 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
 
@@ -104,7 +105,7 @@ def _dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
-class DataLoader:
+class DataLoader(PlanCursor):
     """A drop-in for `torch.utils.data.DataLoader` over a gdsload dataset.
 
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
@@ -194,22 +195,7 @@ class DataLoader:
         self._decoder = None
 
     # -- torch-like surface --------------------------------------------------------------------
-    def __len__(self) -> int:
-        return self.plan.num_batches(self._epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            self._epoch, self._position = epoch, 0
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.plan.state(self._epoch, self._position))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._epoch, self._position = self.plan.resume(state)
+    # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
     @staticmethod

@@ -192,3 +192,16 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{(f'{fb:.2f}' if fb is not None else '-'):>12}"
                          f"{(f'{wf:.2f}' if wf is not None else '-'):>7}{extra}")
     return "\n".join(lines)
+
+
+def write_result(result: dict[str, Any], out: str | None, results_dir: Path, name: str, *,
+                 tiny: bool) -> Path | None:
+    """Write a benchmark's JSON to `out`, or to `results_dir/NAME-<node>.json`; tiny runs write
+    only where `out` is given (so the test suite leaves no results behind)."""
+    if tiny and not out:
+        return None
+    dest = Path(out) if out else results_dir / f"{name}-{platform.node() or 'host'}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {dest}", file=sys.stderr)
+    return dest

@@ -46,6 +46,7 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 import grpc
 
+from gdsload.plan import PlanCursor
 from gdsload.service import status, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
@@ -116,7 +117,7 @@ class _Channels:
             self._stubs = {}
 
 
-class RemoteLoader:
+class RemoteLoader(PlanCursor):
     """Batches of a dataset served by `gdsload serve`, as the local `DataLoader` would make them.
 
     `address`: "HOST:PORT" or a list of them; rank r starts on address ``r % len`` and fails
@@ -284,22 +285,7 @@ class RemoteLoader:
         return self._unary("GetServerInfo", pb.GetServerInfoRequest())
 
     # -- torch-like surface ---------------------------------------------------------------------
-    def __len__(self) -> int:
-        return self.plan.num_batches(self._epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            self._epoch, self._position = epoch, 0
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.plan.state(self._epoch, self._position))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._epoch, self._position = self.plan.resume(state)
+    # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
 
     def __iter__(self) -> _RemoteEpoch:
         if self._active is not None:
