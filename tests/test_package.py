@@ -55,3 +55,14 @@ def test_readme_commands_are_what_ci_runs():
         "torch==2.13.0", ""
     ), "CI must never pull an unpinned (CUDA) torch"
 
+
+
+def test_test_extra_installs_what_the_suite_needs():
+    """Skips by capability are for GPUs only: the test extra must bring every library the CPU
+    suite imports (a lost line here once made CI skip the whole gRPC suite silently)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!\[ ]", d, maxsplit=1)[0].lower() for d in extras["test"]}
+    assert {"grpcio", "grpcio-health-checking", "grpcio-tools", "protobuf", "prometheus-client",
+            "webdataset", "hypothesis", "aiohttp", "scikit-image", "ray"} <= names
