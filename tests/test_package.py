@@ -2,6 +2,8 @@
 
 import re
 import subprocess
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -60,7 +62,7 @@ def test_readme_commands_are_what_ci_runs():
 def test_test_extra_installs_what_the_suite_needs():
     """Skips by capability are for GPUs only: the test extra must bring every library the CPU
     suite imports (a lost line here once made CI skip the whole gRPC suite silently)."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {re.split(r"[<>=!\[ ]", d, maxsplit=1)[0].lower() for d in extras["test"]}
