@@ -2,10 +2,10 @@
 
 import re
 import subprocess
-
-import pytest
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("nvidia.dali", "torch", "grpc", "cupy", "kvikio", "PIL", "fsspec", "tqdm", "webdataset", "skimage")
