@@ -14,7 +14,6 @@ Prints a table and writes JSON (`--out`, default bench/results/convert-<host>.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -72,16 +71,13 @@ def main(argv: list[str] | None = None) -> dict:
         a.images, a.classes, a.rounds, a.shard_size = 40, 4, 1, "1MB"
 
     from gdsload.cli import parse_size
-    from gdsload.sampledata import make_image_folder
+    from gdsload.sampledata import ensure_image_folder
 
     shard_size = parse_size(a.shard_size)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-convert-bench-"))
     src = work / "images"
-    if not (src / ".complete").exists():
-        kw = {"mean_size": (160, 120)} if a.tiny else {}
-        made = make_image_folder(src, num_images=a.images, num_classes=a.classes, seed=0, **kw)
-        (src / ".complete").write_text(json.dumps(made))
-    made = json.loads((src / ".complete").read_text())
+    kw = {"mean_size": (160, 120)} if a.tiny else {}
+    made = ensure_image_folder(src, num_images=a.images, num_classes=a.classes, seed=0, **kw)
     print(f"source: {made['num_images']} images, {made['total_bytes'] / 1e6:.0f} MB in {src}", file=sys.stderr)
 
     def ours() -> dict:

@@ -116,16 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
                  f"choose from local, ray, ray-joined")
 
     from gdsload.cli import parse_size
-    from gdsload.sampledata import make_image_folder
+    from gdsload.sampledata import ensure_image_folder
 
     shard_size = parse_size(a.shard_size)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-ray-bench-"))
     src = work / "images"
-    if not (src / ".complete").exists():
-        kw = {"mean_size": (160, 120)} if a.tiny else {}
-        made = make_image_folder(src, num_images=a.images, num_classes=a.classes, seed=0, **kw)
-        (src / ".complete").write_text(json.dumps(made))
-    made = json.loads((src / ".complete").read_text())
+    kw = {"mean_size": (160, 120)} if a.tiny else {}
+    made = ensure_image_folder(src, num_images=a.images, num_classes=a.classes, seed=0, **kw)
     n = made["num_images"]
     print(f"source: {n} images, {made['total_bytes'] / 1e6:.0f} MB in {src}", file=sys.stderr)
 

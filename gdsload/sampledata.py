@@ -387,3 +387,15 @@ def make_npy_folder(
         "total_bytes": total,
         "seed": seed,
     }
+
+
+def ensure_image_folder(dst: str | os.PathLike[str], **kwargs: Any) -> dict[str, Any]:
+    """`make_image_folder` once: a later call with the folder complete (marker file
+    `.complete`, written last) returns the recorded summary without regenerating."""
+    import json
+
+    marker = Path(dst) / ".complete"
+    if not marker.exists():
+        made = make_image_folder(dst, **kwargs)
+        marker.write_text(json.dumps(made))
+    return json.loads(marker.read_text())
