@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.errors import GdsloadError, require
+from gdsload.format.manifest import write_atomic
 
 __all__ = ["PHOTOS", "available_photos", "make_image_folder", "make_npy_folder"]
 
@@ -208,14 +209,9 @@ def _render_image(seed: int, index: int, mean_size: tuple[int, int], quality: in
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # Generated data can be regenerated: no fsync per file (thousands of images), still no
+    # half-written file under its final name.
+    write_atomic(path, data, fsync=False)
 
 
 def _write_images(

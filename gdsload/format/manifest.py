@@ -50,14 +50,20 @@ def field_kind(ext: str) -> str:
     return _KINDS.get(last, "bytes")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary name and an atomic rename, fsynced."""
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write `data` to `path` through a temporary name and an atomic rename (fsynced unless
+    `fsync=False`); a failed write leaves no temporary file behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save(root: Path, manifest: dict[str, Any]) -> None:

@@ -28,10 +28,12 @@ from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
+from gdsload.io import is_url
 
 
 def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
+    """A remote URL for fsspec; `file://` paths are read as local files."""
+    return is_url(path) and not path.startswith("file://")
 
 
 class ShardedDataset:
