@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a dataset into aligned WebDataset shards",
                        description="Convert an image folder (CLASS/IMAGE), a folder of KEY.EXT files, "
                        "WebDataset tars (file, folder or brace pattern) or a folder of .npy files.")
-    c.add_argument("src", help="source folder, .tar file, or pattern like 'train-{000000..000099}.tar'")
-    c.add_argument("dst", help="destination folder (new or empty, unless --resume/--overwrite)")
+    c.add_argument("src", help="source folder, .tar file, or pattern like 'train-{000000..000099}.tar'; "
+                   "a local path or an fsspec URL (s3://bucket/train)")
+    c.add_argument("dst", help="destination folder or fsspec URL (new or empty, unless --resume/--overwrite)")
     c.add_argument("--format", choices=["imagefolder", "files", "tar", "npy"], help="source layout (default: detected)")
     c.add_argument("--shard-size", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",
                    help="target shard size, e.g. 512MB, 1GiB (default 1GiB)")
@@ -261,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gdsload {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # storage the user pointed at: permissions, a missing bucket, the network
+        if os.environ.get("GDSLOAD_DEBUG"):
+            raise
+        print(f"gdsload {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

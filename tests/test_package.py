@@ -67,4 +67,4 @@ def test_test_extra_installs_what_the_suite_needs():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {re.split(r"[<>=!\[ ]", d, maxsplit=1)[0].lower() for d in extras["test"]}
     assert {"grpcio", "grpcio-health-checking", "grpcio-tools", "protobuf", "prometheus-client",
-            "webdataset", "hypothesis", "aiohttp", "scikit-image", "ray"} <= names
+            "webdataset", "hypothesis", "aiohttp", "scikit-image", "ray", "moto", "s3fs"} <= names

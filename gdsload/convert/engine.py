@@ -20,7 +20,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -30,14 +29,23 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gdsload.convert.sources import Listing, Ref, Sample, SourceFormat, list_source
+from gdsload.convert.sources import (
+    Listing,
+    Ref,
+    Sample,
+    SourceFormat,
+    list_source,
+    read_range,
+)
 from gdsload.errors import DestinationError, FormatError, InputError
 from gdsload.format import manifest as mf
 from gdsload.format.manifest import field_kind
+from gdsload.format.store import Store, is_remote, local_path, open_store, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 from gdsload.format.writer import ShardWriter, make_manifest, shard_name
 
 STATE_DIR = ".gdsload-convert"
+PLAN = "plan.json"
 REJECTED = "rejected.jsonl"
 
 
@@ -107,12 +115,8 @@ def fingerprint(listing: Listing, shards: list[list[Sample]], opts: ConvertOptio
                 if r.data is not None:
                     h.update(r.data)
         h.update(b"\n")
-    for path in listing.inputs:
-        try:
-            st = os.stat(path)
-            h.update(f"{path}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(f"{path}|missing\n".encode())
+    for path, stamp in listing.inputs:
+        h.update(f"{path}|{stamp}\n".encode())
     return h.hexdigest()
 
 
@@ -120,9 +124,7 @@ def fingerprint(listing: Listing, shards: list[list[Sample]], opts: ConvertOptio
 def read_ref(ref: Ref) -> bytes:
     if ref.data is not None:
         return ref.data
-    with open(ref.path, "rb") as f:  # type: ignore[arg-type]
-        f.seek(ref.offset)
-        data = f.read() if ref.size < 0 else f.read(ref.size)
+    data = read_range(ref.path, ref.offset, ref.size)  # type: ignore[arg-type]
     if ref.size >= 0 and len(data) != ref.size:
         raise OSError(f"expected {ref.size} bytes, read {len(data)} (file changed during conversion?)")
     return data
@@ -132,9 +134,7 @@ def validate_image(data: bytes) -> None:
     """Decode an image fully with Pillow; raises on anything that would not decode."""
     import io
 
-    from PIL import Image
-
-    from PIL import UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -165,7 +165,8 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
     rejects: list[dict[str, str]] = []
     fields: dict[str, str] = {}
     pending = [0, 0]
-    w = ShardWriter(dst, name)
+    store = open_store(dst)
+    w = ShardWriter(store, name)
     try:
         for s in samples:
             try:
@@ -200,9 +201,8 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
         w.abort()
         raise
     result = {"entry": entry, "rejects": rejects, "fields": fields}
-    done = Path(dst) / STATE_DIR / "done"
-    if done.is_dir():
-        mf.write_atomic(done / f"{name}.json", json.dumps(result).encode())
+    if store.exists(f"{STATE_DIR}/{PLAN}"):  # inside a conversion: leave the done record
+        store.write(f"{STATE_DIR}/done/{name}.json", json.dumps(result).encode())
     return result
 
 
@@ -234,83 +234,93 @@ def _ours(name: str) -> bool:
     )
 
 
-def _clean(dst: Path) -> None:
-    (dst / mf.MANIFEST).unlink(missing_ok=True)  # first: the folder stops looking complete
-    for e in dst.iterdir():
-        if e.name == STATE_DIR:
-            shutil.rmtree(e)
-        elif _ours(e.name):
-            e.unlink()
+def _clean(dst: Store) -> None:
+    dst.remove(mf.MANIFEST)  # first: the folder stops looking complete
+    for name in dst.list():
+        if name == STATE_DIR:
+            dst.remove_tree(name)
+        elif _ours(name):
+            dst.remove(name)
 
 
-def prepare_destination(dst: Path, opts: ConvertOptions, fp: str) -> set[str]:
+def prepare_destination(dst: Store, opts: ConvertOptions, fp: str) -> set[str]:
     """Make `dst` ready; return the names of shards a resumed run can keep."""
-    state = dst / STATE_DIR
-    if dst.exists() and not dst.is_dir():
-        raise DestinationError(f"{dst}: exists and is not a folder")
-    if dst.is_dir():
-        entries = [e.name for e in dst.iterdir()]
-        ours = (dst / mf.MANIFEST).exists() or state.exists()
+    where = dst.root
+    if dst.is_file():
+        raise DestinationError(f"{where}: exists and is not a folder")
+    entries = dst.list()
+    if entries:
+        has_manifest, has_state = mf.MANIFEST in entries, STATE_DIR in entries
+        ours = has_manifest or has_state
         foreign = sorted(n for n in entries if not (ours and _ours(n)))
-        if (dst / mf.MANIFEST).exists() and not opts.overwrite:
+        if has_manifest and not opts.overwrite:
             raise DestinationError(
-                f"{dst} already holds a dataset ({mf.MANIFEST} exists); pass --overwrite to replace it"
+                f"{where} already holds a dataset ({mf.MANIFEST} exists); pass --overwrite to replace it"
             )
-        if state.exists() and not (opts.resume or opts.overwrite):
+        if has_state and not (opts.resume or opts.overwrite):
             raise DestinationError(
-                f"{dst} holds an interrupted conversion; pass --resume to continue it or "
+                f"{where} holds an interrupted conversion; pass --resume to continue it or "
                 f"--overwrite to start over"
             )
         if foreign:
             raise DestinationError(
-                f"{dst} is not empty and holds files that are not gdsload's ({', '.join(foreign[:3])}"
+                f"{where} is not empty and holds files that are not gdsload's ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
             )
-        if opts.resume and state.exists() and not (dst / mf.MANIFEST).exists():
+        if opts.resume and has_state and not has_manifest:
             try:
-                old = json.loads((state / "plan.json").read_text())
+                old = json.loads(dst.read(f"{STATE_DIR}/{PLAN}"))
             except (OSError, json.JSONDecodeError):
                 old = {}
             if old.get("fingerprint") != fp:
                 raise DestinationError(
-                    f"{dst}: the interrupted conversion used other inputs or options (its inputs "
+                    f"{where}: the interrupted conversion used other inputs or options (its inputs "
                     f"changed since); re-run with the same options, or --overwrite to start over"
                 )
-            for e in dst.iterdir():  # leftovers of writers that were killed
-                if e.name.startswith(".") and ".tmp-" in e.name:
-                    e.unlink()
+            for name in entries:  # leftovers of writers that were killed
+                if name.startswith(".") and ".tmp-" in name:
+                    dst.remove(name)
             keep = set()
-            for rec in (state / "done").glob("*.json"):
-                name = rec.name[: -len(".json")]
-                r = json.loads(rec.read_text())
-                entry = r.get("entry")
+            for rec in dst.list(f"{STATE_DIR}/done"):
+                if not rec.endswith(".json") or rec.startswith("."):
+                    continue
+                entry = json.loads(dst.read(f"{STATE_DIR}/done/{rec}")).get("entry")
                 if entry is None or (
-                    (dst / entry["name"]).is_file()
-                    and (dst / entry["name"]).stat().st_size == entry["bytes"]
-                    and (dst / entry["index"]).is_file()
-                    and (dst / entry["dali_index"]).is_file()
+                    dst.size(entry["name"]) == entry["bytes"]
+                    and dst.size(entry["index"]) is not None
+                    and dst.size(entry["dali_index"]) is not None
                 ):
-                    keep.add(name)
+                    keep.add(rec[: -len(".json")])
             return keep
-        if entries:
-            _clean(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    (state / "done").mkdir(parents=True, exist_ok=True)
-    mf.write_atomic(state / "plan.json", json.dumps({"fingerprint": fp}).encode())
+        _clean(dst)
+    dst.make_dirs(f"{STATE_DIR}/done")
+    dst.write(f"{STATE_DIR}/{PLAN}", json.dumps({"fingerprint": fp}).encode())
     return set()
 
 
 # -- driver --------------------------------------------------------------------------------------
-def _check_paths(src: str, dst: Path, inputs: list[str]) -> None:
+def _canon(path: str) -> str:
+    """An absolute form of a local path or fsspec URL, for comparing locations."""
+    if is_remote(path):
+        fs, p = url_to_fs(path)
+        return fs.unstrip_protocol(p.rstrip("/"))
+    return str(local_path(path).resolve())
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _check_paths(src: str, dst: str, inputs: list[tuple[str, str]]) -> None:
     """Refuse a destination inside the source, or inputs inside the destination."""
-    d = dst.resolve()
+    d = _canon(dst)
     if "{" in src:
-        inside = [p for p in inputs if d in Path(p).resolve().parents]  # a pattern names few tars
+        inside = [p for p, _ in inputs if _within(_canon(p), d)]  # a pattern names few tars
     else:
-        s = Path(src).resolve()
-        if d == s or s in d.parents:
+        s = _canon(src)
+        if _within(d, s):
             raise InputError(f"destination {dst} is inside the source {src}; choose a folder outside it")
-        inside = [src] if d in s.parents or (s.is_file() and d == s.parent) else []
+        inside = [src] if _within(s, d) else []
     if inside:
         raise InputError(f"input {inside[0]} is inside the destination {dst}; choose another destination")
 
@@ -323,11 +333,11 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
     this process (`workers == 1`) or a process pool. The output does not depend on the runner.
     """
     t0 = time.perf_counter()
-    dst = Path(dst)
+    store = open_store(dst)
     if opts.shard_size < 4 * ALIGN:
         raise InputError(f"--shard-size {opts.shard_size} is too small (minimum {4 * ALIGN} bytes)")
     listing = list_source(src, opts.format, labels=opts.labels)
-    _check_paths(src, dst, listing.inputs)
+    _check_paths(src, store.root, listing.inputs)
     samples = listing.samples
     if opts.shuffle:
         order = np.random.default_rng(opts.seed).permutation(len(samples))
@@ -341,7 +351,7 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
             f"{listing.rejects[0]['source'] if listing.rejects else '-'} "
             f"({listing.rejects[0]['reason'] if listing.rejects else 'no inputs'})"
         )
-    keep = prepare_destination(dst, opts, fp)
+    keep = prepare_destination(store, opts, fp)
     todo = [i for i, n in enumerate(names) if n not in keep]
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
 
@@ -363,17 +373,17 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
                                 f"{finished[0]}/{len(todo)} shards", refresh=False)
 
     if runner is not None:
-        for _ in runner(str(dst), [(names[i], plan[i]) for i in todo], opts.validate, workers, report):
+        for _ in runner(store.root, [(names[i], plan[i]) for i in todo], opts.validate, workers, report):
             finished[0] += 1
     elif workers == 1:
         for i in todo:
-            write_shard(str(dst), names[i], plan[i], opts.validate, report)
+            write_shard(store.root, names[i], plan[i], opts.validate, report)
             finished[0] += 1
     else:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         queue = ctx.Queue()
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
-            futs = {pool.submit(write_shard, str(dst), names[i], plan[i], opts.validate) for i in todo}
+            futs = {pool.submit(write_shard, store.root, names[i], plan[i], opts.validate) for i in todo}
             while futs:
                 done, futs = wait(futs, timeout=0.2, return_when=FIRST_COMPLETED)
                 while not queue.empty():
@@ -390,17 +400,17 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
     fields: dict[str, str] = {}
     rejects = list(listing.rejects)
     for name in names:
-        r = json.loads((dst / STATE_DIR / "done" / f"{name}.json").read_text())
+        r = json.loads(store.read(f"{STATE_DIR}/done/{name}.json"))
         if r["entry"] is not None:
             shards.append(r["entry"])
         rejects += r["rejects"]
         fields.update(r["fields"])
     if rejects:
-        mf.write_atomic(dst / REJECTED, "".join(json.dumps(r) + "\n" for r in rejects).encode())
+        store.write(REJECTED, "".join(json.dumps(r) + "\n" for r in rejects).encode())
     else:
-        (dst / REJECTED).unlink(missing_ok=True)
+        store.remove(REJECTED)
     if not shards:
-        raise InputError(f"{src}: every sample was rejected; see {dst / REJECTED}")
+        raise InputError(f"{src}: every sample was rejected; see {store.where(REJECTED)}")
     seconds = time.perf_counter() - t0
     manifest = make_manifest(
         shards,
@@ -414,8 +424,8 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
             "seconds": round(seconds, 3),
         },
     )
-    mf.save(dst, manifest)
-    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    mf.save(store, manifest)
+    store.remove_tree(STATE_DIR)
     n = manifest["num_samples"]
     return {
         "manifest": manifest,

@@ -13,9 +13,12 @@ last, so a lost task leaves at most a hidden `.NAME.tar.tmp-PID` file, which is 
 unit has finished (or by `--resume`). A unit that still fails raises `GdsloadError`; the done
 records of finished shards stay, and `--resume` continues.
 
-Where things run: tasks read inputs and write DST by path, so on more than one node both must be
-on a filesystem every node mounts at the same path (relative paths resolve in the driver's working
-directory, which must exist on every node). fsspec URLs (s3://...) are not supported yet.
+Where things run: tasks read inputs and write DST by the path or URL the driver was given. With
+fsspec URLs (`s3://`, `gs://`, ...) for both, every node reads and writes the object store
+directly and nothing needs to be shared but credentials (each worker resolves them as fsspec does:
+environment, config files, instance roles). Local paths work on more than one node only on a
+filesystem every node mounts at the same path (relative paths resolve in the driver's working
+directory, which must then exist on every node).
 
 Performance: one task per shard, at most `IN_FLIGHT_PER_CPU` x cluster CPUs submitted at once (a
 unit's arguments are its sample list, ~200 bytes per sample); each task holds one sample at a
@@ -34,6 +37,8 @@ from typing import Any
 from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, write_shard
 from gdsload.convert.sources import Sample
 from gdsload.errors import GdsloadError, InputError, require
+from gdsload.format.store import Store, is_remote, open_store
+from gdsload.io import is_url
 
 MAX_RETRIES = 3  # retries after the first attempt, per shard unit
 IN_FLIGHT_PER_CPU = 2  # tasks submitted per cluster CPU, so a freed CPU never waits on the driver
@@ -71,7 +76,7 @@ def _fault_hook(name: str) -> Callable[[int, int], None] | None:
 
 def run_unit(dst: str, name: str, samples: list[Sample], validate: bool, cwd: str) -> dict[str, Any]:
     """One shard unit inside a Ray worker: `write_shard`, with relative inputs read from `cwd`."""
-    if any(r.path and not os.path.isabs(r.path) for s in samples for _, r in s.fields):
+    if any(r.path and not is_url(r.path) and not os.path.isabs(r.path) for s in samples for _, r in s.fields):
         if not os.path.isdir(cwd):
             raise InputError(
                 f"shard {name}: relative input paths need the driver's working directory {cwd} on "
@@ -126,7 +131,9 @@ class RayRunner:
         ray = self.session.ensure()
         task = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=[OSError])(run_unit)
         self.cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        dst_abs, cwd = str(Path(dst).absolute()), os.getcwd()
+        store = open_store(dst)
+        dst_abs = store.root if is_remote(dst) else str(Path(store.root).absolute())
+        cwd = os.getcwd()
         sizes = dict(units)
         queue = list(reversed(units))
         pending: dict[Any, str] = {}
@@ -145,7 +152,7 @@ class RayRunner:
         finally:
             for ref in pending:  # an error or Ctrl-C: stop the rest (their writers abort)
                 ray.cancel(ref)
-        _remove_temporaries(Path(dst), [name for name, _ in units])
+        _remove_temporaries(store, [name for name, _ in units])
 
     @staticmethod
     def _result(ray: Any, ref: Any, name: str) -> dict[str, Any]:
@@ -164,15 +171,16 @@ class RayRunner:
             ) from exc
 
 
-def _remove_temporaries(dst: Path, names: list[str]) -> None:
-    """Drop what lost attempts left: `.NAME.tar.tmp-PID`, and `.NAME.json.tmp-PID` done records
-    (one listing of each folder, not one per shard: DST may be a shared filesystem)."""
+def _remove_temporaries(dst: Store, names: list[str]) -> None:
+    """Drop what lost attempts left in a local DST: `.NAME.tar.tmp-PID`, and `.NAME.json.tmp-PID`
+    done records (one listing of each folder, not one per shard: DST may be a shared filesystem).
+    At a URL there are none: files are written by one upload each, to their final names."""
     wanted = set(names)
-    for folder, suffix in ((dst, ".tar"), (dst / STATE_DIR / "done", ".json")):
-        for e in os.scandir(folder):
-            stem, sep, _ = e.name.partition(".tmp-")
+    for folder, suffix in (("", ".tar"), (f"{STATE_DIR}/done", ".json")):
+        for name in dst.list(folder):
+            stem, sep, _ = name.partition(".tmp-")
             if sep and stem.startswith(".") and stem.endswith(suffix) and stem[1: -len(suffix)] in wanted:
-                os.unlink(e.path)
+                dst.remove(f"{folder}/{name}" if folder else name)
 
 
 # -- entry point ---------------------------------------------------------------------------------

@@ -14,23 +14,33 @@ Key rules (webdataset splits member names at the first dot of the base name, DAL
 whitespace-separated): keys made from file names have dots and whitespace replaced by `_`; keys
 read from tars must already be valid. Two inputs that map to the same key are an error naming both.
 Hidden files (name starting with `.`) are ignored.
+
+Where the inputs are: a local path, or an fsspec URL (`s3://bucket/train/`, `gs://...`,
+`memory://...`), listed through fsspec with one recursive listing (`find`), so that Ray workers on
+other nodes can read what the driver listed. Ref paths are then full URLs, and payloads are read
+as byte ranges (`read_range`). The walk order, and so the output, is the same as for the same
+files on a local disk. Remote-only differences: permissions are not probed while listing (an
+unreadable object is rejected when its shard is written), and the resume fingerprint uses the
+object's ETag or modification time as the store reports it.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, BinaryIO, Literal
 
 from gdsload.errors import FormatError, InputError
 from gdsload.format import npy
 from gdsload.format.index import check_key, split_name
 from gdsload.format.manifest import IMAGE_EXTS
+from gdsload.format.store import is_remote, local_path, url_to_fs
 from gdsload.format.tar import ALIGN
 
 SourceFormat = Literal["imagefolder", "files", "tar", "npy"]
@@ -66,7 +76,7 @@ class Listing:
     samples: list[Sample]
     rejects: list[dict[str, str]] = field(default_factory=list)
     classes: list[str] | None = None
-    inputs: list[str] = field(default_factory=list)  # files read, for the resume fingerprint
+    inputs: list[tuple[str, str]] = field(default_factory=list)  # (file, stamp) read: resume fingerprint
 
 
 _SANITIZE = re.compile(r"[\s.]")
@@ -80,17 +90,8 @@ def _visible(name: str) -> bool:
     return not name.startswith(".")
 
 
-def _walk(root: Path) -> list[Path]:
-    """Regular files (and links to them) under root, sorted, hidden ones skipped."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if _visible(d))
-        out += [Path(dirpath) / f for f in sorted(filenames) if _visible(f)]
-    return out
-
-
-def _file_ref(path: Path, size: int) -> Ref:
-    return Ref(str(path), 0, size, shard_nbytes=size)
+def _file_ref(path: str, size: int) -> Ref:
+    return Ref(path, 0, size, shard_nbytes=size)
 
 
 def _label_ref(label: int) -> Ref:
@@ -112,27 +113,151 @@ class _KeyRegistry:
             raise InputError(f"duplicate sample key {key!r}: {other} and {where}")
 
 
-def _stat_size(path: Path) -> int | str:
-    """File size, or the reason it cannot be read."""
-    try:
-        st = path.stat()
-    except OSError as exc:
-        return f"unreadable: {exc.strerror or exc}"
-    if not os.access(path, os.R_OK):
-        return "unreadable: permission denied"
-    return st.st_size
+# -- where the inputs are -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _File:
+    path: str  # a local path or a full URL, as it goes into `Ref.path`
+    rel: str  # the path relative to the folder walked, `/`-separated
+    size: int | str  # bytes, or the reason the file cannot be read
+    stamp: str  # identity for the resume fingerprint: size and mtime (or ETag)
+
+
+class _LocalTree:
+    """Input files on a local disk (or a mounted shared filesystem)."""
+
+    def norm(self, src: str) -> str:
+        return str(local_path(src))
+
+    def join(self, root: str, name: str) -> str:
+        return os.path.join(root, name)
+
+    def kind(self, path: str) -> str | None:
+        """"dir", "file" or None (missing)."""
+        p = Path(path)
+        return "dir" if p.is_dir() else "file" if p.exists() else None
+
+    def children(self, root: str) -> list[tuple[str, bool]]:
+        """(name, is a folder) of the entries directly in root."""
+        return [(e.name, e.is_dir()) for e in os.scandir(root)]
+
+    def files_in(self, folder: str) -> dict[str, _File]:
+        """The files directly in folder by name ({} if it is missing); `rel` is the name."""
+        try:
+            return {e.name: self.stat(e.path, e.name) for e in os.scandir(folder) if e.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
+    def stat(self, path: str, rel: str = "") -> _File:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            return _File(path, rel, f"unreadable: {exc.strerror or exc}", "missing")
+        if not os.access(path, os.R_OK):
+            return _File(path, rel, "unreadable: permission denied", "unreadable")
+        return _File(path, rel, st.st_size, f"{st.st_size}|{st.st_mtime_ns}")
+
+    def walk(self, root: str) -> list[_File]:
+        """Files (and links to them) under root in `os.walk` order: sorted, a folder's files
+        before its sub-folders, hidden ones skipped."""
+        out = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if _visible(d))
+            prefix = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            prefix = "" if prefix == "." else prefix + "/"
+            out += [self.stat(os.path.join(dirpath, f), prefix + f) for f in sorted(filenames) if _visible(f)]
+        return out
+
+    def open(self, path: str) -> BinaryIO:
+        return open(path, "rb")
+
+
+class _FsspecTree:
+    """Input files behind an fsspec URL; paths handed out are full URLs."""
+
+    def __init__(self, url: str):
+        self.fs, _ = url_to_fs(url)
+
+    def norm(self, src: str) -> str:
+        return self.fs.unstrip_protocol(self.fs._strip_protocol(src).rstrip("/"))
+
+    def join(self, root: str, name: str) -> str:
+        return f"{root}/{name}"
+
+    def _info_file(self, info: dict[str, Any], rel: str = "") -> _File:
+        tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") \
+            or info.get("LastModified") or info.get("last_modified") or info.get("updated") or ""
+        size = int(info.get("size") or 0)
+        return _File(self.fs.unstrip_protocol(info["name"]), rel, size, f"{size}|{tag}")
+
+    def kind(self, path: str) -> str | None:
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return "dir" if info.get("type") == "directory" else "file"
+
+    def children(self, root: str) -> list[tuple[str, bool]]:
+        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("type") == "directory")
+                for e in self.fs.ls(root, detail=True)]
+
+    def files_in(self, folder: str) -> dict[str, _File]:
+        try:
+            entries = self.fs.ls(folder, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out = {}
+        for e in entries:
+            if e.get("type") == "file":
+                name = e["name"].rsplit("/", 1)[-1]
+                out[name] = self._info_file(e, name)
+        return out
+
+    def stat(self, path: str, rel: str = "") -> _File:
+        try:
+            return self._info_file(self.fs.info(path), rel)
+        except OSError as exc:
+            return _File(path, rel, f"unreadable: {exc.strerror or exc}", "missing")
+
+    def walk(self, root: str) -> list[_File]:
+        """One recursive listing, ordered as `_LocalTree.walk` orders the same files."""
+        base = self.fs._strip_protocol(root).rstrip("/")
+        found = self.fs.find(base, detail=True, withdirs=False)
+        rows = []
+        for name, info in found.items():
+            parts = name[len(base) + 1:].split("/")
+            if name.startswith(base + "/") and all(_visible(p) for p in parts):
+                # os.walk order: within a folder, its files first (0), then its sub-folders (1)
+                rows.append(([(1, d) for d in parts[:-1]] + [(0, parts[-1])], "/".join(parts), info))
+        return [self._info_file(info, rel) for _, rel, info in sorted(rows, key=lambda r: r[0])]
+
+    def open(self, path: str) -> BinaryIO:
+        return self.fs.open(path, "rb")
+
+
+def _tree(src: str) -> _LocalTree | _FsspecTree:
+    return _FsspecTree(src) if is_remote(src) else _LocalTree()
+
+
+def read_range(path: str, offset: int = 0, size: int = -1) -> bytes:
+    """`size` bytes of the input `path` (a local path or a URL) from `offset`; -1: to the end."""
+    if is_remote(path):
+        fs, p = url_to_fs(path)
+        return fs.cat_file(p, start=offset, end=None if size < 0 else offset + size)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read() if size < 0 else f.read(size)
 
 
 # -- image folder --------------------------------------------------------------------------------
-def list_imagefolder(root: Path) -> Listing:
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and _visible(d.name))
+def list_imagefolder(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
+    classes = sorted(name for name, is_dir in tree.children(root) if is_dir and _visible(name))
     if not classes:
         raise InputError(f"{root}: no class sub-folders found (expected ROOT/CLASS/IMAGE.jpg)")
     listing = Listing("imagefolder", [], classes=classes)
     keys = _KeyRegistry()
     for label, cls in enumerate(classes):
-        for path in _walk(root / cls):
-            rel = path.relative_to(root).as_posix()
+        for f in tree.walk(tree.join(root, cls)):
+            path, rel, size = f.path, f"{cls}/{f.rel}", f.size
             # the image type is the last suffix: "img.001.jpg" is image "img.001" of type jpg
             stem, dot, ext = rel.rpartition(".")
             if not dot or "/" in ext:
@@ -142,53 +267,52 @@ def list_imagefolder(root: Path) -> Listing:
             if ext.rsplit(".", 1)[-1] not in IMAGE_EXTS:
                 reject = f"not an image file (extension {ext!r})" if ext else "not an image file (no extension)"
                 ext = ext or "bin"
-            size = _stat_size(path)
             if isinstance(size, str):
                 reject = size
             elif size == 0:
                 reject = "empty file (0 bytes)"
             key = _key_from_path(stem)
             if reject:
-                listing.rejects.append({"source": str(path), "key": key, "reason": reject})
+                listing.rejects.append({"source": path, "key": key, "reason": reject})
                 continue
-            keys.add(key, str(path))
+            keys.add(key, path)
             ext = "jpg" if ext == "jpeg" else ext
-            listing.inputs.append(str(path))
+            listing.inputs.append((path, f.stamp))
             listing.samples.append(Sample(key, ((ext, _file_ref(path, size)), ("cls", _label_ref(label)))))
     return listing
 
 
 # -- KEY.EXT folder ------------------------------------------------------------------------------
-def list_files(root: Path) -> Listing:
+def list_files(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
     listing = Listing("files", [])
-    groups: dict[str, list[tuple[str, Path, int]]] = {}
-    owner: dict[tuple[str, str], Path] = {}
-    for path in _walk(root):
-        stem, ext = split_name(path.relative_to(root).as_posix())
+    groups: dict[str, list[tuple[str, str, int, str]]] = {}
+    owner: dict[tuple[str, str], str] = {}
+    for f in tree.walk(root):
+        path, size = f.path, f.size
+        stem, ext = split_name(f.rel)
         key = _key_from_path(stem)
-        size = _stat_size(path)
         if isinstance(size, str):
-            listing.rejects.append({"source": str(path), "key": key, "reason": size})
+            listing.rejects.append({"source": path, "key": key, "reason": size})
             continue
         if not ext:
-            listing.rejects.append({"source": str(path), "key": key, "reason": "no extension, so no field name"})
+            listing.rejects.append({"source": path, "key": key, "reason": "no extension, so no field name"})
             continue
         other = owner.setdefault((key, ext.lower()), path)
         if other != path:
             raise InputError(f"duplicate field {key}.{ext.lower()}: {other} and {path}")
-        groups.setdefault(key, []).append((ext.lower(), path, size))
+        groups.setdefault(key, []).append((ext.lower(), path, size, f.stamp))
     keys = _KeyRegistry()
     for key in sorted(groups):
         members = sorted(groups[key])
-        keys.add(key, str(members[0][1]))
+        keys.add(key, members[0][1])
         fields = []
-        for ext, path, size in members:
+        for ext, path, size, stamp in members:
             ref = _npy_ref(path, size) if ext == "npy" else _file_ref(path, size)
             if isinstance(ref, str):
-                listing.rejects.append({"source": str(path), "key": key, "reason": ref})
+                listing.rejects.append({"source": path, "key": key, "reason": ref})
                 break
             fields.append((ext, ref))
-            listing.inputs.append(str(path))
+            listing.inputs.append((path, stamp))
         else:
             listing.samples.append(Sample(key, tuple(fields)))
     if not listing.samples and not listing.rejects:
@@ -197,12 +321,10 @@ def list_files(root: Path) -> Listing:
 
 
 # -- .npy folder ---------------------------------------------------------------------------------
-def _npy_ref(path: Path, size: int, offset: int = 0) -> Ref | str:
+def _npy_ref(path: str, size: int, offset: int = 0) -> Ref | str:
     """A Ref for an .npy payload with its shard size after realignment, or a reject reason."""
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            head = f.read(min(size, 1 << 16))
+        head = read_range(path, offset, min(size, 1 << 16))
         dtype, shape, _, data_off = npy.parse_header(head)
     except (FormatError, OSError) as exc:
         return f"not a valid .npy file: {exc}"
@@ -212,18 +334,18 @@ def _npy_ref(path: Path, size: int, offset: int = 0) -> Ref | str:
     if data_off + nbytes != size:
         return f"truncated .npy: {size} bytes, its header needs {data_off + nbytes}"
     realign = size >= ALIGN and data_off != ALIGN
-    return Ref(str(path), offset, size, npy_realign=realign, shard_nbytes=ALIGN + nbytes if realign else size)
+    return Ref(path, offset, size, npy_realign=realign, shard_nbytes=ALIGN + nbytes if realign else size)
 
 
-def _read_labels(path: Path) -> dict[str, str]:
+def _read_labels(path: str) -> dict[str, str]:
     try:
-        if path.suffix == ".json":
-            data = json.loads(path.read_text())
+        text = read_range(path).decode()
+        if path.endswith(".json"):
+            data = json.loads(text)
             if not isinstance(data, dict):
                 raise InputError(f"{path}: expected a JSON object mapping key to label")
             return {str(k): str(v) for k, v in data.items()}
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
+        rows = list(csv.reader(io.StringIO(text, newline="")))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read labels file {path}: {exc}") from exc
     if rows and [c.strip().lower() for c in rows[0][:2]] == ["key", "label"]:
@@ -236,9 +358,14 @@ def _read_labels(path: Path) -> dict[str, str]:
     return out
 
 
-def list_npy(root: Path, labels: Path | None = None) -> Listing:
+def _same_file(a: str, b: str) -> bool:
+    return a == b or (not is_remote(a) and not is_remote(b) and os.path.realpath(a) == os.path.realpath(b))
+
+
+def list_npy(tree: _LocalTree | _FsspecTree, root: str, labels: str | None = None) -> Listing:
     if labels is None:
-        labels = next((root / n for n in ("labels.csv", "labels.json") if (root / n).is_file()), None)
+        files = {name for name, is_dir in tree.children(root) if not is_dir}
+        labels = next((tree.join(root, n) for n in ("labels.csv", "labels.json") if n in files), None)
     label_map = _read_labels(labels) if labels else None
     classes = None
     if label_map is not None:
@@ -250,33 +377,36 @@ def list_npy(root: Path, labels: Path | None = None) -> Listing:
             to_int = {c: i for i, c in enumerate(classes)}
     listing = Listing("npy", [], classes=classes)
     keys = _KeyRegistry()
-    for path in _walk(root):
-        if labels is not None and path.resolve() == labels.resolve():
+    for f in tree.walk(root):
+        path, name, size = f.path, f.rel, f.size
+        if labels is not None and _same_file(path, labels):
             continue
-        name = path.relative_to(root).as_posix()
         if not name.endswith(".npy"):
-            listing.rejects.append({"source": str(path), "key": "", "reason": "not an .npy file"})
+            listing.rejects.append({"source": path, "key": "", "reason": "not an .npy file"})
             continue
         stem = name[: -len(".npy")]
         key = _key_from_path(stem)
-        size = _stat_size(path)
         ref = size if isinstance(size, str) else _npy_ref(path, size)
         if isinstance(ref, str):
-            listing.rejects.append({"source": str(path), "key": key, "reason": ref})
+            listing.rejects.append({"source": path, "key": key, "reason": ref})
             continue
-        keys.add(key, str(path))
+        keys.add(key, path)
         fields: list[tuple[str, Ref]] = [("npy", ref)]
         if label_map is not None:
             label = label_map.get(stem, label_map.get(key))
             if label is None:
                 raise InputError(f"labels file {labels} has no label for {stem!r} ({path})")
             fields.append(("cls", _label_ref(to_int[label])))
-        listing.inputs.append(str(path))
+        listing.inputs.append((path, f.stamp))
         listing.samples.append(Sample(key, tuple(fields)))
     return listing
 
 
 # -- WebDataset tars -----------------------------------------------------------------------------
+class _HostileHeader(InputError):
+    """Raised inside tarfile's parsing, which does not know the tar's path; `scan_tar` adds it."""
+
+
 class _GuardedTarInfo(tarfile.TarInfo):
     """Refuses PAX and GNU long-name headers above MAX_PAX_NBYTES before tarfile reads them."""
 
@@ -290,48 +420,60 @@ class _GuardedTarInfo(tarfile.TarInfo):
 
     def _check_meta_size(self, tf) -> None:
         if self.size > MAX_PAX_NBYTES:
-            raise InputError(
-                f"{tf.name}: extended header at offset {self.offset} is {self.size} bytes "
+            raise _HostileHeader(
+                f"extended header at offset {self.offset} is {self.size} bytes "
                 f"(limit {MAX_PAX_NBYTES}); refusing a hostile or corrupt tar"
             )
 
 
-def expand_tar_paths(src: str) -> list[Path]:
+def expand_tar_paths(tree: _LocalTree | _FsspecTree, src: str) -> list[_File]:
     """A tar file, a folder of tars, or a brace pattern like `train-{000000..000099}.tar`."""
     if "{" in src:
         import braceexpand
 
-        paths = [Path(p) for p in braceexpand.braceexpand(src)]
-        missing = [str(p) for p in paths if not p.is_file()]
+        paths = [tree.norm(p) for p in braceexpand.braceexpand(src)]
+        listed: dict[str, dict[str, _File]] = {}  # one listing per folder, not one query per tar
+        found: list[_File | None] = []
+        for p in paths:
+            folder, _, name = p.rpartition("/") if "/" in p else (".", "", p)
+            if folder not in listed:
+                listed[folder] = tree.files_in(folder or "/")
+            f = listed[folder].get(name)
+            found.append(f if f is None else replace(f, path=p, rel=p))
+        missing = [p for p, f in zip(paths, found) if f is None]
         if missing:
             raise InputError(
                 f"{len(missing)} of {len(paths)} tars from pattern {src!r} do not exist, "
                 f"first: {missing[0]}"
             )
-        return paths
-    p = Path(src)
-    if p.is_dir():
-        paths = sorted(q for q in p.iterdir() if q.is_file() and q.name.endswith(".tar") and _visible(q.name))
-        if not paths:
+        return [f for f in found if f is not None]
+    src = tree.norm(src)
+    kind = tree.kind(src)
+    if kind == "dir":
+        files = tree.files_in(src)
+        tars = [files[n] for n in sorted(files) if n.endswith(".tar") and _visible(n)]
+        if not tars:
             raise InputError(f"{src}: no .tar files in this folder")
-        return paths
-    if p.is_file():
-        return [p]
+        return tars
+    if kind == "file":
+        return [tree.stat(src, src)]
     raise InputError(f"{src}: no such file or folder")
 
 
-def scan_tar(path: Path) -> list[tuple[str, str, int, int]]:
+def scan_tar(tree: _LocalTree | _FsspecTree, tar: _File) -> list[tuple[str, str, int, int]]:
     """Regular members of an uncompressed tar as (key, ext, data offset, size), in tar order.
 
     Refuses absolute or `..` names, links, devices and FIFOs, oversized extended headers and
     truncation, naming the tar and the member.
     """
-    if path.suffix in (".gz", ".tgz", ".bz2", ".xz", ".zst"):
+    path, size = tar.path, tar.size
+    if path.endswith((".gz", ".tgz", ".bz2", ".xz", ".zst")):
         raise InputError(f"{path}: compressed tars are not supported; decompress it first")
-    size = path.stat().st_size
+    if isinstance(size, str):
+        raise InputError(f"{path}: {size}")
     out = []
     try:
-        with tarfile.open(path, "r:", tarinfo=_GuardedTarInfo) as tf:
+        with tree.open(path) as fh, tarfile.open(fileobj=fh, mode="r:", tarinfo=_GuardedTarInfo) as tf:
             for m in tf:
                 name = m.name
                 where = f"{path}: member {name!r}"
@@ -354,6 +496,8 @@ def scan_tar(path: Path) -> list[tuple[str, str, int, int]]:
                 if not ext:
                     raise InputError(f"{where} has no extension, so it belongs to no field")
                 out.append((key, ext, m.offset_data, m.size))
+    except _HostileHeader as exc:
+        raise InputError(f"{path}: {exc}") from None
     except tarfile.ReadError as exc:
         raise InputError(f"{path}: not a readable tar or truncated ({exc})") from exc
     except (EOFError, tarfile.TarError) as exc:
@@ -361,11 +505,12 @@ def scan_tar(path: Path) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def list_tars(src: str) -> Listing:
+def list_tars(tree: _LocalTree | _FsspecTree, src: str) -> Listing:
     listing = Listing("tar", [])
     keys = _KeyRegistry()
-    for path in expand_tar_paths(src):
-        listing.inputs.append(str(path))
+    for tar in expand_tar_paths(tree, src):
+        path = tar.path
+        listing.inputs.append((path, tar.stamp))
         current: list[tuple[str, Ref]] = []
         current_key = None
         exts: set[str] = set()
@@ -374,7 +519,7 @@ def list_tars(src: str) -> Listing:
             if current_key is not None:
                 listing.samples.append(Sample(current_key, tuple(current)))
 
-        for key, ext, off, size in scan_tar(path):
+        for key, ext, off, size in scan_tar(tree, tar):
             if key != current_key:
                 flush()
                 keys.add(key, f"{path}: member {key + '.' + ext!r} at offset {off}")
@@ -387,7 +532,7 @@ def list_tars(src: str) -> Listing:
                 if isinstance(ref, str):
                     raise InputError(f"{path}: member {key}.npy: {ref}")
             else:
-                ref = Ref(str(path), off, size, shard_nbytes=size)
+                ref = Ref(path, off, size, shard_nbytes=size)
             current.append((ext, ref))
         flush()
     return listing
@@ -397,36 +542,39 @@ def list_tars(src: str) -> Listing:
 def detect(src: str) -> SourceFormat:
     if "{" in src or src.endswith(".tar"):
         return "tar"
-    p = Path(src)
-    if not p.exists():
+    tree = _tree(src)
+    root = tree.norm(src)
+    kind = tree.kind(root)
+    if kind is None:
         raise InputError(f"{src}: no such file or folder")
-    if not p.is_dir():
+    if kind != "dir":
         raise InputError(f"{src}: expected a folder, a .tar file or a brace pattern of tars")
-    entries = [e for e in p.iterdir() if _visible(e.name)]
+    entries = [(n, d) for n, d in tree.children(root) if _visible(n)]
     if not entries:
         raise InputError(f"{src}: the folder is empty")
-    files = [e for e in entries if not e.is_dir()]
-    if not files:
+    names = {n for n, is_dir in entries if not is_dir}
+    if not names:
         return "imagefolder"
-    if all(e.name.endswith(".tar") for e in files) and len(files) == len(entries):
+    if all(n.endswith(".tar") for n in names) and len(names) == len(entries):
         return "tar"
-    names = {e.name for e in files}
-    if all(n.endswith(".npy") or n in ("labels.csv", "labels.json") for n in names) and len(files) == len(entries):
+    if all(n.endswith(".npy") or n in ("labels.csv", "labels.json") for n in names) and len(names) == len(entries):
         return "npy"
     return "files"
 
 
 def list_source(src: str, fmt: SourceFormat | None = None, *, labels: str | None = None) -> Listing:
+    """List `src` (a local path or an fsspec URL) as format `fmt` (default: detected)."""
     fmt = fmt or detect(src)
+    tree = _tree(src)
     if fmt == "tar":
-        return list_tars(src)
-    root = Path(src)
-    if not root.is_dir():
+        return list_tars(tree, src)
+    root = tree.norm(src)
+    if tree.kind(root) != "dir":
         raise InputError(f"{src}: not a folder (format {fmt!r} reads a folder)")
     if fmt == "imagefolder":
-        return list_imagefolder(root)
+        return list_imagefolder(tree, root)
     if fmt == "npy":
-        return list_npy(root, Path(labels) if labels else None)
+        return list_npy(tree, root, (str(local_path(labels)) if not is_remote(labels) else labels) if labels else None)
     if labels:
         raise InputError("--labels applies to .npy folders only")
-    return list_files(root)
+    return list_files(tree, root)

@@ -20,11 +20,13 @@ Layout (version 1)::
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from gdsload.errors import FormatError
+
+if TYPE_CHECKING:
+    from gdsload.format.store import Store
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -50,39 +52,29 @@ def field_kind(ext: str) -> str:
     return _KINDS.get(last, "bytes")
 
 
-def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write `data` to `path` through a temporary name and an atomic rename (fsynced unless
-    `fsync=False`); a failed write leaves no temporary file behind."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def save(root: "str | Path | Store", manifest: dict[str, Any]) -> None:
+    """Write `root/manifest.json` (a local path, an fsspec URL or a `Store`); see `store` for how
+    it becomes visible. Conversion calls this last."""
+    from gdsload.format.store import open_store
 
-
-def save(root: Path, manifest: dict[str, Any]) -> None:
-    write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    open_store(root).write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def load(root: str | Path) -> dict[str, Any]:
-    """Read and check the manifest of the dataset at `root`."""
-    path = Path(root) / MANIFEST
+    """Read and check the manifest of the dataset at `root` (a local path or an fsspec URL)."""
+    from gdsload.format.store import open_store
+
+    store = open_store(root)
     try:
-        text = path.read_text()
+        text = store.read(MANIFEST).decode()
     except FileNotFoundError:
         hint = ""
-        if (Path(root) / ".gdsload-convert").exists():
+        if store.exists(".gdsload-convert"):
             hint = " (a conversion into it was interrupted; re-run gdsload convert with --resume)"
-        elif not Path(root).exists():
+        elif not store.exists():
             hint = " (the folder does not exist)"
         raise FormatError(f"{root}: no {MANIFEST}, so this is not a complete gdsload dataset{hint}") from None
-    return parse(text, name=str(path))
+    return parse(text, name=store.where(MANIFEST))
 
 
 def parse(text: str, *, name: str) -> dict[str, Any]:

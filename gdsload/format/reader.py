@@ -19,7 +19,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -27,28 +27,19 @@ from gdsload.errors import FormatError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
+from gdsload.format.store import is_remote, local_path, url_to_fs
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
-from gdsload.io import is_url
-
-
-def _is_url(path: str) -> bool:
-    """A remote URL for fsspec; `file://` paths are read as local files."""
-    return is_url(path) and not path.startswith("file://")
 
 
 class ShardedDataset:
     """A converted dataset: `len()`, `sample(i)`, `iter_samples()`, `verify()`."""
 
     def __init__(self, root: str | os.PathLike[str]):
-        self.root = str(root).rstrip("/") if _is_url(str(root)) else str(Path(str(root).removeprefix("file://")))
+        self.root = str(root).rstrip("/") if is_remote(str(root)) else str(local_path(root))
         self._fs = None
-        if _is_url(self.root):
-            import fsspec
-
-            self._fs, _ = fsspec.core.url_to_fs(self.root)
-            self.manifest = mf.parse(self._fs.cat_file(f"{self.root}/{mf.MANIFEST}").decode(), name=self.root)
-        else:
-            self.manifest = mf.load(self.root)
+        if is_remote(self.root):
+            self._fs, _ = url_to_fs(self.root)
+        self.manifest = mf.load(self.root)
         self.shards: list[mf.ShardEntry] = self.manifest["shards"]
         self._starts = np.concatenate([[0], np.cumsum([s["samples"] for s in self.shards])]).tolist()
         self._indexes: dict[int, ShardIndex] = {}
@@ -190,19 +181,33 @@ class ShardedDataset:
                 bad[entry["name"]] = problems
         return bad
 
-    def _verify_shard(self, s: int, entry: mf.ShardEntry, *, hashes: bool) -> list[str]:
+    def _open(self, path: str) -> BinaryIO:
+        return self._fs.open(path, "rb") if self._fs is not None else open(path, "rb")
+
+    def _size(self, path: str) -> int | None:
+        """Size of a file, None if there is none."""
         if self._fs is not None:
-            raise FormatError("verify works on local datasets only")
-        path = Path(self.shard_path(s))
-        if not path.is_file():
+            try:
+                info = self._fs.info(path)
+            except FileNotFoundError:
+                return None
+            return int(info["size"]) if info.get("type") == "file" else None
+        p = Path(path)
+        return p.stat().st_size if p.is_file() else None
+
+    def _verify_shard(self, s: int, entry: mf.ShardEntry, *, hashes: bool) -> list[str]:
+        """Size, hash, index against the tar, alignment, DALI index. At a URL the shard is read
+        twice (one stream for the hash, one pass over the tar headers)."""
+        path = self.shard_path(s)
+        size = self._size(path)
+        if size is None:
             return [f"missing file {path}"]
         problems = []
-        size = path.stat().st_size
         if size != entry["bytes"]:
             problems.append(f"size is {size} bytes, manifest says {entry['bytes']}")
         if hashes:
             h = hashlib.sha256()
-            with open(path, "rb") as f:
+            with self._open(path) as f:
                 while chunk := f.read(1 << 22):
                     h.update(chunk)
             if h.hexdigest() != entry["sha256"]:
@@ -217,7 +222,7 @@ class ShardedDataset:
             key = idx.key(j)
             expected += [(f"{key}.{e}", o, n) for e, o, n in idx.members(j)]
         try:
-            with tarfile.open(path, "r:") as tf:
+            with self._open(path) as f, tarfile.open(fileobj=f, mode="r:") as tf:
                 found = [(m.name, m.offset_data, m.size) for m in tf if m.isreg()]
         except (tarfile.TarError, OSError, EOFError) as exc:
             return problems + [f"tar does not parse: {exc}"]
@@ -240,12 +245,12 @@ class ShardedDataset:
                 if (off + data_off) % ALIGN:
                     problems.append(f"{name}: array data is not {ALIGN}-aligned")
                     break
-        dali_path = Path(self.shard_path(s, "dali_index"))
+        dali_path = self.shard_path(s, "dali_index")
         try:
-            dali = dali_path.read_text()
-            parse_dali_index(dali, name=str(dali_path))
+            dali = self._read_file(dali_path).decode()
+            parse_dali_index(dali, name=dali_path)
             if dali != idx.to_dali():
-                problems.append(f"{dali_path.name} does not match the index")
+                problems.append(f"{entry['dali_index']} does not match the index")
         except (OSError, FormatError, ValueError) as exc:
             problems.append(f"DALI index: {exc}")
         return problems

@@ -1,9 +1,10 @@
 """Shard writer: samples in, an aligned tar plus its two indexes out.
 
-A shard is written as `.NAME.tar.tmp-PID` next to its final name, hashed while it is written
-(SHA-256, no second read), and renamed to `NAME.tar` only after its data is fsynced and both
-index files are in place. `abort()` (or an exception inside `with`) removes the temporary file,
-so a shard under its final name is always complete.
+The root is a local folder or an fsspec URL (`gdsload.format.store`). A shard is hashed while it
+is written (SHA-256, no second read) and published as `NAME.tar` only after both index files are
+in place: locally it is written as `.NAME.tar.tmp-PID`, fsynced and renamed; at a URL its upload
+completes then. `abort()` (or an exception inside `with`) drops it, so a shard under its final
+name is always complete.
 
 Memory: one sample's payloads at a time. Not thread-safe: one writer per thread or process.
 """
@@ -11,7 +12,6 @@ Memory: one sample's payloads at a time. Not thread-safe: one writer per thread 
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +21,7 @@ from gdsload.errors import FormatError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, check_key
+from gdsload.format.store import Store, open_store
 from gdsload.format.tar import end_of_archive, write_member
 
 
@@ -38,11 +39,10 @@ def prepare_payload(ext: str, payload: bytes | memoryview) -> bytes | memoryview
 class ShardWriter:
     """Write one shard `root/NAME.tar` with `NAME.idx` and `NAME.dali.idx`."""
 
-    def __init__(self, root: str | Path, name: str):
-        self.root = Path(root)
+    def __init__(self, root: str | Path | Store, name: str):
+        self.store = open_store(root)
         self.name = name
-        self._tmp = self.root / f".{name}.tar.tmp-{os.getpid()}"
-        self._f = open(self._tmp, "wb")
+        self._f = self.store.create(f"{name}.tar")
         self._hash = hashlib.sha256()
         self._offset = 0
         self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
@@ -95,13 +95,10 @@ class ShardWriter:
     def close(self) -> mf.ShardEntry:
         """Finish the archive, write both indexes, and rename the shard into place."""
         self._write(end_of_archive())
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
         index = ShardIndex.build(self._samples)
-        mf.write_atomic(self.root / f"{self.name}.idx", index.to_bytes())
-        mf.write_atomic(self.root / f"{self.name}.dali.idx", index.to_dali().encode())
-        os.replace(self._tmp, self.root / f"{self.name}.tar")
+        self.store.write(f"{self.name}.idx", index.to_bytes())
+        self.store.write(f"{self.name}.dali.idx", index.to_dali().encode())
+        self._f.commit()
         return {
             "name": f"{self.name}.tar",
             "index": f"{self.name}.idx",
@@ -112,9 +109,7 @@ class ShardWriter:
         }
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        self._f.abort()
 
 
 class _Tee:
@@ -162,12 +157,12 @@ class DatasetWriter:
 
     def __init__(self, root: str | Path, *, shard_size: int = 1 << 30, prefix: str = "shard",
                  classes: list[str] | None = None):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        if (self.root / mf.MANIFEST).exists():
+        self.root = open_store(root)  # a local folder or an fsspec URL
+        self.root.make_dirs()
+        if self.root.exists(mf.MANIFEST):
             from gdsload.errors import DestinationError
 
-            raise DestinationError(f"{self.root} already holds a dataset ({mf.MANIFEST} exists)")
+            raise DestinationError(f"{self.root.root} already holds a dataset ({mf.MANIFEST} exists)")
         self.shard_size = shard_size
         self.prefix = prefix
         self.classes = classes

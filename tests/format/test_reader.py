@@ -128,8 +128,13 @@ def test_fsspec_memory_url(pristine: Path) -> None:
                 assert {k: v for k, v in got.items() if not k.startswith("__")} == _fields(i)
             assert [s["__key__"] for s in ds.iter_samples()] == [_key(i) for i in range(N)]
             assert ds.class_histogram() == {0: 4, 1: 4, 2: 4}
-            with pytest.raises(FormatError, match="local"):
-                ds.verify()
+            assert ds.verify() == {}
+        tar = f"{base}/{shard_name('shard', 1)}.tar"
+        data = bytearray(fs.cat_file(tar))
+        data[700] ^= 0xFF  # one payload byte
+        fs.pipe_file(tar, bytes(data))
+        with open_dataset(f"memory://{base}") as ds:
+            assert ds.verify() == {f"{shard_name('shard', 1)}.tar": ["sha256 differs from the manifest"]}
     finally:
         fs.rm(base, recursive=True)
 

@@ -1,0 +1,279 @@
+"""Where a dataset's files are written: a local folder, or an fsspec URL (s3://, gs://, memory://).
+
+Both kinds give the same small interface (`Store`), so the shard writer and the conversion engine
+do not care where the dataset goes. Names are relative to the dataset root, `/`-separated.
+
+How a file becomes visible, which is what crash safety rests on:
+
+- Local folder (a path or `file://`): every file is written under `.NAME.tmp-PID` next to its final
+  name, fsynced, and renamed into place, so a file under its final name is always complete; a
+  killed writer leaves only the hidden temporary.
+- fsspec URL: every file is one upload to its final name. Object stores (S3, GCS, Azure) publish an
+  object only when its upload completes, so a killed writer leaves no visible partial file (at most
+  an unfinished multipart upload, invisible, which the bucket's lifecycle rule for incomplete
+  uploads removes). A rename would be a full copy there, so none is done. On an fsspec filesystem
+  without atomic uploads (sftp, say) a killed writer can leave a partial file; the manifest,
+  written last, and `--resume`'s size check keep it from being taken as complete.
+
+Listing caches of fsspec filesystems are dropped before every existence or listing query: other
+processes (the Ray workers, an earlier run) write into the same prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gdsload.errors import MissingDependencyError, require
+from gdsload.io import is_url
+
+
+def is_remote(path: str) -> bool:
+    """True for fsspec URLs other than `file://` (those are ordinary local paths)."""
+    return is_url(path) and not path.startswith("file://")
+
+
+def url_to_fs(url: str) -> tuple[Any, str]:
+    """`fsspec.core.url_to_fs`, with a missing protocol library (s3fs, gcsfs, ...) reported as a
+    `MissingDependencyError` naming the URL."""
+    fsspec = require("fsspec", extra="remote", purpose=f"reading or writing {url}")
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        raise MissingDependencyError(f"{url}: {exc}") from exc
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    return Path(str(path).removeprefix("file://"))
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write `data` to the local `path` through a temporary name and an atomic rename (fsynced
+    unless `fsync=False`); a failed write leaves no temporary file behind."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class PendingFile(ABC):
+    """A file being written: `write()`, then `commit()` to publish it or `abort()` to drop it."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> int: ...
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class Store(ABC):
+    """A dataset root to write into (see the module docstring); `root` is for messages."""
+
+    root: str
+
+    def where(self, name: str = "") -> str:
+        """`root/name`, for messages."""
+        return f"{self.root}/{name}" if name else self.root
+
+    @abstractmethod
+    def exists(self, name: str = "") -> bool: ...
+
+    @abstractmethod
+    def is_file(self, name: str = "") -> bool: ...
+
+    @abstractmethod
+    def list(self, name: str = "") -> list[str]:
+        """Names of the entries directly under `name` (files and folders); [] if it is missing."""
+
+    @abstractmethod
+    def read(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def size(self, name: str) -> int | None:
+        """Size of the file `name`, or None where there is no such file."""
+
+    @abstractmethod
+    def write(self, name: str, data: bytes) -> None:
+        """Write the whole file `name` (see the module docstring for how it becomes visible)."""
+
+    @abstractmethod
+    def create(self, name: str) -> PendingFile: ...
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove the file `name`; nothing happens when it does not exist."""
+
+    @abstractmethod
+    def remove_tree(self, name: str) -> None: ...
+
+    @abstractmethod
+    def make_dirs(self, name: str = "") -> None: ...
+
+
+# -- a local folder ------------------------------------------------------------------------------
+class _LocalPending(PendingFile):
+    def __init__(self, path: Path):
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self._f: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 - closed by commit/abort
+
+    def write(self, data: bytes | memoryview) -> int:
+        return self._f.write(data)
+
+    def commit(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class LocalStore(Store):
+    def __init__(self, root: str | os.PathLike[str]):
+        self.path = local_path(root)
+        self.root = str(self.path)
+
+    def _p(self, name: str) -> Path:
+        return self.path / name if name else self.path
+
+    def exists(self, name: str = "") -> bool:
+        return self._p(name).exists()
+
+    def is_file(self, name: str = "") -> bool:
+        return self._p(name).is_file()
+
+    def list(self, name: str = "") -> list[str]:
+        try:
+            return [e.name for e in os.scandir(self._p(name))]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def read(self, name: str) -> bytes:
+        return self._p(name).read_bytes()
+
+    def size(self, name: str) -> int | None:
+        p = self._p(name)
+        return p.stat().st_size if p.is_file() else None
+
+    def write(self, name: str, data: bytes) -> None:
+        write_atomic(self._p(name), data)
+
+    def create(self, name: str) -> PendingFile:
+        return _LocalPending(self._p(name))
+
+    def remove(self, name: str) -> None:
+        self._p(name).unlink(missing_ok=True)
+
+    def remove_tree(self, name: str) -> None:
+        shutil.rmtree(self._p(name), ignore_errors=True)
+
+    def make_dirs(self, name: str = "") -> None:
+        self._p(name).mkdir(parents=True, exist_ok=True)
+
+
+# -- an fsspec URL -------------------------------------------------------------------------------
+class _FsspecPending(PendingFile):
+    def __init__(self, fs: Any, path: str):
+        self.fs, self.path = fs, path
+        self._f = fs.open(path, "wb")
+
+    def write(self, data: bytes | memoryview) -> int:
+        return self._f.write(data)
+
+    def commit(self) -> None:
+        self._f.close()  # the upload completes here, and only here does the object appear
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            discard = getattr(self._f, "discard", None)  # buffered remote files: drop the upload
+            if discard is not None:
+                discard()
+            else:
+                self._f.close()
+        try:  # a filesystem that published a partial file anyway
+            self.fs.rm_file(self.path)
+        except (FileNotFoundError, OSError):
+            pass
+
+
+class FsspecStore(Store):
+    def __init__(self, url: str):
+        self.fs, path = url_to_fs(url)
+        self.path = path.rstrip("/")
+        self.root = url.rstrip("/")
+
+    def _p(self, name: str) -> str:
+        return f"{self.path}/{name}" if name else self.path
+
+    def _fresh(self, name: str) -> str:
+        p = self._p(name)
+        self.fs.invalidate_cache(p)
+        return p
+
+    def exists(self, name: str = "") -> bool:
+        return self.fs.exists(self._fresh(name))
+
+    def is_file(self, name: str = "") -> bool:
+        return self.fs.isfile(self._fresh(name))
+
+    def list(self, name: str = "") -> list[str]:
+        try:
+            entries = self.fs.ls(self._fresh(name), detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def read(self, name: str) -> bytes:
+        return self.fs.cat_file(self._p(name))
+
+    def size(self, name: str) -> int | None:
+        try:
+            info = self.fs.info(self._fresh(name))
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    def write(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self._p(name), data)
+
+    def create(self, name: str) -> PendingFile:
+        return _FsspecPending(self.fs, self._p(name))
+
+    def remove(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._p(name))
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, name: str) -> None:
+        try:
+            self.fs.rm(self._fresh(name), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def make_dirs(self, name: str = "") -> None:
+        self.fs.makedirs(self._p(name), exist_ok=True)
+
+
+def open_store(root: str | os.PathLike[str] | Store) -> Store:
+    """The store for a dataset root: a `Store` as it is, an fsspec URL, or a local path."""
+    if isinstance(root, Store):
+        return root
+    return FsspecStore(str(root)) if is_remote(str(root)) else LocalStore(root)
