@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gdsload.errors import MissingDependencyError, require
+from gdsload.errors import DestinationError, MissingDependencyError, require
 from gdsload.io import is_url
 
 
@@ -269,7 +269,17 @@ class FsspecStore(Store):
             pass
 
     def make_dirs(self, name: str = "") -> None:
-        self.fs.makedirs(self._p(name), exist_ok=True)
+        """Object stores (filesystems with buckets: s3fs, gcsfs, adlfs) have no folders to make,
+        and a missing bucket is an error here, not created (s3fs's `makedirs` would create it)."""
+        split = getattr(self.fs, "split_path", None)
+        if split is None:
+            self.fs.makedirs(self._p(name), exist_ok=True)
+            return
+        bucket = split(self.path)[0]
+        self.fs.invalidate_cache(bucket)
+        if not self.fs.exists(bucket):
+            raise DestinationError(f"{self.root}: bucket {bucket!r} does not exist or is not accessible "
+                                   f"(gdsload does not create buckets)")
 
 
 def open_store(root: str | os.PathLike[str] | Store) -> Store:

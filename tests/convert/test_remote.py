@@ -181,6 +181,14 @@ def test_missing_bucket_is_a_clear_error(s3, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_missing_destination_bucket_is_refused_not_created(s3, world, capsys):
+    assert main(["convert", str(world / "src"), "s3://no-such-bucket-here/out", *OPTS]) == 1
+    err = capsys.readouterr().err
+    assert "bucket 'no-such-bucket-here' does not exist" in err
+    s3.invalidate_cache()
+    assert not s3.exists("no-such-bucket-here")
+
+
 def test_missing_fsspec_plugin_says_what_to_install(tmp_path, capsys):
     if importlib.util.find_spec("ocifs") is not None:
         pytest.skip("ocifs is installed")
