@@ -6,11 +6,14 @@ samples go to which shard, in which order) is fixed before any shard is written,
 alone, so the output is byte-identical for any number of workers, and an interrupted conversion
 can resume shard by shard.
 
-Crash safety: shards are written under temporary names and renamed when complete; each finished
-shard leaves a record in `DST/.gdsload-convert/done/`; `manifest.json` is written after every
-shard is in place. A killed run therefore leaves either a dataset with a manifest, or a folder with
-no manifest and a resumable state that `--resume` continues (and that plain `convert` refuses to
-touch without `--resume` or `--overwrite`).
+SRC and DST may be local paths or fsspec URLs (`sources` lists, `gdsload.format.store` writes).
+
+Crash safety: shards are published only when complete (a temporary name and a rename locally, one
+upload to the final name at a URL); each finished shard leaves a record in
+`DST/.gdsload-convert/done/`; `manifest.json` is written after every shard is in place. A killed
+run therefore leaves either a dataset with a manifest, or a folder with no manifest and a
+resumable state that `--resume` continues (and that plain `convert` refuses to touch without
+`--resume` or `--overwrite`).
 """
 
 from __future__ import annotations
@@ -29,14 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gdsload.convert.sources import (
-    Listing,
-    Ref,
-    Sample,
-    SourceFormat,
-    list_source,
-    read_range,
-)
+from gdsload.convert.sources import Listing, Ref, Sample, SourceFormat, list_source, read_range
 from gdsload.errors import DestinationError, FormatError, InputError
 from gdsload.format import manifest as mf
 from gdsload.format.manifest import field_kind

@@ -16,7 +16,8 @@ read from tars must already be valid. Two inputs that map to the same key are an
 Hidden files (name starting with `.`) are ignored.
 
 Where the inputs are: a local path, or an fsspec URL (`s3://bucket/train/`, `gs://...`,
-`memory://...`), listed through fsspec with one recursive listing (`find`), so that Ray workers on
+`memory://...`), listed through fsspec with recursive listings (`find`: one per class folder of
+an image folder, one for the other layouts), never one query per file, so that Ray workers on
 other nodes can read what the driver listed. Ref paths are then full URLs, and payloads are read
 as byte ranges (`read_range`). The walk order, and so the output, is the same as for the same
 files on a local disk. Remote-only differences: permissions are not probed while listing (an

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 from gdsload.errors import FormatError
-
-if TYPE_CHECKING:
-    from gdsload.format.store import Store
+from gdsload.format.store import Store, open_store
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -52,18 +50,14 @@ def field_kind(ext: str) -> str:
     return _KINDS.get(last, "bytes")
 
 
-def save(root: "str | Path | Store", manifest: dict[str, Any]) -> None:
+def save(root: str | Path | Store, manifest: dict[str, Any]) -> None:
     """Write `root/manifest.json` (a local path, an fsspec URL or a `Store`); see `store` for how
     it becomes visible. Conversion calls this last."""
-    from gdsload.format.store import open_store
-
     open_store(root).write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def load(root: str | Path) -> dict[str, Any]:
     """Read and check the manifest of the dataset at `root` (a local path or an fsspec URL)."""
-    from gdsload.format.store import open_store
-
     store = open_store(root)
     try:
         text = store.read(MANIFEST).decode()

@@ -82,6 +82,8 @@ def test_s3_to_s3_equals_a_local_conversion_and_verifies(s3, world, capsys):
     assert not any(n.startswith(".") or STATE_DIR in n for n in got)  # no temporaries, no state
 
     assert main(["verify", "s3://gdsload-test/out"]) == 0
+    assert main(["inspect", "s3://gdsload-test/out"]) == 0
+    assert "60" in capsys.readouterr().out
     ds = open_dataset("s3://gdsload-test/out")
     ref = open_dataset(world / "ref")
     assert len(ds) == len(ref) == 60
