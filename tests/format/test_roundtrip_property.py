@@ -159,3 +159,41 @@ def test_writer_refuses_duplicate_keys_across_shards(tmp_path) -> None:
         w.write("k", {"bin": b"1"})
         with pytest.raises(FormatError, match="duplicate"):
             w.write("k", {"bin": b"2"})
+
+
+def test_writer_to_an_fsspec_url_matches_a_local_folder(tmp_path) -> None:
+    """The same samples written to memory:// and to a local folder give the same files, and an
+    aborted shard leaves nothing under its name at the URL."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://gdsload-writer-{uuid.uuid4().hex}"
+    rng = np.random.default_rng(3)
+    samples = []
+    for i in range(20):
+        buf = io.BytesIO()
+        np.save(buf, rng.standard_normal((i + 1, 300)))
+        samples.append((f"k{i:03d}", {"npy": buf.getvalue(), "cls": b"%d" % (i % 3)}))
+    try:
+        for root in (tmp_path / "ds", url):
+            with DatasetWriter(root, shard_size=40_000) as w:
+                for key, fields in samples:
+                    w.write(key, fields)
+        local = {p.name: p.read_bytes() for p in (tmp_path / "ds").iterdir()}
+        remote = {p.rsplit("/", 1)[-1]: fs.cat_file(p) for p in fs.find(url)}
+        assert sorted(remote) == sorted(local) and len([n for n in local if n.endswith(".tar")]) > 1
+        for name in local:
+            if name != "manifest.json":
+                assert remote[name] == local[name], name
+        assert open_dataset(url).verify() == {}
+
+        with pytest.raises(RuntimeError), DatasetWriter(f"{url}-aborted") as w:
+            w.write("a", {"bin": b"x" * 5000})
+            raise RuntimeError("stop")
+        assert fs.find(f"{url}-aborted") == []
+    finally:
+        for p in (url, f"{url}-aborted"):
+            if fs.exists(p):
+                fs.rm(p, recursive=True)
