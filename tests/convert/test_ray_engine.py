@@ -36,17 +36,20 @@ def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def assert_same_output(got: Path, want: Path) -> None:
-    g, w = files(got), files(want)
-    assert sorted(g) == sorted(w)
-    for name in w:
+def assert_same_files(got: dict[str, bytes], want: dict[str, bytes]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
         if name != "manifest.json":
-            assert g[name] == w[name], f"{name} differs"
-    gm, wm = json.loads(g["manifest.json"]), json.loads(w["manifest.json"])
+            assert got[name] == want[name], f"{name} differs"
+    gm, wm = json.loads(got["manifest.json"]), json.loads(want["manifest.json"])
     for m in (gm, wm):
         for k in TIMING:
             m["created"].pop(k)
     assert gm == wm
+
+
+def assert_same_output(got: Path, want: Path) -> None:
+    assert_same_files(files(got), files(want))
 
 
 @pytest.fixture(scope="module")
@@ -183,18 +186,6 @@ def s3_output(fs, root: str, src: str, local_src: str) -> dict[str, bytes]:
     m["created"]["source"] = local_src
     out["manifest.json"] = json.dumps(m).encode()
     return out
-
-
-def assert_same_files(got: dict[str, bytes], want: dict[str, bytes]) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if name != "manifest.json":
-            assert got[name] == want[name], f"{name} differs"
-    gm, wm = json.loads(got["manifest.json"]), json.loads(want["manifest.json"])
-    for m in (gm, wm):
-        for k in TIMING:
-            m["created"].pop(k)
-    assert gm == wm
 
 
 def test_s3_input_and_output_through_ray_tasks(cluster, world, s3_world, capsys):
