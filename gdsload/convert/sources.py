@@ -575,7 +575,9 @@ def list_source(src: str, fmt: SourceFormat | None = None, *, labels: str | None
     if fmt == "imagefolder":
         return list_imagefolder(tree, root)
     if fmt == "npy":
-        return list_npy(tree, root, (str(local_path(labels)) if not is_remote(labels) else labels) if labels else None)
+        if labels and not is_remote(labels):
+            labels = str(local_path(labels))
+        return list_npy(tree, root, labels)
     if labels:
         raise InputError("--labels applies to .npy folders only")
     return list_files(tree, root)

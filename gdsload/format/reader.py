@@ -27,7 +27,7 @@ from gdsload.errors import FormatError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
-from gdsload.format.store import is_remote, local_path, url_to_fs
+from gdsload.format.store import is_remote, local_path, open_store, url_to_fs
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
 
@@ -184,22 +184,11 @@ class ShardedDataset:
     def _open(self, path: str) -> BinaryIO:
         return self._fs.open(path, "rb") if self._fs is not None else open(path, "rb")
 
-    def _size(self, path: str) -> int | None:
-        """Size of a file, None if there is none."""
-        if self._fs is not None:
-            try:
-                info = self._fs.info(path)
-            except FileNotFoundError:
-                return None
-            return int(info["size"]) if info.get("type") == "file" else None
-        p = Path(path)
-        return p.stat().st_size if p.is_file() else None
-
     def _verify_shard(self, s: int, entry: mf.ShardEntry, *, hashes: bool) -> list[str]:
         """Size, hash, index against the tar, alignment, DALI index. At a URL the shard is read
         twice (one stream for the hash, one pass over the tar headers)."""
         path = self.shard_path(s)
-        size = self._size(path)
+        size = open_store(self.root).size(entry["name"])
         if size is None:
             return [f"missing file {path}"]
         problems = []
