@@ -247,26 +247,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run a parsed command, turning the errors a user can cause into one line on stderr and an
+    exit status (`GDSLOAD_DEBUG=1` re-raises them). Shared by `gdsload` and `python -m gdsload.service`."""
     try:
         return args.func(args)
     except GdsloadError as exc:
         if os.environ.get("GDSLOAD_DEBUG"):
             raise
-        print(f"gdsload {args.command}: error: {exc}", file=sys.stderr)
+        print(f"gdsload {command}: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `gdsload inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        print(f"gdsload {args.command}: interrupted", file=sys.stderr)
+        print(f"gdsload {command}: interrupted", file=sys.stderr)
         return 130
     except OSError as exc:  # storage the user pointed at: permissions, a missing bucket, the network
         if os.environ.get("GDSLOAD_DEBUG"):
             raise
-        print(f"gdsload {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"gdsload {command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(args, args.command)
 
 
 if __name__ == "__main__":
