@@ -56,8 +56,9 @@ def save(root: str | Path | Store, manifest: dict[str, Any]) -> None:
     open_store(root).write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
-def load(root: str | Path) -> dict[str, Any]:
-    """Read and check the manifest of the dataset at `root` (a local path or an fsspec URL)."""
+def load(root: str | Path | Store) -> dict[str, Any]:
+    """Read and check the manifest of the dataset at `root` (a local path, an fsspec URL or a
+    `Store`)."""
     store = open_store(root)
     try:
         text = store.read(MANIFEST).decode()
@@ -67,7 +68,7 @@ def load(root: str | Path) -> dict[str, Any]:
             hint = " (a conversion into it was interrupted; re-run gdsload convert with --resume)"
         elif not store.exists():
             hint = " (the folder does not exist)"
-        raise FormatError(f"{root}: no {MANIFEST}, so this is not a complete gdsload dataset{hint}") from None
+        raise FormatError(f"{store.root}: no {MANIFEST}, so this is not a complete gdsload dataset{hint}") from None
     return parse(text, name=store.where(MANIFEST))
 
 

@@ -27,7 +27,7 @@ from gdsload.errors import FormatError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
-from gdsload.format.store import is_remote, local_path, open_store, url_to_fs
+from gdsload.format.store import FsspecStore, is_remote, local_path, open_store
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
 
@@ -36,10 +36,9 @@ class ShardedDataset:
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = str(root).rstrip("/") if is_remote(str(root)) else str(local_path(root))
-        self._fs = None
-        if is_remote(self.root):
-            self._fs, _ = url_to_fs(self.root)
-        self.manifest = mf.load(self.root)
+        self._store = open_store(self.root)
+        self._fs = self._store.fs if isinstance(self._store, FsspecStore) else None
+        self.manifest = mf.load(self._store)
         self.shards: list[mf.ShardEntry] = self.manifest["shards"]
         self._starts = np.concatenate([[0], np.cumsum([s["samples"] for s in self.shards])]).tolist()
         self._indexes: dict[int, ShardIndex] = {}
@@ -188,7 +187,7 @@ class ShardedDataset:
         """Size, hash, index against the tar, alignment, DALI index. At a URL the shard is read
         twice (one stream for the hash, one pass over the tar headers)."""
         path = self.shard_path(s)
-        size = open_store(self.root).size(entry["name"])
+        size = self._store.size(entry["name"])
         if size is None:
             return [f"missing file {path}"]
         problems = []
