@@ -12,14 +12,11 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from convertkit import convert_and_kill
 
 import gdsload
 from gdsload.cli import main
@@ -56,26 +53,11 @@ def world(tmp_path_factory):
             (src / f"class{c}" / f"img{i:04d}.jpg").write_bytes(rng.bytes(int(rng.integers(20_000, 50_000))))
 
     killed = base / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gdsload.cli", "convert", str(src), str(killed), *OPTS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 60
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            done = killed / STATE / "done"
-            # a finished shard: its tar under the final name and its record in the state dir
-            if done.is_dir() and any(done.glob("*.json")) and any(killed.glob("shard-*.tar")):
-                proc.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.002)
-    finally:
-        if proc.poll() is None and time.monotonic() >= deadline:
-            proc.kill()
-        out, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, (
-        f"the conversion was not killed mid-run (rc {proc.returncode}): {out.decode()} {err.decode()}"
-    )
+    def one_shard_finished() -> bool:  # its tar under the final name and its record in the state dir
+        done = killed / STATE / "done"
+        return done.is_dir() and any(done.glob("*.json")) and any(killed.glob("shard-*.tar"))
+
+    convert_and_kill([str(src), str(killed), *OPTS], one_shard_finished, timeout=60, poll=0.002)
 
     clean = base / "clean"
     assert main(["convert", str(src), str(clean), *OPTS]) == 0

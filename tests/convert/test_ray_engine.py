@@ -15,13 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from convertkit import convert_and_kill
 
 from gdsload.cli import main
 from gdsload.convert.ray_engine import FAULTS_ENV
@@ -135,24 +133,12 @@ def test_resume_after_the_driver_is_killed(cluster, world, monkeypatch):
     hang.touch()
     dst = world / "out-killed"
     total = len(list((world / "ref").glob("*.tar")))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gdsload", "convert", "src", str(dst), "--engine", "ray",
-         "--ray-address", cluster["address"], *OPTS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 40
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            done = list((dst / STATE / "done").glob("*.json")) if (dst / STATE / "done").is_dir() else []
-            if not hang.exists() and len(done) >= total - 1:  # all but the hung shard are finished
-                proc.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None and time.monotonic() >= deadline:
-            proc.kill()
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, f"not killed mid-run ({proc.returncode}): {err.decode()[-2000:]}"
+    def all_but_the_hung_shard_finished() -> bool:
+        done = list((dst / STATE / "done").glob("*.json")) if (dst / STATE / "done").is_dir() else []
+        return not hang.exists() and len(done) >= total - 1
+
+    convert_and_kill(["src", str(dst), "--engine", "ray", "--ray-address", cluster["address"], *OPTS],
+                     all_but_the_hung_shard_finished, timeout=40, poll=0.05)
 
     assert not (dst / "manifest.json").exists()
     assert not (dst / "shard-000005.tar").exists()
