@@ -11,6 +11,15 @@ views of the slot.
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.
 
+On a GPU (`device="cuda"` or `"cuda:N"`; which GPU: `gdsload.device`), every batch tensor lives in
+the device ring: `.npy` rows (read by KvikIO straight into it, or by POSIX into pinned memory and
+copied), decoded images (DALI "mixed" output copied device to device) and labels (parsed on the
+host, copied without blocking). All copies run on the loader's private stream; a ready event
+orders the consumer's stream after them, and a release fence recorded on the consumer's stream
+when it moves on is waited for before the slot is written again (`gdsload.device`). Encoded bytes
+and labels are read on the host by POSIX (one `preadv` per coalesced group), never through KvikIO
+member by member.
+
 Order and resumption come from `gdsload.plan`: the order of an epoch depends only on (dataset,
 seed, epoch); `state_dict()` records the global position, and `load_state_dict()` resumes the
 exact remaining order, also on another world size with the same global batch. After a full epoch
@@ -89,13 +98,10 @@ def _torch():
         return None
 
 
-def _current_cuda_device() -> int:
-    """The CUDA device this process uses (torch's current device, as set per rank under torchrun;
-    else LOCAL_RANK; else 0)."""
-    torch = _torch()
-    if torch is not None and torch.cuda.is_available():
-        return torch.cuda.current_device()
-    return int(os.environ.get("LOCAL_RANK", 0))
+def _kvikio_error() -> str | None:
+    from gdsload.io import kvikio_import_error
+
+    return kvikio_import_error()
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -113,7 +119,8 @@ class DataLoader(PlanCursor):
     of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
     per worker, since workers are threads filling one shared ring), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
-    GPU is usable), `transform` (an `ImageTransform`, or None for the default training transform;
+    GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
+    GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.device`), `transform` (an `ImageTransform`, or None for the default training transform;
     `decode=False` returns encoded bytes), `fields` (which fields, in which order; the batch is then
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
@@ -168,10 +175,13 @@ class DataLoader(PlanCursor):
         self.on_error = on_error
         self.copy = copy
         self.io_name = io
-        self.device = device or self._default_device()
-        if self.device not in ("cpu", "cuda"):
-            raise GdsloadError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        from gdsload.device import parse_device
+
         self.output = output or ("torch" if _torch() is not None else "numpy")
+        self.device, self._device_index = parse_device(device or self._default_device(self.output))
+        self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
+        self._streams = None  # gdsload.device.CopyStreams, with a device ring
+        self._host_backend = None  # POSIX for host-arena reads, beside a device backend
         self.decode_threads = decode_threads or os.cpu_count() or 2
         if transform is None and decode:
             from gdsload.decode.image import ImageTransform
@@ -199,10 +209,28 @@ class DataLoader(PlanCursor):
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
     @staticmethod
-    def _default_device() -> str:
+    def _default_device(output: str | None) -> str:
+        """"cuda" when a device exists *and* the loader can use it; else "cpu", with a warning
+        when a device exists (a CPU-only torch build, or no CuPy, on a GPU host)."""
         from gdsload.io import cuda_device_count
 
-        return "cuda" if cuda_device_count() > 0 else "cpu"
+        if cuda_device_count() < 1:
+            return "cpu"
+        why = None
+        try:
+            import cupy  # noqa: F401
+        except Exception as exc:
+            why = f"CuPy does not import ({type(exc).__name__}: {exc})"
+        torch = _torch() if output == "torch" else None
+        if why is None and torch is not None and not torch.cuda.is_available():
+            why = f"torch {torch.__version__} has no CUDA (torch.cuda.is_available() is False)"
+        if why is None:
+            return "cuda"
+        import warnings
+
+        warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
+                      f"device='cuda' to insist)", RuntimeWarning, stacklevel=4)
+        return "cpu"
 
     def _setup(self) -> None:
         from gdsload.format.manifest import field_kind
@@ -240,31 +268,51 @@ class DataLoader(PlanCursor):
             )
         self._fields = fplans
 
-        # Batch tensors (decoded images, .npy rows) go where the batch is consumed; encoded bytes
-        # and labels stay on the host, where DALI and the label parser read them.
+        # Batch tensors (decoded images, .npy rows, labels) go where the batch is consumed; encoded
+        # bytes stay on the host, where DALI and the label parser read them. On a GPU, labels are
+        # parsed into a host field "__h_<name>" and copied; so are .npy rows when the backend
+        # cannot write device memory.
         spec: dict[str, tuple[tuple[int, ...], str]] = {}
         host: dict[str, tuple[tuple[int, ...], str]] = {}
+        want_device = self.device == "cuda"
+        io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
+        threads = max(2, self.num_workers)
+        if want_device:
+            from gdsload.device import resolve_ordinal
+
+            self.device_ordinal = resolve_ordinal(self._device_index)
+        kw = {"device_id": self.device_ordinal} if io == "kvikio" and want_device else {}
+        self._backend = open_backend(io, threads=threads, **kw)
+        direct = want_device and getattr(self._backend, "device_capable", False)
         staging = 0
         for fp in fplans:
             if fp.kind == "tensor":
                 spec[fp.name] = ((B, *fp.tensor.shape), fp.tensor.dtype.str)
+                if want_device and not direct:
+                    host["__h_" + fp.name] = spec[fp.name]
             elif fp.kind == "image":
                 spec[fp.name] = ((B, *self.transform.output_shape()), self.transform.dtype)
             elif fp.kind == "label":
-                host[fp.name] = ((B,), "int64")
+                (spec if want_device else host)[fp.name] = ((B,), "int64")
+                if want_device:
+                    host["__h_" + fp.name] = ((B,), "int64")
             if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
-        want_device = self.device == "cuda"
-        io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
-        self._backend = open_backend(io, threads=max(2, self.num_workers))
-        on_device = want_device and getattr(self._backend, "device_capable", False)
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
-        if on_device:  # two arenas: device (GDS target) and pinned host
-            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{_current_cuda_device()}", pin=pin,
+        if want_device and spec:  # two arenas: device (batch tensors) and pinned host (staging)
+            from gdsload.device import CopyStreams
+
+            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
                               host_spec=SlotSpec(fields=host))
-        else:  # one host arena: one read per batch scatters into every field
+            self._streams = CopyStreams(self.device_ordinal, consumer=self.output)
+            if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
+                self._host_backend = open_backend("posix", threads=threads)
+                register = getattr(self._backend, "register", None)
+                if register is not None:
+                    register(self._ring.arena)
+        else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
             self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -290,7 +338,7 @@ class DataLoader(PlanCursor):
             self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
-                                         on_error=self.on_error, device_id=_current_cuda_device())
+                                         on_error=self.on_error, device_id=self.device_ordinal or 0)
         return self._decoder
 
     def stats(self) -> dict[str, Any]:
@@ -301,9 +349,11 @@ class DataLoader(PlanCursor):
         active = self._active
         if active is not None:
             active.close()
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        for backend in (self._backend, self._host_backend):
+            if backend is not None:
+                backend.close()
+        self._backend = self._host_backend = None
+        self._streams = None
         self._ring = None
         self._fields = None
 
@@ -326,6 +376,7 @@ class _Epoch:
         self.ring.reset()
         self.next_seq = 0
         self.handed = None
+        self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
         self._claim = 0
         self._claim_lock = threading.Lock()
         self._closed = False
@@ -356,6 +407,13 @@ class _Epoch:
         # and the blocked `acquire` raises RingClosed.
         from gdsload.ring import RingClosed
 
+        first = ref()
+        ordinal = first.loader.device_ordinal if first is not None else None
+        first = None
+        if ordinal is not None:  # the current device is per thread; new threads start on GPU 0
+            from gdsload.device import use_device
+
+            use_device(ordinal)
         while True:
             self = ref()
             if self is None or self._closed:
@@ -404,7 +462,8 @@ class _Epoch:
                 dec = self.loader._get_decoder()
                 out, kept = dec.decode(encoded, names)
                 if out is not None:  # inside the turn: the next run() reuses DALI's buffers
-                    dec.copy_into(out, dst)
+                    streams = self.loader._streams
+                    dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
                 return kept
             finally:
                 self._decode_turn += 1
@@ -427,6 +486,7 @@ class _Epoch:
         ds = L.dataset.shards
         bufs = slot.buffers
         staging = bufs["__staging__"]
+        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
         keys, names = [], []
         direct: dict[str, tuple[list, list]] = {}
         staged: list[Extent] = []
@@ -460,24 +520,38 @@ class _Epoch:
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
         layout = self._layout
+        hl = self._host_layout
+        to_host = hl is not None and L._host_backend is None  # a device ring, a host-only backend
         extents = [e for ex, _ in direct.values() for e in ex]
-        outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
-        if self._host_layout is None:
+        if to_host:  # .npy rows into pinned host fields, copied to the device below
+            outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
             extents += staged
-            outs += [layout["__staging__"] + o for o in staged_off]
-            staged = []
-        reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
-        if staged:  # device ring: encoded bytes and labels go to the pinned host arena
-            base = self._host_layout["__staging__"]
-            reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+            outs += [hl["__staging__"] + o for o in staged_off]
+            reads = [L._backend.read(extents, slot.host_flat, outs)] if extents else []
+        else:
+            outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
+            if hl is None:
+                extents += staged
+                outs += [layout["__staging__"] + o for o in staged_off]
+                staged = []
+            reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
+            if staged:  # device ring: encoded bytes and labels via POSIX into the pinned host arena
+                base = hl["__staging__"]
+                reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        streams = L._streams
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
         keep = None
         decoded = False
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
-                bufs[fp.name][: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                dst[: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][: len(sp)], dst[: len(sp)])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
             elif fp.kind == "bytes":
                 meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
             elif fp.kind == "image":
@@ -488,6 +562,8 @@ class _Epoch:
                 meta["skipped"] = meta.get("skipped", 0) + len(sp) - len(kept)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             meta["keep"] = keep
+        if streams:
+            meta["ready"] = streams.ready()
         slot.meta.update(meta)
         return decoded
 
@@ -499,7 +575,7 @@ class _Epoch:
         if self._closed:  # finished, failed, closed, or replaced by a newer iter(): the ring
             raise StopIteration  # may carry another epoch now, never touch it again
         if self.handed is not None:
-            self.ring.release(self.handed)
+            self._release(self.handed)
             self.handed = None
         if self.next_seq >= len(self.batches):
             self._finish()
@@ -511,6 +587,10 @@ class _Epoch:
             raise
         self.next_seq += 1
         self.handed = slot
+        self._consumer = threading.get_ident()
+        streams = self.loader._streams
+        if streams is not None:  # the consumer's stream waits for the batch's copies (GPU-side)
+            streams.consumer_wait(slot.meta.get("ready"))
         batch = self._make_batch(slot)
         self.loader._position += self.G
         self.samples += slot.meta["n"] - slot.meta.get("skipped", 0)
@@ -518,6 +598,12 @@ class _Epoch:
         self.bytes_read += slot.meta["bytes"]
         self._update_stats()
         return batch
+
+    def _release(self, slot, *, same_thread: bool = True) -> None:
+        """Hand the slot back, with a fence on the consumer's stream when the ring is on the GPU."""
+        streams = self.loader._streams
+        fence = streams.release_fence(same_thread=same_thread) if streams is not None else None
+        self.ring.release(slot, fence=fence)
 
     def _make_batch(self, slot) -> Any:
         L = self.loader
@@ -549,13 +635,14 @@ class _Epoch:
         if L.output == "torch":
             torch = _torch()
             t = torch.from_dlpack(arr) if on_device else torch.from_numpy(arr)
-            if L.device == "cuda" and not on_device:
-                return t.to("cuda")  # labels, or a host ring without KvikIO: a copy (blocking)
+            if L.device == "cuda" and not on_device:  # not reached: GPU batch tensors are on the GPU
+                return t.to(f"cuda:{L.device_ordinal}")
             return t.clone() if copy else t
         if L.device == "cuda" and not on_device:
             import cupy
 
-            return cupy.asarray(arr)
+            with cupy.cuda.Device(L.device_ordinal):
+                return cupy.asarray(arr)
         return arr.copy() if copy else arr
 
     def _update_stats(self) -> None:
@@ -575,6 +662,9 @@ class _Epoch:
             "ring_slots": rs["slots"],
             "ring_occupancy": rs.get("mean_occupancy", rs.get("occupancy")),
             "io_path": L._backend.name if L._backend else None,
+            "host_io_path": L._host_backend.name if L._host_backend else None,
+            "ring_device": self.ring.device,
+            "kvikio_error": _kvikio_error() if L.device == "cuda" else None,
             "decode_device": ("mixed" if L.device == "cuda" else "cpu") if any(
                 fp.kind == "image" for fp in L._fields) else None,
             "device": L.device,
@@ -593,7 +683,11 @@ class _Epoch:
         with self._turn:
             self._closed = True
             self._turn.notify_all()
-        if self.handed is not None:
+        if self.handed is not None:  # keep the fence: the next pass may refill this slot
+            try:
+                self._release(self.handed, same_thread=threading.get_ident() == self._consumer)
+            except Exception:
+                pass
             self.handed = None
         self.ring.close()
         for t in self.threads:

@@ -88,7 +88,7 @@ class ImageDecoder:
         self._builds = 0
 
     def _build(self) -> None:
-        require("nvidia.dali", extra="cpu", purpose="image decoding")
+        require("nvidia.dali", extra="cpu" if self.device == "cpu" else "cuda12", purpose="image decoding")
         from nvidia.dali import fn, pipeline_def, types
 
         t = self.transform
@@ -161,21 +161,38 @@ class ImageDecoder:
             return None, []
         return self._run([encoded[i] for i in kept]), kept
 
-    def copy_into(self, out, dst) -> None:
-        """Copy a decoded batch into `dst[:len(out)]` (a ring slot: NumPy or CuPy).
+    def copy_into(self, out, dst, *, stream: Any = None) -> None:
+        """Copy a decoded batch into `dst[:len(out)]` (a ring slot: NumPy for "cpu", CuPy for
+        "mixed"), completed when this returns.
 
-        Must run before the pipeline's next `run()`, which reuses its output buffers. Host
-        output is copied once, straight into the slot (`copy_to_external`); device output goes
-        through `__cuda_array_interface__` into the CuPy slot.
+        It must be complete before the pipeline's next `run()`, which reuses its output buffers:
+        DALI 2.4 with `exec_async=False, prefetch_queue_depth=1` calls `release_outputs()` at the
+        start of the next run (pipeline.py `_run_once`) and reruns on its own non-blocking streams,
+        and a TensorGPU's `__cuda_array_interface__` is version 2 (no stream key), so nothing would
+        order a CuPy copy on the legacy stream against it. Hence device output goes through
+        `TensorListGPU.copy_to_external(ptr, cuda_stream=stream, non_blocking=False)`: ordered
+        after DALI's work on its buffer, on `stream` (the loader's private copy stream, a
+        `ctypes.c_void_p`; None is the default stream), and waited for. Host output is copied
+        once, straight into the slot. A host slot never receives device output (that was a
+        GPU -> host -> GPU round trip; "mixed" decodes into a device slot).
         """
         n = len(out)
-        if hasattr(dst, "__cuda_array_interface__"):
-            import cupy
-
-            dst[:n] = cupy.asarray(out.as_tensor())
-            return
         target = dst[:n]
+        on_device = hasattr(dst, "__cuda_array_interface__")
+        if on_device != (self.device == "mixed"):
+            raise ValueError(f"a {'device' if on_device else 'host'} slot cannot take the output of "
+                             f"{self.device!r} decoding")
         shape = tuple(out.as_tensor().shape())
-        if shape != target.shape or not target.flags.c_contiguous:
+        if on_device:
+            cai = target.__cuda_array_interface__
+            contiguous = cai.get("strides") is None
+            address = cai["data"][0]
+        else:
+            contiguous = target.flags.c_contiguous
+            address = target.ctypes.data
+        if shape != target.shape or not contiguous:
             raise ValueError(f"decoded batch has shape {shape}, the slot expects {target.shape}")
-        out.copy_to_external(ctypes.c_void_p(target.ctypes.data))
+        if on_device:
+            out.copy_to_external(ctypes.c_void_p(address), cuda_stream=stream, non_blocking=False)
+        else:
+            out.copy_to_external(ctypes.c_void_p(address))
