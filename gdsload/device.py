@@ -174,6 +174,10 @@ class CopyStreams:
         if event is not None:
             self.consumer_stream().wait_event(event)
 
+    def synchronize(self) -> None:
+        """Wait for every copy enqueued so far (before the ring's memory may be freed)."""
+        self.stream.synchronize()
+
     def release_fence(self, *, same_thread: bool = True) -> Any:
         """An event recorded on the consumer's current stream: when it completes, the work the
         consumer queued on the released batch is done. `same_thread=False` (a close from another

@@ -353,6 +353,8 @@ class DataLoader(PlanCursor):
             if backend is not None:
                 backend.close()
         self._backend = self._host_backend = None
+        if self._streams is not None:  # copies still queued must not land in freed ring memory
+            self._streams.synchronize()
         self._streams = None
         self._ring = None
         self._fields = None

@@ -47,6 +47,9 @@ class FakeGPU:
         self.streams: dict[int, FakeStream] = {}
         self.null = [FakeStream(self, d, non_blocking=False, ptr=0) for d in range(devices)]
         self.peer_access = False
+        # Device memory is never freed while the fake lives: work queued on a stream holds raw
+        # addresses (as CUDA's does); the code under test must synchronise before it frees.
+        self.keepalive: list = []
 
     # -- per-thread state -------------------------------------------------------------------
     def current(self) -> int:
@@ -70,6 +73,14 @@ class FakeGPU:
         if ptr == 0:
             return self.null[self.current() if device is None else device]
         return self.streams[ptr]
+
+    def is_device_pointer(self, ptr: int) -> bool:
+        for a in self.keepalive:
+            if isinstance(a, np.ndarray):
+                lo = a.__array_interface__["data"][0]
+                if lo <= ptr < lo + max(a.nbytes, 1):
+                    return True
+        return False
 
     def log_calls(self, kind: str) -> list[tuple]:
         return [e for e in self.log if e[0] == kind]
@@ -270,6 +281,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
         a = np.empty(shape, dtype=dtype).view(FakeArray)
         a._device_id = gpu.current()
         gpu.log.append(("alloc", gpu.current(), a.nbytes))
+        gpu.keepalive.append(a)
         return a
 
     def zeros(shape, dtype=np.float32):
@@ -321,7 +333,9 @@ def _new_stream(gpu: FakeGPU, non_blocking: bool) -> FakeStream:
 
 def _pinned(gpu: FakeGPU, n: int):
     gpu.log.append(("alloc_pinned", n))
-    return bytearray(n)
+    buf = bytearray(n)
+    gpu.keepalive.append(buf)
+    return buf
 
 
 class FakeTorchStream:
@@ -368,6 +382,10 @@ def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: FakeTorchStream(
         _new_stream(gpu, True)))
     monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: gpu.synchronize_all())
+    # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
+                        raising=False)
 
 
 def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
