@@ -229,7 +229,7 @@ class DataLoader(PlanCursor):
         import warnings
 
         warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
-                      f"device='cuda' to insist)", RuntimeWarning, stacklevel=4)
+                      f"device='cuda' to insist)", RuntimeWarning, stacklevel=3)
         return "cpu"
 
     def _setup(self) -> None:
@@ -695,6 +695,8 @@ class _Epoch:
         for t in self.threads:
             if t is not threading.current_thread():  # `__del__` may run in a producer
                 t.join()
+        if self.loader._streams is not None and self.next_seq < len(self.batches):
+            self.loader._streams.synchronize()  # stopped early: unconsumed batches' copies may be queued
         if self.loader._active is self:
             self.loader._active_ref = None
 

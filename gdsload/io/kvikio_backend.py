@@ -147,7 +147,10 @@ class KvikioBackend(PooledBackend):
         it matters; `kvikio.memory_register` is a no-op in compat mode). Returns whether it did."""
         if not self._gds or not hasattr(buf, "__cuda_array_interface__"):
             return False
-        self._kvikio.memory_register(buf)
+        try:
+            self._kvikio.memory_register(buf)
+        except (RuntimeError, OSError):  # e.g. BAR1 too small: reads still work, with cuFile's bounce
+            return False
         self._registered.append(buf)
         return True
 
