@@ -439,6 +439,13 @@ class _Link:
             f"error: {last_error}.{advice} Raise retry_timeout_s to wait longer for a restart.",
             code="UNAVAILABLE", address=address)
 
+    def corrupt_everywhere(self, err: grpc.RpcError, address: str) -> status.RemoteError:
+        """The DATA_LOSS error raised once every address answered it."""
+        exc = status.from_rpc_error(err, address)
+        if len(self.addresses) > 1:
+            exc.add_note(f"every address ({', '.join(self.addresses)}) answered DATA_LOSS for this batch")
+        return exc
+
     def unary(self, method: str, request: Any) -> Any:
         attempts = _Attempts(self)
         corrupt: set[str] = set()
@@ -451,7 +458,7 @@ class _Link:
                 if status.is_elsewhere(err):
                     corrupt.add(address)
                     if corrupt.issuperset(self.addresses):
-                        raise status.from_rpc_error(err, address) from None
+                        raise self.corrupt_everywhere(err, address) from None
                     self.failover(address)
                     continue
                 if not status.is_retryable(err):
@@ -603,7 +610,7 @@ class _Receiver:
                         # This server's copy is corrupt: ask each other address once, not this one again.
                         corrupt.add(address)
                         if corrupt.issuperset(link.addresses):
-                            self._put(("error", status.from_rpc_error(err, address)))
+                            self._put(("error", link.corrupt_everywhere(err, address)))
                             return
                         link.failover(address)
                         continue

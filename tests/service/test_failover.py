@@ -98,4 +98,5 @@ def test_corrupt_on_every_address_is_final(two_nodes):
         for _ in loader:
             pass
     assert e.value.code == "DATA_LOSS" and "short read" in str(e.value)
+    assert any("every address" in note for note in e.value.__notes__)
     assert loader.stats()["reconnects"] == 1  # moved to the other address once, not back again
