@@ -35,9 +35,11 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
+_META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
 class Dataset:
@@ -123,7 +125,7 @@ class DataLoader(PlanCursor):
 
     def __init__(
         self,
-        dataset: Dataset | str,
+        dataset: Dataset | Mix | str,
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -145,11 +147,17 @@ class DataLoader(PlanCursor):
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
     ):
+        from gdsload.mix import MixPlan
         from gdsload.plan import Plan
 
-        self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
-        if fields is not None:
-            self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.mix)
+            self.dataset = dataset.open(Dataset)
+            if fields is not None:
+                self.dataset = self.dataset.with_fields([f for f in fields if f not in _META_FIELDS])
+        else:
+            self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
+            if fields is not None:
+                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -178,10 +186,11 @@ class DataLoader(PlanCursor):
 
             transform = ImageTransform()
         self.transform = transform
-        self.plan = Plan(
+        mixed = {"mix": self.dataset.spec} if isinstance(self.dataset, Mix) else {}
+        self.plan = (MixPlan if mixed else Plan)(
             dataset_id=self.dataset.dataset_id, shard_sizes=self.dataset.shard_sizes,
             batch_size=batch_size, world_size=world_size, rank=rank, seed=seed, shuffle=shuffle,
-            window=shuffle_window, drop_last=drop_last,
+            window=shuffle_window, drop_last=drop_last, **mixed,
         )
         self._epoch = 0
         self._position = 0
@@ -472,6 +481,8 @@ class _Epoch:
             reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
+        if isinstance(L.dataset, Mix):
+            meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
         for fp in L._fields:
@@ -538,6 +549,9 @@ class _Epoch:
             out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
+        if "sources" in slot.meta:
+            sources = slot.meta["sources"]
+            out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
         if L.tuple_fields is not None:
             return tuple(out[f] for f in L.tuple_fields)
         return out
