@@ -74,6 +74,26 @@ class Dataset:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
 
 
+def _check_mix_tensors(mix: Mix, fplans: list[_FieldPlan]) -> None:
+    """A tensor field of a mix has one dtype and shape in every dataset (one batch tensor); the
+    layout is probed on each dataset's first sample of the field, as for one dataset."""
+    for fp in fplans:
+        if fp.kind != "tensor":
+            continue
+        for name, d in zip(mix.names, mix.datasets):
+            ds = d.shards
+            s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
+                          if any(e == fp.name for e, _, _ in ds.index(s).members(j)))
+            o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == fp.name)
+            t = TensorField.probe(fp.name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+            if (t.dtype, t.shape) != (fp.tensor.dtype, fp.tensor.shape):
+                raise FormatError(
+                    f"field {fp.name!r} is {t.dtype}{list(t.shape)} in dataset {name!r} of the mix and "
+                    f"{fp.tensor.dtype}{list(fp.tensor.shape)} in {mix.names[0]!r}; a batch needs one "
+                    f"shape per field (choose fields=[...] without it)"
+                )
+
+
 @dataclass
 class _FieldPlan:
     name: str
@@ -241,6 +261,8 @@ class DataLoader(PlanCursor):
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
                 fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
             fplans.append(fp)
+        if isinstance(self.dataset, Mix):
+            _check_mix_tensors(self.dataset, fplans)
         images = [fp.name for fp in fplans if fp.kind == "image"]
         if len(images) > 1:
             raise GdsloadError(

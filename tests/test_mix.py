@@ -368,13 +368,15 @@ class Source:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Source]:
-    """a: 40 uint8[3,8,8] with labels; b: 24 of them with labels; c: 20 without labels."""
+    """a: 40 uint8[3,8,8] with labels; b: 24 of them with labels; c: 20 without labels;
+    d: 12 uint8[8,3,8] with labels (as many bytes per sample as a, another shape)."""
     from gdsload.sampledata import make_npy_folder
 
     root = tmp_path_factory.mktemp("mix")
     out = {}
-    for name, n, seed, labels in (("a", 40, 1, True), ("b", 24, 2, True), ("c", 20, 3, False)):
-        make_npy_folder(root / f"src-{name}", num_samples=n, shape=(3, 8, 8), dtype="uint8", seed=seed,
+    for name, n, seed, labels, shape in (("a", 40, 1, True, (3, 8, 8)), ("b", 24, 2, True, (3, 8, 8)),
+                                         ("c", 20, 3, False, (3, 8, 8)), ("d", 12, 4, True, (8, 3, 8))):
+        make_npy_folder(root / f"src-{name}", num_samples=n, shape=shape, dtype="uint8", seed=seed,
                         labels=labels)
         out[name] = Source(root / f"src-{name}", _convert(root / f"src-{name}", root / name))
     return out
@@ -470,3 +472,15 @@ def test_loader_elastic_4_2_8(sources):
     expected = collections.Counter((names[s], keys[names[s]][i - offsets[s]]) for s, i in zip(src, order))
     assert collections.Counter(first + second + third) == expected  # an own-epoch overlap may repeat a pair
     assert sum(expected.values()) == 64
+
+
+def test_tensor_shapes_must_agree_across_the_mix(sources):
+    """Same bytes per sample, other shape: refused before any batch (the aligned payloads' headers
+    are not parsed per sample, so this would otherwise come out as a[3,8,8]-shaped d data)."""
+    from gdsload.errors import FormatError
+
+    dl = loader(sources, names=("a", "d"))
+    with pytest.raises(FormatError, match=r"field 'npy' is uint8\[8, 3, 8\] in dataset 'd' of the mix"):
+        next(iter(dl))
+    labels = [b for b in loader(sources, names=("a", "d"), fields=("cls", "__source__"))]
+    assert sum(len(b[0]) for b in labels) == 52  # without the tensor field the mix reads
