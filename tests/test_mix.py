@@ -484,3 +484,16 @@ def test_tensor_shapes_must_agree_across_the_mix(sources):
         next(iter(dl))
     labels = [b for b in loader(sources, names=("a", "d"), fields=("cls", "__source__"))]
     assert sum(len(b[0]) for b in labels) == 52  # without the tensor field the mix reads
+
+
+def test_mix_bench_tiny(tmp_path):
+    """bench/mix_bench.py runs (speed is never asserted; the lead measures it)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "mix_bench.py"
+    spec = importlib.util.spec_from_file_location("mix_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main(["--tiny", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert r["ratio_mix_over_single"]["median"] > 0 and r["mix"]["samples_per_s"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["args"]["samples"] == 32
