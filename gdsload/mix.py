@@ -20,9 +20,10 @@ Datasets ``0..k-1`` with ``N_i`` samples each. Per epoch of the mix, dataset ``i
 ``E`` is ``samples_per_epoch``, or by default ``sum(fixed c_i) + sum(N_i of the weighted ones)``
 (the sum of the datasets when none is fixed). The epoch has ``M = sum(c_i)`` samples.
 
-Order of epoch ``e`` (a permutation-free array of *global ids*: dataset ``i``'s sample ``j`` has
-id ``offset_i + j`` with ``offset_i = N_0 + ... + N_{i-1}``, so the loader reads a mix like one
-dataset whose shards are the datasets' shards one after another):
+Order of epoch ``e``: an array of ``M`` *global ids* (not a permutation: a dataset may give more
+or fewer samples than it has). Dataset ``i``'s sample ``j`` has id ``offset_i + j`` with
+``offset_i = N_0 + ... + N_{i-1}``, so the loader reads a mix like one dataset whose shards are
+the datasets' shards one after another.
 
 1. Each dataset has its own endless *stream*: its own epochs ``0, 1, 2, ...`` one after another,
    each the single-dataset `epoch_order` (its own shuffle, seeded from ``(seed, i)``). Mix epoch
@@ -42,8 +43,11 @@ Everything else is the plan's (`gdsload.plan`): ranks take interleaved slices of
 ``drop_last`` and padding rules apply to ``M``, a state records the global position and resumes
 exactly, also on another world size with the same global batch. A state also records the mix
 (datasets' ids, weights, repeat, samples, samples_per_epoch, mix_by); a state from another mix is
-refused naming the first difference. Cost: one sort of ``M/unit`` keys plus each dataset's own
-epoch orders (three sorts each); no Python per sample.
+refused naming the first difference. Cost, once per epoch (cached like the plan's): one sort
+of ``M/unit`` random keys, one linear radix sort, and the datasets' own epoch orders that the
+epoch touches (three sorts each; an own epoch cut by the epoch boundary is computed in both
+epochs); no Python per sample. About 0.9 s for 1.3 M samples mixed 0.7/0.3 from two datasets on
+the 2-core VM, against 0.3 s for one dataset's `epoch_order`.
 
 Fields: a mix yields the fields every dataset has (in the first dataset's order), plus
 ``"__key__"`` and ``"__source__"`` (per sample, the name of its dataset: ``names=``, or each
@@ -154,10 +158,12 @@ class MixSpec:
         """The datasets' shards one after another: the id space of the mix."""
         return tuple(n for s in self.sources for n in s.shard_sizes)
 
-    @property
+    @functools.cached_property
     def offsets(self) -> np.ndarray:
         """Global id of each dataset's first sample (length k+1: the last is the total)."""
-        return np.concatenate(([0], np.cumsum([s.num_samples for s in self.sources]))).astype(np.int64)
+        out = np.concatenate(([0], np.cumsum([s.num_samples for s in self.sources]))).astype(np.int64)
+        out.setflags(write=False)
+        return out
 
     def units(self, unit: int = 1) -> np.ndarray:
         """Per dataset, its count per epoch in units of `unit` samples (1, or G for mix_by batch)."""
@@ -269,7 +275,8 @@ def mix_order(spec: MixSpec, *, seed: int, epoch: int, shuffle: bool, window: in
         rank = np.arange(labels.shape[0], dtype=np.int64) - starts
         key = (rank + 0.5) / np.repeat(units, units).astype(np.float64)
         labels = labels[np.argsort(key, kind="stable")]
-    per_position = np.repeat(labels, unit)
+    # uint16 labels: NumPy's stable sort of <= 16-bit integers is a radix sort (linear)
+    per_position = np.repeat(labels.astype(np.uint16 if k < 2**16 else np.int64), unit)
     offsets = spec.offsets
     counts = units * unit
     ids = [
@@ -323,7 +330,7 @@ class MixPlan(Plan):
     def _global_batch_for_order(self) -> int:
         return self.global_batch if self.mix.mix_by == "batch" else 1
 
-    @property
+    @functools.cached_property
     def num_samples(self) -> int:
         """M, the samples of one epoch of the mix."""
         return int(self.mix.counts(self._global_batch_for_order).sum())
