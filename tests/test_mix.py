@@ -497,3 +497,20 @@ def test_mix_bench_tiny(tmp_path):
     r = mod.main(["--tiny", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
     assert r["ratio_mix_over_single"]["median"] > 0 and r["mix"]["samples_per_s"] > 0
     assert json.loads((tmp_path / "r.json").read_text())["args"]["samples"] == 32
+
+
+def test_mix_is_plan_layer_and_needs_numpy_only():
+    """gdsload/mix.py and format/concat.py import nothing above the plan and format layers, and
+    `gdsload.Mix` loads without the loader, grpc or torch."""
+    import ast
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1] / "gdsload"
+    for path in (root / "mix.py", root / "format" / "concat.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdsload"):
+                assert node.module.split(".")[1] in ("errors", "plan", "format"), (path.name, node.module)
+    code = ("import sys, gdsload; gdsload.Mix; bad = [m for m in ('gdsload.loader', 'grpc', 'torch', "
+            "'nvidia.dali', 'cupy') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent)
