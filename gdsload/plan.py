@@ -468,12 +468,11 @@ class Plan:
         )
         return epoch, position
 
-
     def _check_mix(self, state: Mapping[str, Any]) -> None:
         """Refuse a state of a mix (`gdsload.mix.MixPlan` checks the mix instead)."""
         if "mix" in state:
-            names = [d.get("name") for d in state["mix"].get("datasets", []) if isinstance(d, Mapping)] \
-                if isinstance(state["mix"], Mapping) else "?"
+            mix = state["mix"] if isinstance(state["mix"], Mapping) else {}
+            names = [d.get("name") for d in mix.get("datasets", ()) if isinstance(d, Mapping)]
             raise StateError(
                 f"the state is from a mix of datasets {names}, this loader reads one dataset "
                 f"({self.dataset_id!r}); resume it with the same gdsload.Mix"
