@@ -514,3 +514,15 @@ def test_mix_is_plan_layer_and_needs_numpy_only():
     code = ("import sys, gdsload; gdsload.Mix; bad = [m for m in ('gdsload.loader', 'grpc', 'torch', "
             "'nvidia.dali', 'cupy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent)
+
+
+def test_loader_order_does_not_depend_on_threads_and_takes_paths(sources):
+    """Paths in a Mix are opened as Datasets; 1 or 3 reader threads give the same batches."""
+    from gdsload.loader import DataLoader
+
+    kw = dict(weights=[0.5, 0.5], samples_per_epoch=40, shuffle=True, seed=6, copy=True)
+    mix = Mix([str(sources["a"].dst), str(sources["b"].dst)], weights=[0.5, 0.5], samples_per_epoch=40)
+    one = pairs(DataLoader(mix, batch_size=4, shuffle=True, seed=6, num_workers=1, device="cpu", output="numpy"))
+    three = pairs(DataLoader(mix, batch_size=4, shuffle=True, seed=6, num_workers=3, device="cpu", output="numpy"))
+    assert one == three == pairs(loader(sources, batch_size=4, **kw))
+    assert {s for b in one for s, _ in b} == {"a", "b"}

@@ -152,3 +152,11 @@ def test_mix_through_gdsload_serve_subprocess(mixroot, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_remote_mix_of_opened_datasets_is_refused(mixserver, mixroot):
+    from gdsload.errors import GdsloadError
+
+    mix = Mix([Dataset(str(mixroot / "a")), Dataset(str(mixroot / "b"))])
+    with pytest.raises(GdsloadError, match="names served datasets by their names"):
+        RemoteLoader(mixserver, dataset=mix, output="numpy").plan
