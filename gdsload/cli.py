@@ -68,7 +68,8 @@ def cmd_convert(a: argparse.Namespace) -> int:
         + (f"; {r['resumed_shards']} shards kept from the interrupted run" if r["resumed_shards"] else "")
     )
     m = r["manifest"]
-    classes = f"{len(m['classes'])} classes" if m.get("classes") else "no classes"
+    n = len(m.get("classes") or [])
+    classes = f"{n} class{'es' if n != 1 else ''}" if n else "no classes"
     print(f"input: {m['created']['source_format']} ({'--format' if a.format else 'detected'}), {classes}"
           + (", labels from .cls" if "cls" in m["fields"] and not m.get("classes") else ""))
     if r["rejected"]:
