@@ -282,12 +282,17 @@ def _tree(src: str) -> _LocalTree | _FsspecTree:
     return _FsspecTree(src) if is_remote(src) else _LocalTree()
 
 
-def read_range(path: str, offset: int = 0, size: int = -1) -> bytes:
-    """`size` bytes of the input `path` (a local path or a URL) from `offset`; -1: to the end."""
+def read_range(path: str, offset: int = 0, size: int = -1, *, follow_link: bool = False) -> bytes:
+    """`size` bytes of the input `path` (a local path or a URL) from `offset`; -1: to the end.
+
+    A local file is opened with O_NOFOLLOW unless `follow_link`: a file swapped for a link after
+    it was listed raises OSError (its sample becomes a reject) instead of reading the link's target.
+    """
     if is_remote(path):
         fs, p = url_to_fs(path)
         return fs.cat_file(p, start=offset, end=None if size < 0 else offset + size)
-    with open(path, "rb") as f:
+    flags = os.O_RDONLY | (0 if follow_link else getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(os.open(path, flags), "rb") as f:
         f.seek(offset)
         return f.read() if size < 0 else f.read(size)
 
@@ -414,7 +419,7 @@ def _npy_ref(path: str, size: int, offset: int = 0) -> Ref | str:
 
 def _read_labels(path: str) -> dict[str, str]:
     try:
-        text = read_range(path).decode()
+        text = read_range(path, follow_link=True).decode()  # a file the user named
         if path.endswith(".json"):
             data = json.loads(text)
             if not isinstance(data, dict):
@@ -535,8 +540,9 @@ def expand_tar_paths(tree: _LocalTree | _FsspecTree, src: str) -> tuple[list[_Fi
         if not tars:
             raise InputError(f"{src}: no .tar files in this folder")
         return tars, [f for f in visible if not f.path.endswith(".tar")]
-    if kind == "file":
-        return [tree.stat(src, src)], []  # the tar named: it may be a link
+    if kind == "file":  # the tar named: it may be a link, read as the file it points at
+        link = not is_remote(src) and os.path.islink(src)
+        return [tree.stat(os.path.realpath(src) if link else src, src)], []
     raise InputError(f"{src}: no such file or folder")
 
 

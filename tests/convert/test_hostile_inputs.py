@@ -180,6 +180,22 @@ def test_src_itself_may_be_a_link(tmp_path, capsys):
     assert set(samples(tmp_path / "dst2")) == {"k0"}
 
 
+def test_file_swapped_for_a_link_after_listing_is_not_followed(tmp_path, secret):
+    from gdsload.convert.engine import write_shard
+    from gdsload.convert.sources import list_source
+
+    src = tmp_path / "src"
+    write(src / "c0" / "a.jpg", image_bytes(0))
+    victim = write(src / "c0" / "b.jpg", SECRET)  # same size as the secret: the size check passes
+    listing = list_source(str(src))
+    victim.unlink()
+    os.symlink(secret, victim)  # swapped while the conversion runs
+    (tmp_path / "dst").mkdir()
+    r = write_shard(str(tmp_path / "dst"), "shard-000000", listing.samples, False)
+    assert [x["key"] for x in r["rejects"]] == ["c0/b"] and "unreadable" in r["rejects"][0]["reason"]
+    assert SECRET[:32] not in shard_bytes(tmp_path / "dst")
+
+
 # -- 16.11: a mixed-type image folder converts into one image field that loads -------------------
 MIXED = {"c0/j0.jpg": "JPEG", "c0/p0.png": "PNG", "c0/w0.webp": "WEBP", "c0/b0.bmp": "BMP",
          "c1/j1.JPEG": "JPEG", "c1/t1.tif": "TIFF", "c1/p1.png": "PNG", "c1/j2.jpeg": "JPEG"}
