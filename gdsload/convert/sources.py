@@ -167,10 +167,11 @@ class _LocalTree:
         return [(e.name, e.is_dir(), _link_reason(e.path) if e.is_symlink() else None) for e in os.scandir(root)]
 
     def files_in(self, folder: str) -> dict[str, _File]:
-        """The files (and links to files) directly in folder by name ({} if it is missing);
-        `rel` is the name; a link's `size` is the reason it is refused."""
+        """The files and links directly in folder by name ({} if it is missing); `rel` is the
+        name; a link's `size` is the reason it is refused."""
         try:
-            return {e.name: self.stat(e.path, e.name, follow=False) for e in os.scandir(folder) if e.is_file()}
+            return {e.name: self.stat(e.path, e.name, follow=False) for e in os.scandir(folder)
+                    if e.is_file() or e.is_symlink()}
         except (FileNotFoundError, NotADirectoryError):
             return {}
 
@@ -310,9 +311,9 @@ def list_imagefolder(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
     listing = Listing("imagefolder", [], classes=[])
     classes = []
     for name, is_dir, link in sorted(tree.children(root)):
-        where = tree.join(root, name)
         if not _visible(name):
             continue
+        where = tree.join(root, name)
         reason = link or _not_utf8(name)
         if reason is None and not is_dir:
             reason = "not in a class folder (an image folder holds ROOT/CLASS/IMAGE files)"
@@ -571,10 +572,10 @@ def _check_tar_end(fh: BinaryIO, end: int, size: int, path: str, members: int) -
         chunk = fh.read(1 << 20)
         if not chunk:
             break
-        nonzero = len(chunk) - len(chunk.lstrip(b"\0"))
-        if nonzero < len(chunk):
+        first = len(chunk) - len(chunk.lstrip(b"\0"))  # of a byte that is not zero
+        if first < len(chunk):
             raise InputError(
-                f"{path}: data at byte offset {pos + nonzero} after the end-of-archive marker at offset "
+                f"{path}: data at byte offset {pos + first} after the end-of-archive marker at offset "
                 f"{end} (after {members} members): a zeroed header or a second archive hides members "
                 f"there; refusing the tar"
             )
@@ -652,9 +653,6 @@ def list_tars(tree: _LocalTree | _FsspecTree, src: str) -> Listing:
         listing.reject(f.path, "", "not a .tar file (a folder of tars is read for its .tar files)")
     for tar in tars:
         path = tar.path
-        if tar.stamp == "link":
-            raise InputError(f"{path}: {tar.size} (a folder of tars or a pattern lists real files only); "
-                             f"refusing the input")
         listing.inputs.append((path, tar.stamp))
         current: list[tuple[str, Ref]] = []
         current_key = None
@@ -695,7 +693,7 @@ def list_tars(tree: _LocalTree | _FsspecTree, src: str) -> Listing:
 
 # -- detection -----------------------------------------------------------------------------------
 def _is_image_name(name: str) -> bool:
-    return name.rpartition(".")[2].lower() in IMAGE_EXTS if "." in name else False
+    return "." in name and name.rpartition(".")[2].lower() in IMAGE_EXTS
 
 
 def detect(src: str) -> SourceFormat:
