@@ -397,6 +397,26 @@ def test_non_utf8_tar_member_names_are_rejected(tmp_path, capsys):
     assert source == str(tar) and "not valid UTF-8" in reason and "caf\\xe9" in reason
 
 
+@pytestmark_utf8
+def test_non_utf8_names_in_files_npy_and_tar_folders(tmp_path, capsys):
+    files, npys, tars = tmp_path / "files", tmp_path / "npy", tmp_path / "tars"
+    write(files / "k0.txt", b"x")
+    write(npys / "k0.npy", npy_bytes(np.zeros(2)))
+    make_tar(tars / "a.tar", [("k0.txt", b"x")])
+    for folder, name, data in [(files, b"caf\xe9.txt", b"y"), (npys, b"caf\xe9.npy", npy_bytes(np.ones(2))),
+                               (tars, b"caf\xe9.tar", (tars / "a.tar").read_bytes())]:
+        with open(os.fsencode(folder) + b"/" + name, "wb") as f:
+            f.write(data)
+    for folder in (files, npys):
+        dst = tmp_path / f"out-{folder.name}"
+        ok(capsys, folder, dst)
+        assert set(samples(dst)) == {"k0"}
+        [reason] = rejected(dst).values()
+        assert "not valid UTF-8" in reason
+    err = fatal(capsys, tars, tmp_path / "out-tars")  # a whole tar is not left out quietly
+    assert "caf\\xe9.tar" in err and "not valid UTF-8" in err
+
+
 # -- 21.4: a decompression bomb is a reject under --validate -------------------------------------
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG that claims width x height pixels (8-bit grey) and holds one empty IDAT."""
