@@ -159,6 +159,13 @@ def test_link_in_npy_folder_is_rejected(tmp_path, capsys):
     ok(capsys, src, dst)
     assert set(samples(dst)) == {"a"}
     assert "symbolic link" in rejected(dst)[str(src / "b.npy")]
+    # a labels file found inside SRC is not followed either; one named with --labels may be a link
+    (tmp_path / "outside" / "labels.csv").write_text("key,label\na,7\n")
+    os.symlink(tmp_path / "outside" / "labels.csv", src / "labels.csv")
+    err = fatal(capsys, src, tmp_path / "dst2")
+    assert str(src / "labels.csv") in err and "symbolic link" in err and "--labels" in err
+    ok(capsys, src, tmp_path / "dst3", "--labels", src / "labels.csv")
+    assert samples(tmp_path / "dst3")["a"]["cls"] == b"7"
 
 
 def test_link_in_folder_of_tars_is_refused(tmp_path, capsys):
