@@ -365,10 +365,10 @@ def test_summary_names_a_forced_format(tmp_path, capsys):
 
 
 # -- 21.3: names that are not UTF-8 --------------------------------------------------------------
-pytestmark_utf8 = pytest.mark.skipif(sys.platform == "darwin", reason="macOS refuses non-UTF-8 file names")
+needs_non_utf8_names = pytest.mark.skipif(sys.platform == "darwin", reason="macOS refuses non-UTF-8 file names")
 
 
-@pytestmark_utf8
+@needs_non_utf8_names
 def test_non_utf8_file_names_are_rejected(tmp_path, capsys):
     src = tmp_path / "src"
     write(src / "c0" / "ok.jpg", image_bytes(0))
@@ -404,7 +404,7 @@ def test_non_utf8_tar_member_names_are_rejected(tmp_path, capsys):
     assert source == str(tar) and "not valid UTF-8" in reason and "caf\\xe9" in reason
 
 
-@pytestmark_utf8
+@needs_non_utf8_names
 def test_non_utf8_names_in_files_npy_and_tar_folders(tmp_path, capsys):
     files, npys, tars = tmp_path / "files", tmp_path / "npy", tmp_path / "tars"
     write(files / "k0.txt", b"x")
