@@ -28,8 +28,10 @@ GDS is available (settling the two audits' disagreement; gdsload leaves the thre
 Not visible from Python: KvikIO's per-file fallback to compat under AUTO (CompatModeManager, when
 O_DIRECT or cuFile handle registration fails for that file), so "kvikio-gds" can still hide a
 compat read of a file cuFile refused. Device rows whose address is not 4 KiB-aligned (rows of a
-size that is not a multiple of 4096) go through cuFile's internal GPU bounce buffer: still GDS,
-with one extra device-to-device copy. `register(buf)` registers a device arena with cuFile
+size that is not a multiple of 4096) go through cuFile's internal bounce buffers, which are GPU
+memory ("maximum GPU memory reserved per device by the library for internal buffering",
+cuFileDriverSetMaxCacheSize): still GDS, with one extra device-to-device copy; padding the row
+stride to 4096 would avoid it and is not done (a measured gain first: bench kvikio_rows). `register(buf)` registers a device arena with cuFile
 (`kvikio.memory_register`, a no-op in compat mode), so reads into it skip that bounce when aligned.
 
 KvikIO 26.10 imports without a GPU but refuses every read when libcuda.so.1 is absent;
