@@ -242,9 +242,10 @@ class FakeArray(np.ndarray):
                                                               if isinstance(src, np.ndarray) else src))
 
             gpu.current_stream(self._device_id).enqueue(op, "setitem")
-        else:  # from the host: synchronous H2D copy (CuPy converts with asarray first)
-            gpu.current_stream(self._device_id).synchronize()
-            np.ndarray.__setitem__(self.view(np.ndarray), key, value)
+        else:  # from the host: staged at once (CuPy converts with asarray, then copies in order)
+            staged = np.array(value, dtype=self.dtype)
+            gpu.current_stream(self._device_id).enqueue(
+                lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, staged), "setitem from host")
 
     def get(self, stream=None) -> np.ndarray:
         (stream or self._gpu.current_stream(self._device_id)).synchronize()
@@ -296,8 +297,10 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
             v = _view_cai(obj).view(FakeArray)
             v._device_id = gpu.current()
             return v
+        # from host memory: CuPy stages the host data before returning (cudaMemcpyAsync from
+        # pageable memory), into fresh memory; it does not wait for work queued on the stream
         a = empty(np.shape(obj), dtype or np.asarray(obj).dtype)
-        gpu.current_stream().synchronize()
+        gpu.log.append(("h2d_staged", a.nbytes, threading.current_thread().name))
         np.copyto(a.view(np.ndarray), np.asarray(obj))
         return a
 
@@ -383,6 +386,19 @@ def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
         _new_stream(gpu, True)))
     monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: gpu.synchronize_all())
+    orig_to = torch.Tensor.to
+
+    def to(self, *args, **kw):  # `.to("cuda")`: torch's memcpy_and_sync unless non_blocking
+        dev = args[0] if args else kw.get("device")
+        if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda"):
+            non_blocking = bool(kw.get("non_blocking", False))
+            gpu.log.append(("torch_to_cuda", non_blocking, threading.current_thread().name))
+            if not non_blocking:
+                gpu.torch_stream().synchronize()
+            return self.clone()
+        return orig_to(self, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
     # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
                         raising=False)

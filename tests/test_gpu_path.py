@@ -317,6 +317,7 @@ def test_torch_consumer_stream_waits_for_the_batch_and_fences_the_slot(monkeypat
         for i, k in enumerate(keys):
             np.testing.assert_array_equal(x[i].numpy(), arrays[k], err_msg=k)
             assert int(y[i]) == labels[k]
+    assert gpu.log_calls("torch_to_cuda") == []  # no blocking .to("cuda") per step
     waits = {e[1] for e in gpu.log_calls("wait_event")}
     assert s.cuda_stream in waits  # the consumer's stream waited for the batches' copies
 
