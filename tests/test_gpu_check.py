@@ -149,3 +149,20 @@ def test_gpu_bench_steps_run_against_the_fakes(monkeypatch, tmp_path):
     assert gpu_bench.main([*args, "--steps", "device_path"]) == 1
     rows = {r["step"]: r for r in json.loads((out / "gpu-check.json").read_text())["rows"]}
     assert rows["device_path"]["status"] == "FAIL" and "io=posix" in rows["device_path"]["figure"]
+
+
+def test_the_gpu_test_files_collect_the_gpu_tests():
+    """What gpu_check.sh's pytest step selects (by file and marker), collected here: the device
+    run must not find 'no tests' or a collection error."""
+    files = ["tests/test_gpu_path.py", "tests/test_ring.py", "tests/test_loader.py", "tests/io/test_conformance.py"]
+    assert all(f in SCRIPT.read_text() for f in files)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", "gpu or gds or dali_gpu", *files], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    for name in ("test_real_gpu_npy_loader_reads_through_kvikio_into_the_device_ring",
+                 "test_real_mixed_decode_matches_the_cpu_decode", "test_cuda_npy_loader_returns_device_tensors",
+                 "test_cuda_device_ring"):
+        assert any(name in i for i in ids), name
+    assert any("test_conformance.py" in i and "kvikio" in i for i in ids)
