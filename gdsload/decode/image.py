@@ -30,7 +30,35 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class DecodeError(GdsloadError):
-    """An image could not be decoded; the message names its shard and key."""
+    """An image could not be decoded; the message names its shard and key.
+
+    `reason` is the message without its `remedy` (how to skip such samples), so that the feed
+    server can word the remedy in protocol terms instead of Python arguments."""
+
+    def __init__(self, reason: str, *, remedy: str = ""):
+        super().__init__(f"{reason}; {remedy}" if remedy else reason)
+        self.reason = reason
+        self.remedy = remedy
+
+
+def dali_reason(exc: BaseException, limit: int = 1000) -> str:
+    """DALI's error as one line: the operator and what it encountered, without the pipeline
+    traceback and the "no longer valid" trailer (the first line alone, "Error in CPU operator
+    `...`,", stops mid-sentence). Cut at a word, with "...", past `limit` characters."""
+    import re
+
+    text = str(exc)
+    op = re.search(r"operator `([^`]+)`", text)
+    _, found, tail = text.partition("encountered:")
+    lines = [line.strip() for line in (tail if found else text).splitlines()]
+    what = " ".join(line for line in lines
+                    if line and "no longer valid" not in line and not line.startswith("Critical error"))
+    what = what or text.strip() or type(exc).__name__
+    if op and found:
+        what = f"{op.group(1)} failed: {what}"
+    if len(what) > limit:
+        what = what[:limit].rsplit(" ", 1)[0] + " ..."
+    return what
 
 
 @dataclass(frozen=True)
@@ -150,11 +178,9 @@ class ImageDecoder:
                 bad.append((i, exc))
         if bad and self.on_error == "raise":
             i, exc = bad[0]
-            msg = str(exc).strip().splitlines()
-            detail = next((line for line in msg if "rror" in line and "Critical" not in line), msg[0] if msg else "")
             raise DecodeError(
-                f"cannot decode image {names[i]} ({len(bad)} bad in this batch): {detail.strip()[:200]}; "
-                f"pass on_error='skip' to skip and count corrupt samples"
+                f"cannot decode image {names[i]} ({len(bad)} bad in this batch): {dali_reason(exc)}",
+                remedy="pass on_error='skip' to skip and count corrupt samples",
             ) from exc
         self.skipped += len(bad)
         if not kept:
