@@ -260,7 +260,8 @@ class FeedServicer(pb_grpc.FeedServicer):
 
         The loader's ring has `prefetch + 1` slots, each holding a batch of outputs (decoded
         images, tensors, int64 labels) plus a staging area of every non-tensor member rounded up
-        to 64 bytes, sized from the largest member of each field in the index; a decoding stream
+        to 64 bytes, sized from the largest member of each field in the index, each field of a
+        slot 4 KiB-aligned; a decoding stream
         adds `_DECODE_BUFFERS` output batches inside DALI; the chunk being sent is at most
         `max_message_bytes`.
         """
@@ -286,9 +287,8 @@ class FeedServicer(pb_grpc.FeedServicer):
                 f"({per_sample} per sample), over the server's limit of {self.limits.max_batch_bytes} "
                 f"bytes per batch; lower batch_size"
             )
-        slots = self.prefetch + 1
-        return (slots * B * (per_sample + staging) + _DECODE_BUFFERS * B * image
-                + self.limits.max_message_bytes)
+        slot = B * (per_sample + staging) + 4096 * (len(fields) + 1)  # each ring field is 4 KiB-aligned
+        return (self.prefetch + 1) * slot + _DECODE_BUFFERS * B * image + self.limits.max_message_bytes
 
     def _enter(self, dataset: str, memory: int) -> None:
         budget = self.limits.max_memory_bytes
