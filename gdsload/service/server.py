@@ -248,12 +248,15 @@ class FeedServicer(pb_grpc.FeedServicer):
             decode_threads=self.decode_threads,
         )
         try:
+            # the plan's batches from the start, beside the loader's: they name skipped samples;
+            # checking start_position here names the request's field in the message
+            planned = loader.plan.batches(req.epoch, req.start_position)
             loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
         except Exception:
             loader.close()
             raise
         chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
-        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory}
+        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned}
 
     def stream_memory(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> int:
         """Upper bound of the bytes a stream for `req` holds, checking `max_batch_bytes` on the way.
@@ -356,7 +359,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             plan = loader.plan
             G = plan.global_batch
             step = req.start_position // G
-            planned = plan.batches(req.epoch, req.start_position)
+            planned = opts["planned"]
             event(self.log, "stream_start", peer=_peer(context), dataset=req.dataset, payload=payload,
                   epoch=req.epoch, start_position=req.start_position, rank=loader.plan.rank,
                   world_size=loader.plan.world_size, batch_size=req.batch_size)

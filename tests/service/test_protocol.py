@@ -157,6 +157,15 @@ def test_a_transform_with_raw_payload_is_refused(server, payload):
     assert "BatchRequest.transform" in err.details() and "PAYLOAD_RAW" in err.details()
 
 
+def test_plan_errors_name_the_request_fields(server):
+    _, address = server
+    for req, words in [(pb.BatchRequest(dataset="feats", batch_size=4, start_position=5), "start_position = 5"),
+                       (pb.BatchRequest(dataset="feats", batch_size=4, start_position=512), "start_position = 512"),
+                       (pb.BatchRequest(dataset="feats", batch_size=4, rank=2, world_size=2), "world_size 2")]:
+        err = _rpc_error(lambda: next(iter(_stub(address).StreamBatches(req, timeout=10))))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details(), err.details()
+
+
 # -- skipped samples -----------------------------------------------------------------------------
 def test_skipped_samples_are_named_and_an_all_bad_batch_is_sent_empty(bad_server):
     batches = _stream(bad_server, dataset="bad", batch_size=2, payload=pb.PAYLOAD_DECODED,
@@ -302,3 +311,18 @@ def test_an_epoch_the_wire_cannot_carry_is_a_state_error(server):
     with pytest.raises(StateError, match="epoch"):
         loader.load_state_dict(dict(state, epoch=2**64))
     assert loader.epoch == 2**64 - 1
+
+
+def test_remote_skip_matches_local_skip(bad_server, bad_root):
+    """RemoteLoader with on_error='skip' gives the local loader's batches, the empty one included."""
+    from feedkit import assert_same_batches, local_batches
+
+    from gdsload.decode.image import ImageTransform
+    from gdsload.service.client import RemoteLoader
+
+    t = ImageTransform(size=16, train=False, resize=18)
+    remote = list(RemoteLoader(bad_server, dataset="bad", batch_size=2, decode=True, transform=t,
+                               on_error="skip", output="numpy", max_retries=0))
+    local = local_batches(bad_root / "bad", batch_size=2, decode=True, transform=t, on_error="skip")
+    assert [len(b["__key__"]) for b in remote] == [2, 0, 1, 2]
+    assert_same_batches(remote, local)
