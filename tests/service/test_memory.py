@@ -13,7 +13,7 @@ from feedkit import free_port, spawn_server
 
 from gdsload.service.client import RemoteLoader
 from gdsload.service.config import Limits, default_max_memory, machine_memory_bytes
-from gdsload.service.server import create_server
+from gdsload.service.server import STREAM_OVERHEAD_BYTES, create_server
 from gdsload.service.status import RemoteError
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
@@ -74,7 +74,7 @@ def test_the_reservation_bounds_what_the_stream_allocates(roots, reservation):
         ring = dl._ring.stats()["nbytes_total"]
     finally:
         dl.close()
-    assert ring <= reservation <= 4 * ring + 64 * 1024 * 2, (ring, reservation)
+    assert ring <= reservation <= 2 * ring + STREAM_OVERHEAD_BYTES + 64 * 1024, (ring, reservation)
 
 
 def test_a_stream_that_does_not_fit_waits_with_unavailable(roots, reservation):
@@ -106,12 +106,13 @@ def test_a_stream_that_does_not_fit_waits_with_unavailable(roots, reservation):
 
 
 def test_a_stream_over_the_whole_budget_is_resource_exhausted(roots, reservation):
+    """Budget: exactly one REQ stream; a stream of twice the batch can never fit."""
     srv, port = create_server([str(roots)], limits=Limits(max_message_bytes=64 * 1024,
-                                                          max_memory_bytes=reservation * 3 // 2))
+                                                          max_memory_bytes=reservation))
     srv.start()
     try:
         with pytest.raises(grpc.RpcError) as e:
-            next(_stub(f"127.0.0.1:{port}").StreamBatches(pb.BatchRequest(dataset="feats", batch_size=128),
+            next(_stub(f"127.0.0.1:{port}").StreamBatches(pb.BatchRequest(dataset="feats", batch_size=64),
                                                          timeout=10))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "memory budget" in e.value.details() and "--max-memory" in e.value.details()
@@ -146,3 +147,35 @@ def test_a_client_that_stops_reading_stops_the_server(roots):
         call.cancel()
     finally:
         srv.shutdown(grace_s=1)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc")
+def test_a_stalled_decoding_stream_stays_within_its_reservation(roots, tmp_path):
+    """The server process's memory growth while one decoding stream (224 px float32) is stalled
+    stays under what the stream reserved: the budget is an upper bound, so admitting by it keeps
+    the server out of the OOM killer."""
+    pytest.importorskip("nvidia.dali")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = spawn_server(roots, port, tmp_path / "server.log")
+    try:
+        warm = dict(dataset="imgs", payload=pb.PAYLOAD_DECODED, fields=["jpg"])
+        list(_stub(address).StreamBatches(pb.BatchRequest(batch_size=2, max_batches=1, **warm), timeout=60))
+        time.sleep(0.5)
+        before = _rss(proc.pid)
+        call = _stub(address, **{"grpc.http2.bdp_probe": 0}).StreamBatches(
+            pb.BatchRequest(batch_size=32, **warm), timeout=60)
+        next(call)
+        time.sleep(3)  # the ring fills, then the stream waits on the client
+        grown = _rss(proc.pid) - before
+        reserved = _info(address).memory_in_use_bytes
+        assert 0 < grown <= reserved, (grown, reserved)
+        call.cancel()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
