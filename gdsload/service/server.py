@@ -269,9 +269,9 @@ class FeedServicer(pb_grpc.FeedServicer):
         The loader's ring has `prefetch + 1` slots, each holding a batch of outputs (decoded
         images, tensors, int64 labels) plus a staging area of every non-tensor member rounded up
         to 64 bytes, sized from the largest member of each field in the index, each field of a
-        slot 4 KiB-aligned; a decoding stream
-        adds `_DECODE_BUFFERS` output batches inside DALI and `DECODER_OVERHEAD_BYTES`; every
-        stream `STREAM_OVERHEAD_BYTES`; the chunk being sent is at most `max_message_bytes`.
+        slot 4 KiB-aligned. A decoding stream adds `_DECODE_BUFFERS` output batches inside DALI
+        and `DECODER_OVERHEAD_BYTES`, every stream `STREAM_OVERHEAD_BYTES`; the chunk being sent
+        is at most `max_message_bytes`.
         """
         from gdsload.format.manifest import field_kind
 
