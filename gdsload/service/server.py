@@ -49,7 +49,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gdsload.loader import DataLoader
-from gdsload.service import wire
+from gdsload.service import mixwire, wire
 from gdsload.service.auth import TokenInterceptor
 from gdsload.service.catalog import Catalog
 from gdsload.service.config import (
@@ -71,7 +71,6 @@ from gdsload.service.status import (
     OverLimit,
     Unavailable,
     abort,
-    shown,
     to_status,
 )
 from gdsload.v1 import feed_pb2 as pb
@@ -90,6 +89,11 @@ _DECODE_BUFFERS = 2
 #: 64 images at 224 px on the CPU, over what its ring and buffers take.
 STREAM_OVERHEAD_BYTES = 8 << 20
 DECODER_OVERHEAD_BYTES = 64 << 20
+
+
+def _cut(text: str, limit: int = 64) -> str:
+    """A client-sent id as echoed in a message: ids are short, anything longer is cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _decode_available() -> bool:
@@ -225,11 +229,14 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise BadRequest(f"max_chunk_bytes must be 0 (server default) or >= {MIN_CHUNK_BYTES}, "
                              f"got {req.max_chunk_bytes}")
         fields = list(req.fields)
-        dataset = self.catalog.dataset(req.dataset, fields)
+        if req.HasField("mix"):  # a gdsload.Mix of served datasets; req.dataset becomes its label
+            dataset = mixwire.open_mix(self.catalog, req)
+        else:
+            dataset = self.catalog.dataset(req.dataset, fields)
         if req.dataset_id and req.dataset_id != dataset.dataset_id:
             raise DatasetChanged(
                 f"dataset {req.dataset!r} on this server has id {dataset.dataset_id}, the client "
-                f"planned with BatchRequest.dataset_id {shown(req.dataset_id)}: the dataset was "
+                f"planned with {_cut(req.dataset_id)} (BatchRequest.dataset_id): the dataset was "
                 f"rewritten; start from a fresh state"
             )
         transform = None
@@ -275,7 +282,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         """
         from gdsload.format.manifest import field_kind
 
-        sizes = self.catalog.max_member_nbytes(req.dataset)
+        sizes = mixwire.max_member_nbytes(self.catalog, req)
         per_sample = staging = image = 0
         for f in fields:
             kind = field_kind(f)

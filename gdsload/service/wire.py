@@ -25,6 +25,7 @@ from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
 KEY = "__key__"
+SOURCE = "__source__"  # per sample, the dataset of a mix it comes from (BatchHeader.sources)
 
 
 # -- server: batch -> chunks ---------------------------------------------------------------------
@@ -55,10 +56,11 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
     of three (join, message, serialization).
     """
     keys = list(batch.get(KEY, ()))
+    sources = list(batch.get(SOURCE, ()))
     fields: list[pb.FieldData] = []
     pieces: list[Any] = []  # bytes-like objects, the body in order
     for name, value in batch.items():
-        if name == KEY:
+        if name in (KEY, SOURCE):
             continue
         if isinstance(value, np.ndarray):
             arr = np.ascontiguousarray(value)
@@ -75,7 +77,8 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
             raise TypeError(f"field {name!r}: cannot send a {type(value).__name__}")
     body = sum(f.nbytes for f in fields)
     header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=len(skipped_keys),
-                            skipped_keys=skipped_keys, body_nbytes=body, end_position=end_position)
+                            skipped_keys=skipped_keys, body_nbytes=body, end_position=end_position,
+                            sources=sources)
     first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
     if first_room <= 0:
         raise OverLimit(
@@ -126,10 +129,10 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
 
 
 def body_nbytes(batch: Mapping[str, Any]) -> int:
-    """Bytes of a batch's body (all fields but the keys)."""
+    """Bytes of a batch's body (all fields but the keys and sources)."""
     n = 0
     for name, value in batch.items():
-        if name != KEY:
+        if name not in (KEY, SOURCE):
             n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(v).nbytes for v in value)
     return n
 
@@ -259,6 +262,8 @@ def decode_body(header: pb.BatchHeader, body: bytes | bytearray | memoryview, *,
             raise ProtocolError(f"field {f.name!r}: unknown layout {f.layout}")
         offset += f.nbytes
     out[KEY] = list(header.keys)
+    if header.sources:
+        out[SOURCE] = list(header.sources)
     return out
 
 
