@@ -13,7 +13,7 @@ datasets are shared (see `gdsload.service.catalog`).
 
 Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
 hold (`FeedServicer.stream_memory`: the ring's slots sized from the index's largest members, the
-decoder's output and intermediate buffers, the chunk being sent) against one server-wide budget,
+decoder's output and intermediate buffers, two chunks in gRPC) against one server-wide budget,
 `Limits.max_memory_bytes`. A stream that does not fit next to the open ones is refused with
 UNAVAILABLE (the client retries later or elsewhere), one larger than the whole budget with
 RESOURCE_EXHAUSTED. A client that stops reading stalls its stream inside that reservation: gRPC's
@@ -277,8 +277,9 @@ class FeedServicer(pb_grpc.FeedServicer):
         images, tensors, int64 labels) plus a staging area of every non-tensor member rounded up
         to 64 bytes, sized from the largest member of each field in the index, each field of a
         slot 4 KiB-aligned. A decoding stream adds `_DECODE_BUFFERS` output batches inside DALI
-        and `DECODER_OVERHEAD_BYTES`, every stream `STREAM_OVERHEAD_BYTES`; the chunk being sent
-        is at most `max_message_bytes`.
+        and `DECODER_OVERHEAD_BYTES`, every stream `STREAM_OVERHEAD_BYTES`; gRPC holds at most
+        two chunks of `max_message_bytes` (the one being built and the one it has accepted but
+        not yet sent, waiting for the client's flow-control window).
         """
         from gdsload.format.manifest import field_kind
 
@@ -304,7 +305,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             )
         slot = B * (per_sample + staging) + 4096 * (len(fields) + 1)  # each ring field is 4 KiB-aligned
         decoder = _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES if transform is not None else 0
-        return (self.prefetch + 1) * slot + decoder + STREAM_OVERHEAD_BYTES + self.limits.max_message_bytes
+        return (self.prefetch + 1) * slot + decoder + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
     def _enter(self, dataset: str, memory: int) -> None:
         budget = self.limits.max_memory_bytes
