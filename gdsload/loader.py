@@ -35,16 +35,22 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
 
 
 class Dataset:
-    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used."""
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None):
+    `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
+    """
+
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast"):
         self.path = str(path)
+        self.verify = check_mode(verify)
         self.shards = ShardedDataset(path)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
@@ -149,7 +155,8 @@ class DataLoader(PlanCursor):
 
         self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
         if fields is not None:
-            self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+            self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
+                                   verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -207,10 +214,17 @@ class DataLoader(PlanCursor):
     def _setup(self) -> None:
         from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
+        from gdsload.loadcheck import check_dataset
+        from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
         from gdsload.ring import Ring, SlotSpec
 
         ds = self.dataset.shards
-        B = self.batch_size
+        self._verify_note = check_dataset(ds, self.dataset.verify)
+        # rows per slot: a batch never holds more than one rank's samples of an epoch
+        B = self._rows = max(1, min(self.batch_size, -(-len(ds) // self.plan.world_size)))
+        # .npy headers are read (into staging) where the index does not vouch for C order
+        self._tensor_headers = self.dataset.verify == "full" or not all(
+            ds.index(s).npy_c_order for s in range(len(ds.shards)))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
             kind = field_kind(name)
@@ -230,7 +244,8 @@ class DataLoader(PlanCursor):
                 s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
                               if any(e == name for e, _, _ in ds.index(s).members(j)))
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
-                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
+                                              where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
             fplans.append(fp)
         images = [fp.name for fp in fplans if fp.kind == "image"]
         if len(images) > 1:
@@ -254,6 +269,8 @@ class DataLoader(PlanCursor):
                 host[fp.name] = ((B,), "int64")
             if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
+            elif self._tensor_headers:
+                staging += B * (-(-max(ALIGN, fp.tensor.header_nbytes) // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
         want_device = self.device == "cuda"
         io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
@@ -261,6 +278,16 @@ class DataLoader(PlanCursor):
         on_device = want_device and getattr(self._backend, "device_capable", False)
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
+        hint = (f"lower batch_size ({self.batch_size}) or prefetch_factor ({self.prefetch_factor}: "
+                f"{slots} slots)")
+        if on_device:
+            check_fits("the prefetch ring's device arena", slots * SlotSpec(fields=spec).nbytes,
+                       available_device_bytes(), where="GPU", hint=hint)
+            check_fits("the prefetch ring's pinned arena", slots * SlotSpec(fields=host).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        else:
+            check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
         if on_device:  # two arenas: device (GDS target) and pinned host
             self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{_current_cuda_device()}", pin=pin,
                               host_spec=SlotSpec(fields=host))
@@ -287,7 +314,7 @@ class DataLoader(PlanCursor):
         if self._decoder is None:
             from gdsload.decode.image import ImageDecoder
 
-            self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
+            self._decoder = ImageDecoder(self.transform, batch_size=self._rows,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
                                          on_error=self.on_error, device_id=_current_cuda_device())
@@ -422,6 +449,7 @@ class _Epoch:
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
         """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn."""
         from gdsload.io import Extent
+        from gdsload.loadcheck import BatchChecks, label
 
         L = self.loader
         ds = L.dataset.shards
@@ -432,30 +460,47 @@ class _Epoch:
         staged: list[Extent] = []
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        checks = BatchChecks(L.dataset.verify)
         cursor = 0
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
             key = idx.key(j)
             keys.append(key)
-            names.append(f"{ds.shards[s]['name']}:{key}")
+            where = f"{ds.shards[s]['name']}:{key}"
+            names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
+            crcs = dict(zip(members, idx.crcs(j))) if checks.crc_staged and idx.member_crc is not None else {}
             path = ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
                     raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
                 o, n = m
-                if fp.kind == "tensor":
+                if fp.kind == "label" and fp.name in idx.labels:
+                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
+                elif fp.kind == "tensor":
                     head = None if n >= ALIGN else ds.read_extent(s, o, n)
-                    off, nb = fp.tensor.data_extent(key, o, n, head)
+                    off, nb = fp.tensor.data_extent(where, o, n, head)
                     ex, outs = direct.setdefault(fp.name, ([], []))
                     ex.append(Extent(path, off, nb))
                     outs.append(i * nb)
+                    if head is None and (checks.headers_always or not idx.npy_c_order):
+                        head = (staging, cursor, off - o)  # read its header too, to check it
+                        staged.append(Extent(path, o, off - o))
+                        staged_off.append(cursor)
+                        checks.header(fp.tensor, where, *head)
+                        cursor += -(-(off - o) // 64) * 64
+                    if checks.crc_tensors and fp.name in crcs:  # a small payload's head is all of it
+                        rows = () if isinstance(head, bytes) else ((slot.flat, self._layout[fp.name] + i * nb, nb),)
+                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
                 else:
                     staged.append(Extent(path, o, n))
                     staged_off.append(cursor)
-                    spans[fp.name].append((cursor, n))
+                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
+                    if fp.name in crcs:
+                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
                     cursor += -(-n // 64) * 64
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
@@ -471,13 +516,16 @@ class _Epoch:
             base = self._host_layout["__staging__"]
             reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        checks.run()
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
         keep = None
         decoded = False
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
-                bufs[fp.name][: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
+                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
+                bufs[fp.name][: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
+                                              for k, v in enumerate(vals)]
             elif fp.kind == "bytes":
                 meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
             elif fp.kind == "image":
@@ -579,6 +627,7 @@ class _Epoch:
                 fp.kind == "image" for fp in L._fields) else None,
             "device": L.device,
             "skipped": self.skipped,
+            "verify": L._verify_note,
         }
 
     def _finish(self) -> None:
