@@ -12,8 +12,8 @@ checks what is cheap where it already has the bytes. Checked whatever `verify` s
   index from before conversion guaranteed C order (`npy_c_order`), each sample's header too
   (4 KiB more read per sample), so a Fortran-ordered payload is refused, never returned scrambled.
 
-`verify="fast"` (the default) adds, for about 1 to 2% of the decode cost of an image dataset and
-nothing measurable for a tensor dataset:
+`verify="fast"` (the default) adds, for a CRC32 pass over the encoded bytes (zlib: about 3.5 GB/s
+per core measured on a 2-core VM, small next to decoding them) and nothing for a tensor dataset:
 
 - each shard file's size against the manifest, once when the loader starts (one `stat` per
   shard, one metadata request at a URL);
