@@ -462,6 +462,7 @@ class _Epoch:
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
         labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
         checks = BatchChecks(L.dataset.verify)
+        want_crc = checks.crc_tensors or checks.crc_staged and any(fp.kind in ("image", "bytes") for fp in L._fields)
         cursor = 0
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
@@ -471,7 +472,7 @@ class _Epoch:
             where = f"{ds.shards[s]['name']}:{key}"
             names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
-            crcs = dict(zip(members, idx.crcs(j))) if checks.crc_staged and idx.member_crc is not None else {}
+            crcs = dict(zip(members, idx.crcs(j))) if want_crc and idx.member_crc is not None else {}
             path = ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
