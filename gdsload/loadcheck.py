@@ -89,10 +89,7 @@ class BatchChecks:
     or whole `bytes`; nothing here allocates except host copies of device rows under `full`.
     """
 
-    def __init__(self, mode: VerifyMode):
-        self.crc_staged = mode in ("fast", "full")
-        self.crc_tensors = mode == "full"
-        self.headers_always = mode == "full"
+    def __init__(self) -> None:
         self._crc: list[tuple[str, str, int, tuple]] = []
         self._headers: list[tuple[TensorField, str, Any, int, int]] = []
 

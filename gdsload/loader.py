@@ -36,9 +36,11 @@ from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
 from gdsload.loadcheck import VerifyMode, check_mode
+from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
+_META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
 class Dataset:
@@ -76,6 +78,26 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
+
+
+def _check_mix_tensors(mix: Mix, fplans: list[_FieldPlan]) -> None:
+    """A tensor field of a mix has one dtype and shape in every dataset (one batch tensor); the
+    layout is probed on each dataset's first sample of the field, as for one dataset."""
+    for fp in fplans:
+        if fp.kind != "tensor":
+            continue
+        for name, d in zip(mix.names, mix.datasets):
+            ds = d.shards
+            s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
+                          if any(e == fp.name for e, _, _ in ds.index(s).members(j)))
+            o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == fp.name)
+            t = TensorField.probe(fp.name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+            if (t.dtype, t.shape) != (fp.tensor.dtype, fp.tensor.shape):
+                raise FormatError(
+                    f"field {fp.name!r} is {t.dtype}{list(t.shape)} in dataset {name!r} of the mix and "
+                    f"{fp.tensor.dtype}{list(fp.tensor.shape)} in {mix.names[0]!r}; a batch needs one "
+                    f"shape per field (choose fields=[...] without it)"
+                )
 
 
 @dataclass
@@ -129,7 +151,7 @@ class DataLoader(PlanCursor):
 
     def __init__(
         self,
-        dataset: Dataset | str,
+        dataset: Dataset | Mix | str,
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -151,12 +173,18 @@ class DataLoader(PlanCursor):
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
     ):
+        from gdsload.mix import MixPlan
         from gdsload.plan import Plan
 
-        self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
-        if fields is not None:
-            self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
-                                   verify=self.dataset.verify)
+        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.mix)
+            self.dataset = dataset.open(Dataset)
+            if fields is not None:
+                self.dataset = self.dataset.with_fields([f for f in fields if f not in _META_FIELDS])
+        else:
+            self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
+            if fields is not None:
+                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
+                                       verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -185,10 +213,11 @@ class DataLoader(PlanCursor):
 
             transform = ImageTransform()
         self.transform = transform
-        self.plan = Plan(
+        mixed = {"mix": self.dataset.spec} if isinstance(self.dataset, Mix) else {}
+        self.plan = (MixPlan if mixed else Plan)(
             dataset_id=self.dataset.dataset_id, shard_sizes=self.dataset.shard_sizes,
             batch_size=batch_size, world_size=world_size, rank=rank, seed=seed, shuffle=shuffle,
-            window=shuffle_window, drop_last=drop_last,
+            window=shuffle_window, drop_last=drop_last, **mixed,
         )
         self._epoch = 0
         self._position = 0
@@ -219,12 +248,17 @@ class DataLoader(PlanCursor):
         from gdsload.ring import Ring, SlotSpec
 
         ds = self.dataset.shards
-        self._verify_note = check_dataset(ds, self.dataset.verify)
+        # what is verified (`gdsload.loadcheck`) is each dataset's own setting, also in a Mix
+        parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
+        notes = [check_dataset(d.shards, d.verify) for d in parts]
+        self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
+            f"{name}: {note}" for name, note in zip(self.dataset.names, notes))
+        self._shard_verify = [d.verify for d in parts for _ in d.shards.shards]  # per global shard
         # rows per slot: a batch never holds more than one rank's samples of an epoch
-        B = self._rows = max(1, min(self.batch_size, -(-len(ds) // self.plan.world_size)))
+        B = self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
         # .npy headers are read (into staging) where the index does not vouch for C order
-        self._tensor_headers = self.dataset.verify == "full" or not all(
-            ds.index(s).npy_c_order for s in range(len(ds.shards)))
+        self._tensor_headers = any(mode == "full" or not ds.index(s).npy_c_order
+                                   for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
             kind = field_kind(name)
@@ -247,6 +281,8 @@ class DataLoader(PlanCursor):
                 fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
                                               where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
             fplans.append(fp)
+        if isinstance(self.dataset, Mix):
+            _check_mix_tensors(self.dataset, fplans)
         images = [fp.name for fp in fplans if fp.kind == "image"]
         if len(images) > 1:
             raise GdsloadError(
@@ -461,8 +497,8 @@ class _Epoch:
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
         labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
-        checks = BatchChecks(L.dataset.verify)
-        want_crc = checks.crc_tensors or checks.crc_staged and any(fp.kind in ("image", "bytes") for fp in L._fields)
+        checks = BatchChecks()
+        crc_staged = any(fp.kind in ("image", "bytes") for fp in L._fields)  # labels come from the index
         cursor = 0
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
@@ -472,7 +508,9 @@ class _Epoch:
             where = f"{ds.shards[s]['name']}:{key}"
             names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
-            crcs = dict(zip(members, idx.crcs(j))) if want_crc and idx.member_crc is not None else {}
+            mode = L._shard_verify[s]
+            crcs = (dict(zip(members, idx.crcs(j)))
+                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
             path = ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
@@ -487,13 +525,13 @@ class _Epoch:
                     ex, outs = direct.setdefault(fp.name, ([], []))
                     ex.append(Extent(path, off, nb))
                     outs.append(i * nb)
-                    if head is None and (checks.headers_always or not idx.npy_c_order):
+                    if head is None and (mode == "full" or not idx.npy_c_order):
                         head = (staging, cursor, off - o)  # read its header too, to check it
                         staged.append(Extent(path, o, off - o))
                         staged_off.append(cursor)
                         checks.header(fp.tensor, where, *head)
                         cursor += -(-(off - o) // 64) * 64
-                    if checks.crc_tensors and fp.name in crcs:  # a small payload's head is all of it
+                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
                         rows = () if isinstance(head, bytes) else ((slot.flat, self._layout[fp.name] + i * nb, nb),)
                         checks.crc(where, fp.name, crcs[fp.name], head, *rows)
                 else:
@@ -519,6 +557,8 @@ class _Epoch:
         nbytes = sum(f.result() for f in reads)
         checks.run()
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
+        if isinstance(L.dataset, Mix):
+            meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
         for fp in L._fields:
@@ -587,6 +627,9 @@ class _Epoch:
             out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
+        if "sources" in slot.meta:
+            sources = slot.meta["sources"]
+            out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
         if L.tuple_fields is not None:
             return tuple(out[f] for f in L.tuple_fields)
         return out

@@ -315,3 +315,23 @@ def test_ring_larger_than_host_memory_is_refused_with_a_message(mixed):
                                            r"available; lower batch_size \(8\) or prefetch_factor"):
         next(iter(loader))
     loader.close()
+
+
+# -- in a Mix ----------------------------------------------------------------------------------------
+def test_each_dataset_of_a_mix_keeps_its_verify_setting(tmp_path, mixed):
+    from gdsload.mix import Mix
+
+    changed = _changed_copy(tmp_path / "c", mixed, "bin")
+    intact = tmp_path / "intact"
+    shutil.copytree(mixed, intact)
+    loose = Mix([Dataset(str(changed), verify=None), Dataset(str(intact))], names=["changed", "intact"])
+    loader = DataLoader(loose, batch_size=4, device="cpu", output="numpy", decode=False, fields=["bin"])
+    assert sum(len(b[0]) for b in loader) == 16  # the changed one is not checked, as asked
+    assert loader.stats()["verify"] == "changed: off; intact: fast"
+    loader.close()
+    strict = Mix([Dataset(str(changed)), Dataset(str(intact))], names=["changed", "intact"])
+    loader = DataLoader(strict, batch_size=4, device="cpu", output="numpy", decode=False, fields=["bin"])
+    with pytest.raises(FormatError, match=r"k3: field 'bin' differs from what was converted"):
+        for _ in loader:
+            pass
+    loader.close()

@@ -83,7 +83,7 @@ def test_writer_stores_labels_as_an_index_column_and_refuses_bad_ones(tmp_path) 
 @pytest.mark.parametrize("source", ["files", "tar"])
 def test_convert_rejects_bad_labels_with_the_reason(tmp_path, source: str) -> None:
     """An empty or non-numeric `.cls` is a reject in rejected.jsonl, not a label of -1 or a crash."""
-    members = {"good.bin": b"1", "good.cls": b"4", "empty.bin": b"2", "empty.cls": b"",
+    members = {"good.bin": b"1", "good.cls": b"4", "empty.bin": b"2", "empty.cls": b" \n",  # blank label
                "word.bin": b"3", "word.cls": b"cat"}
     if source == "files":
         src = tmp_path / "src"
