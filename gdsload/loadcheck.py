@@ -16,7 +16,7 @@ checks what is cheap where it already has the bytes. Checked whatever `verify` s
 per core measured on a 2-core VM, small next to decoding them) and nothing for a tensor dataset:
 
 - each shard file's size against the manifest, once when the loader starts (one `stat` per
-  shard, one metadata request at a URL);
+  shard, one listing of the dataset folder at a URL);
 - the CRC32 (`zlib.crc32`, a few GB/s per core) of every member the loader stages in host memory
   (encoded images, text and other bytes, labels of older indexes) against the CRC stored at
   conversion.
@@ -60,8 +60,7 @@ def check_dataset(ds: ShardedDataset, mode: VerifyMode) -> str:
     indexes = [ds.index(s) for s in range(len(ds.shards))]
     if mode is None:
         return "off"
-    for s, entry in enumerate(ds.shards):
-        size = ds.stored_size(s)
+    for s, (entry, size) in enumerate(zip(ds.shards, ds.stored_sizes())):
         if size != entry["bytes"]:
             raise FormatError(
                 f"{ds.shard_path(s)}: {'missing' if size is None else f'{size} bytes'}, the manifest says "

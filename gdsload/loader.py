@@ -3,10 +3,11 @@
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
 looks up every member in the shard indexes (no tar scan), and issues one coalesced read per
 destination: `.npy` array data goes straight into the batch tensor in the ring slot (device
-memory through KvikIO on a GPU host), encoded images, labels and other small fields into the
+memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
-by DALI into the slot's image tensor; labels are parsed into an int64 tensor. The consumer gets
-views of the slot.
+by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
+from the `.cls` members for older indexes). What is checked on the way is `gdsload.loadcheck`.
+The consumer gets views of the slot.
 
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.

@@ -27,6 +27,7 @@ from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.index import ShardIndex
 from gdsload.format.reader import ShardedDataset
+from gdsload.format.writer import DatasetWriter
 from gdsload.loader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
 
@@ -335,3 +336,40 @@ def test_each_dataset_of_a_mix_keeps_its_verify_setting(tmp_path, mixed):
         for _ in loader:
             pass
     loader.close()
+
+
+@pytest.fixture(params=["memory", "s3"])
+def url_fs(request):
+    """A dataset URL on memory:// or on moto's real S3 server, and its fsspec filesystem."""
+    import uuid
+
+    if request.param == "memory":
+        import fsspec
+
+        fs, url = fsspec.filesystem("memory"), f"memory://gdsload-loadcheck-{uuid.uuid4().hex}"
+    else:
+        fs = request.getfixturevalue("s3")
+        bucket = f"gdsload-loadcheck-{uuid.uuid4().hex[:12]}"
+        fs.mkdir(bucket)
+        url = f"s3://{bucket}/ds"
+    yield url, fs
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def test_fast_checks_shard_sizes_at_a_url_with_one_listing(url_fs):
+    """Sizes at a URL come from one listing of the dataset folder (real fsspec filesystems)."""
+    url, fs = url_fs
+    with DatasetWriter(url, shard_size=10_000) as w:
+        for i in range(6):
+            w.write(f"k{i}", {"bin": bytes([i]) * 3000, "cls": b"%d" % i})
+    assert len(_load_all(url)) == 6
+    with ShardedDataset(url) as ds:
+        assert ds.stored_sizes() == [s["bytes"] for s in ds.shards] and len(ds.shards) > 1
+        name = ds.shards[1]["name"]
+    fs.pipe_file(f"{url}/{name}", fs.cat_file(f"{url}/{name}")[:-512])
+    with pytest.raises(FormatError, match=rf"{name}: \d+ bytes, the manifest says"):
+        _load_all(url)
+    fs.rm(f"{url}/{name}")
+    with pytest.raises(FormatError, match=rf"{name}: missing, the manifest says"):
+        _load_all(url)

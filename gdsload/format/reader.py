@@ -85,9 +85,15 @@ class ShardedDataset:
             self._indexes[shard] = idx
         return idx
 
-    def stored_size(self, shard: int) -> int | None:
-        """The shard file's size in storage now (a stat, or one metadata request at a URL)."""
-        return self._store.size(self.shards[shard]["name"])
+    def stored_sizes(self) -> list[int | None]:
+        """Every shard file's size in storage now (None: missing): a stat per shard locally, one
+        listing of the dataset folder at a URL (not one request per shard)."""
+        if self._fs is None:
+            return [self._store.size(s["name"]) for s in self.shards]
+        self._fs.invalidate_cache(self.root)
+        listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in self._fs.ls(self.root, detail=True)}
+        return [int(e["size"]) if (e := listed.get(s["name"])) and e.get("type") == "file" else None
+                for s in self.shards]
 
     # -- raw I/O -------------------------------------------------------------------------------
     def _read_file(self, path: str) -> bytes:
