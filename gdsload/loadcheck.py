@@ -30,7 +30,9 @@ index) and the shard's SHA-256; a payload changed on disk is found by `fast` onl
 checked (`.npy` tensors need `full`). Indexes written before CRCs were stored: `fast` checks shard
 sizes only for them and says so once (a `UserWarning`, and `stats()["verify"]`); `full` refuses
 the dataset. A CRC mismatch is a `FormatError` naming shard, key and field, whatever `on_error`
-says: it means the file changed after conversion, not that a sample was bad to begin with.
+says: it means the file changed after conversion, not that a sample was bad to begin with
+(`CorruptDataError`, a `FormatError`: a feed server answers DATA_LOSS, and clients try their other
+addresses). A shard file that is missing is a `StorageError` (transient).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import zlib
 from typing import Any, Literal, Optional
 
 from gdsload.decode.raw import TensorField
-from gdsload.errors import FormatError, GdsloadError
+from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 from gdsload.format.labels import parse_label
 from gdsload.format.reader import ShardedDataset
 
@@ -61,8 +63,8 @@ def check_dataset(ds: ShardedDataset, mode: VerifyMode) -> str:
     if mode is None:
         return "off"
     for s, (entry, size) in enumerate(zip(ds.shards, ds.stored_sizes())):
-        if size != entry["bytes"]:
-            raise FormatError(
+        if size != entry["bytes"]:  # missing: maybe a storage fault; another size: a changed copy
+            raise (StorageError if size is None else CorruptDataError)(
                 f"{ds.shard_path(s)}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
                 f"{entry['bytes']}: the shard changed after conversion; run gdsload verify {ds.root}"
             )
@@ -106,7 +108,7 @@ class BatchChecks:
             for r in regions:
                 crc = zlib.crc32(r if isinstance(r, bytes) else _host(r[0][r[1] : r[1] + r[2]]), crc)
             if crc != expected:
-                raise FormatError(
+                raise CorruptDataError(
                     f"{where}: field {field!r} differs from what was converted (CRC32 {crc:08x}, the "
                     f"index says {expected:08x}): the shard changed on disk; run gdsload verify"
                 )

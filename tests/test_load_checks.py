@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from gdsload.convert.engine import ConvertOptions, convert
-from gdsload.errors import FormatError, GdsloadError
+from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 from gdsload.format.index import ShardIndex
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.writer import DatasetWriter
@@ -203,7 +203,7 @@ def _changed_copy(tmp_path: Path, mixed: Path, field: str, key: str = "k3") -> P
 def test_default_fast_check_catches_a_changed_staged_payload(tmp_path, mixed):
     ds = _changed_copy(tmp_path, mixed, "bin")
     shard = _member(ds, "k3", "bin")[0].name
-    with pytest.raises(FormatError, match=rf"{shard}:k3: field 'bin' differs from what was converted \(CRC32"):
+    with pytest.raises(CorruptDataError, match=rf"{shard}:k3: field 'bin' differs from what was converted \(CRC32"):
         _load_all(ds, fields=["bin"])
     # verify=None returns it as it is now (what the README says it does not check)
     got = _load_all(Dataset(str(ds), verify=None), fields=["bin"])
@@ -224,7 +224,7 @@ def test_fast_checks_shard_sizes_when_loading_starts(tmp_path, mixed):
     shard = ds / ShardedDataset(ds).shards[1]["name"]
     with open(shard, "ab") as f:
         f.write(b"\0" * 512)
-    with pytest.raises(FormatError, match=rf"{shard.name}: \d+ bytes, the manifest says \d+"):
+    with pytest.raises(CorruptDataError, match=rf"{shard.name}: \d+ bytes, the manifest says \d+"):
         _load_all(ds)
     assert len(_load_all(Dataset(str(ds), verify=None))) == 8
 
@@ -371,5 +371,5 @@ def test_fast_checks_shard_sizes_at_a_url_with_one_listing(url_fs):
     with pytest.raises(FormatError, match=rf"{name}: \d+ bytes, the manifest says"):
         _load_all(url)
     fs.rm(f"{url}/{name}")
-    with pytest.raises(FormatError, match=rf"{name}: missing, the manifest says"):
+    with pytest.raises(StorageError, match=rf"{name}: missing, the manifest says"):
         _load_all(url)
