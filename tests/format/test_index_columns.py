@@ -234,3 +234,14 @@ def test_c_ordered_arrays_leave_no_conversion_note(tmp_path) -> None:
     with open_dataset(tmp_path / "ds") as ds:
         assert "fortran_to_c" not in ds.manifest["created"]
         assert "fortran_to_c" not in ds.shards[0]
+
+
+def test_convert_summary_says_how_many_arrays_were_stored_in_c_order(tmp_path, capsys) -> None:
+    from gdsload.cli import main
+
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        a = np.arange(600, dtype=np.float64).reshape(20, 30) + i
+        np.save(tmp_path / "src" / f"a{i}.npy", np.asfortranarray(a) if i else a)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "ds"), "-q"]) == 0
+    assert "2 Fortran-ordered .npy arrays stored in C order" in capsys.readouterr().out
