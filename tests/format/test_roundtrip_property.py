@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import tempfile
+import zlib
 
 import numpy as np
 import pytest
@@ -106,6 +107,8 @@ def test_write_read_round_trip(samples, shard_size) -> None:
                 s, j = ds.locate(i)
                 members = {e: (o, n) for e, o, n in ds.index(s).members(j)}
                 assert list(members) == list(f)  # tar order is field order
+                crcs = dict(zip(members, ds.index(s).crcs(j)))  # the CRC32 of each stored payload
+                assert crcs == {e: zlib.crc32(got[e]) for e in members}
                 for ext, want in f.items():
                     off, n = members[ext]
                     assert n == len(got[ext])
