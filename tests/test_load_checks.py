@@ -373,3 +373,33 @@ def test_fast_checks_shard_sizes_at_a_url_with_one_listing(url_fs):
     fs.rm(f"{url}/{name}")
     with pytest.raises(StorageError, match=rf"{name}: missing, the manifest says"):
         _load_all(url)
+
+
+def test_batch_checks_copy_device_rows_to_the_host_for_the_crc():
+    """verify='full' on a device ring: rows are CuPy arrays; a faithful stand-in (the parts of
+    CuPy's ndarray the check uses: `__cuda_array_interface__`, slicing, `.get()` to NumPy)."""
+    import zlib
+
+    from gdsload.loadcheck import BatchChecks
+
+    class DeviceArray:
+        def __init__(self, host: np.ndarray):
+            self._host = host
+            self.__cuda_array_interface__ = {"shape": host.shape, "typestr": "|u1", "version": 3,
+                                             "data": (0, False)}
+
+        def __getitem__(self, sl):
+            return DeviceArray(self._host[sl])
+
+        def get(self) -> np.ndarray:
+            return self._host.copy()
+
+    rows = np.frombuffer(np.random.default_rng(0).bytes(10_000), np.uint8)
+    header = b"h" * 100
+    good = zlib.crc32(rows[1000:9000], zlib.crc32(header))
+    checks = BatchChecks()
+    checks.crc("s.tar:k", "npy", good, header, (DeviceArray(rows), 1000, 8000))
+    checks.run()
+    checks.crc("s.tar:k2", "npy", good ^ 1, header, (DeviceArray(rows), 1000, 8000))
+    with pytest.raises(CorruptDataError, match="s.tar:k2: field 'npy' differs"):
+        checks.run()
