@@ -3,10 +3,11 @@
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
 looks up every member in the shard indexes (no tar scan), and issues one coalesced read per
 destination: `.npy` array data goes straight into the batch tensor in the ring slot (device
-memory through KvikIO on a GPU host), encoded images, labels and other small fields into the
+memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
-by DALI into the slot's image tensor; labels are parsed into an int64 tensor. The consumer gets
-views of the slot.
+by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
+from the `.cls` members for older indexes). What is checked on the way is `gdsload.loadcheck`.
+The consumer gets views of the slot.
 
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.
@@ -35,6 +36,7 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 
@@ -43,10 +45,15 @@ _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not rea
 
 
 class Dataset:
-    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used."""
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None):
+    `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
+    """
+
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast"):
         self.path = str(path)
+        self.verify = check_mode(verify)
         self.shards = ShardedDataset(path)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
@@ -177,7 +184,8 @@ class DataLoader(PlanCursor):
         else:
             self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
             if fields is not None:
-                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
+                                       verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -236,10 +244,22 @@ class DataLoader(PlanCursor):
     def _setup(self) -> None:
         from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
+        from gdsload.loadcheck import check_dataset
+        from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
         from gdsload.ring import Ring, SlotSpec
 
         ds = self.dataset.shards
-        B = self.batch_size
+        # what is verified (`gdsload.loadcheck`) is each dataset's own setting, also in a Mix
+        parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
+        notes = [check_dataset(d.shards, d.verify) for d in parts]
+        self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
+            f"{name}: {note}" for name, note in zip(self.dataset.names, notes))
+        self._shard_verify = [d.verify for d in parts for _ in d.shards.shards]  # per global shard
+        # rows per slot: a batch never holds more than one rank's samples of an epoch
+        B = self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
+        # .npy headers are read (into staging) where the index does not vouch for C order
+        self._tensor_headers = any(mode == "full" or not ds.index(s).npy_c_order
+                                   for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
             kind = field_kind(name)
@@ -259,7 +279,8 @@ class DataLoader(PlanCursor):
                 s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
                               if any(e == name for e, _, _ in ds.index(s).members(j)))
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
-                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
+                                              where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
             fplans.append(fp)
         if isinstance(self.dataset, Mix):
             _check_mix_tensors(self.dataset, fplans)
@@ -285,6 +306,8 @@ class DataLoader(PlanCursor):
                 host[fp.name] = ((B,), "int64")
             if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
+            elif self._tensor_headers:
+                staging += B * (-(-max(ALIGN, fp.tensor.header_nbytes) // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
         want_device = self.device == "cuda"
         io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
@@ -292,6 +315,16 @@ class DataLoader(PlanCursor):
         on_device = want_device and getattr(self._backend, "device_capable", False)
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
+        hint = (f"lower batch_size ({self.batch_size}) or prefetch_factor ({self.prefetch_factor}: "
+                f"{slots} slots)")
+        if on_device:
+            check_fits("the prefetch ring's device arena", slots * SlotSpec(fields=spec).nbytes,
+                       available_device_bytes(), where="GPU", hint=hint)
+            check_fits("the prefetch ring's pinned arena", slots * SlotSpec(fields=host).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        else:
+            check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
         if on_device:  # two arenas: device (GDS target) and pinned host
             self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{_current_cuda_device()}", pin=pin,
                               host_spec=SlotSpec(fields=host))
@@ -318,7 +351,7 @@ class DataLoader(PlanCursor):
         if self._decoder is None:
             from gdsload.decode.image import ImageDecoder
 
-            self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
+            self._decoder = ImageDecoder(self.transform, batch_size=self._rows,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
                                          on_error=self.on_error, device_id=_current_cuda_device())
@@ -453,6 +486,7 @@ class _Epoch:
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
         """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn."""
         from gdsload.io import Extent
+        from gdsload.loadcheck import BatchChecks, label
 
         L = self.loader
         ds = L.dataset.shards
@@ -463,30 +497,50 @@ class _Epoch:
         staged: list[Extent] = []
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        checks = BatchChecks()
+        crc_staged = any(fp.kind in ("image", "bytes") for fp in L._fields)  # labels come from the index
         cursor = 0
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
             key = idx.key(j)
             keys.append(key)
-            names.append(f"{ds.shards[s]['name']}:{key}")
+            where = f"{ds.shards[s]['name']}:{key}"
+            names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
+            mode = L._shard_verify[s]
+            crcs = (dict(zip(members, idx.crcs(j)))
+                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
             path = ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
                     raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
                 o, n = m
-                if fp.kind == "tensor":
+                if fp.kind == "label" and fp.name in idx.labels:
+                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
+                elif fp.kind == "tensor":
                     head = None if n >= ALIGN else ds.read_extent(s, o, n)
-                    off, nb = fp.tensor.data_extent(key, o, n, head)
+                    off, nb = fp.tensor.data_extent(where, o, n, head)
                     ex, outs = direct.setdefault(fp.name, ([], []))
                     ex.append(Extent(path, off, nb))
                     outs.append(i * nb)
+                    if head is None and (mode == "full" or not idx.npy_c_order):
+                        head = (staging, cursor, off - o)  # read its header too, to check it
+                        staged.append(Extent(path, o, off - o))
+                        staged_off.append(cursor)
+                        checks.header(fp.tensor, where, *head)
+                        cursor += -(-(off - o) // 64) * 64
+                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
+                        rows = () if isinstance(head, bytes) else ((slot.flat, self._layout[fp.name] + i * nb, nb),)
+                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
                 else:
                     staged.append(Extent(path, o, n))
                     staged_off.append(cursor)
-                    spans[fp.name].append((cursor, n))
+                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
+                    if fp.name in crcs:
+                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
                     cursor += -(-n // 64) * 64
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
@@ -502,6 +556,7 @@ class _Epoch:
             base = self._host_layout["__staging__"]
             reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        checks.run()
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
         if isinstance(L.dataset, Mix):
             meta["sources"] = L.dataset.sources_of(ids)
@@ -510,7 +565,9 @@ class _Epoch:
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
-                bufs[fp.name][: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
+                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
+                bufs[fp.name][: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
+                                              for k, v in enumerate(vals)]
             elif fp.kind == "bytes":
                 meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
             elif fp.kind == "image":
@@ -615,6 +672,7 @@ class _Epoch:
                 fp.kind == "image" for fp in L._fields) else None,
             "device": L.device,
             "skipped": self.skipped,
+            "verify": L._verify_note,
         }
 
     def _finish(self) -> None:
