@@ -3,10 +3,11 @@
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
 looks up every member in the shard indexes (no tar scan), and issues one coalesced read per
 destination: `.npy` array data goes straight into the batch tensor in the ring slot (device
-memory through KvikIO on a GPU host), encoded images, labels and other small fields into the
+memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
-by DALI into the slot's image tensor; labels are parsed into an int64 tensor. The consumer gets
-views of the slot.
+by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
+from the `.cls` members for older indexes). What is checked on the way is `gdsload.loadcheck`.
+The consumer gets views of the slot.
 
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.
@@ -44,6 +45,7 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 
@@ -52,10 +54,15 @@ _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not rea
 
 
 class Dataset:
-    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used."""
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None):
+    `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
+    """
+
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast"):
         self.path = str(path)
+        self.verify = check_mode(verify)
         self.shards = ShardedDataset(path)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
@@ -184,7 +191,8 @@ class DataLoader(PlanCursor):
         else:
             self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
             if fields is not None:
-                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
+                                       verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -264,10 +272,22 @@ class DataLoader(PlanCursor):
     def _setup(self) -> None:
         from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
+        from gdsload.loadcheck import check_dataset
+        from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
         from gdsload.ring import Ring, SlotSpec
 
         ds = self.dataset.shards
-        B = self.batch_size
+        # what is verified (`gdsload.loadcheck`) is each dataset's own setting, also in a Mix
+        parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
+        notes = [check_dataset(d.shards, d.verify) for d in parts]
+        self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
+            f"{name}: {note}" for name, note in zip(self.dataset.names, notes))
+        self._shard_verify = [d.verify for d in parts for _ in d.shards.shards]  # per global shard
+        # rows per slot: a batch never holds more than one rank's samples of an epoch
+        B = self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
+        # .npy headers are read (into staging) where the index does not vouch for C order
+        self._tensor_headers = any(mode == "full" or not ds.index(s).npy_c_order
+                                   for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
             kind = field_kind(name)
@@ -287,7 +307,8 @@ class DataLoader(PlanCursor):
                 s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
                               if any(e == name for e, _, _ in ds.index(s).members(j)))
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
-                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
+                                              where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
             fplans.append(fp)
         if isinstance(self.dataset, Mix):
             _check_mix_tensors(self.dataset, fplans)
@@ -329,10 +350,27 @@ class DataLoader(PlanCursor):
                     host["__h_" + fp.name] = ((B,), "int64")
             if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
+            elif self._tensor_headers:
+                staging += B * (-(-max(ALIGN, fp.tensor.header_nbytes) // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
-        if want_device and spec:  # two arenas: device (batch tensors) and pinned host (staging)
+        hint = (f"lower batch_size ({self.batch_size}) or prefetch_factor ({self.prefetch_factor}: "
+                f"{slots} slots)")
+        on_device = bool(want_device and spec)
+        if on_device:
+            import cupy
+
+            with cupy.cuda.Device(self.device_ordinal):  # the loader's GPU, not the current one
+                device_free = available_device_bytes()
+            check_fits("the prefetch ring's device arena", slots * SlotSpec(fields=spec).nbytes,
+                       device_free, where="GPU", hint=hint)
+            check_fits("the prefetch ring's pinned arena", slots * SlotSpec(fields=host).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        else:
+            check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        if on_device:  # two arenas: device (batch tensors) and pinned host (staging)
             from gdsload.device import CopyStreams
 
             self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
@@ -366,7 +404,7 @@ class DataLoader(PlanCursor):
         if self._decoder is None:
             from gdsload.decode.image import ImageDecoder
 
-            self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
+            self._decoder = ImageDecoder(self.transform, batch_size=self._rows,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
                                          on_error=self.on_error, device_id=self.device_ordinal or 0)
@@ -514,6 +552,7 @@ class _Epoch:
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
         """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn."""
         from gdsload.io import Extent
+        from gdsload.loadcheck import BatchChecks, label
 
         L = self.loader
         ds = L.dataset.shards
@@ -525,36 +564,59 @@ class _Epoch:
         staged: list[Extent] = []
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        checks = BatchChecks()
+        crc_staged = any(fp.kind in ("image", "bytes") for fp in L._fields)  # labels come from the index
+        # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
+        to_host = self._host_layout is not None and L._host_backend is None
         cursor = 0
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
             key = idx.key(j)
             keys.append(key)
-            names.append(f"{ds.shards[s]['name']}:{key}")
+            where = f"{ds.shards[s]['name']}:{key}"
+            names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
+            mode = L._shard_verify[s]
+            crcs = (dict(zip(members, idx.crcs(j)))
+                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
             path = ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
                     raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
                 o, n = m
-                if fp.kind == "tensor":
+                if fp.kind == "label" and fp.name in idx.labels:
+                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
+                elif fp.kind == "tensor":
                     head = None if n >= ALIGN else ds.read_extent(s, o, n)
-                    off, nb = fp.tensor.data_extent(key, o, n, head)
+                    off, nb = fp.tensor.data_extent(where, o, n, head)
                     ex, outs = direct.setdefault(fp.name, ([], []))
                     ex.append(Extent(path, off, nb))
                     outs.append(i * nb)
+                    if head is None and (mode == "full" or not idx.npy_c_order):
+                        head = (staging, cursor, off - o)  # read its header too, to check it
+                        staged.append(Extent(path, o, off - o))
+                        staged_off.append(cursor)
+                        checks.header(fp.tensor, where, *head)
+                        cursor += -(-(off - o) // 64) * 64
+                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
+                        rows = () if isinstance(head, bytes) else (
+                            (slot.host_flat, self._host_layout["__h_" + fp.name] + i * nb, nb) if to_host
+                            else (slot.flat, self._layout[fp.name] + i * nb, nb),)
+                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
                 else:
                     staged.append(Extent(path, o, n))
                     staged_off.append(cursor)
-                    spans[fp.name].append((cursor, n))
+                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
+                    if fp.name in crcs:
+                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
                     cursor += -(-n // 64) * 64
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
         layout = self._layout
         hl = self._host_layout
-        to_host = hl is not None and L._host_backend is None  # a device ring, a host-only backend
         extents = [e for ex, _ in direct.values() for e in ex]
         if to_host:  # .npy rows into pinned host fields, copied to the device below
             outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
@@ -572,6 +634,7 @@ class _Epoch:
                 base = hl["__staging__"]
                 reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        checks.run()
         streams = L._streams
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
         if isinstance(L.dataset, Mix):
@@ -581,10 +644,12 @@ class _Epoch:
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
+                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
                 dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
-                dst[: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
+                dst[: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
+                                    for k, v in enumerate(vals)]
                 if streams:  # non-blocking, on the private stream, after the fence above
-                    streams.to_device(bufs[fp.name][: len(sp)], dst[: len(sp)])
+                    streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
             elif fp.kind == "tensor" and to_host:
                 streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
             elif fp.kind == "bytes":
@@ -707,6 +772,7 @@ class _Epoch:
                 fp.kind == "image" for fp in L._fields) else None,
             "device": L.device,
             "skipped": self.skipped,
+            "verify": L._verify_note,
         }
 
     def _finish(self) -> None:

@@ -318,6 +318,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
     runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
     runtime.memcpyDeviceToDevice, runtime.memcpyDefault = 3, 4
     runtime.deviceSynchronize = gpu.synchronize_all
+    runtime.memGetInfo = lambda: (gpu.log.append(("memGetInfo", gpu.current())) or (80 << 30, 141 << 30))
 
     def memcpy_async(dst, src, size, kind, stream):
         s = gpu.stream_for(stream)
