@@ -5,6 +5,10 @@ but no KvikIO, webdataset or DALI, and nothing can be fetched there (../.library
 lists the image's packages). `bench/gpu_wheels.json` records what is carried: the pinned wheels
 and each wheel's own `Requires-Dist` (non-extra, read from its METADATA by `record`), plus the
 image's packages that satisfy the rest. `tests/test_gpu_check.py` checks that the set is closed.
+Recorded from the wheels, not from source: rapidsai/kvikio's python/libkvikio/pyproject.toml at
+the release/26.08 merge (VERSION 26.10.00) says `rapids-logger==0.2.*`, but the released
+libkvikio-cu13 26.10.0 wheel's METADATA says `Requires-Dist: rapids-logger==0.3.*` (the two GPU
+audits disagreed on this; the wheel is what gets installed).
 
     python3 bench/gpu_wheels.py download   # pip download the pins into .whl/ and .whl-dali/
     python3 bench/gpu_wheels.py record     # rewrite bench/gpu_wheels.json from those wheels
