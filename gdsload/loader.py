@@ -240,6 +240,7 @@ class DataLoader(PlanCursor):
         # closes it and ends its threads (see `_Epoch._produce`)
         self._active_ref: Any = None
         self._decoder = None
+        self._planner = None  # gdsload.batchread.BatchPlanner, made in `_setup`
 
     # -- torch-like surface --------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
@@ -319,6 +320,11 @@ class DataLoader(PlanCursor):
                 f"it with fields=[...] (or decode=False for encoded bytes)"
             )
         self._fields = fplans
+        from gdsload.batchread import BatchPlanner
+
+        self._planner = None if self._tensor_headers else BatchPlanner(
+            ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans],
+            crc_shards=[mode is not None for mode in self._shard_verify])
 
         # Batch tensors (decoded images, .npy rows, labels) go where the batch is consumed; encoded
         # bytes stay on the host, where DALI and the label parser read them. On a GPU, labels are
@@ -550,7 +556,87 @@ class _Epoch:
                 self._turn.notify_all()
 
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
-        """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn."""
+        """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn.
+
+        Planned with array operations (`gdsload.batchread`); batches it does not plan (`.npy`
+        headers to read) go member by member (`_fill_members`)."""
+        planner = self.loader._planner
+        reads = planner.plan(ids) if planner is not None else None
+        if reads is None:
+            return self._fill_members(slot, seq, ids)
+        return self._fill_planned(slot, seq, ids, reads)
+
+    def _fill_planned(self, slot, seq: int, ids: np.ndarray, reads) -> bool:
+        from gdsload.batchread import check_crcs
+        from gdsload.io.table import ExtentTable, read_table
+        from gdsload.loadcheck import label
+
+        L = self.loader
+        bufs = slot.buffers
+        staging = bufs["__staging__"]
+        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
+        layout, hl = self._layout, self._host_layout
+        to_host = hl is not None and L._host_backend is None
+        paths = L._planner.paths
+        n = reads.n
+        rows = []  # .npy rows: (file, offset, nbytes, out offset) into their batch tensor
+        for name, (off, nb) in reads.tensors.items():
+            base = hl["__h_" + name] if to_host else layout[name]
+            rows.append((reads.shard, off, nb, base + np.arange(n, dtype=np.int64) * nb))
+        staged = (reads.staged_file, reads.staged_offset, reads.staged_nbytes,
+                  (hl if hl is not None else layout)["__staging__"] + reads.staged_pos)
+        # one table per destination arena: a host ring reads the whole batch in one call
+        if hl is None:
+            jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.flat)]
+        elif to_host:
+            jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.host_flat)]
+        else:  # KvikIO into the device arena, encoded bytes and labels via POSIX into pinned memory
+            jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
+                    (L._host_backend, ExtentTable.concat(paths, [staged]), slot.host_flat)]
+        nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
+        check_crcs(reads, staging)
+        streams = L._streams
+        names = reads.names
+        meta: dict[str, Any] = {"keys": reads.keys, "n": n, "bytes": nbytes, "extra": {}}
+        if isinstance(L.dataset, Mix):
+            meta["sources"] = L.dataset.sources_of(ids)
+        keep = None
+        decoded = False
+        for fp in L._fields:
+            if fp.kind == "label":
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                col = reads.labels.get(fp.name)
+                if col is not None:
+                    dst[:n] = col
+                if fp.name in reads.staged:  # indexes without a label column: parse the text
+                    pos, nb, smp = reads.staged[fp.name]
+                    for a, k, i in zip(pos.tolist(), nb.tolist(), smp.tolist()):
+                        dst[i] = label(staging, a, k, names[i], fp.name)
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][:n], dst[:n])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][:n], bufs["__h_" + fp.name][:n])
+            elif fp.kind == "bytes":
+                pos, nb, _ = reads.staged[fp.name]
+                mv = memoryview(staging)
+                meta["extra"][fp.name] = [bytes(mv[a : a + k]) for a, k in zip(pos.tolist(), nb.tolist())]
+            elif fp.kind == "image":
+                pos, nb, _ = reads.staged[fp.name]
+                encoded = [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())]
+                kept = self._decode(seq, encoded, names, bufs[fp.name])
+                decoded = True
+                if len(kept) < n:
+                    keep = kept if keep is None else [k for k in keep if k in set(kept)]
+                meta["skipped"] = meta.get("skipped", 0) + n - len(kept)
+        if keep is not None:  # corrupt images skipped: compact the other fields to match
+            meta["keep"] = keep
+        if streams:
+            meta["ready"] = streams.ready()
+        slot.meta.update(meta)
+        return decoded
+
+    def _fill_members(self, slot, seq: int, ids: np.ndarray) -> bool:
+        """`_fill` one member at a time: `.npy` headers read and checked per sample."""
         from gdsload.io import Extent
         from gdsload.loadcheck import BatchChecks, label
 
