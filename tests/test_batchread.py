@@ -1,0 +1,122 @@
+"""Batch-at-a-time reads (`gdsload.batchread`): a batch is planned with array operations over the
+shard indexes, never member by member, and gives the same batches the member path gives."""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import numpy as np
+import pytest
+
+import gdsload.loader as loader_mod
+from gdsload.errors import CorruptDataError, FormatError
+from gdsload.format.index import ShardIndex
+from gdsload.format.writer import DatasetWriter
+from gdsload.io import base as io_base
+from gdsload.loader import DataLoader, Dataset
+
+
+def _npy(a: np.ndarray) -> bytes:
+    b = io.BytesIO()
+    np.save(b, a)
+    return b.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """3 shards (at least); per sample a (4, 1024) float32 .npy (16 KiB: aligned), a label and bytes of
+    varied length."""
+    root = tmp_path_factory.mktemp("br") / "ds"
+    rng = np.random.default_rng(5)
+    src = {}
+    with DatasetWriter(root, shard_size=1_000_000) as w:
+        for i in range(90):
+            x = rng.standard_normal((4, 1024)).astype(np.float32)
+            blob = rng.integers(0, 256, int(rng.integers(1, 9000)), dtype=np.uint8).tobytes()
+            w.write(f"k{i:03d}", {"npy": _npy(x), "cls": str(i % 7).encode(), "bin": blob})
+            src[f"k{i:03d}"] = (x, i % 7, blob)
+    assert len(Dataset(str(root)).shards.shards) >= 3
+    return root, src
+
+
+def _epoch(root, **kw):
+    dl = DataLoader(str(root), batch_size=16, shuffle=True, seed=3, device="cpu", output="numpy",
+                    decode=False, copy=True, **kw)
+    out = [b for b in dl]
+    dl.close()
+    return out
+
+
+def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch):
+    root, src = mixed
+    planned = _epoch(root)
+    for b in planned:
+        for k, key in enumerate(b["__key__"]):
+            x, label, blob = src[key]
+            np.testing.assert_array_equal(b["npy"][k], x)
+            assert b["cls"][k] == label and b["bin"][k] == blob
+    assert sum(len(b["__key__"]) for b in planned) == 90
+    monkeypatch.setattr(loader_mod._Epoch, "_fill", loader_mod._Epoch._fill_members)
+    members = _epoch(root)
+    assert [b["__key__"] for b in planned] == [b["__key__"] for b in members]
+    for a, b in zip(planned, members):
+        np.testing.assert_array_equal(a["npy"], b["npy"])
+        np.testing.assert_array_equal(a["cls"], b["cls"])
+        assert a["bin"] == b["bin"]
+
+
+def test_no_per_member_python_objects(mixed, monkeypatch):
+    """The member path builds an `Extent` per member and asks the index per sample; the planned
+    path does neither (its Python work per batch is per shard touched and per read)."""
+    root, _ = mixed
+    calls = {"Extent": 0, "members": 0, "key": 0}
+    real_post_init = io_base.Extent.__post_init__
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    dl = DataLoader(str(root), batch_size=90, device="cpu", output="numpy", decode=False)
+    dl._setup()  # probing the first .npy header is set-up, not the hot path
+    monkeypatch.setattr(io_base.Extent, "__post_init__", count("Extent", real_post_init))
+    monkeypatch.setattr(ShardIndex, "members", count("members", ShardIndex.members))
+    monkeypatch.setattr(ShardIndex, "key", count("key", ShardIndex.key))
+    (batch,) = list(dl)
+    dl.close()
+    assert len(batch["__key__"]) == 90
+    assert calls == {"Extent": 0, "members": 0, "key": 0}
+
+
+def test_changed_member_is_caught_naming_shard_and_key(mixed, tmp_path):
+    root, src = mixed
+    import shutil
+
+    copy = tmp_path / "ds"
+    shutil.copytree(root, copy)
+    ds = Dataset(str(copy)).shards
+    idx = ds.index(1)
+    j = 3
+    row = int(idx.sample_start[j]) + idx.extensions.index("bin")
+    off = int(idx.member_offset[row])
+    with open(ds.shard_path(1), "r+b") as f:
+        f.seek(off)
+        first = f.read(1)
+        f.seek(off)
+        f.write(bytes([first[0] ^ 0xFF]))
+    key = idx.key(j)
+    with pytest.raises(CorruptDataError, match=rf"{ds.shards[1]['name']}:{key}: field 'bin' differs"):
+        _epoch(copy)
+    assert len(_epoch(copy, fields=["__key__", "npy"])) == 6  # the .npy rows are not CRC-checked by "fast"
+    assert zlib.crc32(src[key][2]) == int(idx.member_crc[row])
+
+
+def test_missing_field_names_sample(tmp_path):
+    root = tmp_path / "ds"
+    with DatasetWriter(root) as w:
+        w.write("a", {"bin": b"x" * 10, "cls": b"1"})
+        w.write("b", {"cls": b"2"})
+    with pytest.raises(FormatError, match=r"sample 'b' in .* has no field 'bin'"):
+        _epoch(root)
