@@ -57,9 +57,10 @@ def check_mode(verify: Any) -> VerifyMode:
 
 
 def check_dataset(ds: ShardedDataset, mode: VerifyMode) -> str:
-    """Start-of-loading checks for `mode` over every shard (indexes loaded, so extents checked);
-    returns what will be checked per batch, for `stats()["verify"]`."""
-    indexes = [ds.index(s) for s in range(len(ds.shards))]
+    """Start-of-loading checks for `mode` over every shard; returns what will be checked per
+    batch, for `stats()["verify"]`. Indexes are loaded (and their extents checked) here only for
+    shards whose manifest entry does not say they hold CRC32s (older conversions); the others
+    are checked the same way when a batch first reads them."""
     if mode is None:
         return "off"
     for s, (entry, size) in enumerate(zip(ds.shards, ds.stored_sizes())):
@@ -68,7 +69,9 @@ def check_dataset(ds: ShardedDataset, mode: VerifyMode) -> str:
                 f"{ds.shard_path(s)}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
                 f"{entry['bytes']}: the shard changed after conversion; run gdsload verify {ds.root}"
             )
-    old = [ds.shard_path(s, "index") for s, idx in enumerate(indexes) if idx.member_crc is None]
+    old = [ds.shard_path(s, "index") for s, entry in enumerate(ds.shards)
+           if not entry.get("member_crc") and ds.index(s).member_crc is None]
+    indexes = ds.shards
     if not old:
         return mode
     if mode == "full":

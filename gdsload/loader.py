@@ -287,8 +287,10 @@ class DataLoader(PlanCursor):
         # rows per slot: a batch never holds more than one rank's samples of an epoch
         B = self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
         # .npy headers are read (into staging) where the index does not vouch for C order
-        self._tensor_headers = any(mode == "full" or not ds.index(s).npy_c_order
-                                   for s, mode in enumerate(self._shard_verify))
+        # (the manifest says so for shards converted since it records it; older ones: the index)
+        self._tensor_headers = any(
+            mode == "full" or not (ds.shards[s].get("npy_c_order") or ds.index(s).npy_c_order)
+            for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
             kind = field_kind(name)
@@ -298,6 +300,10 @@ class DataLoader(PlanCursor):
                 kind = "label" if name in _LABEL_FIELDS else "bytes"
             fp = _FieldPlan(name, kind)
             for s in range(len(ds.shards)):
+                known = ds.shards[s].get("max_nbytes")  # in the manifest: no index to load
+                if known is not None:
+                    fp.max_nbytes = max(fp.max_nbytes, known.get(name, 0))
+                    continue
                 idx = ds.index(s)
                 if name in idx.extensions:
                     e = idx.extensions.index(name)

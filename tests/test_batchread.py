@@ -120,3 +120,64 @@ def test_missing_field_names_sample(tmp_path):
         w.write("b", {"cls": b"2"})
     with pytest.raises(FormatError, match=r"sample 'b' in .* has no field 'bin'"):
         _epoch(root)
+
+
+def _strip_manifest(root, tmp_path):
+    """A copy of `root` whose manifest is as gdsload wrote it before shard entries had
+    `max_nbytes`, `member_crc` and `npy_c_order`."""
+    import json
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(root, old)
+    m = json.loads((old / "manifest.json").read_text())
+    for e in m["shards"]:
+        for k in ("max_nbytes", "member_crc", "npy_c_order"):
+            del e[k]
+    (old / "manifest.json").write_text(json.dumps(m))
+    return old
+
+
+def test_start_up_loads_only_the_indexes_it_reads(mixed, tmp_path, monkeypatch):
+    """Buffers are sized from the manifest's per-field maxima: the first batch loads the index
+    of the shard it reads (and the first one, for the .npy header probe), not all of them; an
+    older manifest still loads (its indexes are read for the sizes) with the same layout."""
+    root, _ = mixed
+    loaded = []
+    real = ShardIndex.from_bytes.__func__
+
+    def counting(cls, data, *, name="<index>"):
+        loaded.append(name)
+        return real(cls, data, name=name)
+
+    monkeypatch.setattr(ShardIndex, "from_bytes", classmethod(counting))
+    n_shards = len(Dataset(str(root)).shards.shards)
+    dl = DataLoader(str(root), batch_size=4, device="cpu", output="numpy", decode=False)
+    first = next(iter(dl))
+    assert len(set(loaded)) == 1 and first["__key__"] == ["k000", "k001", "k002", "k003"]
+    staging = dl._ring.spec.fields["__staging__"]
+    dl.close()
+    loaded.clear()
+    old = _strip_manifest(root, tmp_path)
+    dl = DataLoader(str(old), batch_size=4, device="cpu", output="numpy", decode=False)
+    again = next(iter(dl))
+    assert len(set(loaded)) == n_shards  # the old way: every index, for the sizes
+    assert dl._ring.spec.fields["__staging__"] == staging
+    assert again["bin"] == first["bin"]
+    dl.close()
+
+
+def test_manifest_max_nbytes_is_checked(mixed, tmp_path):
+    import json
+    import shutil
+
+    from gdsload.errors import FormatError
+
+    root, _ = mixed
+    bad = tmp_path / "bad"
+    shutil.copytree(root, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["shards"][0]["max_nbytes"]["bin"] = 2**40
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="'max_nbytes' must map fields to byte counts within"):
+        Dataset(str(bad))

@@ -16,6 +16,7 @@ header is rewritten byte for byte, or the index is rewritten without its new col
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -57,11 +58,17 @@ def _load_all(path_or_ds, **kw) -> dict[str, dict]:
 
 
 def _as_old_index(ds_path: Path) -> None:
-    """Rewrite every index as a gdsload from before labels/CRCs/C order wrote it."""
+    """Rewrite every index, and the manifest's shard entries, as a gdsload from before
+    labels/CRCs/C order (and the entries' `max_nbytes`, `member_crc`, `npy_c_order`) wrote them."""
     for p in ds_path.glob("*.idx"):
         if not p.name.endswith(".dali.idx"):
             idx = ShardIndex.load(p)
             p.write_bytes(dataclasses.replace(idx, member_crc=None, labels={}, npy_c_order=False).to_bytes())
+    m = json.loads((ds_path / "manifest.json").read_text())
+    for entry in m["shards"]:
+        for k in ("max_nbytes", "member_crc", "npy_c_order"):
+            entry.pop(k, None)
+    (ds_path / "manifest.json").write_text(json.dumps(m))
 
 
 def _member(ds_path: Path, key: str, field: str) -> tuple[Path, int, int]:

@@ -10,7 +10,8 @@ Layout (version 1)::
      "num_samples": 1281167, "num_bytes": ...,
      "shards": [{"name": "shard-000000.tar", "index": "shard-000000.idx",
                  "dali_index": "shard-000000.dali.idx", "samples": 9000, "bytes": 1073741824,
-                 "sha256": "..."}, ...],
+                 "sha256": "...", "max_nbytes": {"jpg": 181234, "cls": 3},
+                 "member_crc": true, "npy_c_order": true}, ...],
      "fields": {"jpg": "image", "cls": "label"},
      "classes": ["n01440764", ...] or null,
      "created": {"by": "gdsload 0.1.0", "at": "2026-12-02T11:00:00Z", "source": "...",
@@ -44,6 +45,11 @@ class _ShardEntryRequired(TypedDict):
 
 class ShardEntry(_ShardEntryRequired, total=False):
     fortran_to_c: dict[str, int]  # .npy field -> Fortran-ordered payloads stored in C order
+    # Written since the loader stopped loading every index at start-up (absent in older
+    # manifests: the loader then reads the shard's index for them):
+    max_nbytes: dict[str, int]  # field -> its largest member payload in the shard, in bytes
+    member_crc: bool  # the shard's index holds CRC32s
+    npy_c_order: bool  # the shard's index vouches every .npy payload is C-ordered
 
 
 def field_kind(ext: str) -> str:
@@ -98,6 +104,11 @@ def parse(text: str, *, name: str) -> dict[str, Any]:
         for key in ("name", "index", "dali_index"):
             if "/" in s[key] or s[key].startswith("."):
                 raise FormatError(f"{name}: shard file name {s[key]!r} must be a plain file name")
+        sizes = s.get("max_nbytes", {})
+        if not isinstance(sizes, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= s["bytes"] for v in sizes.values()):
+            raise FormatError(f"{name}: shard entry {s['name']!r}: 'max_nbytes' must map fields to byte "
+                              f"counts within the shard's {s['bytes']} bytes")
     if sum(s["samples"] for s in shards) != m.get("num_samples"):
         raise FormatError(f"{name}: num_samples does not equal the sum over shards")
     return m

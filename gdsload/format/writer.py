@@ -135,6 +135,13 @@ class ShardWriter:
         }
         if self.fortran_to_c:
             entry["fortran_to_c"] = dict(sorted(self.fortran_to_c.items()))
+        # what a loader sizes its buffers from without loading every index (`ShardEntry`)
+        sizes: dict[str, int] = {}
+        for _, members in self._samples:
+            for ext, _, n in members:
+                sizes[ext] = max(sizes.get(ext, 0), n)
+        entry["max_nbytes"] = dict(sorted(sizes.items()))
+        entry["member_crc"] = entry["npy_c_order"] = True
         return entry
 
     def abort(self) -> None:
