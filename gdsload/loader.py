@@ -146,7 +146,8 @@ class DataLoader(PlanCursor):
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
     `num_workers` (reader/decoder threads, not processes), `prefetch_factor` (batches filled ahead
     of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
-    per worker, since workers are threads filling one shared ring), `pin_memory` (pinned staging on a
+    per worker, since workers are threads filling one shared ring; `"auto"` for either: sized
+    while it runs, within stated bounds, see `gdsload.autotune`), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
     GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
     GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.device`), `transform` (an `ImageTransform`, or None for the default training transform;
@@ -163,8 +164,8 @@ class DataLoader(PlanCursor):
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
-        num_workers: int = 2,
-        prefetch_factor: int = 2,
+        num_workers: int | Literal["auto"] = 2,
+        prefetch_factor: int | Literal["auto"] = 2,
         pin_memory: bool = True,
         *,
         seed: int = 0,
@@ -194,10 +195,17 @@ class DataLoader(PlanCursor):
                 self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
                                        verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
-        if num_workers < 1:
-            raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
-        if prefetch_factor < 1:
-            raise GdsloadError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+        from gdsload import autotune
+
+        self._auto = {"prefetch": prefetch_factor == "auto", "workers": num_workers == "auto"}
+        if self._auto["workers"]:  # reads block in the kernel: threads beyond the cores help
+            num_workers = autotune.START_WORKERS
+        if self._auto["prefetch"]:
+            prefetch_factor = autotune.START_PREFETCH
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise GdsloadError(f"num_workers must be >= 1 (reader threads) or 'auto', got {num_workers!r}")
+        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise GdsloadError(f"prefetch_factor must be >= 1 or 'auto', got {prefetch_factor!r}")
         dist = _dist_rank_world()
         if rank is None:
             rank = dist[0] if dist else 0
@@ -241,6 +249,8 @@ class DataLoader(PlanCursor):
         self._active_ref: Any = None
         self._decoder = None
         self._planner = None  # gdsload.batchread.BatchPlanner, made in `_setup`
+        self._tuner = autotune.Tuner(self._auto["prefetch"], self._auto["workers"], prefetch_factor,
+                                     num_workers, autotune.max_workers()) if any(self._auto.values()) else None
 
     # -- torch-like surface --------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
@@ -783,6 +793,12 @@ class _Epoch:
         streams = self.loader._streams
         if streams is not None:  # the consumer's stream waits for the batch's copies (GPU-side)
             streams.consumer_wait(slot.meta.get("ready"))
+        tuner = self.loader._tuner
+        if tuner is not None:
+            rs = self.ring.stats()
+            action = tuner.observe(time.perf_counter(), rs["wait_s"], rs["producer_wait_s"])
+            if action is not None:
+                self._tune(action)
         batch = self._make_batch(slot)
         self.loader._position += self.G
         self.samples += slot.meta["n"] - slot.meta.get("skipped", 0)
@@ -790,6 +806,37 @@ class _Epoch:
         self.bytes_read += slot.meta["bytes"]
         self._update_stats()
         return batch
+
+    def _tune(self, action: str) -> None:
+        """Carry out a `gdsload.autotune` decision: one more ring slot, or one more reader."""
+        from gdsload import autotune
+
+        L, tuner = self.loader, self.loader._tuner
+        if action == "worker":
+            t = threading.Thread(target=_Epoch._produce, args=(weakref.ref(self),),
+                                 name=f"gdsload-reader-{len(self.threads)}", daemon=True)
+            self.threads.append(t)
+            t.start()
+            L.num_workers = tuner.workers = tuner.workers + 1
+            return
+        from gdsload.memory import available_device_bytes, available_host_bytes
+
+        ring = self.ring
+        ok = autotune.fits(ring.host_nbytes_per_slot + (0 if ring.host_spec else ring.nbytes_per_slot),
+                           available_host_bytes())
+        if ring.host_spec is not None:  # a device ring: its batch tensors are on the GPU
+            import cupy
+
+            with cupy.cuda.Device(L.device_ordinal):
+                ok = ok and autotune.fits(ring.nbytes_per_slot, available_device_bytes())
+        if not ok:  # memory does not allow it: stay at this depth
+            tuner.auto_prefetch = False
+            return
+        ring.grow(1)
+        register = getattr(L._backend, "register", None)
+        if L._host_backend is not None and register is not None:  # KvikIO reads into the new arena
+            register(ring.arenas[-1])
+        L.prefetch_factor = tuner.prefetch = tuner.prefetch + 1
 
     def _release(self, slot, *, same_thread: bool = True) -> None:
         """Hand the slot back, with a fence on the consumer's stream when the ring is on the GPU."""
@@ -865,6 +912,9 @@ class _Epoch:
             "device": L.device,
             "skipped": self.skipped,
             "verify": L._verify_note,
+            "prefetch_factor": L.prefetch_factor,  # now: "auto" may have grown it (gdsload.autotune)
+            "num_workers": L.num_workers,
+            "auto": ",".join(k for k, v in L._auto.items() if v) or None,
         }
 
     def _finish(self) -> None:

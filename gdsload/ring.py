@@ -28,6 +28,12 @@ Invariant
     once; the same arrays (same ids and addresses) are handed out on every cycle. Producers must
     not touch a slot after `publish`; the ring cannot enforce that.
 
+Growth
+    `grow(k)` adds k slots in a new allocation (the one exception to "allocated once", for
+    `prefetch_factor="auto"`): producers may then run k batches further ahead. Batch seq goes to
+    slot `seq % N` when that slot is free, else to a free one (a producer also waits for a free
+    slot). Without a `grow()` the slot is always `seq % N`, which batch `seq - N` has left.
+
 Backpressure policy
     Producers block in `acquire(seq)` until slot `seq % N` has been released for batch `seq - N`;
     nothing is dropped and no memory is added. The consumer blocks in `get(seq)` until batch `seq`
@@ -247,6 +253,8 @@ class Ring:
         self.pin_error: str | None = None  # why pin=True fell back to pageable memory
         self.device, self.pinned, arena = self._allocate(device, pin, self.nbytes_total)
         self._arena = arena  # keeps the backing allocation alive
+        self.arenas = [arena]  # one per allocation: this one, then one per `grow()`
+        self._pin = pin
         self.host_spec = host_spec
         self.host_nbytes_per_slot = host_spec.nbytes if host_spec else 0
         self._host_arena = None
@@ -255,16 +263,17 @@ class Ring:
                 "cpu", pin, num_slots * self.host_nbytes_per_slot)
             self.nbytes_total += num_slots * self.host_nbytes_per_slot
         self._arrays: list[dict[str, Any]] = []
-        for i in range(num_slots):
-            views = self._views(spec, arena, i * self.nbytes_per_slot)
-            if host_spec is not None:
-                views.update(self._views(host_spec, self._host_arena, i * self.host_nbytes_per_slot))
-            self._arrays.append(views)
+        self._flat: list[Any] = []
+        self._host_flat: list[Any] = []
+        self._add_slots(arena, self._host_arena, num_slots)
 
         self._lock = threading.Lock()
-        self._cv = [threading.Condition(self._lock) for _ in range(num_slots)]
+        self._cv = threading.Condition(self._lock)  # one for all waiters: few threads, notify_all
         self._state = [_FREE] * num_slots
-        self._seq = list(range(num_slots))  # the seq each slot carries now (or is free for)
+        self._seq = [-1] * num_slots  # the seq each slot carries now (-1: free)
+        self._where: dict[int, int] = {}  # seq -> slot, for the seqs acquired and not recycled
+        self._released = 0  # every seq below this one is recycled (released, or failed and got)
+        self._recycled: set[int] = set()  # seqs recycled above `_released`
         self._slot: list[Slot | None] = [None] * num_slots
         self._error: list[BaseException | None] = [None] * num_slots
         self._fence: list[Any] = [None] * num_slots  # release fences (see "Device fences")
@@ -277,6 +286,37 @@ class Ring:
         self._occupancy_sum = 0
 
     # -- allocation ----------------------------------------------------------------------------
+
+    def _add_slots(self, arena: Any, host_arena: Any, n: int) -> None:
+        h = self.host_nbytes_per_slot
+        for k in range(n):
+            views = self._views(self.spec, arena, k * self.nbytes_per_slot)
+            self._flat.append(arena[k * self.nbytes_per_slot : (k + 1) * self.nbytes_per_slot])
+            self._host_flat.append(host_arena[k * h : (k + 1) * h] if host_arena is not None else None)
+            if host_arena is not None:
+                views.update(self._views(self.host_spec, host_arena, k * h))
+            self._arrays.append(views)
+
+    def grow(self, extra: int) -> None:
+        """Add `extra` slots, in a new allocation of the same kind (see "Growth"); safe while
+        producers and the consumer run. The new arena is `arenas[-1]`."""
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 1:
+            raise RingError(f"grow() needs an int >= 1 of slots, got {extra!r}")
+        _, _, arena = self._allocate(self.device, self._pin, extra * self.nbytes_per_slot)
+        host = None
+        if self.host_spec is not None:
+            _, _, host = self._allocate("cpu", self._pin, extra * self.host_nbytes_per_slot)
+        with self._lock:
+            self._add_slots(arena, host, extra)
+            self.arenas.append(arena)
+            self._state += [_FREE] * extra
+            self._seq += [-1] * extra
+            self._slot += [None] * extra
+            self._error += [None] * extra
+            self._fence += [None] * extra
+            self.num_slots += extra
+            self.nbytes_total += extra * (self.nbytes_per_slot + self.host_nbytes_per_slot)
+            self._cv.notify_all()
 
     @staticmethod
     def _views(spec: SlotSpec, arena: Any, base: int) -> dict[str, Any]:
@@ -323,7 +363,7 @@ class Ring:
     # -- waiting -------------------------------------------------------------------------------
 
     def _wait(
-        self, index: int, ready: Callable[[], bool], timeout: float | None, what: str, account: str
+        self, ready: Callable[[], bool], timeout: float | None, what: str, account: str
     ) -> None:
         """Wait (lock held) until `ready()`, adding the seconds waited to the counter `account`.
         Closed beats ready: after `close()` nothing is handed out."""
@@ -340,7 +380,7 @@ class Ring:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise RingTimeout(f"timed out after {timeout} s {what}")
-                self._cv[index].wait(remaining)
+                self._cv.wait(remaining)
                 if self._closed:
                     raise RingClosed(f"ring closed while {what}")
                 if ready():
@@ -369,31 +409,37 @@ class Ring:
     # -- producer side -------------------------------------------------------------------------
 
     def acquire(self, seq: int, timeout: float | None = None) -> Slot:
-        """Slot for batch `seq` (slot `seq % num_slots`); blocks until the consumer released batch
-        `seq - num_slots`. Raises `RingClosed`, `RingTimeout`, or `RingError` if `seq` was already
-        acquired."""
+        """Slot for batch `seq` (slot `seq % num_slots` unless the ring grew, see "Growth");
+        blocks until the consumer released batch `seq - num_slots`. Raises `RingClosed`,
+        `RingTimeout`, or `RingError` if `seq` was already acquired."""
         seq = self._check_seq(seq)
-        i = seq % self.num_slots
         with self._lock:
-            if seq < self._seq[i] or (seq == self._seq[i] and self._state[i] != _FREE):
-                if not self._closed:
-                    raise RingError(f"batch {seq} was already acquired; each seq is acquired once")
+            if (seq < self._released or seq in self._where or seq in self._recycled) and not self._closed:
+                raise RingError(f"batch {seq} was already acquired; each seq is acquired once")
             self._wait(
-                i,
-                lambda: self._seq[i] == seq and self._state[i] == _FREE,
+                lambda: self._admitted(seq),
                 timeout,
                 f"acquiring batch {seq}",
                 "_producer_wait_s",
             )
-            slot = Slot(i, seq, dict(self._arrays[i]),
-                        self._arena[i * self.nbytes_per_slot : (i + 1) * self.nbytes_per_slot])
+            i = seq % self.num_slots
+            if self._state[i] != _FREE:  # only after a grow(): any free slot (one is, see "Growth")
+                i = self._state.index(_FREE)
+            slot = Slot(i, seq, dict(self._arrays[i]), self._flat[i])
             slot.fence, self._fence[i] = self._fence[i], None
-            if self._host_arena is not None:
-                h = self.host_nbytes_per_slot
-                slot.host_flat = self._host_arena[i * h : (i + 1) * h]
+            slot.host_flat = self._host_flat[i]
+            self._seq[i] = seq
+            self._where[seq] = i
             self._state[i] = _FILLING
             self._slot[i] = slot
             return slot
+
+    def _recycled_seq(self, seq: int) -> bool:
+        return seq < self._released or seq in self._recycled
+
+    def _admitted(self, seq: int) -> bool:
+        before = seq - self.num_slots
+        return (before < 0 or self._recycled_seq(before)) and _FREE in self._state
 
     def try_acquire(self, seq: int) -> Slot | None:
         """`acquire(seq, timeout=0)`, returning None instead of raising `RingTimeout`."""
@@ -409,7 +455,7 @@ class Ring:
                 return
             i = self._held(slot, _FILLING, "publish")
             self._state[i] = _READY
-            self._cv[i].notify_all()
+            self._cv.notify_all()
 
     def fail(self, slot: Slot, exc: BaseException) -> None:
         """Pass `exc` to the consumer in place of this batch; `get(slot.seq)` re-raises it."""
@@ -421,7 +467,7 @@ class Ring:
             i = self._held(slot, _FILLING, "fail")
             self._error[i] = exc
             self._state[i] = _READY
-            self._cv[i].notify_all()
+            self._cv.notify_all()
 
     # -- consumer side -------------------------------------------------------------------------
 
@@ -430,26 +476,27 @@ class Ring:
         Re-raises the producer's exception if the batch failed (the slot is then recycled by the
         ring). Raises `RingClosed`, `RingTimeout`, or `RingError` for an out-of-order seq."""
         seq = self._check_seq(seq)
-        i = seq % self.num_slots
         with self._lock:
             if seq != self._next_get and not self._closed:
                 raise RingError(
                     f"get({seq}) out of order: batches are delivered in seq order, next is {self._next_get}"
                 )
-            if self._state[i] == _HELD and self._seq[i] < seq and not self._closed:
+            before = self._where.get(seq - self.num_slots)
+            if (seq not in self._where and before is not None and self._state[before] == _HELD
+                    and not self._closed):
                 # Only this consumer can release it, so waiting would never end.
                 raise RingError(
-                    f"get({seq}) would wait forever: the consumer still holds batch {self._seq[i]} in "
-                    f"slot {i}; release it first (at most num_slots={self.num_slots} batches can be held)"
+                    f"get({seq}) would wait forever: the consumer still holds batch {seq - self.num_slots} "
+                    f"in slot {before}; release it first (at most num_slots={self.num_slots} batches can be held)"
                 )
             occupancy = self._occupancy()  # how far ahead producers were when the consumer asked
             self._wait(
-                i,
-                lambda: self._seq[i] == seq and self._state[i] == _READY,
+                lambda: seq in self._where and self._state[self._where[seq]] == _READY,
                 timeout,
                 f"getting batch {seq}",
                 "_wait_s",
             )
+            i = self._where[seq]
             self._next_get += 1
             self._gets += 1
             self._occupancy_sum += occupancy
@@ -482,10 +529,16 @@ class Ring:
             self._recycle(self._held(slot, _HELD, "release"))
 
     def _recycle(self, i: int) -> None:
+        seq = self._seq[i]
         self._state[i] = _FREE
         self._slot[i] = None
-        self._seq[i] += self.num_slots
-        self._cv[i].notify_all()
+        self._seq[i] = -1
+        del self._where[seq]
+        self._recycled.add(seq)
+        while self._released in self._recycled:
+            self._recycled.remove(self._released)
+            self._released += 1
+        self._cv.notify_all()
 
     # -- lifecycle and stats -------------------------------------------------------------------
 
@@ -497,7 +550,10 @@ class Ring:
         """
         with self._lock:
             self._state = [_FREE] * self.num_slots
-            self._seq = list(range(self.num_slots))
+            self._seq = [-1] * self.num_slots
+            self._where = {}
+            self._released = 0
+            self._recycled = set()
             self._slot = [None] * self.num_slots
             self._error = [None] * self.num_slots
             self._next_get = 0
@@ -507,12 +563,12 @@ class Ring:
         """Wake every waiter with `RingClosed`; idempotent, safe from any thread."""
         with self._lock:
             self._closed = True
-            for cv in self._cv:
-                cv.notify_all()
+            self._cv.notify_all()
 
     @property
     def arena(self) -> Any:
-        """The (device, or only) arena: all slots, one array (e.g. to register it with cuFile)."""
+        """The first (device, or only) arena: the slots the ring was made with, one array (e.g. to
+        register it with cuFile); `arenas` lists it and those `grow()` added."""
         return self._arena
 
     @property
