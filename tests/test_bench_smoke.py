@@ -43,3 +43,15 @@ def test_gdsload_bench_cli_refuses_unlabelled_data(tmp_path, capsys):
         w.write("a", {"bin": b"x"})
     assert main(["bench", str(tmp_path / "d"), "--rounds", "1"]) == 1
     assert "needs a 'cls' field" in capsys.readouterr().err
+
+
+@pytest.mark.dali
+def test_loader_bench_prefetch_sweep_tiny(tmp_path):
+    """The auto-vs-fixed prefetch sweep runs end to end and reports auto's distance from the best."""
+    pytest.importorskip("webdataset")
+    pytest.importorskip("torch")
+    mod = _load("loader_bench")
+    jpg, _ = mod.ensure_data(tmp_path, images=48, tensors=48, tiny=True)
+    r = mod.prefetch_sweep(jpg, [5.0], batch_size=16, rounds=1, log=lambda *_: None)["5.0"]
+    assert set(r["wait_fraction"]) == {str(p) for p in mod.SWEEP}
+    assert r["best_fixed"] != "auto" and r["auto_chose"][0] >= 2

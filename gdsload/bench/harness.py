@@ -84,9 +84,17 @@ def _ratio_stats(xs: list[float]) -> dict[str, float]:
 
 def run_suite(dataset: str, *, kind: str, tiers: list[str], contestants: list[str], rounds: int = 5,
               batch_size: int = 256, workers: int | None = None, step_ms: float = 0.0,
-              warmup: bool = True, log=print) -> dict[str, Any]:
-    """Benchmark `contestants` on `dataset` for each tier; returns the JSON-able result."""
+              warmup: bool = True, log=print, prefetch: Any = None) -> dict[str, Any]:
+    """Benchmark `contestants` on `dataset` for each tier; returns the JSON-able result.
+    A contestant that cannot run here (`spdl` not installed) is skipped with a message."""
     workers = workers or os.cpu_count() or 1
+    if "spdl" in contestants:
+        from gdsload.bench.runners import spdl_missing
+
+        why = spdl_missing()
+        if why:
+            log(f"skipping spdl (pip install spdl, and FFmpeg's shared libraries): {why}")
+            contestants = [c for c in contestants if c != "spdl"]
     m = json.loads((Path(dataset) / "manifest.json").read_text())
     if "cls" not in m["fields"]:
         raise GdsloadError(f"{dataset}: the benchmark checks labels and needs a 'cls' field "
@@ -103,11 +111,14 @@ def run_suite(dataset: str, *, kind: str, tiers: list[str], contestants: list[st
         names = [c for c in contestants if not (c == "dali" and kind == "tensor")]
         if tier == "R":
             names = [c for c in names if c != "decode1"]
+        else:  # the CRC32 cost shows where bytes are not decoded
+            names = [c for c in names if c != "gdsload_noverify"]
 
         def args(c: str, **kw: Any) -> dict[str, Any]:
             return {"contestant": c, "tier": tier, "dataset": str(dataset), "kind": kind,
                     "image_field": image_field,
-                    "batch_size": batch_size, "workers": workers, "step_ms": step_ms, **kw}
+                    "batch_size": batch_size, "workers": workers, "step_ms": step_ms,
+                    "prefetch": prefetch, **kw}
 
         runs: dict[str, list[dict]] = {c: [] for c in names}
         if warmup:

@@ -8,6 +8,13 @@ Contestants, all over the same shards and the same work:
   installable beside the CPU torch wheel here; the transforms follow torchvision's definitions).
 - `dali`: DALI's own `fn.readers.webdataset` pipeline (with the `.dali.idx` index files) and the
   same DALI operators gdsload uses.
+- `spdl`: SPDL's thread-based `spdl.pipeline` (`spdl` 0.8, the fastest Python-side peer): shards
+  parsed by `spdl.io.iter_tarfile` (a shard per thread, its samples held as a list), images decoded by FFmpeg (`spdl.io`, crop + resize + flip as
+  one FFmpeg filter, the crop drawn as torchvision draws it), normalized with NumPy, batched by
+  `aggregate`; `workers` threads. Needs `pip install spdl` and FFmpeg's shared libraries
+  (libavutil etc.); without them the harness skips it, saying why.
+- `gdsload_noverify`: gdsload with `Dataset(verify=None)`, which shows what the default CRC32
+  checks of staged members cost.
 - `read`: the raw limit, a plain sequential read of the shard files (hot page cache, or cold:
   evicted with `posix_fadvise(DONTNEED)` and read with O_DIRECT).
 - `decode1`: the single-core Pillow decode (+ transform) rate on a sample of the images; the
@@ -29,6 +36,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -139,7 +147,10 @@ def run_gdsload(a: dict) -> dict:
                                              dtype="uint8", layout="NHWC")
         else:
             kw["transform"] = ImageTransform()
-    dl = gdsload.DataLoader(gdsload.Dataset(a["dataset"]), batch_size=a["batch_size"],
+    if a.get("prefetch") is not None:
+        kw["prefetch_factor"] = a["prefetch"]
+    verify = None if a["contestant"] == "gdsload_noverify" else "fast"
+    dl = gdsload.DataLoader(gdsload.Dataset(a["dataset"], verify=verify), batch_size=a["batch_size"],
                             num_workers=a["workers"], shuffle=False, **kw)
     it = iter(dl)
     construct = time.perf_counter() - t0
@@ -218,6 +229,99 @@ def run_dali(a: dict) -> dict:
     return r
 
 
+def spdl_missing() -> str | None:
+    """Why the `spdl` contestant cannot run here, or None."""
+    try:
+        import spdl.io
+        from spdl.io.lib import _libspdl  # noqa: F401  (loads FFmpeg's shared libraries)
+
+        spdl.io.lib._libspdl.__name__
+    except Exception as exc:  # ImportError, or RuntimeError naming the missing libavutil
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+def _spdl_crop(w: int, h: int, rng: np.random.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision RandomResizedCrop's box (as `pil_random_resized_crop`), for an FFmpeg filter."""
+    area = w * h
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        ar = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
+        cw, ch = int(round(np.sqrt(target * ar))), int(round(np.sqrt(target / ar)))
+        if 0 < cw <= w and 0 < ch <= h:
+            return cw, ch, int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    return w, h, 0, 0
+
+
+def run_spdl(a: dict) -> dict:
+    import spdl.io
+    from spdl.pipeline import PipelineBuilder
+
+    tars, _, _ = _shards(a["dataset"])
+    tier, kind = a["tier"], a["kind"]
+    field = "npy" if kind == "tensor" else a["image_field"]
+    t0 = time.perf_counter()
+
+    def samples(tar: str):
+        """One shard's (payload, label) pairs in order; members of a sample are adjacent."""
+        cur: dict[str, Any] = {}
+        key = None
+        with open(tar, "rb") as f:
+            for name, data in spdl.io.iter_tarfile(f):
+                dot = name.find(".", name.rfind("/") + 1)  # KEY.EXT splits at the base name's first dot
+                k, ext = name[:dot], name[dot + 1 :]
+                if k != key:
+                    cur, key = {}, k
+                cur[ext] = data
+                if field in cur and "cls" in cur:
+                    yield cur[field], int(bytes(cur["cls"]))
+                    cur = {}
+
+    rng = np.random.default_rng(0)
+    lock = threading.Lock()
+
+    def decode(item):
+        payload, label = item
+        if kind == "tensor":
+            return spdl.io.load_npy(payload), label
+        if tier == "R":
+            return payload, label
+        packets = spdl.io.demux_image(payload)
+        if tier == "D":
+            chain = f"scale={SIZE}:{SIZE}"
+        else:
+            with lock:
+                cw, ch, x, y = _spdl_crop(packets.width, packets.height, rng)
+                flip = rng.random() < 0.5
+            chain = f"crop={cw}:{ch}:{x}:{y},scale={SIZE}:{SIZE}" + (",hflip" if flip else "")
+        frames = spdl.io.decode_packets(packets, filter_desc=chain + ",format=rgb24")
+        img = spdl.io.to_numpy(spdl.io.convert_frames(frames))
+        if tier == "T":
+            img = np.ascontiguousarray(((img.astype(np.float32) - MEAN) / STD).transpose(2, 0, 1))
+        return img, label
+
+    def collate(items):
+        xs = [x for x, _ in items]
+        labels = np.array([c for _, c in items])
+        return (xs if tier == "R" and kind == "image" else np.stack(xs)), labels
+
+    w = a["workers"]
+    pipeline = (PipelineBuilder().add_source(tars)
+                # a generator stage runs one at a time; a shard as a list lets `w` threads parse
+                .pipe(lambda tar: list(samples(tar)), concurrency=w, output_order="input")
+                .disaggregate()
+                .pipe(decode, concurrency=w, output_order="input")
+                .aggregate(a["batch_size"])
+                .pipe(collate)
+                .add_sink(3)
+                .build(num_threads=w))
+    construct = time.perf_counter() - t0
+    with pipeline.auto_stop():
+        r = _consume(iter(pipeline), a["step_ms"], lambda b: b[1].tolist())
+    r["first_batch_s"] += construct
+    return r
+
+
 def _read_file(path: str, view: memoryview, *, direct: bool) -> int:
     """Read a whole file sequentially into `view`-sized chunks; O_DIRECT when asked and allowed."""
     if direct and hasattr(os, "O_DIRECT"):
@@ -278,15 +382,18 @@ def run_decode1(a: dict) -> dict:
     return {"samples": n, "labels": None, "wall_s": wall, "wait_s": 0.0, "first_batch_s": None}
 
 
-RUNNERS = {"gdsload": run_gdsload, "torch": run_torch, "dali": run_dali, "read": run_read,
-           "decode1": run_decode1}
+RUNNERS = {"gdsload": run_gdsload, "gdsload_noverify": run_gdsload, "torch": run_torch,
+           "dali": run_dali, "spdl": run_spdl, "read": run_read, "decode1": run_decode1}
 
 
 # Imports each contestant needs, done before the clock and the CPU counter start: the benchmark
 # compares loading, not library import times (which a training job pays once).
 PRELOAD = {"gdsload": ["torch", "nvidia.dali", "gdsload.loader", "gdsload.decode.image", "gdsload.ring",
                        "gdsload.io.posix", "gdsload.plan"],
+           "gdsload_noverify": ["torch", "nvidia.dali", "gdsload.loader", "gdsload.ring",
+                                "gdsload.io.posix", "gdsload.plan"],
            "torch": ["torch", "webdataset", "PIL.Image"],
+           "spdl": ["spdl.io", "spdl.pipeline", "spdl.io.lib._libspdl"],
            "dali": ["nvidia.dali"], "read": [], "decode1": ["PIL.Image", "gdsload"]}
 
 
