@@ -35,17 +35,26 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.forksafe import ProcessLocal
 from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
 
 
-class Dataset:
-    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used."""
+class Dataset(ProcessLocal):
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
+
+    Pickles to its path and fields; a copy in another process (or a forked child) opens the
+    dataset again on first use and refuses it if its content changed in between.
+    """
+
+    _PROCESS_LOCAL = ("_shards",)
 
     def __init__(self, path: str, *, fields: Sequence[str] | None = None):
         self.path = str(path)
-        self.shards = ShardedDataset(path)
+        self._start_process()
+        self._shards = ShardedDataset(path)
+        self._id = self._content_id(self._shards)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
         if unknown:
@@ -53,16 +62,37 @@ class Dataset:
                 f"fields {unknown} are not in dataset {self.path} (it has {sorted(self.shards.fields)})"
             )
 
+    def _init_process_local(self) -> None:
+        self._shards = None
+
+    @property
+    def shards(self) -> ShardedDataset:
+        """The open dataset of this process (its file descriptors and lock are per process)."""
+        self._check_process()
+        if self._shards is None:
+            shards = ShardedDataset(self.path)
+            if self._content_id(shards) != self._id:
+                raise FormatError(
+                    f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "
+                    f"then, {self._content_id(shards)} now): open it again"
+                )
+            self._shards = shards
+        return self._shards
+
+    @staticmethod
+    def _content_id(shards: ShardedDataset) -> str:
+        h = hashlib.sha256()
+        for s in shards.shards:
+            h.update(s["sha256"].encode())
+        return h.hexdigest()[:16]
+
     def __len__(self) -> int:
         return len(self.shards)
 
     @property
     def dataset_id(self) -> str:
         """Identity for states: hash of the shards' content hashes, in order."""
-        h = hashlib.sha256()
-        for s in self.shards.shards:
-            h.update(s["sha256"].encode())
-        return h.hexdigest()[:16]
+        return self._id
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
@@ -105,7 +135,7 @@ def _dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
-class DataLoader(PlanCursor):
+class DataLoader(ProcessLocal, PlanCursor):
     """A drop-in for `torch.utils.data.DataLoader` over a gdsload dataset.
 
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
@@ -119,7 +149,13 @@ class DataLoader(PlanCursor):
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
     `output` ("torch" when torch is installed, else "numpy").
+
+    Processes: a loader pickles to its configuration and cursor (`state_dict()`), never to its
+    threads, ring, files or DALI pipeline; a copy (a spawned worker's) or a forked child builds
+    those afresh on first iteration and continues where the loader stood.
     """
+
+    _PROCESS_LOCAL = ("_ring", "_backend", "_decoder", "_active_ref", "_fields", "_stats")
 
     def __init__(
         self,
@@ -185,6 +221,9 @@ class DataLoader(PlanCursor):
         )
         self._epoch = 0
         self._position = 0
+        self._start_process()
+
+    def _init_process_local(self) -> None:
         self._fields: list[_FieldPlan] | None = None
         self._ring = None
         self._backend = None
@@ -193,6 +232,22 @@ class DataLoader(PlanCursor):
         # closes it and ends its threads (see `_Epoch._produce`)
         self._active_ref: Any = None
         self._decoder = None
+
+    def _enter_process(self) -> None:
+        """Start afresh in a forked child; CUDA state does not survive a fork, so a loader that
+        had CUDA memory or a GPU decoder in the parent is refused there with a clear error."""
+        inherited = self._check_process()
+        if inherited is None:
+            return
+        ring, decoder = inherited["_ring"], inherited["_decoder"]
+        if (ring is not None and (ring.device != "cpu" or ring.pinned or getattr(ring, "host_pinned", False))) or (
+                decoder is not None and decoder.device == "mixed"):
+            raise GdsloadError(
+                "this loader was forked after it used CUDA in the parent, and CUDA does not survive a fork: "
+                "start the workers with the 'spawn' or 'forkserver' start method (e.g. "
+                "torch.utils.data.DataLoader(..., multiprocessing_context='spawn')), or build the loader in "
+                "the child"
+            )
 
     # -- torch-like surface --------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
@@ -273,6 +328,7 @@ class DataLoader(PlanCursor):
         return self._active_ref() if self._active_ref is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        self._enter_process()
         active = self._active
         if active is not None:
             active.close()
@@ -298,6 +354,7 @@ class DataLoader(PlanCursor):
         return dict(self._stats)
 
     def close(self) -> None:
+        self._check_process()
         active = self._active
         if active is not None:
             active.close()
@@ -320,6 +377,8 @@ class _Epoch:
     def __init__(self, loader: DataLoader, epoch: int, position: int):
         self.loader = loader
         self.epoch = epoch
+        self.pid = os.getpid()  # the producer threads and the ring state exist in this process only
+        self._successor: Iterator[Any] | None = None
         self.G = loader.plan.global_batch
         self.batches = list(loader.plan.batches(epoch, position))
         self.ring = loader._ring
@@ -496,6 +555,8 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
         if self._closed:  # finished, failed, closed, or replaced by a newer iter(): the ring
             raise StopIteration  # may carry another epoch now, never touch it again
         if self.handed is not None:
@@ -518,6 +579,21 @@ class _Epoch:
         self.bytes_read += slot.meta["bytes"]
         self._update_stats()
         return batch
+
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its threads are not here and its ring
+        must not be touched, so continue with a new iteration of the child's copy of the loader,
+        which starts at the loader's position (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._closed:
+                raise StopIteration
+            self._closed = True
+            self._successor = iter(self.loader)
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.DataLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
 
     def _make_batch(self, slot) -> Any:
         L = self.loader
@@ -589,6 +665,9 @@ class _Epoch:
 
     def close(self) -> None:
         if self._closed:
+            return
+        if self.pid != os.getpid():  # the parent's iterator in a forked child: touch nothing
+            self._closed = True
             return
         with self._turn:
             self._closed = True

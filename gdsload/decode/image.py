@@ -17,6 +17,7 @@ counts them, and the batch comes back smaller.
 from __future__ import annotations
 
 import ctypes
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,6 +60,18 @@ class ImageTransform:
     def output_shape(self) -> tuple[int, int, int]:
         s = self.size
         return (3, s, s) if self.layout == "NCHW" else (s, s, 3)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for spawned workers; a `user_fn` travels by reference, so it must be importable."""
+        if self.user_fn is not None:
+            try:
+                pickle.dumps(self.user_fn)
+            except Exception as exc:
+                raise GdsloadError(
+                    f"ImageTransform.user_fn {self.user_fn!r} cannot be pickled ({exc}), so this transform "
+                    f"cannot go to a spawned or forkserver worker: define the function at module level"
+                ) from exc
+        return dict(self.__dict__)
 
     def to_spec(self) -> dict[str, Any]:
         """JSON form (for the gRPC feed); a user callable cannot travel and is left out."""
