@@ -22,9 +22,11 @@ Deadlines: unary calls have `deadline_s`; a stream has `stream_deadline_s` as it
 (it is then resumed like a broken one) and is cancelled and resumed when no message arrives for
 `deadline_s`.
 
-Processes: channels are made on first use in each process (keyed by `os.getpid()`), so a loader
-built in a parent can be used inside forked `torch.utils.data.DataLoader` workers; pickling drops
-channels and threads (spawned workers). grpc is imported here, not by `import gdsload`.
+Processes: a loader pickles to its configuration and cursor (`gdsload.forksafe`): channels,
+credentials, locks and the receiver thread are made afresh in the process that iterates it, and
+a forked child finds the parent's by a pid check and leaves them alone. So a loader built (and
+used) in a parent works in `torch.utils.data.DataLoader` workers under fork, spawn and
+forkserver, continuing from the parent's cursor. grpc is imported here, not by `import gdsload`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gdsload.errors import GdsloadError, require
+from gdsload.forksafe import ProcessLocal
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
@@ -84,21 +87,23 @@ class _FeedStub(pb_grpc.FeedStub):
 
 
 class _Channels:
-    """One channel per address, per process. After a fork the child makes its own channels and
-    leaves the parent's alone (their threads and sockets belong to the parent)."""
+    """One channel per address, in the process that made this object (a forked child makes a new
+    one: the parent's channels, threads and sockets belong to the parent). `tls`: the PEM bytes
+    (root certificates, private key, certificate chain) or None; credentials are made here, since
+    grpc's cannot be pickled."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]):
-        self._credentials = credentials
+    def __init__(self, tls: tuple[bytes | None, bytes | None, bytes | None] | None, options: list[tuple[str, Any]]):
+        self._credentials = None
+        if tls is not None:
+            root, key, chain = tls
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
+                                                             certificate_chain=chain)
         self._options = options
-        self._pid = -1
         self._stubs: dict[str, tuple[grpc.Channel, _FeedStub]] = {}
         self._lock = threading.Lock()
 
     def stub(self, address: str) -> _FeedStub:
         with self._lock:
-            if self._pid != os.getpid():
-                self._stubs = {}
-                self._pid = os.getpid()
             entry = self._stubs.get(address)
             if entry is None:
                 if self._credentials is not None:
@@ -111,13 +116,12 @@ class _Channels:
 
     def close(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
-                for channel, _ in self._stubs.values():
-                    channel.close()
+            for channel, _ in self._stubs.values():
+                channel.close()
             self._stubs = {}
 
 
-class RemoteLoader(PlanCursor):
+class RemoteLoader(ProcessLocal, PlanCursor):
     """Batches of a dataset served by `gdsload serve`, as the local `DataLoader` would make them.
 
     `address`: "HOST:PORT" or a list of them; rank r starts on address ``r % len`` and fails
@@ -142,7 +146,12 @@ class RemoteLoader(PlanCursor):
 
     Training transforms are random: remote and local batches are the same crops only when both
     decode the same batches in the same sequence; evaluation transforms are deterministic.
+
+    Processes: pickles to its configuration and cursor; a copy or a forked child connects afresh
+    and continues where the loader stood (`state_dict()`).
     """
+
+    _PROCESS_LOCAL = ("_channels", "_active", "_addr_lock", "_rng", "_stats")
 
     def __init__(
         self,
@@ -228,27 +237,27 @@ class RemoteLoader(PlanCursor):
         self.batches_per_stream = int(batches_per_stream)
         self.max_message_bytes = int(max_message_bytes)
         self._metadata = metadata(token)
-        credentials = None
+        pems = None
         if tls or tls_ca or tls_cert or tls_key:
             if bool(tls_cert) != bool(tls_key):
                 raise GdsloadError("mutual TLS needs both tls_cert and tls_key")
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=read_pem(tls_ca, "tls_ca") if tls_ca else None,
-                private_key=read_pem(tls_key, "tls_key") if tls_key else None,
-                certificate_chain=read_pem(tls_cert, "tls_cert") if tls_cert else None,
-            )
+            pems = (read_pem(tls_ca, "tls_ca") if tls_ca else None, read_pem(tls_key, "tls_key") if tls_key else None,
+                    read_pem(tls_cert, "tls_cert") if tls_cert else None)
         options: list[tuple[str, Any]] = channel_options(self.max_message_bytes, keepalive or Keepalive())
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
-        self._channel_args = (credentials, options)
-        self._channels = _Channels(credentials, options)
+        self._channel_args = (pems, options)
         self._addr_index = self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0
-        self._addr_lock = threading.Lock()
-        self._rng = random.Random()
         self._plan = None
         self._info: pb.DatasetInfo | None = None
         self._epoch = 0
         self._position = 0
+        self._start_process()
+
+    def _init_process_local(self) -> None:
+        self._channels = _Channels(*self._channel_args)
+        self._addr_lock = threading.Lock()
+        self._rng = random.Random()
         self._active: _RemoteEpoch | None = None
         self._stats: dict[str, Any] = {"reconnects": 0, "batches": 0, "bytes": 0, "wait_s": 0.0}
 
@@ -288,6 +297,7 @@ class RemoteLoader(PlanCursor):
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
 
     def __iter__(self) -> _RemoteEpoch:
+        self._check_process()
         if self._active is not None:
             self._active.close()
         ep = _RemoteEpoch(self, self._epoch, self._position)
@@ -299,6 +309,7 @@ class RemoteLoader(PlanCursor):
         return dict(self._stats, address=self.addresses[self._addr_index])
 
     def close(self) -> None:
+        self._check_process()
         if self._active is not None:
             self._active.close()
             self._active = None
@@ -309,19 +320,6 @@ class RemoteLoader(PlanCursor):
             self.close()
         except Exception:
             pass
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for k in ("_channels", "_active", "_addr_lock", "_rng"):
-            state.pop(k)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._channels = _Channels(*self._channel_args)
-        self._active = None
-        self._addr_lock = threading.Lock()
-        self._rng = random.Random()
 
     def __repr__(self) -> str:
         return (f"gdsload.RemoteLoader({self.addresses!r}, dataset={self.dataset!r}, "
@@ -343,6 +341,7 @@ class RemoteLoader(PlanCursor):
         return delay * (0.5 + 0.5 * self._rng.random())
 
     def _unary(self, method: str, request: Any) -> Any:
+        self._check_process()
         failures = 0
         while True:
             address = self._address()
@@ -396,7 +395,8 @@ class _RemoteEpoch:
         self.end = plan.end_position
         self.next_request = position
         self.queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # the receiver thread and the call exist in this process only
+        self._successor: _RemoteEpoch | None = None
         self._stop = threading.Event()
         self._call_lock = threading.Lock()
         self._call: Any = None
@@ -505,6 +505,8 @@ class _RemoteEpoch:
         return self
 
     def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
         if self._done:
             raise StopIteration
         L = self.loader
@@ -532,6 +534,21 @@ class _RemoteEpoch:
         self.close()
         raise item[1]
 
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its receiver thread is not here and its
+        queue's lock may be held, so continue with a new iteration of the child's copy of the
+        loader, which starts at the loader's cursor (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._done:
+                raise StopIteration
+            self._done = True
+            self._successor = iter(self.loader)
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.RemoteLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
+
     def _finish(self) -> None:
         self.close()
         self.loader._epoch = self.epoch + 1
@@ -541,12 +558,13 @@ class _RemoteEpoch:
         if self._done:
             return
         self._done = True
+        if os.getpid() != self.pid:  # a forked child: the call, the thread and their locks are the parent's
+            return
         self._stop.set()
-        if os.getpid() == self.pid:  # a forked child must not touch the parent's call or thread
-            with self._call_lock:
-                if self._call is not None:
-                    self._call.cancel()
-            self.thread.join(timeout=10)
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+        self.thread.join(timeout=10)
         if self.loader._active is self:
             self.loader._active = None
 
