@@ -8,11 +8,13 @@ transform, so that values are comparable across processes; batches of 4, so an e
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import pickle
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpkit import METHODS, assert_no_new_children, assert_same, child_pids, numpy_batch, via_pool, via_torch
 
@@ -108,6 +110,41 @@ def test_forked_child_continues_the_parents_iterator(loaders):
     assert len(got) == len(want) == SAMPLES // BATCH - TAKEN
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, f"batch {i}")
+
+
+_HELD: list = []  # decoders a forked child inherits only through this list (no other reference)
+
+
+def _decode_then_drop(jpegs, out) -> None:
+    use, drop = _HELD
+    _HELD.clear()
+    del drop
+    gc.collect()  # the parent's second pipeline is destroyed here (a segfault before)
+    batch, kept = use.decode(jpegs, [f"j{i}" for i in range(len(jpegs))])  # the first one, reused
+    out.put((tuple(batch.as_tensor().shape()), kept))
+
+
+def test_a_forked_child_drops_and_reuses_the_parents_dali_pipelines(images):
+    """Before: a torch worker forked from a process holding DALI pipelines crashed (SIGSEGV) when
+    its garbage collector destroyed one of them; now the child never destroys the parent's
+    pipelines, and a decoder it inherited builds its own."""
+    from gdsload.decode.image import ImageDecoder
+
+    jpegs = [np.fromfile(p, dtype=np.uint8) for p in sorted((images.parent / "src").rglob("*.jpg"))[:3]]
+    for _ in range(2):
+        _HELD.append(ImageDecoder(EVAL, batch_size=4, threads=1))
+        _HELD[-1].decode(jpegs, ["a", "b", "c"])
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_decode_then_drop, args=(jpegs, out), daemon=True)
+    child.start()
+    try:
+        got = out.get(timeout=90)
+    finally:
+        _reap(child)
+        _HELD.clear()
+    assert child.exitcode == 0
+    assert got == ((3, 32, 32, 3), [0, 1, 2])
 
 
 def test_pickle_carries_configuration_and_cursor_only(loaders, images):

@@ -12,12 +12,20 @@ Corrupt input: DALI fails the whole batch and invalidates the pipeline. The deco
 it and decodes the batch's samples one at a time to find the bad ones; with `on_error="raise"`
 (default) it raises `DecodeError` naming shard and key, with `on_error="skip"` it drops and
 counts them, and the batch comes back smaller.
+
+Processes: a DALI pipeline does not survive a fork. A forked child that destroys one it
+inherited (dropping it, collecting it as garbage, or DALI's own shutdown at exit) waits on worker
+threads that exist only in the parent and crashes. So in a forked child every pipeline this
+module built is emptied (DALI then sees it as shut down) and its native part kept forever,
+untouched; an `ImageDecoder` used in the child builds a pipeline of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,6 +36,22 @@ from gdsload.errors import GdsloadError, require
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # the DALI pipelines this process built
+
+
+def _disown_inherited_pipelines() -> None:
+    """In a forked child: never destroy the parent's pipelines (see the module docstring)."""
+    for pipe in list(_BUILT):
+        native = getattr(pipe, "_pipe", None)  # DALI's own handle; None reads as "shut down"
+        if native is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))  # never freed in this process
+            pipe._pipe = None
+    _BUILT.clear()
+
+
+os.register_at_fork(after_in_child=_disown_inherited_pipelines)
 
 
 class DecodeError(GdsloadError):
@@ -98,6 +122,7 @@ class ImageDecoder:
         self.device_id = device_id  # the GPU that "mixed" decodes on (the rank's own under torchrun)
         self.skipped = 0
         self._pipe = None
+        self._pid = os.getpid()  # the process that built `_pipe`
         self._builds = 0
 
     def _build(self) -> None:
@@ -133,10 +158,12 @@ class ImageDecoder:
 
         self._pipe = pipe()
         self._pipe.build()
+        self._pid = os.getpid()
+        _BUILT.add(self._pipe)
         self._builds += 1
 
     def _run(self, encoded: Sequence[np.ndarray]):
-        if self._pipe is None:
+        if self._pipe is None or self._pid != os.getpid():
             self._build()
         self._pipe.feed_input("encoded", list(encoded))
         (out,) = self._pipe.run()
