@@ -155,7 +155,7 @@ class DataLoader(ProcessLocal, PlanCursor):
     those afresh on first iteration and continues where the loader stood.
     """
 
-    _PROCESS_LOCAL = ("_ring", "_backend", "_decoder", "_active_ref", "_fields", "_stats")
+    _PROCESS_LOCAL = ("_ring", "_backend", "_decoder", "_active_ref", "_fields", "_stats", "_cuda_lost")
 
     def __init__(
         self,
@@ -232,16 +232,18 @@ class DataLoader(ProcessLocal, PlanCursor):
         # closes it and ends its threads (see `_Epoch._produce`)
         self._active_ref: Any = None
         self._decoder = None
+        self._cuda_lost = False  # forked from a parent in which this loader used CUDA
 
     def _enter_process(self) -> None:
         """Start afresh in a forked child; CUDA state does not survive a fork, so a loader that
         had CUDA memory or a GPU decoder in the parent is refused there with a clear error."""
         inherited = self._check_process()
-        if inherited is None:
-            return
-        ring, decoder = inherited["_ring"], inherited["_decoder"]
-        if (ring is not None and (ring.device != "cpu" or ring.pinned or getattr(ring, "host_pinned", False))) or (
-                decoder is not None and decoder.device == "mixed"):
+        if inherited is not None:
+            ring, decoder = inherited["_ring"], inherited["_decoder"]
+            self._cuda_lost = (ring is not None and (ring.device != "cpu" or ring.pinned
+                                                     or getattr(ring, "host_pinned", False))) or (
+                decoder is not None and decoder.device == "mixed")
+        if self._cuda_lost:
             raise GdsloadError(
                 "this loader was forked after it used CUDA in the parent, and CUDA does not survive a fork: "
                 "start the workers with the 'spawn' or 'forkserver' start method (e.g. "
