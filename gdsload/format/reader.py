@@ -23,10 +23,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gdsload.errors import FormatError
+from gdsload.errors import CorruptDataError, FormatError, StorageError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
+from gdsload.format.labels import parse_label
 from gdsload.format.store import FsspecStore, is_remote, local_path, open_store
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
@@ -80,17 +81,26 @@ class ShardedDataset:
                     f"{name}: index lists {idx.num_samples} samples, manifest says "
                     f"{self.shards[shard]['samples']}"
                 )
+            idx.check_extents(self.shards[shard]["bytes"], name)
             self._indexes[shard] = idx
         return idx
 
+    def stored_sizes(self) -> list[int | None]:
+        """Every shard file's size in storage now (None: missing): a stat per shard locally, one
+        listing of the dataset folder at a URL (not one request per shard)."""
+        if self._fs is None:
+            return [self._store.size(s["name"]) for s in self.shards]
+        self._fs.invalidate_cache(self.root)
+        listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in self._fs.ls(self.root, detail=True)}
+        return [int(e["size"]) if (e := listed.get(s["name"])) and e.get("type") == "file" else None
+                for s in self.shards]
+
     # -- raw I/O -------------------------------------------------------------------------------
     def _read_file(self, path: str) -> bytes:
-        if self._fs is not None:
-            return self._fs.cat_file(path)
         try:
-            return Path(path).read_bytes()
+            return self._fs.cat_file(path) if self._fs is not None else Path(path).read_bytes()
         except OSError as exc:
-            raise FormatError(f"cannot read {path}: {exc.strerror or exc}") from exc
+            raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
     def _fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
@@ -102,18 +112,23 @@ class ShardedDataset:
                     try:
                         fd = os.open(path, os.O_RDONLY)
                     except OSError as exc:
-                        raise FormatError(f"cannot open shard {path}: {exc.strerror}") from exc
+                        raise StorageError(f"cannot open shard {path}: {exc.strerror}") from exc
                     self._fds[shard] = fd
         return fd
 
     def read_extent(self, shard: int, offset: int, nbytes: int) -> bytes:
-        """Bytes `[offset, offset + nbytes)` of a shard; a short read is a FormatError."""
-        if self._fs is not None:
-            data = self._fs.cat_file(self.shard_path(shard), start=offset, end=offset + nbytes)
-        else:
-            data = os.pread(self._fd(shard), nbytes, offset)
+        """Bytes `[offset, offset + nbytes)` of a shard; a short read is a `CorruptDataError`, a
+        failed one a `StorageError`."""
+        try:
+            if self._fs is not None:
+                data = self._fs.cat_file(self.shard_path(shard), start=offset, end=offset + nbytes)
+            else:
+                data = os.pread(self._fd(shard), nbytes, offset)
+        except OSError as exc:
+            raise StorageError(f"reading {self.shard_path(shard)} at offset {offset} failed: "
+                               f"{exc.strerror or exc}") from exc
         if len(data) != nbytes:
-            raise FormatError(
+            raise CorruptDataError(
                 f"{self.shard_path(shard)}: truncated (wanted {nbytes} bytes at offset {offset}, "
                 f"got {len(data)})"
             )
@@ -160,14 +175,22 @@ class ShardedDataset:
         return {"payloads_4k_or_more": big, "aligned": aligned, "smaller_payloads": small}
 
     def class_histogram(self, field: str = "cls") -> Counter[int]:
-        """Label counts from the `.cls` members (reads only those small members)."""
+        """Label counts: from the index's label column, or (older indexes) the `.cls` members."""
         hist: Counter[int] = Counter()
         for s in range(len(self.shards)):
             idx = self.index(s)
+            col = idx.labels.get(field)
             for j in range(idx.num_samples):
                 for ext, o, n in idx.members(j):
-                    if ext == field:
-                        hist[int(self.read_extent(s, o, n).decode().strip())] += 1
+                    if ext != field:
+                        continue
+                    if col is not None:
+                        hist[int(col[j])] += 1
+                        continue
+                    try:
+                        hist[parse_label(self.read_extent(s, o, n))] += 1
+                    except FormatError as exc:
+                        raise FormatError(f"{self.shards[s]['name']}: sample {idx.key(j)!r}: {exc}") from None
         return hist
 
     # -- integrity -----------------------------------------------------------------------------
@@ -202,7 +225,7 @@ class ShardedDataset:
                 problems.append("sha256 differs from the manifest")
         try:
             idx = self.index(s)
-        except FormatError as exc:
+        except (FormatError, StorageError) as exc:
             return problems + [str(exc)]
         # index against the tar as Python's tarfile parses it
         expected = []
@@ -239,7 +262,7 @@ class ShardedDataset:
             parse_dali_index(dali, name=dali_path)
             if dali != idx.to_dali():
                 problems.append(f"{entry['dali_index']} does not match the index")
-        except (OSError, FormatError, ValueError) as exc:
+        except (OSError, FormatError, StorageError, ValueError) as exc:
             problems.append(f"DALI index: {exc}")
         return problems
 
