@@ -185,7 +185,7 @@ class DataLoader(PlanCursor):
                 self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
         self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
-            map, collate_fn, worker_mode, self.tuple_fields)
+            map, collate_fn, worker_mode)
         self.worker_mode = worker_mode
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")

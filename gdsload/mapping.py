@@ -2,7 +2,8 @@
 
 Meaning as in PyTorch and webdataset: `map` runs on each decoded sample (a dict: every field of
 the table in `gdsload.fields`, as NumPy arrays / str / objects / bytes, plus "__key__" and, in a
-mix, "__source__"); `collate_fn` receives the list of (mapped) samples of one batch, in plan
+mix, "__source__"; with `fields=[...]`, only those fields are read and the batch is not made a
+tuple: it is what the collate makes); `collate_fn` receives the list of (mapped) samples of one batch, in plan
 order, and its result is the batch, returned as it is. Without `collate_fn`, `default_collate`
 stacks arrays of one shape and numbers into one array (lists otherwise), and the loader then
 turns arrays into its output type (torch tensors on its device), as without a map.
@@ -109,14 +110,13 @@ class MapStage:
     """The loader's `map` / `collate_fn` / `worker_mode` settings; `start` begins one epoch's run."""
 
     def __init__(self, map_fn: Callable | None, collate_fn: Callable | None,
-                 worker_mode: Literal["thread", "process"], tuple_fields: Sequence[str] | None):
+                 worker_mode: Literal["thread", "process"]):
         for name, fn in (("map", map_fn), ("collate_fn", collate_fn)):
             if fn is not None and not callable(fn):
                 raise GdsloadError(f"{name} must be a callable or None, got {type(fn).__name__}")
         self.fn = functools.partial(apply, map_fn, collate_fn)
         self.collate_fn = collate_fn
         self.worker_mode = worker_mode
-        self.tuple_fields = list(tuple_fields) if tuple_fields is not None else None
         if worker_mode == "process":
             import pickle
 
@@ -129,8 +129,7 @@ class MapStage:
                 ) from exc
 
     @classmethod
-    def create(cls, map_fn: Callable | None, collate_fn: Callable | None, worker_mode: str,
-               tuple_fields: Sequence[str] | None) -> MapStage | None:
+    def create(cls, map_fn: Callable | None, collate_fn: Callable | None, worker_mode: str) -> MapStage | None:
         """The stage, or None when there is no user code (the zero-copy fast paths)."""
         if worker_mode not in WORKER_MODES:
             raise GdsloadError(f"worker_mode must be 'thread' or 'process', not {worker_mode!r}")
@@ -139,7 +138,7 @@ class MapStage:
                 raise GdsloadError("worker_mode='process' runs map / collate_fn in worker processes; "
                                    "give map= or collate_fn= (reading and decoding use threads)")
             return None
-        return cls(map_fn, collate_fn, worker_mode, tuple_fields)
+        return cls(map_fn, collate_fn, worker_mode)
 
     def start(self, workers: int) -> MapRun:
         return MapRun(self, workers)
@@ -171,15 +170,7 @@ class MapRun:
                 raise RingClosed("loader closed") from exc
         if self.stage.collate_fn is not None:
             return out
-        out = _to_output(out, convert)
-        tf = self.stage.tuple_fields
-        if tf is not None and isinstance(out, dict):
-            missing = [f for f in tf if f not in out]
-            if missing:
-                raise GdsloadError(f"fields {missing} (from fields=) are not in the mapped samples "
-                                   f"(they have {sorted(out)}); return them from map or drop fields=")
-            return tuple(out[f] for f in tf)
-        return out
+        return _to_output(out, convert)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -125,14 +125,15 @@ def test_collate_fn_replaces_stacking_and_pads_ragged_tokens(ds):
         assert np.array_equal(b["tokens"], want["tokens"])
 
 
-def test_map_with_fields_gives_tuples_in_that_order(ds):
+def test_fields_with_a_map_select_what_is_read_and_the_batch_stays_a_dict(ds):
     path, ref = ds
-    for txt, cls, keys in loader(path, fields=("txt", "cls", "__key__")):
+    for txt, cls, keys in loader(path, fields=("txt", "cls", "__key__")):  # without a map: tuples
         assert txt == [ref[k]["txt"] for k in keys]
-    lo = loader(path, fields=("txt", "cls", "__key__"), map=lambda s: {**s, "txt": s["txt"].upper()})
-    for txt, cls, keys in lo:
-        assert txt == [ref[k]["txt"].upper() for k in keys]
-        assert cls.tolist() == [ref[k]["cls"] for k in keys]
+    lo = loader(path, fields=("txt", "cls", "__key__"), map=lambda s: {**s, "upper": s["txt"].upper()})
+    for b in lo:
+        assert sorted(b) == ["__key__", "cls", "txt", "upper"]
+        assert b["upper"] == [ref[k]["txt"].upper() for k in b["__key__"]]
+        assert b["cls"].tolist() == [ref[k]["cls"] for k in b["__key__"]]
 
 
 def test_exception_in_map_names_shard_and_key_and_threads_stop(ds):

@@ -231,7 +231,7 @@ class RemoteLoader(PlanCursor):
         self._spec = wire.transform_to_spec(transform) if decode else None
         self.tuple_fields = list(fields) if fields is not None else None
         # map / collate_fn run here on the client, in the consumer's thread (gdsload.mapping)
-        self._stage = MapStage.create(map, collate_fn, "thread", self.tuple_fields)
+        self._stage = MapStage.create(map, collate_fn, "thread")
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
         self.output = output or ("torch" if _torch() is not None else "numpy")
