@@ -142,7 +142,11 @@ class DataLoader(PlanCursor):
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
-    `output` ("torch" when torch is installed, else "numpy").
+    `output` ("torch" when torch is installed, else "numpy"). User code (`gdsload.mapping`):
+    `map(sample_dict) -> sample_dict` after decoding, `collate_fn(list_of_samples) -> batch` instead
+    of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
+    run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
+    `gdsload.fields`.
     """
 
     def __init__(

@@ -153,3 +153,17 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.dali
+def test_clip_style_example_runs_tiny(tmp_path):
+    example = Path(__file__).parents[1] / "examples" / "train_clip_style.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]),
+               TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(example), "--tiny"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 2 * (48 // 8) and np.isfinite(result["last_loss"])
