@@ -41,6 +41,10 @@ class PoolClosed(GdsloadError):
     """The pool was closed while a task was pending."""
 
 
+class WorkerDied(GdsloadError):
+    """A worker process ended without being asked (killed, out of memory, a crash in C code)."""
+
+
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
@@ -111,6 +115,7 @@ class WorkerPool:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.broken: BaseException | None = None  # why the pool stopped on its own (a worker died)
         self.procs = [ctx.Process(target=_worker_main, args=(fn, self._inbox, self._outbox, os.getpid()),
                                   name=f"{name}-{i}", daemon=True) for i in range(n)]
         for p in self.procs:
@@ -121,6 +126,8 @@ class WorkerPool:
     def submit(self, payload: Any) -> Future:
         fut: Future = Future()
         with self._lock:
+            if self.broken is not None:
+                raise self.broken
             if self._closed:
                 raise PoolClosed("the worker pool is closed")
             task_id = next(self._ids)
@@ -143,10 +150,12 @@ class WorkerPool:
                     return
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:  # a worker that died mid-task (killed, segfault) leaves its task unanswered
-                    self._closed = True
-                    self._fail_pending(GdsloadError(
+                    self.broken = WorkerDied(
                         f"worker process {dead[0].name} (pid {dead[0].pid}) died with exit code "
-                        f"{dead[0].exitcode}; its batch is lost"))
+                        f"{dead[0].exitcode}; its batch is lost (the loader stops; a new iter() "
+                        f"resumes from the last batch received)")
+                    self._closed = True
+                    self._fail_pending(self.broken)
                     return
                 continue
             except (EOFError, OSError, ValueError):  # the queue was closed under us
@@ -169,8 +178,9 @@ class WorkerPool:
                     self._inbox.put(None)
                 except (OSError, ValueError):
                     break
+        wait_s = _JOIN_S if self.broken is None else 0.5  # a dead worker may hold the inbox lock
         for p in self.procs:
-            p.join(_JOIN_S)
+            p.join(wait_s)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -167,3 +167,20 @@ def test_clip_style_example_runs_tiny(tmp_path):
 
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == 2 * (48 // 8) and np.isfinite(result["last_loss"])
+
+
+def test_a_killed_worker_fails_the_loop_instead_of_hanging(path):
+    from gdsload.workers import WorkerDied
+
+    before = set(threading.enumerate())
+    lo = loader(path, fields=FIELDS, map=fs.slow_map, worker_mode="process", batch_size=2)
+    it = iter(lo)
+    next(it)
+    os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match="died with exit code -9"):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 30
+    del it, lo
+    assert nothing_left(before) == ([], [])
