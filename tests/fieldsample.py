@@ -95,3 +95,28 @@ def slow_map(sample: dict) -> dict:
 
     time.sleep(0.05)
     return sample
+
+
+def identity(sample: dict) -> dict:
+    return sample
+
+
+def make_two_image_source(src: Path, *, bad_jpg: str, bad_png: str, n: int = 8) -> dict[str, dict]:
+    """`n` samples of `jpg` + `depth.png` (+ `cls`); one sample's jpg and another's png corrupt."""
+    from PIL import Image
+
+    src.mkdir(parents=True)
+    ref = {}
+    for i in range(n):
+        k = f"s{i:03d}"
+        yy, xx = np.mgrid[0:40, 0:48]
+        rgb = np.stack([xx * 4 + i, yy * 6, (xx + yy) * 2 + i], -1).astype(np.uint8)
+        depth = ((xx * 3 + yy * 2 + i * 7) % 256).astype(np.uint8)
+        Image.fromarray(rgb).save(src / f"{k}.jpg", quality=95)
+        Image.fromarray(depth).save(src / f"{k}.depth.png")
+        (src / f"{k}.cls").write_text(str(i))
+        ref[k] = {"jpg": rgb, "depth.png": depth}
+    for k, ext in ((bad_jpg, "jpg"), (bad_png, "depth.png")):
+        p = src / f"{k}.{ext}"
+        p.write_bytes(p.read_bytes()[:60])  # truncated: the header parses, the image does not
+    return ref

@@ -209,3 +209,36 @@ def test_remote_loader_carries_every_field_kind_and_maps_on_the_client(ds):
             assert np.array_equal(b["ids"].numpy(), want["ids"]) and np.array_equal(b["tok_sum"].numpy(), want["tok_sum"])
     finally:
         srv.shutdown(grace_s=2)
+
+
+@pytest.fixture(scope="module")
+def two_images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_images")
+    ref = fs.make_two_image_source(root / "src", bad_jpg="s002", bad_png="s005")
+    fs.convert_source(root / "src", root / "ds")
+    return root / "ds", ref
+
+
+@pytest.mark.parametrize("worker_mode", ["thread", "process"])
+def test_several_image_fields_skip_a_sample_bad_in_either(two_images, worker_mode):
+    path, ref = two_images
+    kw = dict(map=fs.identity, worker_mode=worker_mode) if worker_mode == "process" else {}
+    got = []
+    lo = loader(path, batch_size=4, on_error="skip", **kw)
+    for b in lo:
+        for i, k in enumerate(b["__key__"]):
+            got.append(k)
+            jpg = b["jpg"][i].numpy().astype(int)
+            assert np.abs(jpg - ref[k]["jpg"][:, 4:44].astype(int)).mean() < 3, k
+            assert np.array_equal(b["depth.png"][i].numpy()[..., 0], ref[k]["depth.png"][:, 4:44]), k
+            assert int(b["cls"][i]) == int(k[1:])
+    assert got == [k for k in sorted(ref) if k not in ("s002", "s005")]
+    assert lo.stats()["skipped"] == 2 and lo.stats()["samples"] == 6
+
+
+def test_several_image_fields_raise_naming_the_bad_one(two_images):
+    from gdsload.decode.image import DecodeError
+
+    path, _ = two_images
+    with pytest.raises(DecodeError, match=r"\.tar:s002"):
+        list(loader(path, batch_size=4))
