@@ -200,8 +200,10 @@ def test_remote_loader_carries_every_field_kind_and_maps_on_the_client(ds):
             assert [t.tolist() for t in lb[2]] == [t.tolist() for t in rb[2]]
             assert all(isinstance(t, torch.Tensor) for t in rb[2])
             assert torch.equal(lb[3], rb[3]) and torch.equal(lb[4], rb[4])
+        # the server decodes one image field per request: name the fields
         mapped = list(RemoteLoader(addr, dataset="ds", batch_size=5, shuffle=True, seed=2, transform=T,
-                                   device="cpu", map=fs.caption_map))
+                                   device="cpu", map=fs.caption_map,
+                                   fields=("jpg", "txt", "json", "tokens.npy", "cls", "__key__")))
         order = plan_keys(path, seed=2, shuffle=True)
         assert [k for b in mapped for k in b["__key__"]] == order
         for j, b in enumerate(mapped):

@@ -314,7 +314,18 @@ class RemoteLoader(PlanCursor):
         return self._unary("GetServerInfo", pb.GetServerInfoRequest())
 
     # -- torch-like surface ---------------------------------------------------------------------
-    # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
+    # len(), set_epoch(), epoch, state_dict(): from PlanCursor
+
+    def load_state_dict(self, state: Any) -> None:
+        """As `DataLoader.load_state_dict`; an epoch the feed cannot carry (BatchRequest.epoch is
+        a uint64) is refused here as a `StateError`, not later by protobuf."""
+        from gdsload.plan import StateError
+
+        epoch, position = self.plan.resume(state)
+        if epoch >= 1 << 64:
+            raise StateError(f"state field 'epoch' is {epoch}, over the feed's limit of 2**64 - 1 "
+                             "(BatchRequest.epoch is a uint64)")
+        self._epoch, self._position = epoch, position
 
     def _active_epoch(self) -> _RemoteEpoch | None:
         return self._active() if self._active is not None else None
