@@ -244,3 +244,25 @@ def test_several_image_fields_raise_naming_the_bad_one(two_images):
     path, _ = two_images
     with pytest.raises(DecodeError, match=r"\.tar:s002"):
         list(loader(path, batch_size=4))
+
+
+def test_map_on_a_device_ring_sees_the_finished_copies(monkeypatch, tmp_path):
+    """CUDA fakes (tests/gpu_fakes.py: stream work is deferred until synchronized): rows and
+    labels reach the device ring on the loader's private stream; `map` gets host copies made
+    after those copies completed, not the slot's stale memory."""
+    import gpu_fakes
+    from gdsload.sampledata import make_npy_folder
+
+    make_npy_folder(tmp_path / "src", num_samples=12, shape=(4, 32, 32), dtype="uint8", seed=5)
+    fs.convert_source(tmp_path / "src", tmp_path / "ds")
+    arrays = {p.stem: np.load(p) for p in (tmp_path / "src").glob("*.npy")}
+    gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    lo = DataLoader(str(tmp_path / "ds"), batch_size=4, device="cuda", output="numpy", num_workers=2,
+                    map=fs.identity, collate_fn=fs.keep_list)
+    n = 0
+    for samples in lo:
+        for s in samples:
+            assert isinstance(s["npy"], np.ndarray) and not hasattr(s["npy"], "__cuda_array_interface__")
+            np.testing.assert_array_equal(s["npy"], arrays[s["__key__"]], err_msg=s["__key__"])
+            n += 1
+    assert n == 12
