@@ -51,7 +51,6 @@ from gdsload.mix import Mix
 from gdsload.mapping import MapStage, host_copy
 from gdsload.plan import PlanCursor
 
-_LABEL_FIELDS = ("cls",)
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
