@@ -153,7 +153,8 @@ class WorkerPool:
                     self.broken = WorkerDied(
                         f"worker process {dead[0].name} (pid {dead[0].pid}) died with exit code "
                         f"{dead[0].exitcode}; its batch is lost (the loader stops; a new iter() "
-                        f"resumes from the last batch received)")
+                        f"resumes from the last batch received). A worker that cannot import the "
+                        f"function's module exits at start: its traceback is on stderr")
                     self._closed = True
                     self._fail_pending(self.broken)
                     return
