@@ -20,11 +20,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-import gdsload
+import gdsload  # NumPy only; torch is imported in main(): spawned map workers re-import this
+                # file, and need only `prepare`
 
 COLORS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 70, 230), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square")
@@ -61,20 +59,27 @@ def make_captions(dst: Path, n: int, size: int = 64, seed: int = 0) -> None:
         (dst / f"{key}.json").write_text(json.dumps({"color": color, "shape": shape, "index": i}))
 
 
-class TwoTower(nn.Module):
-    def __init__(self, dim: int = 32):
-        super().__init__()
-        self.image = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU(),
-                                   nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, dim))
-        self.text = nn.EmbeddingBag(VOCAB, dim, padding_idx=0)
-        self.scale = nn.Parameter(torch.tensor(2.0))
+def two_tower(dim: int = 32):
+    """An image tower (small convnet) and a text tower (bag of token embeddings)."""
+    from torch import nn
 
-    def forward(self, images: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        a = F.normalize(self.image(images), dim=-1)
-        b = F.normalize(self.text(ids), dim=-1)
-        logits = a @ b.T * self.scale.exp()
-        target = torch.arange(len(a), device=a.device)
-        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    return nn.ModuleDict({
+        "image": nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU(),
+                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, dim)),
+        "text": nn.EmbeddingBag(VOCAB, dim, padding_idx=0),
+    })
+
+
+def clip_loss(model, images, ids, temperature: float = 0.1):
+    """Symmetric contrastive loss: each image against every caption of the batch."""
+    import torch
+    import torch.nn.functional as F
+
+    a = F.normalize(model["image"](images), dim=-1)
+    b = F.normalize(model["text"](ids), dim=-1)
+    logits = a @ b.T / temperature
+    target = torch.arange(len(a), device=a.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,13 +105,15 @@ def main(argv: list[str] | None = None) -> dict:
         drop_last=True, num_workers=args.workers, transform=gdsload.ImageTransform(size=args.size),
         map=prepare, worker_mode="process",
     )
+    import torch
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = TwoTower().to(device)
+    model = two_tower().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, t0 = [], time.perf_counter()
     for epoch in range(args.epochs):
         for batch in loader:  # {"jpg": float32 NCHW, "ids": int64 (B, LENGTH), "color": int64, "__key__"}
-            loss = model(batch["jpg"].to(device), batch["ids"].to(device))
+            loss = clip_loss(model, batch["jpg"].to(device), batch["ids"].to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
