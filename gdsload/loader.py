@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gdsload import fields as _fieldkinds
 from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
@@ -48,9 +49,9 @@ from gdsload.format.tar import ALIGN
 from gdsload.forksafe import ProcessLocal
 from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
+from gdsload.mapping import MapStage, host_copy
 from gdsload.plan import PlanCursor
 
-_LABEL_FIELDS = ("cls",)
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
@@ -183,7 +184,11 @@ class DataLoader(ProcessLocal, PlanCursor):
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
-    `output` ("torch" when torch is installed, else "numpy").
+    `output` ("torch" when torch is installed, else "numpy"). User code (`gdsload.mapping`):
+    `map(sample_dict) -> sample_dict` after decoding, `collate_fn(list_of_samples) -> batch` instead
+    of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
+    run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
+    `gdsload.fields`.
 
     Processes: a loader pickles to its configuration and cursor (`state_dict()`), never to its
     threads, ring, files or DALI pipeline; a copy (a spawned worker's) or a forked child builds
@@ -216,6 +221,9 @@ class DataLoader(ProcessLocal, PlanCursor):
         io: str = "auto",
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
+        map: Any = None,
+        collate_fn: Any = None,
+        worker_mode: Literal["thread", "process"] = "thread",
     ):
         from gdsload.mix import MixPlan
         from gdsload.plan import Plan
@@ -230,6 +238,9 @@ class DataLoader(ProcessLocal, PlanCursor):
                 self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
                                        verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
+        self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
+            map, collate_fn, worker_mode)
+        self.worker_mode = worker_mode
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
         if prefetch_factor < 1:
@@ -327,7 +338,6 @@ class DataLoader(ProcessLocal, PlanCursor):
         return "cpu"
 
     def _setup(self) -> None:
-        from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
         from gdsload.loadcheck import check_dataset
         from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
@@ -347,11 +357,9 @@ class DataLoader(ProcessLocal, PlanCursor):
                                    for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
-            kind = field_kind(name)
-            if kind == "image" and not self.decode:
-                kind = "bytes"
-            if kind not in ("image", "tensor", "label"):
-                kind = "label" if name in _LABEL_FIELDS else "bytes"
+            kind = _fieldkinds.loader_kind(name, decode=self.decode)  # table: gdsload/fields.py
+            if kind == "tensor" and _fieldkinds.is_ragged(ds, name):
+                kind = "ragged"  # shapes vary: a list of tensors, parsed per sample
             fp = _FieldPlan(name, kind)
             for s in range(len(ds.shards)):
                 idx = ds.index(s)
@@ -369,12 +377,6 @@ class DataLoader(ProcessLocal, PlanCursor):
             fplans.append(fp)
         if isinstance(self.dataset, Mix):
             _check_mix_tensors(self.dataset, fplans)
-        images = [fp.name for fp in fplans if fp.kind == "image"]
-        if len(images) > 1:
-            raise GdsloadError(
-                f"dataset fields {images} are all images; a loader decodes one image field, choose "
-                f"it with fields=[...] (or decode=False for encoded bytes)"
-            )
         self._fields = fplans
 
         # Batch tensors (decoded images, .npy rows, labels) go where the batch is consumed; encoded
@@ -515,6 +517,8 @@ class _Epoch:
         self._turn = threading.Condition()
         self._decode_turn = 0
         self.has_images = any(fp.kind == "image" for fp in loader._fields)
+        self.n_images = sum(fp.kind == "image" for fp in loader._fields)  # decode turns per batch
+        self.stage = loader._stage.start(loader.num_workers) if loader._stage is not None else None
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}
         hs = self.ring.host_spec
         self._host_layout = {name: off for name, (off, _) in hs.layout().items()} if hs else None
@@ -573,7 +577,7 @@ class _Epoch:
                 self.ring.fail(slot, exc)
                 continue
             finally:
-                if self.has_images and not decoded:
+                if self.has_images:  # turns not taken (a failure before or between decodes)
                     self._skip_turn(seq)
             self.ring.publish(slot)
 
@@ -603,11 +607,12 @@ class _Epoch:
 
     def _skip_turn(self, seq: int) -> None:
         """A batch that failed before decoding gives up its turn, so later batches proceed."""
+        first, end = seq * self.n_images, (seq + 1) * self.n_images  # one turn per image field
         with self._turn:
-            while self._decode_turn < seq and not self._closed:
+            while self._decode_turn < first and not self._closed:
                 self._turn.wait()
-            if self._decode_turn == seq:
-                self._decode_turn += 1
+            if first <= self._decode_turn < end:
+                self._decode_turn = end
                 self._turn.notify_all()
 
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
@@ -627,7 +632,7 @@ class _Epoch:
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
         labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
         checks = BatchChecks()
-        crc_staged = any(fp.kind in ("image", "bytes") for fp in L._fields)  # labels come from the index
+        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in L._fields)  # labels come from the index
         # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
         to_host = self._host_layout is not None and L._host_backend is None
         cursor = 0
@@ -702,6 +707,7 @@ class _Epoch:
             meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
+        kepts: dict[str, list[int]] = {}
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
@@ -713,19 +719,31 @@ class _Epoch:
                     streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
             elif fp.kind == "tensor" and to_host:
                 streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
-            elif fp.kind == "bytes":
-                meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
+            elif fp.kind in _fieldkinds.LIST_KINDS:
+                meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + n], w) for (a, n), w in zip(sp, names)]
             elif fp.kind == "image":
-                kept = self._decode(seq, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
+                turn = seq * self.n_images + len(kepts)
+                kept = kepts[fp.name] = self._decode(turn, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
                 decoded = True
                 if len(kept) < len(sp):
                     keep = kept if keep is None else [k for k in keep if k in set(kept)]
                 meta["skipped"] = meta.get("skipped", 0) + len(sp) - len(kept)
+        if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
+            for name, kf in kepts.items():
+                rows = [kf.index(k) for k in keep]
+                bufs[name][: len(rows)] = bufs[name][rows]
+            meta["skipped"] = len(ids) - len(keep)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             meta["keep"] = keep
         if streams:
             meta["ready"] = streams.ready()
         slot.meta.update(meta)
+        if self.stage is not None:  # map / collate_fn (gdsload.mapping), on host copies
+            if meta.get("ready") is not None:  # device ring: the private stream's copies first
+                meta["ready"].synchronize()
+            kept_names = names if keep is None else [names[k] for k in keep]
+            slot.meta["mapped"] = self.stage.run(self._make_batch(slot, host=True), kept_names,
+                                                 lambda a: self._convert(a, copy=False))
         return decoded
 
     # consumer ---------------------------------------------------------------------------------
@@ -783,15 +801,18 @@ class _Epoch:
         fence = streams.release_fence(same_thread=same_thread) if streams is not None else None
         self.ring.release(slot, fence=fence)
 
-    def _make_batch(self, slot) -> Any:
+    def _make_batch(self, slot, *, host: bool = False) -> Any:
+        if "mapped" in slot.meta:
+            return slot.meta["mapped"]
         L = self.loader
         n = slot.meta["n"]
         keep = slot.meta.get("keep")
         out: dict[str, Any] = {}
         for fp in L._fields:
-            if fp.kind == "bytes":
+            if fp.kind in _fieldkinds.LIST_KINDS:
                 vals = slot.meta["extra"][fp.name]
-                out[fp.name] = [vals[k] for k in keep] if keep is not None else vals
+                vals = [vals[k] for k in keep] if keep is not None else vals
+                out[fp.name] = [self._convert(v, copy=False) for v in vals] if fp.kind == "ragged" and not host else vals
                 continue
             arr = slot.buffers[fp.name]
             if keep is not None and fp.kind != "image":
@@ -799,13 +820,13 @@ class _Epoch:
                 view = arr
             else:
                 view = arr[: len(keep) if keep is not None else n]
-            out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
+            out[fp.name] = host_copy(view) if host else self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
         if "sources" in slot.meta:
             sources = slot.meta["sources"]
             out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
-        if L.tuple_fields is not None:
+        if L.tuple_fields is not None and not host:
             return tuple(out[f] for f in L.tuple_fields)
         return out
 
@@ -874,6 +895,8 @@ class _Epoch:
             except Exception:
                 pass
             self.handed = None
+        if self.stage is not None:  # worker processes end with their epoch
+            self.stage.close()
         self.ring.close()
         for t in self.threads:
             if t is not threading.current_thread():  # `__del__` may run in a producer

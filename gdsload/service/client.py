@@ -57,6 +57,8 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 import grpc
 
+from gdsload.fields import parse_columns
+from gdsload.mapping import MapStage
 from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 from gdsload.service import mixwire, status, wire
@@ -200,6 +202,8 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         batches_per_stream: int = 0,
         max_message_bytes: int = 64 * MiB,
         keepalive: Keepalive | None = None,
+        map: Any = None,
+        collate_fn: Any = None,
     ):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
@@ -235,6 +239,8 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.transform = transform
         self._spec = wire.transform_to_spec(transform) if decode else None
         self.tuple_fields = list(fields) if fields is not None else None
+        # map / collate_fn run here on the client, in the consumer's thread (gdsload.mapping)
+        self._stage = MapStage.create(map, collate_fn, "thread")
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
         self.output = output or ("torch" if _torch() is not None else "numpy")
@@ -390,15 +396,27 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         )
 
     def _convert(self, batch: dict[str, Any]) -> Any:
+        batch = parse_columns(batch, decode=self.decode)  # text, json, ragged .npy: as locally
+        if self._stage is not None:
+            names = [f"{k}" for k in batch[wire.KEY]]
+            return self._stage.start(0).run(batch, names, self._to_output)
         if self.output == "torch":
             torch = _torch()
             for k, v in batch.items():
                 if isinstance(v, np.ndarray):
                     t = torch.from_numpy(v)
                     batch[k] = t.to(self.device, non_blocking=True) if self.device != "cpu" else t
+                elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # a ragged .npy field
+                    batch[k] = [self._to_output(a) for a in v]
         if self.tuple_fields is not None:
             return tuple(batch[f] for f in self.tuple_fields)
         return batch
+
+    def _to_output(self, arr: np.ndarray) -> Any:
+        if self.output != "torch":
+            return arr
+        t = _torch().from_numpy(arr)
+        return t.to(self.device, non_blocking=True) if self.device != "cpu" else t
 
 
 class _Retry(Exception):
