@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 from typing import Any
 
 import numpy as np
@@ -33,10 +32,6 @@ import numpy as np
 from gdsload.errors import FormatError
 from gdsload.format import npy
 from gdsload.format.manifest import field_kind
-
-# NumPy parses npy headers with `ast.literal_eval`, which can raise SystemError when threads run
-# it at once on CPython 3.11; producer threads parse ragged fields one at a time
-_HEADER_LOCK = threading.Lock()
 
 #: kinds whose batch column is a Python list (per-sample values), not one batch tensor
 LIST_KINDS = frozenset({"bytes", "text", "json", "ragged"})
@@ -78,8 +73,7 @@ def parse(kind: str, raw: Any, where: str) -> Any:
             return json.loads(bytes(raw))
         if kind == "ragged":
             data = bytes(raw)
-            with _HEADER_LOCK:
-                dtype, shape, fortran, off = npy.parse_header(data[: min(len(data), 2 * 4096)])
+            dtype, shape, fortran, off = npy.parse_header(data[: min(len(data), 2 * 4096)])
             count = int(np.prod(shape, dtype=np.int64))
             arr = np.frombuffer(data, dtype=dtype, count=count, offset=off)
             return arr.reshape(shape, order="F" if fortran else "C").copy()
