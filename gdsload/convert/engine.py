@@ -185,16 +185,21 @@ def _pool_unit(dst: str, name: str, samples: list[Sample], validate: bool) -> di
         _in_unit = True
         return write_shard(dst, name, samples, validate)
     except _Stopped:
-        # Unwinding removed the files being written, except one opened in the instant before
-        # its writer object existed: remove this unit's temporaries (`.NAME.*.tmp-PID`) by name.
-        store, mine = open_store(dst), (f".{name}.", f".tmp-{os.getpid()}")
-        for folder in ("", f"{STATE_DIR}/done"):
-            for n in store.list(folder):
-                if n.startswith(mine[0]) and n.endswith(mine[1]):
-                    store.remove(f"{folder}/{n}" if folder else n)
+        remove_temporaries(open_store(dst), name)
         os._exit(128 + signal.SIGTERM)
     finally:
         _in_unit = False
+
+
+def remove_temporaries(dst: Store, name: str) -> None:
+    """Remove this process's temporary files of shard unit `name` (`.NAME.*.tmp-PID`, see
+    `gdsload.format.store`). Unwinding an interrupted unit removes the files it was writing,
+    except one opened in the instant before its writer object existed: this removes that one."""
+    prefix, suffix = f".{name}.", f".tmp-{os.getpid()}"
+    for folder in ("", f"{STATE_DIR}/done"):
+        for n in dst.list(folder):
+            if n.startswith(prefix) and n.endswith(suffix):
+                dst.remove(f"{folder}/{n}" if folder else n)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -360,8 +365,6 @@ def finished_dataset(dst: Store, src: str, opts: ConvertOptions, fp: str) -> dic
 def prepare_destination(dst: Store, opts: ConvertOptions, fp: str) -> set[str]:
     """Make `dst` ready; return the names of shards a resumed run can keep."""
     where = dst.root
-    if dst.is_file():
-        raise DestinationError(f"{where}: exists and is not a folder")
     entries = [n for n in dst.list() if n != LOCK]
     if entries:
         has_manifest, has_state = mf.MANIFEST in entries, STATE_DIR in entries
@@ -562,7 +565,11 @@ def _write_units(store: Store, units: list[tuple[str, list[Sample]]], opts: Conv
 
     def here() -> Iterator[str]:
         for name, samples in units:
-            write_shard(store.root, name, samples, opts.validate, report)
+            try:
+                write_shard(store.root, name, samples, opts.validate, report)
+            except BaseException:  # Ctrl-C, SIGTERM (the CLI's `Terminated`), a full disk
+                remove_temporaries(store, name)
+                raise
             yield name
 
     if runner is not None:

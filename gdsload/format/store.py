@@ -18,10 +18,11 @@ How a file becomes visible, which is what crash safety rests on:
 Listing caches of fsspec filesystems are dropped before every existence or listing query: other
 processes (the Ray workers, an earlier run) write into the same prefix.
 
-One writer at a time (`Store.lock`): a local root is locked with `flock` on `ROOT/.gdsload.lock`,
-which names the holder (pid, host, start time) and is removed when the holder is done. The kernel
-drops the lock when the holder dies, however it dies, so a stale file never blocks anyone; NFS
-(v4, or v3 with lockd) carries `flock` between hosts on Linux. At an fsspec URL there is no lock:
+One writer at a time (`Store.lock`): a local root is locked with `flock` on `ROOT/.gdsload.lock`
+(POSIX; no lock on Windows), which names the holder (pid, host, start time) and is removed when
+the holder is done. The kernel drops the lock when the holder dies, however it dies, so a stale
+file never blocks anyone; NFS (v4, or v3 with lockd) carries `flock` between hosts on Linux.
+Processes forked while it is held share it (the conversion's workers). At an fsspec URL there is no lock:
 object stores have no exclusive-create that works through fsspec for every backend, so two writers
 into one URL at once are not detected (run one conversion per destination; `gdsload verify`
 reports the objects such a race leaves that the manifest does not list).
@@ -234,8 +235,11 @@ class LocalStore(Store):
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        import fcntl  # POSIX; here, not at import, so that `import gdsload` stays portable
-
+        try:
+            import fcntl  # POSIX
+        except ImportError:  # Windows: no lock
+            yield
+            return
         self.make_dirs()
         path = self._p(LOCK)
         while True:

@@ -66,10 +66,13 @@ def src(tmp_path_factory) -> Path:
     return root
 
 
-def start_and_signal(src: Path, dst: Path, sig: int) -> tuple[subprocess.Popen, list[int], threading.Thread, list[bytes]]:
-    """Start the conversion, wait until both workers exist and a shard is finished, signal the
-    driver; returns the process, the worker pids seen, and the thread draining stdout."""
-    proc = subprocess.Popen([sys.executable, "-m", "gdsload", "convert", str(src), str(dst), *OPTS],
+def start_and_signal(src: Path, dst: Path, sig: int, opts: list[str] = OPTS,
+                     ) -> tuple[subprocess.Popen, list[int], threading.Thread, list[bytes]]:
+    """Start the conversion, wait until its workers exist (with `--workers 2`) and a shard is
+    finished, signal the driver; returns the process, the worker pids seen, and the thread
+    draining stdout."""
+    nworkers = int(opts[opts.index("--workers") + 1])
+    proc = subprocess.Popen([sys.executable, "-m", "gdsload", "convert", str(src), str(dst), *opts],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(1), b"")), daemon=True)
@@ -80,14 +83,14 @@ def start_and_signal(src: Path, dst: Path, sig: int) -> tuple[subprocess.Popen, 
         while proc.poll() is None and time.monotonic() < deadline:
             workers = children(proc.pid)
             done = dst / STATE / "done"
-            if len(workers) >= 2 and done.is_dir() and any(done.glob("*.json")):
+            if len(workers) >= (nworkers if nworkers > 1 else 0) and done.is_dir() and any(done.glob("*.json")):
                 proc.send_signal(sig)
                 break
             time.sleep(0.005)
     finally:
         if proc.poll() is None and time.monotonic() >= deadline:
             proc.kill()
-    assert len(workers) >= 2, "the pool never started"
+    assert len(workers) >= (nworkers if nworkers > 1 else 0), "the pool never started"
     return proc, workers, reader, chunks
 
 
@@ -145,3 +148,18 @@ def test_resume_after_the_driver_was_killed(src, tmp_path, capsys):
     assert "kept from the interrupted run" in capsys.readouterr().out
     with gdsload.open_dataset(dst) as ds:
         assert len(ds) == 600 and ds.verify() == {}
+
+
+def test_sigterm_of_a_single_process_conversion(src, tmp_path):
+    """`--workers 1` writes in the driver itself: SIGTERM unwinds it like Ctrl-C."""
+    dst = tmp_path / "dst"
+    proc, _, reader, _ = start_and_signal(src, dst, signal.SIGTERM, ["--shard-size", "64KB", "--workers", "1", "-q"])
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 128 + signal.SIGTERM and "gdsload convert: interrupted" in err, err
+    assert not (dst / "manifest.json").exists()
+    assert [p.name for p in dst.rglob("*") if ".tmp-" in p.name] == []
