@@ -53,3 +53,16 @@ def test_other_files_are_not_shards_and_pass(ds: Path, capsys) -> None:
 def test_a_clean_dataset_has_nothing_unlisted(ds: Path) -> None:
     with open_dataset(ds) as d:
         assert d.unlisted() == {} and d.verify() == {}
+
+
+def test_stray_objects_at_an_s3_url_fail_verify(ds: Path, s3, capsys) -> None:
+    """At a URL there is no writer lock (see `gdsload.format.store`), so verify is what catches a
+    race there: the same check through fsspec, against a local S3 server."""
+    s3.mkdir("gdsload-unlisted")
+    s3.put(str(ds), "gdsload-unlisted/ds", recursive=True)
+    url = "s3://gdsload-unlisted/ds"
+    assert main(["verify", url]) == 0
+    s3.pipe_file("gdsload-unlisted/ds/shard-000007.tar", (ds / "shard-000000.tar").read_bytes())
+    capsys.readouterr()
+    assert main(["verify", url]) == 1
+    assert "BAD shard-000007.tar: not listed in manifest.json" in capsys.readouterr().err
