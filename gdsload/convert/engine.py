@@ -487,7 +487,7 @@ def _stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 10.0) -> None:
 
 def _disk_full(exc: OSError, dst: Store) -> DestinationError | None:
     """A full disk or quota (at DST: inputs are only read) as an error naming DST and the way on."""
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+    if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
         return None
     return DestinationError(
         f"{dst.root}: {exc.strerror or 'no space left on device'} (writing {exc.filename or 'a file there'}); "
