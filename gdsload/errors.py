@@ -16,6 +16,23 @@ class FormatError(GdsloadError):
     """A shard, index or manifest is malformed, truncated or does not match its contents."""
 
 
+class StorageError(GdsloadError):
+    """Stored bytes could not be read: a disk, file-system or network fault (an I/O error, a file
+    that vanished or cannot be opened, a reset connection), not a bad request.
+
+    `transient` is True here: the data may well be intact, and a later try or another copy (another
+    server of the same dataset) may succeed. `CorruptDataError` is the kind where it is False."""
+
+    transient = True
+
+
+class CorruptDataError(StorageError, FormatError):
+    """Storage answered, but with bytes that cannot be right (a shard shorter than its index
+    says): this copy is corrupt. Retrying it does not help; another copy may be intact."""
+
+    transient = False
+
+
 class InputError(GdsloadError):
     """Conversion input is unusable: hostile or truncated tars, duplicate keys, unknown layout."""
 

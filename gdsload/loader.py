@@ -35,9 +35,11 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
+_META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
 class Dataset:
@@ -70,6 +72,26 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
+
+
+def _check_mix_tensors(mix: Mix, fplans: list[_FieldPlan]) -> None:
+    """A tensor field of a mix has one dtype and shape in every dataset (one batch tensor); the
+    layout is probed on each dataset's first sample of the field, as for one dataset."""
+    for fp in fplans:
+        if fp.kind != "tensor":
+            continue
+        for name, d in zip(mix.names, mix.datasets):
+            ds = d.shards
+            s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
+                          if any(e == fp.name for e, _, _ in ds.index(s).members(j)))
+            o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == fp.name)
+            t = TensorField.probe(fp.name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+            if (t.dtype, t.shape) != (fp.tensor.dtype, fp.tensor.shape):
+                raise FormatError(
+                    f"field {fp.name!r} is {t.dtype}{list(t.shape)} in dataset {name!r} of the mix and "
+                    f"{fp.tensor.dtype}{list(fp.tensor.shape)} in {mix.names[0]!r}; a batch needs one "
+                    f"shape per field (choose fields=[...] without it)"
+                )
 
 
 @dataclass
@@ -123,7 +145,7 @@ class DataLoader(PlanCursor):
 
     def __init__(
         self,
-        dataset: Dataset | str,
+        dataset: Dataset | Mix | str,
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -145,11 +167,17 @@ class DataLoader(PlanCursor):
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
     ):
+        from gdsload.mix import MixPlan
         from gdsload.plan import Plan
 
-        self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
-        if fields is not None:
-            self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.mix)
+            self.dataset = dataset.open(Dataset)
+            if fields is not None:
+                self.dataset = self.dataset.with_fields([f for f in fields if f not in _META_FIELDS])
+        else:
+            self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
+            if fields is not None:
+                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -178,10 +206,11 @@ class DataLoader(PlanCursor):
 
             transform = ImageTransform()
         self.transform = transform
-        self.plan = Plan(
+        mixed = {"mix": self.dataset.spec} if isinstance(self.dataset, Mix) else {}
+        self.plan = (MixPlan if mixed else Plan)(
             dataset_id=self.dataset.dataset_id, shard_sizes=self.dataset.shard_sizes,
             batch_size=batch_size, world_size=world_size, rank=rank, seed=seed, shuffle=shuffle,
-            window=shuffle_window, drop_last=drop_last,
+            window=shuffle_window, drop_last=drop_last, **mixed,
         )
         self._epoch = 0
         self._position = 0
@@ -232,6 +261,8 @@ class DataLoader(PlanCursor):
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
                 fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
             fplans.append(fp)
+        if isinstance(self.dataset, Mix):
+            _check_mix_tensors(self.dataset, fplans)
         images = [fp.name for fp in fplans if fp.kind == "image"]
         if len(images) > 1:
             raise GdsloadError(
@@ -472,6 +503,8 @@ class _Epoch:
             reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
+        if isinstance(L.dataset, Mix):
+            meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
         for fp in L._fields:
@@ -538,6 +571,9 @@ class _Epoch:
             out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
+        if "sources" in slot.meta:
+            sources = slot.meta["sources"]
+            out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
         if L.tuple_fields is not None:
             return tuple(out[f] for f in L.tuple_fields)
         return out

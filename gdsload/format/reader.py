@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gdsload.errors import FormatError
+from gdsload.errors import CorruptDataError, FormatError, StorageError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
@@ -85,12 +85,10 @@ class ShardedDataset:
 
     # -- raw I/O -------------------------------------------------------------------------------
     def _read_file(self, path: str) -> bytes:
-        if self._fs is not None:
-            return self._fs.cat_file(path)
         try:
-            return Path(path).read_bytes()
+            return self._fs.cat_file(path) if self._fs is not None else Path(path).read_bytes()
         except OSError as exc:
-            raise FormatError(f"cannot read {path}: {exc.strerror or exc}") from exc
+            raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
     def _fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
@@ -102,18 +100,23 @@ class ShardedDataset:
                     try:
                         fd = os.open(path, os.O_RDONLY)
                     except OSError as exc:
-                        raise FormatError(f"cannot open shard {path}: {exc.strerror}") from exc
+                        raise StorageError(f"cannot open shard {path}: {exc.strerror}") from exc
                     self._fds[shard] = fd
         return fd
 
     def read_extent(self, shard: int, offset: int, nbytes: int) -> bytes:
-        """Bytes `[offset, offset + nbytes)` of a shard; a short read is a FormatError."""
-        if self._fs is not None:
-            data = self._fs.cat_file(self.shard_path(shard), start=offset, end=offset + nbytes)
-        else:
-            data = os.pread(self._fd(shard), nbytes, offset)
+        """Bytes `[offset, offset + nbytes)` of a shard; a short read is a `CorruptDataError`, a
+        failed one a `StorageError`."""
+        try:
+            if self._fs is not None:
+                data = self._fs.cat_file(self.shard_path(shard), start=offset, end=offset + nbytes)
+            else:
+                data = os.pread(self._fd(shard), nbytes, offset)
+        except OSError as exc:
+            raise StorageError(f"reading {self.shard_path(shard)} at offset {offset} failed: "
+                               f"{exc.strerror or exc}") from exc
         if len(data) != nbytes:
-            raise FormatError(
+            raise CorruptDataError(
                 f"{self.shard_path(shard)}: truncated (wanted {nbytes} bytes at offset {offset}, "
                 f"got {len(data)})"
             )
@@ -220,7 +223,7 @@ class ShardedDataset:
                 problems.append("sha256 differs from the manifest")
         try:
             idx = self.index(s)
-        except FormatError as exc:
+        except (FormatError, StorageError) as exc:
             return problems + [str(exc)]
         # index against the tar as Python's tarfile parses it
         expected = []
@@ -257,7 +260,7 @@ class ShardedDataset:
             parse_dali_index(dali, name=dali_path)
             if dali != idx.to_dali():
                 problems.append(f"{entry['dali_index']} does not match the index")
-        except (OSError, FormatError, ValueError) as exc:
+        except (OSError, FormatError, StorageError, ValueError) as exc:
             problems.append(f"DALI index: {exc}")
         return problems
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gdsload.errors import FormatError, GdsloadError
+from gdsload.errors import CorruptDataError, GdsloadError
 
 PAGE = 4096  # bytes; GDS and O_DIRECT need file offsets, sizes and buffer addresses aligned to it
 
@@ -178,10 +178,10 @@ def check_request(
             )
 
 
-def short_read(path: str, offset: int, nbytes: int, got: int, file_size: int | None) -> FormatError:
-    """The error for a file that ends before `offset + nbytes`."""
+def short_read(path: str, offset: int, nbytes: int, got: int, file_size: int | None) -> CorruptDataError:
+    """The error for a file that ends before `offset + nbytes` (a corrupt copy, not a failed read)."""
     size = "unknown size" if file_size is None else f"{file_size} bytes"
-    return FormatError(
+    return CorruptDataError(
         f"short read from {path!r}: wanted {nbytes} bytes at offset {offset} "
         f"(up to byte {offset + nbytes}), got {got}; the file has {size}"
     )
@@ -289,8 +289,9 @@ class Backend(Protocol):
 
         Bad arguments (wrong buffer kind, ranges that do not fit) raise `GdsloadError` here, before
         any I/O. The future's result is the total payload bytes read (the sum of `nbytes`). It
-        raises `FormatError` naming the path, offset and sizes when a file is shorter than
-        `offset + nbytes`, and `GdsloadError` when a file cannot be opened or read.
+        raises `CorruptDataError` (a `FormatError`) naming the path, offset and sizes when a file
+        is shorter than `offset + nbytes`, and `StorageError` when a file cannot be opened or read
+        (a fault a later try or another copy may get past; see `gdsload.errors`).
         """
         ...
 

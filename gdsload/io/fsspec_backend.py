@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.errors import GdsloadError, MissingDependencyError
+from gdsload.errors import GdsloadError, MissingDependencyError, StorageError
 from gdsload.io.base import PooledBackend, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -159,7 +159,8 @@ class FsspecBackend(PooledBackend):
         return group.payload_nbytes
 
     def _failure(self, fs: Any, path: str, group: ReadGroup, exc: BaseException) -> GdsloadError:
-        """Turn a failed request into our error: FormatError when the range ends past EOF."""
+        """Turn a failed request into our error: CorruptDataError when the range ends past EOF,
+        StorageError otherwise."""
         if isinstance(exc, GdsloadError):
             return exc
         size = self._size(fs, path)
@@ -167,8 +168,8 @@ class FsspecBackend(PooledBackend):
             piece = next(p for p in group.pieces if p.offset + p.nbytes > size)
             return short_read(group.path, piece.offset, piece.nbytes, max(0, size - piece.offset), size)
         if isinstance(exc, FileNotFoundError):
-            return GdsloadError(f"cannot open {group.path!r}: no such file")
-        return GdsloadError(
+            return StorageError(f"cannot open {group.path!r}: no such file")
+        return StorageError(
             f"reading {group.path!r} bytes {group.offset}..{group.end} failed after "
             f"{self.retries + 1 if _is_transient(exc) else 1} attempt(s): {type(exc).__name__}: {exc}"
         )

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from gdsload.errors import GdsloadError, MissingDependencyError
+from gdsload.errors import GdsloadError, MissingDependencyError, StorageError
 from gdsload.io.base import PooledBackend, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 INSTALL_HINT = "pip install 'gdsload[cuda12]' (or 'gdsload[cuda13]' on a CUDA 13 host)"
@@ -113,7 +113,7 @@ class KvikioBackend(PooledBackend):
                     size = os.stat(path).st_size
                     handle = self._kvikio.CuFile(path, "r")
                 except (OSError, RuntimeError) as exc:
-                    raise GdsloadError(f"cannot open {path!r} with KvikIO: {exc}") from exc
+                    raise StorageError(f"cannot open {path!r} with KvikIO: {exc}") from exc
                 entry = self._files[path] = (handle, size)
             return entry
 
@@ -127,7 +127,7 @@ class KvikioBackend(PooledBackend):
         try:
             got = handle.pread(view, group.nbytes, group.offset).get()
         except (OSError, RuntimeError) as exc:
-            raise GdsloadError(
+            raise StorageError(
                 f"KvikIO read of {group.path!r} bytes {group.offset}..{group.end} failed: {exc}"
             ) from exc
         self._stats.add(reads=1, bytes_read=group.payload_nbytes if got == group.nbytes else 0,

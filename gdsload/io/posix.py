@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.errors import GdsloadError
+from gdsload.errors import GdsloadError, StorageError
 from gdsload.io.base import PooledBackend, PAGE, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -165,13 +165,13 @@ class PosixBackend(PooledBackend):
                     fd = os.open(path, flags | _O_DIRECT)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
-                        raise GdsloadError(f"cannot open {path!r}: {exc.strerror}") from exc
+                        raise StorageError(f"cannot open {path!r}: {exc.strerror}") from exc
                     self._direct = False
             if fd < 0:
                 try:
                     fd = os.open(path, flags)
                 except OSError as exc:
-                    raise GdsloadError(f"cannot open {path!r}: {exc.strerror}") from exc
+                    raise StorageError(f"cannot open {path!r}: {exc.strerror}") from exc
             entry = (fd, self._direct)
             self._fds[path] = entry
             return entry
@@ -206,7 +206,7 @@ class PosixBackend(PooledBackend):
         try:
             got, calls = _preadv_full(fd, bufs, group.offset)
         except OSError as exc:
-            raise GdsloadError(f"reading {group.path!r} at offset {group.offset} failed: {exc.strerror}") from exc
+            raise StorageError(f"reading {group.path!r} at offset {group.offset} failed: {exc.strerror}") from exc
         self._stats.add(reads=calls, bytes_read=group.payload_nbytes if got == group.nbytes else 0,
                         bytes_transferred=got)
         if got < group.nbytes:
@@ -226,7 +226,7 @@ class PosixBackend(PooledBackend):
             except OSError as exc:
                 if exc.errno == errno.EINVAL and calls == 0:
                     raise _DirectRefused from exc
-                raise GdsloadError(f"reading {group.path!r} at offset {pos} failed: {exc.strerror}") from exc
+                raise StorageError(f"reading {group.path!r} at offset {pos} failed: {exc.strerror}") from exc
             calls += 1
             transferred += got
             for p in group.pieces:

@@ -9,10 +9,17 @@ global positions consumed, as in the local loader's state. Each stream asks for 
 batches from position p"; a batch counts only once its last chunk arrived. When a stream breaks,
 the server restarts or a server refuses (a retryable status, `gdsload.service.status.RETRYABLE`),
 the loader waits (exponential backoff with jitter), moves to the next address when it has several,
-and asks again from the position after the last complete batch: nothing is lost or repeated.
-`max_retries` bounds consecutive attempts that bring no batch. `state_dict()` /
-`load_state_dict()` are the local loader's (same format, checked by `gdsload.plan.Plan`), so a
-state saved by either loader resumes in the other.
+and asks again from the position after the last complete batch: nothing is lost or repeated. A
+server whose copy of the data is corrupt (DATA_LOSS) is not asked again; each other address is,
+once. The retry budget is time: `retry_timeout_s` (default 120 s, enough for a server restart)
+without a batch, optionally also `max_retries` attempts; the error it ends with says how to resume.
+`state_dict()` / `load_state_dict()` are the local loader's (same format, checked by
+`gdsload.plan.Plan`), so a state saved by either loader resumes in the other.
+
+Lifetime: the receiver thread holds the connection state (`_Link`) and its own queue, never the
+loader nor the epoch iterator, and the loader refers to its epoch weakly. A loader or iterator
+dropped mid-epoch is therefore collected, and its finalizer cancels the stream at once (a thread
+that kept the loader alive held the server's stream slot for `stream_deadline_s`).
 
 Prefetch: one receiver thread per iteration pulls and assembles up to `prefetch` batches ahead;
 the cursor (and so `state_dict()`) moves only when a batch is handed to the caller. Batches are the
@@ -34,6 +41,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -46,8 +54,9 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 import grpc
 
+from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
-from gdsload.service import status, wire
+from gdsload.service import mixwire, status, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
 from gdsload.v1 import feed_pb2 as pb
@@ -133,9 +142,13 @@ class RemoteLoader(PlanCursor):
     bundle, PEM bytes or path; implies TLS), `tls_cert`/`tls_key` (client certificate for mutual
     TLS), `tls_server_name` (override the name checked in the server certificate). `deadline_s`:
     deadline of unary calls, and the longest wait for the next message of a stream.
-    `stream_deadline_s`: gRPC deadline of one stream (then it is resumed). `max_retries`:
-    consecutive attempts without a batch before giving up with `RemoteError`. `backoff_s`,
-    `max_backoff_s`: first and largest wait between attempts. `prefetch`: batches received ahead.
+    `stream_deadline_s`: gRPC deadline of one stream (then it is resumed). `retry_timeout_s`: how
+    long the loader keeps retrying (reconnecting, failing over) without getting a batch or an
+    answer before it gives up with `RemoteError` (default 120 s: rides out a server restart);
+    `max_retries`: also give up after this many consecutive failed attempts (None: no count, only
+    the time). `backoff_s`, `max_backoff_s`: first and largest wait between attempts. After giving
+    up, `state_dict()` is at the last batch handed out: `load_state_dict()` it into this or a new
+    loader to resume. `prefetch`: batches received ahead.
     `batches_per_stream`: end each stream after this many batches and open the next one (0: one
     stream per epoch); short streams let a list of servers rebalance. `max_message_bytes`: the
     largest message accepted (the server chunks below it).
@@ -148,7 +161,7 @@ class RemoteLoader(PlanCursor):
         self,
         address: str | Sequence[str],
         *,
-        dataset: str,
+        dataset: str | Mix,
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -170,7 +183,8 @@ class RemoteLoader(PlanCursor):
         tls_server_name: str | None = None,
         deadline_s: float = 30.0,
         stream_deadline_s: float = 3600.0,
-        max_retries: int = 10,
+        retry_timeout_s: float = 120.0,
+        max_retries: int | None = None,
         backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         prefetch: int = 2,
@@ -181,19 +195,21 @@ class RemoteLoader(PlanCursor):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
-        if not isinstance(dataset, str) or not dataset:
-            raise GdsloadError(f"dataset must be the served dataset's name, got {dataset!r}")
+        if not isinstance(dataset, Mix) and (not isinstance(dataset, str) or not dataset):
+            raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of "
+                               f"served names), got {dataset!r}")
         if on_error not in ("raise", "skip"):
             raise GdsloadError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if output not in ("torch", "numpy", None):
             raise GdsloadError(f"output must be 'torch', 'numpy' or None, not {output!r}")
         for name, value in (("deadline_s", deadline_s), ("stream_deadline_s", stream_deadline_s),
-                            ("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
+                            ("retry_timeout_s", retry_timeout_s), ("backoff_s", backoff_s),
+                            ("max_backoff_s", max_backoff_s)):
             if not value > 0:
                 raise GdsloadError(f"{name} must be > 0 seconds, got {value!r}")
-        if max_retries < 0 or prefetch < 1 or batches_per_stream < 0:
-            raise GdsloadError(f"max_retries and batches_per_stream must be >= 0 and prefetch >= 1, got "
-                               f"{max_retries}, {batches_per_stream} and {prefetch}")
+        if (max_retries is not None and max_retries < 0) or prefetch < 1 or batches_per_stream < 0:
+            raise GdsloadError(f"max_retries (or None) and batches_per_stream must be >= 0 and prefetch >= 1, "
+                               f"got {max_retries}, {batches_per_stream} and {prefetch}")
         dist = _dist_rank_world()
         self.rank = rank if rank is not None else (dist[0] if dist else 0)
         self.world_size = world_size if world_size is not None else (dist[1] if dist else 1)
@@ -210,7 +226,7 @@ class RemoteLoader(PlanCursor):
         self.transform = transform
         self._spec = wire.transform_to_spec(transform) if decode else None
         self.tuple_fields = list(fields) if fields is not None else None
-        self._request_fields = [f for f in (fields or []) if f != wire.KEY]
+        self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
         self.output = output or ("torch" if _torch() is not None else "numpy")
         if device is None:
@@ -219,15 +235,9 @@ class RemoteLoader(PlanCursor):
         if device not in ("cpu", "cuda") or (device == "cuda" and self.output != "torch"):
             raise GdsloadError(f"device must be 'cpu', or 'cuda' with torch output, not {device!r}")
         self.device = device
-        self.deadline_s = float(deadline_s)
-        self.stream_deadline_s = float(stream_deadline_s)
-        self.max_retries = int(max_retries)
-        self.backoff_s = float(backoff_s)
-        self.max_backoff_s = float(max_backoff_s)
         self.prefetch = int(prefetch)
         self.batches_per_stream = int(batches_per_stream)
         self.max_message_bytes = int(max_message_bytes)
-        self._metadata = metadata(token)
         credentials = None
         if tls or tls_ca or tls_cert or tls_key:
             if bool(tls_cert) != bool(tls_key):
@@ -240,22 +250,35 @@ class RemoteLoader(PlanCursor):
         options: list[tuple[str, Any]] = channel_options(self.max_message_bytes, keepalive or Keepalive())
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
-        self._channel_args = (credentials, options)
-        self._channels = _Channels(credentials, options)
-        self._addr_index = self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0
-        self._addr_lock = threading.Lock()
-        self._rng = random.Random()
+        self._link = _Link(
+            addresses, self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0,
+            (credentials, options), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
+            stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
+            max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
+            max_backoff_s=float(max_backoff_s))
         self._plan = None
         self._info: pb.DatasetInfo | None = None
         self._epoch = 0
         self._position = 0
-        self._active: _RemoteEpoch | None = None
-        self._stats: dict[str, Any] = {"reconnects": 0, "batches": 0, "bytes": 0, "wait_s": 0.0}
+        self._active: weakref.ref[_RemoteEpoch] | None = None  # weak: see "Lifetime" above
+        self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0}
 
     # -- plan, from the server's manifest ---------------------------------------------------------
     @property
     def plan(self):
         """The `gdsload.plan.Plan` of this rank (asks the server for the dataset on first use)."""
+        if self._plan is None and isinstance(self.dataset, Mix):
+            from gdsload.mix import MixPlan
+
+            def info(name: str) -> pb.DatasetInfo:
+                return self._unary("ListDatasets", pb.ListDatasetsRequest(name=name)).datasets[0]
+
+            spec = mixwire.resolve(self.dataset, info, self._request_fields)
+            self._plan = MixPlan(
+                dataset_id=spec.mix_id, shard_sizes=spec.shard_sizes, mix=spec,
+                batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
+                shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last,
+            )
         if self._plan is None:
             from gdsload.plan import Plan
 
@@ -287,22 +310,27 @@ class RemoteLoader(PlanCursor):
     # -- torch-like surface ---------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
 
+    def _active_epoch(self) -> _RemoteEpoch | None:
+        return self._active() if self._active is not None else None
+
     def __iter__(self) -> _RemoteEpoch:
-        if self._active is not None:
-            self._active.close()
+        active = self._active_epoch()
+        if active is not None:
+            active.close()
         ep = _RemoteEpoch(self, self._epoch, self._position)
-        self._active = ep
+        self._active = weakref.ref(ep)
         return ep
 
     def stats(self) -> dict[str, Any]:
         """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address."""
-        return dict(self._stats, address=self.addresses[self._addr_index])
+        return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address())
 
     def close(self) -> None:
-        if self._active is not None:
-            self._active.close()
-            self._active = None
-        self._channels.close()
+        active = self._active_epoch()
+        if active is not None:
+            active.close()
+        self._active = None
+        self._link.channels.close()
 
     def __del__(self) -> None:
         try:
@@ -312,54 +340,27 @@ class RemoteLoader(PlanCursor):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_channels", "_active", "_addr_lock", "_rng"):
-            state.pop(k)
+        state.pop("_active")  # `_link` drops its channels and lock itself
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._channels = _Channels(*self._channel_args)
         self._active = None
-        self._addr_lock = threading.Lock()
-        self._rng = random.Random()
 
     def __repr__(self) -> str:
         return (f"gdsload.RemoteLoader({self.addresses!r}, dataset={self.dataset!r}, "
                 f"batch_size={self.batch_size}, rank={self.rank}, world_size={self.world_size})")
 
     # -- calls ------------------------------------------------------------------------------------
-    def _address(self) -> str:
-        with self._addr_lock:
-            return self.addresses[self._addr_index]
-
-    def _failover(self, failed: str) -> None:
-        with self._addr_lock:
-            if self.addresses[self._addr_index] == failed:
-                self._addr_index = (self._addr_index + 1) % len(self.addresses)
-        self._stats["reconnects"] += 1
-
-    def _backoff(self, failures: int) -> float:
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
-        return delay * (0.5 + 0.5 * self._rng.random())
-
     def _unary(self, method: str, request: Any) -> Any:
-        failures = 0
-        while True:
-            address = self._address()
-            try:
-                call = getattr(self._channels.stub(address), method)
-                return call(request, timeout=self.deadline_s, metadata=self._metadata)
-            except grpc.RpcError as err:
-                if not status.is_retryable(err) or failures >= self.max_retries:
-                    raise status.from_rpc_error(err, address) from None
-                failures += 1
-                self._failover(address)
-                time.sleep(self._backoff(failures))
+        return self._link.unary(method, request)
 
     def _request(self, epoch: int, position: int) -> pb.BatchRequest:
         plan = self.plan
+        mixed = isinstance(self.dataset, Mix)
         return pb.BatchRequest(
-            dataset=self.dataset, dataset_id=plan.dataset_id, seed=plan.seed, epoch=epoch,
+            dataset="" if mixed else self.dataset, dataset_id=plan.dataset_id,
+            mix=mixwire.to_pb(self.dataset, plan.mix) if mixed else None, seed=plan.seed, epoch=epoch,
             shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
             batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size,
             start_position=position,
@@ -385,30 +386,181 @@ class _Retry(Exception):
     """A stream ended early without an error status (e.g. a draining server)."""
 
 
-class _RemoteEpoch:
-    """One pass: a receiver thread streams and assembles batches; `__next__` hands them out."""
+class _Link:
+    """How a loader reaches its servers, shared by the loader and its receiver threads: channels,
+    addresses and the one in use, call metadata, deadlines and the retry policy.
 
-    def __init__(self, loader: RemoteLoader, epoch: int, position: int):
-        self.loader = loader
+    It refers to no loader and no epoch, so a thread holding it keeps neither alive. Pickling
+    drops the channels, lock and random generator (rebuilt on unpickling)."""
+
+    def __init__(self, addresses: list[str], index: int, channel_args: tuple, call_metadata: Any, *,
+                 dataset: str, deadline_s: float, stream_deadline_s: float, retry_timeout_s: float,
+                 max_retries: int | None, backoff_s: float, max_backoff_s: float):
+        self.addresses = addresses
+        self.index = index
+        self.channel_args = channel_args
+        self.metadata = call_metadata
+        self.dataset = dataset
+        self.deadline_s = deadline_s
+        self.stream_deadline_s = stream_deadline_s
+        self.retry_timeout_s = retry_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.reconnects = 0
+        self._setup()
+
+    def _setup(self) -> None:
+        self.channels = _Channels(*self.channel_args)
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for k in ("channels", "_lock", "_rng"):
+            state.pop(k)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def address(self) -> str:
+        with self._lock:
+            return self.addresses[self.index]
+
+    def failover(self, failed: str) -> None:
+        """Move to the next address (unless another thread already moved away from `failed`)."""
+        with self._lock:
+            if self.addresses[self.index] == failed:
+                self.index = (self.index + 1) % len(self.addresses)
+            self.reconnects += 1
+
+    def backoff(self, failures: int) -> float:
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
+        with self._lock:
+            return delay * (0.5 + 0.5 * self._rng.random())
+
+    def gave_up(self, attempts: _Attempts, last_error: str, address: str, *, resume: bool) -> status.RemoteError:
+        """The error that ends a spent retry budget: what was tried, the last error, what to do."""
+        limit = f"retry_timeout_s={self.retry_timeout_s:g}"
+        if self.max_retries is not None:
+            limit += f", max_retries={self.max_retries}"
+        advice = (" Nothing was lost: the loader's state_dict() is at the last batch it handed out; "
+                  "to resume, pass it to load_state_dict() of this or a new RemoteLoader once a server "
+                  "is back, and iterate again." if resume else "")
+        return status.RemoteError(
+            f"gave up on dataset {self.dataset!r} after {attempts.failures} attempts in "
+            f"{attempts.elapsed():.1f} s without an answer ({limit}; addresses {self.addresses}); last "
+            f"error: {last_error}.{advice} Raise retry_timeout_s to wait longer for a restart.",
+            code="UNAVAILABLE", address=address)
+
+    def corrupt_everywhere(self, err: grpc.RpcError, address: str) -> status.RemoteError:
+        """The DATA_LOSS error raised once every address answered it."""
+        exc = status.from_rpc_error(err, address)
+        if len(self.addresses) > 1:
+            exc.add_note(f"every address ({', '.join(self.addresses)}) answered DATA_LOSS for this batch")
+        return exc
+
+    def unary(self, method: str, request: Any) -> Any:
+        attempts = _Attempts(self)
+        corrupt: set[str] = set()
+        while True:
+            address = self.address()
+            try:
+                call = getattr(self.channels.stub(address), method)
+                return call(request, timeout=self.deadline_s, metadata=self.metadata)
+            except grpc.RpcError as err:
+                if status.is_elsewhere(err):
+                    corrupt.add(address)
+                    if corrupt.issuperset(self.addresses):
+                        raise self.corrupt_everywhere(err, address) from None
+                    self.failover(address)
+                    continue
+                if not status.is_retryable(err):
+                    raise status.from_rpc_error(err, address) from None
+                attempts.fail()
+                if attempts.spent():
+                    raise self.gave_up(attempts, str(status.from_rpc_error(err, address)), address,
+                                       resume=False) from None
+                self.failover(address)
+                time.sleep(attempts.delay())
+
+
+class _Attempts:
+    """A run of failed attempts with nothing received in between: the retry budget. It is spent
+    once `retry_timeout_s` passed since the first failure, or (when set) after `max_retries`
+    retries; `delay()` never sleeps past the budget's end."""
+
+    def __init__(self, link: _Link):
+        self.link = link
+        self.failures = 0
+        self.since = 0.0
+
+    def fail(self) -> None:
+        if self.failures == 0:
+            self.since = time.monotonic()
+        self.failures += 1
+
+    def reset(self) -> None:
+        self.failures = 0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.since if self.failures else 0.0
+
+    def spent(self) -> bool:
+        L = self.link
+        return bool(self.failures) and (self.elapsed() >= L.retry_timeout_s
+                                        or (L.max_retries is not None and self.failures > L.max_retries))
+
+    def delay(self) -> float:
+        return max(0.0, min(self.link.backoff(self.failures), self.link.retry_timeout_s - self.elapsed()))
+
+
+class _Receiver:
+    """The receiving half of one epoch, run by its thread: streams from the link's servers,
+    assembles batches and queues them (at most `prefetch`), resuming after each failure from the
+    position after the last complete batch.
+
+    It holds the link, a request template and its queue, never the loader nor the epoch
+    iterator: those stay collectable while the thread waits, and their finalizer calls `cancel`.
+    """
+
+    def __init__(self, link: _Link, template: pb.BatchRequest, *, epoch: int, position: int,
+                 global_batch: int, end: int, prefetch: int):
+        self.link = link
+        self.template = template
         self.epoch = epoch
-        plan = loader.plan
-        self.G = plan.global_batch
-        self.end = plan.end_position
+        self.G = global_batch
+        self.end = end
         self.next_request = position
-        self.queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
+        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self.pid = os.getpid()
-        self._stop = threading.Event()
+        self.stop = threading.Event()
         self._call_lock = threading.Lock()
         self._call: Any = None
         self._waiting_since: float | None = None
         self._idle_cancelled = False
-        self._done = False
-        self.thread = threading.Thread(target=self._receive, name="gdsload-remote", daemon=True)
-        self.thread.start()
 
-    # receiver ---------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the thread and cancel the call in flight; never blocks (safe in a finalizer)."""
+        self.stop.set()
+        if os.getpid() == self.pid:  # a forked child must not touch the parent's call
+            with self._call_lock:
+                if self._call is not None:
+                    self._call.cancel()
+
+    def watchdog(self) -> None:
+        """Cancel a stream that sent nothing for `deadline_s` (it is then resumed)."""
+        since = self._waiting_since
+        if since is not None and time.monotonic() - since > self.link.deadline_s:
+            with self._call_lock:
+                if self._call is not None and self._waiting_since is not None:
+                    self._idle_cancelled = True
+                    self._call.cancel()
+
     def _put(self, item: tuple) -> bool:
-        while not self._stop.is_set():
+        while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=0.1)
                 return True
@@ -416,21 +568,27 @@ class _RemoteEpoch:
                 continue
         return False
 
-    def _receive(self) -> None:
-        L = self.loader
-        failures = 0
+    def _request(self) -> pb.BatchRequest:
+        req = pb.BatchRequest()
+        req.CopyFrom(self.template)
+        req.start_position = self.next_request
+        return req
+
+    def run(self) -> None:
+        link = self.link
+        attempts = _Attempts(link)
+        corrupt: set[str] = set()  # addresses that answered DATA_LOSS since the last batch
         last_error = "no attempt"
         try:
-            while self.next_request < self.end and not self._stop.is_set():
-                address = L._address()
+            while self.next_request < self.end and not self.stop.is_set():
+                address = link.address()
                 progressed = False
                 try:
-                    call = L._channels.stub(address).StreamBatches(
-                        L._request(self.epoch, self.next_request), timeout=L.stream_deadline_s,
-                        metadata=L._metadata)
+                    call = link.channels.stub(address).StreamBatches(
+                        self._request(), timeout=link.stream_deadline_s, metadata=link.metadata)
                     with self._call_lock:
                         self._call = call
-                    if self._stop.is_set():
+                    if self.stop.is_set():
                         call.cancel()
                         return
                     asm = wire.BatchAssembler()
@@ -455,52 +613,67 @@ class _RemoteEpoch:
                             return
                         self.next_request = expected
                         progressed = True
-                        failures = 0
+                        attempts.reset()
+                        corrupt.clear()
                     if self.next_request < self.end and not progressed:
                         raise _Retry(f"{address} ended the stream without a batch (draining?)")
                 except grpc.RpcError as err:
-                    if self._stop.is_set():
+                    if self.stop.is_set():
                         return
                     idle = self._idle_cancelled
                     self._idle_cancelled = False
+                    if not idle and status.is_elsewhere(err):
+                        # This server's copy is corrupt: ask each other address once, not this one again.
+                        corrupt.add(address)
+                        if corrupt.issuperset(link.addresses):
+                            self._put(("error", link.corrupt_everywhere(err, address)))
+                            return
+                        link.failover(address)
+                        continue
                     if not idle and not status.is_retryable(err):
                         self._put(("error", status.from_rpc_error(err, address)))
                         return
-                    last_error = (f"no message for {L.deadline_s} s from {address}" if idle
+                    last_error = (f"no message for {link.deadline_s} s from {address}" if idle
                                   else str(status.from_rpc_error(err, address)))
-                    failures += 1
+                    attempts.fail()
                 except (_Retry, wire.ProtocolError) as exc:
                     last_error = str(exc)
-                    failures += 1
+                    attempts.fail()
                 finally:
                     with self._call_lock:
                         self._call = None
-                if failures and not progressed:
-                    if failures > L.max_retries:
-                        self._put(("error", status.RemoteError(
-                            f"gave up on dataset {L.dataset!r} after {failures} attempts without a batch "
-                            f"(addresses {L.addresses}); last error: {last_error}", code="UNAVAILABLE",
-                            address=address)))
+                if attempts.failures and not progressed:
+                    if attempts.spent():
+                        self._put(("error", link.gave_up(attempts, last_error, address, resume=True)))
                         return
-                    L._failover(address)
-                    if self._stop.wait(L._backoff(failures)):
+                    link.failover(address)
+                    if self.stop.wait(attempts.delay()):
                         return
-                elif failures:
-                    failures = 0
-            if not self._stop.is_set():
+                elif attempts.failures:  # broke after some batches: retry at once, same address
+                    attempts.reset()
+            if not self.stop.is_set():
                 self._put(("end",))
         except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
             self._put(("error", exc))
 
-    def _watchdog(self) -> None:
-        since = self._waiting_since
-        if since is not None and time.monotonic() - since > self.loader.deadline_s:
-            with self._call_lock:
-                if self._call is not None and self._waiting_since is not None:
-                    self._idle_cancelled = True
-                    self._call.cancel()
 
-    # consumer ---------------------------------------------------------------------------------
+class _RemoteEpoch:
+    """One pass, the consumer's side: `__next__` hands out what the receiver thread queued and
+    moves the loader's cursor. Dropping it (or its loader) cancels the receiver's stream."""
+
+    def __init__(self, loader: RemoteLoader, epoch: int, position: int):
+        self.loader = loader
+        self.epoch = epoch
+        plan = loader.plan
+        self.receiver = _Receiver(loader._link, loader._request(epoch, position), epoch=epoch,
+                                  position=position, global_batch=plan.global_batch,
+                                  end=plan.end_position, prefetch=loader.prefetch)
+        self.pid = os.getpid()
+        self._done = False
+        self._finalizer = weakref.finalize(self, self.receiver.cancel)
+        self.thread = threading.Thread(target=self.receiver.run, name="gdsload-remote", daemon=True)
+        self.thread.start()
+
     def __iter__(self) -> _RemoteEpoch:
         return self
 
@@ -511,11 +684,11 @@ class _RemoteEpoch:
         t0 = time.perf_counter()
         while True:
             try:
-                item = self.queue.get(timeout=0.25)
+                item = self.receiver.queue.get(timeout=0.25)
                 break
             except queue.Empty:
-                self._watchdog()
-                if not self.thread.is_alive() and self.queue.empty():
+                self.receiver.watchdog()
+                if not self.thread.is_alive() and self.receiver.queue.empty():
                     self.close()
                     raise status.RemoteError("the receiver thread ended without a result",
                                              code="INTERNAL") from None
@@ -541,17 +714,8 @@ class _RemoteEpoch:
         if self._done:
             return
         self._done = True
-        self._stop.set()
-        if os.getpid() == self.pid:  # a forked child must not touch the parent's call or thread
-            with self._call_lock:
-                if self._call is not None:
-                    self._call.cancel()
+        self._finalizer()  # cancels the call (the parent's is left alone in a forked child)
+        if os.getpid() == self.pid and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
-        if self.loader._active is self:
+        if self.loader._active_epoch() is self:
             self.loader._active = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -40,7 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gdsload.loader import DataLoader
-from gdsload.service import wire
+from gdsload.service import mixwire, wire
 from gdsload.service.auth import TokenInterceptor
 from gdsload.service.catalog import Catalog
 from gdsload.service.config import (
@@ -195,7 +195,10 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise BadRequest(f"max_chunk_bytes must be 0 (server default) or >= {MIN_CHUNK_BYTES}, "
                              f"got {req.max_chunk_bytes}")
         fields = list(req.fields)
-        dataset = self.catalog.dataset(req.dataset, fields)
+        if req.HasField("mix"):  # a gdsload.Mix of served datasets; req.dataset becomes its label
+            dataset = mixwire.open_mix(self.catalog, req)
+        else:
+            dataset = self.catalog.dataset(req.dataset, fields)
         if req.dataset_id and req.dataset_id != dataset.dataset_id:
             raise DatasetChanged(
                 f"dataset {req.dataset!r} on this server has id {dataset.dataset_id}, the client "
@@ -225,7 +228,7 @@ class FeedServicer(pb_grpc.FeedServicer):
     def _check_batch_bytes(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> None:
         from gdsload.format.manifest import field_kind
 
-        sizes = self.catalog.max_member_nbytes(req.dataset)
+        sizes = mixwire.max_member_nbytes(self.catalog, req)
         per_sample = 0
         for f in fields:
             if transform is not None and field_kind(f) == "image":

@@ -3,27 +3,34 @@ and the retry decision on the client.
 
 Server side, every handler (and the auth interceptor) funnels what it raises through `to_status`:
 
-| raised                                             | status              |
-| -------------------------------------------------- | ------------------- |
-| `UnknownDataset`                                   | NOT_FOUND           |
-| `BadRequest`, `PlanError`/`StateError`, other `GdsloadError` | INVALID_ARGUMENT |
-| `OverLimit`                                        | RESOURCE_EXHAUSTED  |
-| `DatasetChanged`, `MissingDependencyError`         | FAILED_PRECONDITION |
-| `FormatError`, `DecodeError` (corrupt data)        | DATA_LOSS           |
-| `Unavailable` (at capacity, shutting down)         | UNAVAILABLE         |
-| `Unauthenticated`                                  | UNAUTHENTICATED     |
-| anything else (a bug; logged with its traceback)   | INTERNAL            |
+| raised                                                          | status              |
+| --------------------------------------------------------------- | ------------------- |
+| `UnknownDataset`                                                | NOT_FOUND           |
+| `BadRequest`, `PlanError`/`StateError`, other `GdsloadError`    | INVALID_ARGUMENT    |
+| `OverLimit`                                                     | RESOURCE_EXHAUSTED  |
+| `DatasetChanged`, `MissingDependencyError`                      | FAILED_PRECONDITION |
+| `FormatError`, `DecodeError`, `CorruptDataError` (corrupt data) | DATA_LOSS           |
+| `StorageError` (an I/O error, a shard that cannot be opened)    | UNAVAILABLE         |
+| `Unavailable` (at capacity, shutting down)                      | UNAVAILABLE         |
+| `Unauthenticated`                                               | UNAUTHENTICATED     |
+| anything else (a bug; logged with its traceback)                | INTERNAL            |
 
-Client side, `RETRYABLE` are the codes of a broken or refused connection; the loader reconnects
-(with backoff, failing over to the next address) and resumes from its cursor. Every other code is
-raised as a `RemoteError` carrying the code and the server's message.
+A storage fault is this server's problem, not the request's: a transient one (`StorageError`:
+EIO, a vanished shard, a network file system gone) is UNAVAILABLE, so clients retry and fail over;
+a corrupt copy (`CorruptDataError`, a shard shorter than its index) is DATA_LOSS.
+
+Client side, `RETRYABLE` are the codes of a broken or refused connection or of a server that cannot
+serve now; the loader reconnects (with backoff, failing over to the next address) and resumes from
+its cursor. `ELSEWHERE` (DATA_LOSS) is not retried on the same server, but another address may hold
+an intact copy: the loader tries each of its other addresses once, and raises when all of them
+answered it. Every other code is raised as a `RemoteError` carrying the code and the server's message.
 """
 
 from __future__ import annotations
 
 from typing import NoReturn
 
-from gdsload.errors import FormatError, GdsloadError, MissingDependencyError, require
+from gdsload.errors import FormatError, GdsloadError, MissingDependencyError, StorageError, require
 
 require("grpc", extra="serve", purpose="the remote feed (gdsload serve, RemoteLoader)")
 
@@ -89,6 +96,10 @@ RETRYABLE = frozenset({
 """Codes after which the client reconnects and resumes. INTERNAL and UNKNOWN are included because
 gRPC reports a connection reset mid-stream with them; the retry budget bounds a real server bug."""
 
+ELSEWHERE = frozenset({grpc.StatusCode.DATA_LOSS})
+"""Codes after which the client tries its other addresses once each (this server's copy of the data
+is corrupt; another server's may be intact), never the same server again for that batch."""
+
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message for an exception raised while serving a call."""
@@ -96,6 +107,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
     if isinstance(exc, DecodeError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
+    if isinstance(exc, StorageError):
+        return (grpc.StatusCode.UNAVAILABLE if exc.transient else grpc.StatusCode.DATA_LOSS), str(exc)
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code, str(exc)
@@ -114,6 +127,12 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
 def is_retryable(err: grpc.RpcError) -> bool:
     code = err.code() if hasattr(err, "code") else None
     return code in RETRYABLE
+
+
+def is_elsewhere(err: grpc.RpcError) -> bool:
+    """True for the codes of `ELSEWHERE`: worth asking another address, not this one again."""
+    code = err.code() if hasattr(err, "code") else None
+    return code in ELSEWHERE
 
 
 def from_rpc_error(err: grpc.RpcError, address: str | None = None) -> RemoteError:

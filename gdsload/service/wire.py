@@ -25,6 +25,7 @@ from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
 KEY = "__key__"
+SOURCE = "__source__"  # per sample, the dataset of a mix it comes from (BatchHeader.sources)
 
 
 # -- server: batch -> chunks ---------------------------------------------------------------------
@@ -54,10 +55,11 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
     of three (join, message, serialization).
     """
     keys = list(batch.get(KEY, ()))
+    sources = list(batch.get(SOURCE, ()))
     fields: list[pb.FieldData] = []
     pieces: list[Any] = []  # bytes-like objects, the body in order
     for name, value in batch.items():
-        if name == KEY:
+        if name in (KEY, SOURCE):
             continue
         if isinstance(value, np.ndarray):
             arr = np.ascontiguousarray(value)
@@ -74,7 +76,7 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
             raise TypeError(f"field {name!r}: cannot send a {type(value).__name__}")
     body = sum(f.nbytes for f in fields)
     header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=skipped,
-                            body_nbytes=body)
+                            body_nbytes=body, sources=sources)
     first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
     if first_room <= 0:
         raise OverLimit(
@@ -125,10 +127,10 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
 
 
 def body_nbytes(batch: Mapping[str, Any]) -> int:
-    """Bytes of a batch's body (all fields but the keys)."""
+    """Bytes of a batch's body (all fields but the keys and sources)."""
     n = 0
     for name, value in batch.items():
-        if name != KEY:
+        if name not in (KEY, SOURCE):
             n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(v).nbytes for v in value)
     return n
 
@@ -258,6 +260,8 @@ def decode_body(header: pb.BatchHeader, body: bytes | bytearray | memoryview, *,
             raise ProtocolError(f"field {f.name!r}: unknown layout {f.layout}")
         offset += f.nbytes
     out[KEY] = list(header.keys)
+    if header.sources:
+        out[SOURCE] = list(header.sources)
     return out
 
 

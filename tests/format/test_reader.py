@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gdsload.cli import main
-from gdsload.errors import FormatError
+from gdsload.errors import FormatError, StorageError
 from gdsload.format import manifest as mf
 from gdsload.format.reader import open_dataset
 from gdsload.format.tar import ALIGN
@@ -241,7 +241,7 @@ def test_verify_missing_shard(ds_path: Path) -> None:
         bad = ds.verify()
         assert list(bad) == ["shard-000001.tar"]
         assert "missing file" in bad["shard-000001.tar"][0]
-        with pytest.raises(FormatError, match="shard-000001.tar"):
+        with pytest.raises(StorageError, match="shard-000001.tar"):  # a storage fault, not a format one
             ds.sample(PER_SHARD)
 
 

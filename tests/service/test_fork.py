@@ -40,7 +40,8 @@ def test_forked_workers(remote_server):
                             output="numpy") for r in range(2)]
     for x in loaders:
         assert len(x) == 8  # the parent has open channels now
-    first = next(iter(loaders[0]))  # and a stream in flight
+    in_flight = iter(loaders[0])  # held: a dropped iterator cancels its stream
+    first = next(in_flight)  # and a stream in flight
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(x, out)) for x in loaders]

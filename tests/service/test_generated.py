@@ -50,14 +50,16 @@ def test_every_proto_message_and_field_is_documented():
 
 
 def test_serve_command_is_registered():
+    """`gdsload serve` parses (a missing registration is a failure, not a skip) and runs the
+    serve command."""
     from gdsload import cli
 
-    parser = cli.build_parser()
     try:
-        args = parser.parse_args(["serve", "root", "--listen", "127.0.0.1:1"])
-    except SystemExit:
-        pytest.skip("gdsload/cli.py does not register `serve` yet (add_serve_parser)")
+        args = cli.build_parser().parse_args(["serve", "root", "--listen", "127.0.0.1:1"])
+    except SystemExit as exc:
+        pytest.fail(f"`gdsload serve root --listen 127.0.0.1:1` does not parse (exit {exc.code})")
     assert args.listen == "127.0.0.1:1" and args.roots == ["root"]
+    assert args.func.__module__ == "gdsload.service.cli", args.func
 
 
 def test_python_dash_m_gdsload_service_help():
