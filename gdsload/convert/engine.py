@@ -453,25 +453,74 @@ def _check_paths(src: str, dst: str, inputs: list[tuple[str, str]]) -> None:
         raise InputError(f"input {inside[0]} is inside the destination {dst}; choose another destination")
 
 
+IN_FLIGHT_PER_WORKER = 2  # units submitted to the pool per worker: a freed worker never waits
+POLL_S = 0.2  # how often the driver looks at progress and at a stop signal
+
+
+class _DeferredStop:
+    """SIGINT and SIGTERM, noted while the driver runs its pool and acted on at `check()`.
+
+    An exception raised by a signal handler lands at whatever bytecode runs, which can be inside
+    `concurrent.futures.wait` while it holds futures' locks; the pool's manager thread then
+    waits on such a lock forever and the interpreter hangs at exit. So the handlers only note
+    the signal, and `check()`, called where nothing is held, runs the handler that was in place
+    (KeyboardInterrupt for SIGINT, the CLI's `Terminated` for SIGTERM); a default SIGTERM ends
+    the run with `SystemExit(143)` once the workers are stopped. Only the main thread can set
+    handlers; elsewhere nothing changes."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> "_DeferredStop":
+        self.signum: int | None = None
+        self.previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def check(self) -> None:
+        signum, self.signum = self.signum, None
+        if signum is None:
+            return
+        previous = self.previous.get(signum)
+        if callable(previous):
+            previous(signum, None)
+        elif previous != signal.SIG_IGN:
+            raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def _run_pool(dst: str, units: list[tuple[str, list[Sample]]], validate: bool, workers: int,
               report: Callable[[int, int], None]) -> Iterator[str]:
-    """Write `units` in a process pool; yields each unit's name as it finishes. However this
-    stops (a unit's error, an exception thrown into the caller, a generator closed early), no
-    worker outlives it (see the module docstring)."""
+    """Write `units` in a process pool, in plan order, at most `IN_FLIGHT_PER_WORKER` per worker
+    submitted at a time; yields each unit's name as it finishes. However this stops (a unit's
+    error, a signal, a generator closed early), no worker outlives it (module docstring)."""
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = ctx.Queue()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                initargs=(queue, os.getpid()))
+    todo = list(reversed(units))
+    running: dict[Any, str] = {}
     try:
-        futs = {pool.submit(_pool_unit, dst, name, samples, validate): name for name, samples in units}
-        pending = set(futs)
-        while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            while not queue.empty():
-                report(*queue.get())
-            for f in done:
-                f.result()  # re-raise a worker's error here
-                yield futs[f]
+        with _DeferredStop() as stop:
+            while todo or running:
+                while todo and len(running) < IN_FLIGHT_PER_WORKER * workers:
+                    name, samples = todo.pop()
+                    running[pool.submit(_pool_unit, dst, name, samples, validate)] = name
+                done, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                stop.check()
+                while not queue.empty():
+                    report(*queue.get())
+                for f in done:
+                    name = running.pop(f)
+                    f.result()  # re-raise a worker's error here
+                    yield name
     except BaseException:
         _stop_pool(pool)
         raise
