@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import statistics
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 
 def ensure_data(work: Path, *, samples: int, shape: tuple[int, ...]) -> dict[str, Path]:
-    """whole, half1, half2 converted from one generated folder (halves by symlink), reused."""
+    """whole, half1, half2 converted from one generated folder (halves by hard link: convert refuses symbolic links), reused."""
     from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.sampledata import make_npy_folder
 
@@ -46,7 +47,7 @@ def ensure_data(work: Path, *, samples: int, shape: tuple[int, ...]) -> dict[str
         for row in part:
             link = folder / f"{row['key']}.npy"
             if not link.exists():
-                link.symlink_to(src / f"{row['key']}.npy")
+                os.link(src / f"{row['key']}.npy", link)
         with open(folder / "labels.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["key", "label"])
             w.writeheader()

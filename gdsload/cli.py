@@ -108,6 +108,8 @@ def _convert(a: argparse.Namespace) -> int:
           + (", labels from .cls" if "cls" in m["fields"] and not m.get("classes") else ""))
     if r["rejected"]:
         print(f"{r['rejected']} inputs rejected and left out: see {os.path.join(a.dst, 'rejected.jsonl')}")
+    for field, count in m["created"].get("fortran_to_c", {}).items():
+        print(f"{count} Fortran-ordered .{field} arrays stored in C order (same values)")
     return 0
 
 

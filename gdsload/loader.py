@@ -3,13 +3,23 @@
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
 looks up every member in the shard indexes (no tar scan), and issues one coalesced read per
 destination: `.npy` array data goes straight into the batch tensor in the ring slot (device
-memory through KvikIO on a GPU host), encoded images, labels and other small fields into the
+memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
-by DALI into the slot's image tensor; labels are parsed into an int64 tensor. The consumer gets
-views of the slot.
+by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
+from the `.cls` members for older indexes). What is checked on the way is `gdsload.loadcheck`.
+The consumer gets views of the slot.
 
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.
+
+On a GPU (`device="cuda"` or `"cuda:N"`; which GPU: `gdsload.device`), every batch tensor lives in
+the device ring: `.npy` rows (read by KvikIO straight into it, or by POSIX into pinned memory and
+copied), decoded images (DALI "mixed" output copied device to device) and labels (parsed on the
+host, copied without blocking). All copies run on the loader's private stream; a ready event
+orders the consumer's stream after them, and a release fence recorded on the consumer's stream
+when it moves on is waited for before the slot is written again (`gdsload.device`). Encoded bytes
+and labels are read on the host by POSIX (one `preadv` per coalesced group), never through KvikIO
+member by member.
 
 Order and resumption come from `gdsload.plan`: the order of an epoch depends only on (dataset,
 seed, epoch); `state_dict()` records the global position, and `load_state_dict()` resumes the
@@ -31,23 +41,38 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gdsload import fields as _fieldkinds
 from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.forksafe import ProcessLocal
+from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
+from gdsload.mapping import MapStage, host_copy
 from gdsload.plan import PlanCursor
 
-_LABEL_FIELDS = ("cls",)
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
-class Dataset:
-    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used."""
+class Dataset(ProcessLocal):
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None):
+    `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
+
+    Pickles to its path, fields and `verify`; a copy in another process (or a forked child) opens
+    the dataset again on first use and refuses it if its content changed in between.
+    """
+
+    _PROCESS_LOCAL = ("_shards",)
+
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast"):
         self.path = str(path)
-        self.shards = ShardedDataset(path)
+        self.verify = check_mode(verify)
+        self._start_process()
+        self._shards = ShardedDataset(path)
+        self._id = self._content_id(self._shards)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
         if unknown:
@@ -55,16 +80,37 @@ class Dataset:
                 f"fields {unknown} are not in dataset {self.path} (it has {sorted(self.shards.fields)})"
             )
 
+    def _init_process_local(self) -> None:
+        self._shards = None
+
+    @property
+    def shards(self) -> ShardedDataset:
+        """The open dataset of this process (its file descriptors and lock are per process)."""
+        self._check_process()
+        if self._shards is None:
+            shards = ShardedDataset(self.path)
+            if self._content_id(shards) != self._id:
+                raise FormatError(
+                    f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "
+                    f"then, {self._content_id(shards)} now): open it again"
+                )
+            self._shards = shards
+        return self._shards
+
+    @staticmethod
+    def _content_id(shards: ShardedDataset) -> str:
+        h = hashlib.sha256()
+        for s in shards.shards:
+            h.update(s["sha256"].encode())
+        return h.hexdigest()[:16]
+
     def __len__(self) -> int:
         return len(self.shards)
 
     @property
     def dataset_id(self) -> str:
         """Identity for states: hash of the shards' content hashes, in order."""
-        h = hashlib.sha256()
-        for s in self.shards.shards:
-            h.update(s["sha256"].encode())
-        return h.hexdigest()[:16]
+        return self._id
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
@@ -111,13 +157,10 @@ def _torch():
         return None
 
 
-def _current_cuda_device() -> int:
-    """The CUDA device this process uses (torch's current device, as set per rank under torchrun;
-    else LOCAL_RANK; else 0)."""
-    torch = _torch()
-    if torch is not None and torch.cuda.is_available():
-        return torch.cuda.current_device()
-    return int(os.environ.get("LOCAL_RANK", 0))
+def _kvikio_error() -> str | None:
+    from gdsload.io import kvikio_import_error
+
+    return kvikio_import_error()
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -127,7 +170,7 @@ def _dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
-class DataLoader(PlanCursor):
+class DataLoader(ProcessLocal, PlanCursor):
     """A drop-in for `torch.utils.data.DataLoader` over a gdsload dataset.
 
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
@@ -135,13 +178,25 @@ class DataLoader(PlanCursor):
     of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
     per worker, since workers are threads filling one shared ring), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
-    GPU is usable), `transform` (an `ImageTransform`, or None for the default training transform;
+    GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
+    GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.device`), `transform` (an `ImageTransform`, or None for the default training transform;
     `decode=False` returns encoded bytes), `fields` (which fields, in which order; the batch is then
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
-    `output` ("torch" when torch is installed, else "numpy").
+    `output` ("torch" when torch is installed, else "numpy"). User code (`gdsload.mapping`):
+    `map(sample_dict) -> sample_dict` after decoding, `collate_fn(list_of_samples) -> batch` instead
+    of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
+    run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
+    `gdsload.fields`.
+
+    Processes: a loader pickles to its configuration and cursor (`state_dict()`), never to its
+    threads, ring, files or DALI pipeline; a copy (a spawned worker's) or a forked child builds
+    those afresh on first iteration and continues where the loader stood.
     """
+
+    _PROCESS_LOCAL = ("_ring", "_backend", "_host_backend", "_streams", "device_ordinal", "_decoder", "_active_ref",
+                      "_fields", "_stats", "_cuda_lost")
 
     def __init__(
         self,
@@ -166,6 +221,9 @@ class DataLoader(PlanCursor):
         io: str = "auto",
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
+        map: Any = None,
+        collate_fn: Any = None,
+        worker_mode: Literal["thread", "process"] = "thread",
     ):
         from gdsload.mix import MixPlan
         from gdsload.plan import Plan
@@ -177,8 +235,12 @@ class DataLoader(PlanCursor):
         else:
             self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
             if fields is not None:
-                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
+                                       verify=self.dataset.verify)
         self.tuple_fields = list(fields) if fields is not None else None
+        self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
+            map, collate_fn, worker_mode)
+        self.worker_mode = worker_mode
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
         if prefetch_factor < 1:
@@ -196,10 +258,10 @@ class DataLoader(PlanCursor):
         self.on_error = on_error
         self.copy = copy
         self.io_name = io
-        self.device = device or self._default_device()
-        if self.device not in ("cpu", "cuda"):
-            raise GdsloadError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        from gdsload.device import parse_device
+
         self.output = output or ("torch" if _torch() is not None else "numpy")
+        self.device, self._device_index = parse_device(device or self._default_device(self.output))
         self.decode_threads = decode_threads or os.cpu_count() or 2
         if transform is None and decode:
             from gdsload.decode.image import ImageTransform
@@ -214,39 +276,90 @@ class DataLoader(PlanCursor):
         )
         self._epoch = 0
         self._position = 0
+        self._start_process()
+
+    def _init_process_local(self) -> None:
         self._fields: list[_FieldPlan] | None = None
         self._ring = None
         self._backend = None
+        self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
+        self._streams = None  # gdsload.device.CopyStreams, with a device ring
+        self._host_backend = None  # POSIX for host-arena reads, beside a device backend
         self._stats: dict[str, Any] = {}
         # weak: an epoch its consumer dropped (a `break`, an exception) is collected, which
         # closes it and ends its threads (see `_Epoch._produce`)
         self._active_ref: Any = None
         self._decoder = None
+        self._cuda_lost = False  # forked from a parent in which this loader used CUDA
+
+    def _enter_process(self) -> None:
+        """Start afresh in a forked child; CUDA state does not survive a fork, so a loader that
+        had CUDA memory or a GPU decoder in the parent is refused there with a clear error."""
+        inherited = self._check_process()
+        if inherited is not None:
+            ring, decoder = inherited["_ring"], inherited["_decoder"]
+            self._cuda_lost = (ring is not None and (ring.device != "cpu" or ring.pinned
+                                                     or getattr(ring, "host_pinned", False))) or (
+                decoder is not None and decoder.device == "mixed")
+        if self._cuda_lost:
+            raise GdsloadError(
+                "this loader was forked after it used CUDA in the parent, and CUDA does not survive a fork: "
+                "start the workers with the 'spawn' or 'forkserver' start method (e.g. "
+                "torch.utils.data.DataLoader(..., multiprocessing_context='spawn')), or build the loader in "
+                "the child"
+            )
 
     # -- torch-like surface --------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
     @staticmethod
-    def _default_device() -> str:
+    def _default_device(output: str | None) -> str:
+        """"cuda" when a device exists *and* the loader can use it; else "cpu", with a warning
+        when a device exists (a CPU-only torch build, or no CuPy, on a GPU host)."""
         from gdsload.io import cuda_device_count
 
-        return "cuda" if cuda_device_count() > 0 else "cpu"
+        if cuda_device_count() < 1:
+            return "cpu"
+        why = None
+        try:
+            import cupy  # noqa: F401
+        except Exception as exc:
+            why = f"CuPy does not import ({type(exc).__name__}: {exc})"
+        torch = _torch() if output == "torch" else None
+        if why is None and torch is not None and not torch.cuda.is_available():
+            why = f"torch {torch.__version__} has no CUDA (torch.cuda.is_available() is False)"
+        if why is None:
+            return "cuda"
+        import warnings
+
+        warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
+                      f"device='cuda' to insist)", RuntimeWarning, stacklevel=3)
+        return "cpu"
 
     def _setup(self) -> None:
-        from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
+        from gdsload.loadcheck import check_dataset
+        from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
         from gdsload.ring import Ring, SlotSpec
 
         ds = self.dataset.shards
-        B = self.batch_size
+        # what is verified (`gdsload.loadcheck`) is each dataset's own setting, also in a Mix
+        parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
+        notes = [check_dataset(d.shards, d.verify) for d in parts]
+        self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
+            f"{name}: {note}" for name, note in zip(self.dataset.names, notes))
+        self._shard_verify = [d.verify for d in parts for _ in d.shards.shards]  # per global shard
+        # rows per slot: a batch never holds more than one rank's samples of an epoch
+        B = self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
+        # .npy headers are read (into staging) where the index does not vouch for C order
+        self._tensor_headers = any(mode == "full" or not ds.index(s).npy_c_order
+                                   for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
-            kind = field_kind(name)
-            if kind == "image" and not self.decode:
-                kind = "bytes"
-            if kind not in ("image", "tensor", "label"):
-                kind = "label" if name in _LABEL_FIELDS else "bytes"
+            kind = _fieldkinds.loader_kind(name, decode=self.decode)  # table: gdsload/fields.py
+            if kind == "tensor" and _fieldkinds.is_ragged(ds, name):
+                kind = "ragged"  # shapes vary: a list of tensors, parsed per sample
             fp = _FieldPlan(name, kind)
             for s in range(len(ds.shards)):
                 idx = ds.index(s)
@@ -259,43 +372,75 @@ class DataLoader(PlanCursor):
                 s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
                               if any(e == name for e, _, _ in ds.index(s).members(j)))
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
-                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
+                                              where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
             fplans.append(fp)
         if isinstance(self.dataset, Mix):
             _check_mix_tensors(self.dataset, fplans)
-        images = [fp.name for fp in fplans if fp.kind == "image"]
-        if len(images) > 1:
-            raise GdsloadError(
-                f"dataset fields {images} are all images; a loader decodes one image field, choose "
-                f"it with fields=[...] (or decode=False for encoded bytes)"
-            )
         self._fields = fplans
 
-        # Batch tensors (decoded images, .npy rows) go where the batch is consumed; encoded bytes
-        # and labels stay on the host, where DALI and the label parser read them.
+        # Batch tensors (decoded images, .npy rows, labels) go where the batch is consumed; encoded
+        # bytes stay on the host, where DALI and the label parser read them. On a GPU, labels are
+        # parsed into a host field "__h_<name>" and copied; so are .npy rows when the backend
+        # cannot write device memory.
         spec: dict[str, tuple[tuple[int, ...], str]] = {}
         host: dict[str, tuple[tuple[int, ...], str]] = {}
+        want_device = self.device == "cuda"
+        io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
+        threads = max(2, self.num_workers)
+        if want_device:
+            from gdsload.device import resolve_ordinal
+
+            self.device_ordinal = resolve_ordinal(self._device_index)
+        kw = {"device_id": self.device_ordinal} if io == "kvikio" and want_device else {}
+        self._backend = open_backend(io, threads=threads, **kw)
+        direct = want_device and getattr(self._backend, "device_capable", False)
         staging = 0
         for fp in fplans:
             if fp.kind == "tensor":
                 spec[fp.name] = ((B, *fp.tensor.shape), fp.tensor.dtype.str)
+                if want_device and not direct:
+                    host["__h_" + fp.name] = spec[fp.name]
             elif fp.kind == "image":
                 spec[fp.name] = ((B, *self.transform.output_shape()), self.transform.dtype)
             elif fp.kind == "label":
-                host[fp.name] = ((B,), "int64")
+                (spec if want_device else host)[fp.name] = ((B,), "int64")
+                if want_device:
+                    host["__h_" + fp.name] = ((B,), "int64")
             if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
+            elif self._tensor_headers:
+                staging += B * (-(-max(ALIGN, fp.tensor.header_nbytes) // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
-        want_device = self.device == "cuda"
-        io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
-        self._backend = open_backend(io, threads=max(2, self.num_workers))
-        on_device = want_device and getattr(self._backend, "device_capable", False)
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
-        if on_device:  # two arenas: device (GDS target) and pinned host
-            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{_current_cuda_device()}", pin=pin,
+        hint = (f"lower batch_size ({self.batch_size}) or prefetch_factor ({self.prefetch_factor}: "
+                f"{slots} slots)")
+        on_device = bool(want_device and spec)
+        if on_device:
+            import cupy
+
+            with cupy.cuda.Device(self.device_ordinal):  # the loader's GPU, not the current one
+                device_free = available_device_bytes()
+            check_fits("the prefetch ring's device arena", slots * SlotSpec(fields=spec).nbytes,
+                       device_free, where="GPU", hint=hint)
+            check_fits("the prefetch ring's pinned arena", slots * SlotSpec(fields=host).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        else:
+            check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        if on_device:  # two arenas: device (batch tensors) and pinned host (staging)
+            from gdsload.device import CopyStreams
+
+            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
                               host_spec=SlotSpec(fields=host))
-        else:  # one host arena: one read per batch scatters into every field
+            self._streams = CopyStreams(self.device_ordinal, consumer=self.output)
+            if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
+                self._host_backend = open_backend("posix", threads=threads)
+                register = getattr(self._backend, "register", None)
+                if register is not None:
+                    register(self._ring.arena)
+        else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
             self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -304,6 +449,7 @@ class DataLoader(PlanCursor):
         return self._active_ref() if self._active_ref is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        self._enter_process()
         active = self._active
         if active is not None:
             active.close()
@@ -318,10 +464,10 @@ class DataLoader(PlanCursor):
         if self._decoder is None:
             from gdsload.decode.image import ImageDecoder
 
-            self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
+            self._decoder = ImageDecoder(self.transform, batch_size=self._rows,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
-                                         on_error=self.on_error, device_id=_current_cuda_device())
+                                         on_error=self.on_error, device_id=self.device_ordinal or 0)
         return self._decoder
 
     def stats(self) -> dict[str, Any]:
@@ -329,12 +475,17 @@ class DataLoader(PlanCursor):
         return dict(self._stats)
 
     def close(self) -> None:
+        self._check_process()
         active = self._active
         if active is not None:
             active.close()
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        for backend in (self._backend, self._host_backend):
+            if backend is not None:
+                backend.close()
+        self._backend = self._host_backend = None
+        if self._streams is not None:  # copies still queued must not land in freed ring memory
+            self._streams.synchronize()
+        self._streams = None
         self._ring = None
         self._fields = None
 
@@ -351,18 +502,23 @@ class _Epoch:
     def __init__(self, loader: DataLoader, epoch: int, position: int):
         self.loader = loader
         self.epoch = epoch
+        self.pid = os.getpid()  # the producer threads and the ring state exist in this process only
+        self._successor: Iterator[Any] | None = None
         self.G = loader.plan.global_batch
         self.batches = list(loader.plan.batches(epoch, position))
         self.ring = loader._ring
         self.ring.reset()
         self.next_seq = 0
         self.handed = None
+        self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
         self._claim = 0
         self._claim_lock = threading.Lock()
         self._closed = False
         self._turn = threading.Condition()
         self._decode_turn = 0
         self.has_images = any(fp.kind == "image" for fp in loader._fields)
+        self.n_images = sum(fp.kind == "image" for fp in loader._fields)  # decode turns per batch
+        self.stage = loader._stage.start(loader.num_workers) if loader._stage is not None else None
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}
         hs = self.ring.host_spec
         self._host_layout = {name: off for name, (off, _) in hs.layout().items()} if hs else None
@@ -387,6 +543,13 @@ class _Epoch:
         # and the blocked `acquire` raises RingClosed.
         from gdsload.ring import RingClosed
 
+        first = ref()
+        ordinal = first.loader.device_ordinal if first is not None else None
+        first = None
+        if ordinal is not None:  # the current device is per thread; new threads start on GPU 0
+            from gdsload.device import use_device
+
+            use_device(ordinal)
         while True:
             self = ref()
             if self is None or self._closed:
@@ -414,7 +577,7 @@ class _Epoch:
                 self.ring.fail(slot, exc)
                 continue
             finally:
-                if self.has_images and not decoded:
+                if self.has_images:  # turns not taken (a failure before or between decodes)
                     self._skip_turn(seq)
             self.ring.publish(slot)
 
@@ -435,7 +598,8 @@ class _Epoch:
                 dec = self.loader._get_decoder()
                 out, kept = dec.decode(encoded, names)
                 if out is not None:  # inside the turn: the next run() reuses DALI's buffers
-                    dec.copy_into(out, dst)
+                    streams = self.loader._streams
+                    dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
                 return kept
             finally:
                 self._decode_turn += 1
@@ -443,85 +607,143 @@ class _Epoch:
 
     def _skip_turn(self, seq: int) -> None:
         """A batch that failed before decoding gives up its turn, so later batches proceed."""
+        first, end = seq * self.n_images, (seq + 1) * self.n_images  # one turn per image field
         with self._turn:
-            while self._decode_turn < seq and not self._closed:
+            while self._decode_turn < first and not self._closed:
                 self._turn.wait()
-            if self._decode_turn == seq:
-                self._decode_turn += 1
+            if first <= self._decode_turn < end:
+                self._decode_turn = end
                 self._turn.notify_all()
 
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
         """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn."""
         from gdsload.io import Extent
+        from gdsload.loadcheck import BatchChecks, label
 
         L = self.loader
         ds = L.dataset.shards
         bufs = slot.buffers
         staging = bufs["__staging__"]
+        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
         keys, names = [], []
         direct: dict[str, tuple[list, list]] = {}
         staged: list[Extent] = []
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        checks = BatchChecks()
+        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in L._fields)  # labels come from the index
+        # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
+        to_host = self._host_layout is not None and L._host_backend is None
         cursor = 0
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
             key = idx.key(j)
             keys.append(key)
-            names.append(f"{ds.shards[s]['name']}:{key}")
+            where = f"{ds.shards[s]['name']}:{key}"
+            names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
+            mode = L._shard_verify[s]
+            crcs = (dict(zip(members, idx.crcs(j)))
+                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
             path = ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
                     raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
                 o, n = m
-                if fp.kind == "tensor":
+                if fp.kind == "label" and fp.name in idx.labels:
+                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
+                elif fp.kind == "tensor":
                     head = None if n >= ALIGN else ds.read_extent(s, o, n)
-                    off, nb = fp.tensor.data_extent(key, o, n, head)
+                    off, nb = fp.tensor.data_extent(where, o, n, head)
                     ex, outs = direct.setdefault(fp.name, ([], []))
                     ex.append(Extent(path, off, nb))
                     outs.append(i * nb)
+                    if head is None and (mode == "full" or not idx.npy_c_order):
+                        head = (staging, cursor, off - o)  # read its header too, to check it
+                        staged.append(Extent(path, o, off - o))
+                        staged_off.append(cursor)
+                        checks.header(fp.tensor, where, *head)
+                        cursor += -(-(off - o) // 64) * 64
+                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
+                        rows = () if isinstance(head, bytes) else (
+                            (slot.host_flat, self._host_layout["__h_" + fp.name] + i * nb, nb) if to_host
+                            else (slot.flat, self._layout[fp.name] + i * nb, nb),)
+                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
                 else:
                     staged.append(Extent(path, o, n))
                     staged_off.append(cursor)
-                    spans[fp.name].append((cursor, n))
+                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
+                    if fp.name in crcs:
+                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
                     cursor += -(-n // 64) * 64
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
         layout = self._layout
+        hl = self._host_layout
         extents = [e for ex, _ in direct.values() for e in ex]
-        outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
-        if self._host_layout is None:
+        if to_host:  # .npy rows into pinned host fields, copied to the device below
+            outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
             extents += staged
-            outs += [layout["__staging__"] + o for o in staged_off]
-            staged = []
-        reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
-        if staged:  # device ring: encoded bytes and labels go to the pinned host arena
-            base = self._host_layout["__staging__"]
-            reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+            outs += [hl["__staging__"] + o for o in staged_off]
+            reads = [L._backend.read(extents, slot.host_flat, outs)] if extents else []
+        else:
+            outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
+            if hl is None:
+                extents += staged
+                outs += [layout["__staging__"] + o for o in staged_off]
+                staged = []
+            reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
+            if staged:  # device ring: encoded bytes and labels via POSIX into the pinned host arena
+                base = hl["__staging__"]
+                reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        checks.run()
+        streams = L._streams
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
         if isinstance(L.dataset, Mix):
             meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
+        kepts: dict[str, list[int]] = {}
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
-                bufs[fp.name][: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
-            elif fp.kind == "bytes":
-                meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
+                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                dst[: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
+                                    for k, v in enumerate(vals)]
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
+            elif fp.kind in _fieldkinds.LIST_KINDS:
+                meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + n], w) for (a, n), w in zip(sp, names)]
             elif fp.kind == "image":
-                kept = self._decode(seq, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
+                turn = seq * self.n_images + len(kepts)
+                kept = kepts[fp.name] = self._decode(turn, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
                 decoded = True
                 if len(kept) < len(sp):
                     keep = kept if keep is None else [k for k in keep if k in set(kept)]
                 meta["skipped"] = meta.get("skipped", 0) + len(sp) - len(kept)
+        if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
+            for name, kf in kepts.items():
+                rows = [kf.index(k) for k in keep]
+                bufs[name][: len(rows)] = bufs[name][rows]
+            meta["skipped"] = len(ids) - len(keep)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             meta["keep"] = keep
+        if streams:
+            meta["ready"] = streams.ready()
         slot.meta.update(meta)
+        if self.stage is not None:  # map / collate_fn (gdsload.mapping), on host copies
+            if meta.get("ready") is not None:  # device ring: the private stream's copies first
+                meta["ready"].synchronize()
+            kept_names = names if keep is None else [names[k] for k in keep]
+            slot.meta["mapped"] = self.stage.run(self._make_batch(slot, host=True), kept_names,
+                                                 lambda a: self._convert(a, copy=False))
         return decoded
 
     # consumer ---------------------------------------------------------------------------------
@@ -529,10 +751,12 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
         if self._closed:  # finished, failed, closed, or replaced by a newer iter(): the ring
             raise StopIteration  # may carry another epoch now, never touch it again
         if self.handed is not None:
-            self.ring.release(self.handed)
+            self._release(self.handed)
             self.handed = None
         if self.next_seq >= len(self.batches):
             self._finish()
@@ -544,6 +768,10 @@ class _Epoch:
             raise
         self.next_seq += 1
         self.handed = slot
+        self._consumer = threading.get_ident()
+        streams = self.loader._streams
+        if streams is not None:  # the consumer's stream waits for the batch's copies (GPU-side)
+            streams.consumer_wait(slot.meta.get("ready"))
         batch = self._make_batch(slot)
         self.loader._position += self.G
         self.samples += slot.meta["n"] - slot.meta.get("skipped", 0)
@@ -552,15 +780,39 @@ class _Epoch:
         self._update_stats()
         return batch
 
-    def _make_batch(self, slot) -> Any:
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its threads are not here and its ring
+        must not be touched, so continue with a new iteration of the child's copy of the loader,
+        which starts at the loader's position (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._closed:
+                raise StopIteration
+            self._closed = True
+            self._successor = iter(self.loader)
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.DataLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
+
+    def _release(self, slot, *, same_thread: bool = True) -> None:
+        """Hand the slot back, with a fence on the consumer's stream when the ring is on the GPU."""
+        streams = self.loader._streams
+        fence = streams.release_fence(same_thread=same_thread) if streams is not None else None
+        self.ring.release(slot, fence=fence)
+
+    def _make_batch(self, slot, *, host: bool = False) -> Any:
+        if "mapped" in slot.meta:
+            return slot.meta["mapped"]
         L = self.loader
         n = slot.meta["n"]
         keep = slot.meta.get("keep")
         out: dict[str, Any] = {}
         for fp in L._fields:
-            if fp.kind == "bytes":
+            if fp.kind in _fieldkinds.LIST_KINDS:
                 vals = slot.meta["extra"][fp.name]
-                out[fp.name] = [vals[k] for k in keep] if keep is not None else vals
+                vals = [vals[k] for k in keep] if keep is not None else vals
+                out[fp.name] = [self._convert(v, copy=False) for v in vals] if fp.kind == "ragged" and not host else vals
                 continue
             arr = slot.buffers[fp.name]
             if keep is not None and fp.kind != "image":
@@ -568,13 +820,13 @@ class _Epoch:
                 view = arr
             else:
                 view = arr[: len(keep) if keep is not None else n]
-            out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
+            out[fp.name] = host_copy(view) if host else self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
         if "sources" in slot.meta:
             sources = slot.meta["sources"]
             out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
-        if L.tuple_fields is not None:
+        if L.tuple_fields is not None and not host:
             return tuple(out[f] for f in L.tuple_fields)
         return out
 
@@ -585,13 +837,14 @@ class _Epoch:
         if L.output == "torch":
             torch = _torch()
             t = torch.from_dlpack(arr) if on_device else torch.from_numpy(arr)
-            if L.device == "cuda" and not on_device:
-                return t.to("cuda")  # labels, or a host ring without KvikIO: a copy (blocking)
+            if L.device == "cuda" and not on_device:  # not reached: GPU batch tensors are on the GPU
+                return t.to(f"cuda:{L.device_ordinal}")
             return t.clone() if copy else t
         if L.device == "cuda" and not on_device:
             import cupy
 
-            return cupy.asarray(arr)
+            with cupy.cuda.Device(L.device_ordinal):
+                return cupy.asarray(arr)
         return arr.copy() if copy else arr
 
     def _update_stats(self) -> None:
@@ -611,10 +864,14 @@ class _Epoch:
             "ring_slots": rs["slots"],
             "ring_occupancy": rs.get("mean_occupancy", rs.get("occupancy")),
             "io_path": L._backend.name if L._backend else None,
+            "host_io_path": L._host_backend.name if L._host_backend else None,
+            "ring_device": self.ring.device,
+            "kvikio_error": _kvikio_error() if L.device == "cuda" else None,
             "decode_device": ("mixed" if L.device == "cuda" else "cpu") if any(
                 fp.kind == "image" for fp in L._fields) else None,
             "device": L.device,
             "skipped": self.skipped,
+            "verify": L._verify_note,
         }
 
     def _finish(self) -> None:
@@ -626,15 +883,26 @@ class _Epoch:
     def close(self) -> None:
         if self._closed:
             return
+        if self.pid != os.getpid():  # the parent's iterator in a forked child: touch nothing
+            self._closed = True
+            return
         with self._turn:
             self._closed = True
             self._turn.notify_all()
-        if self.handed is not None:
+        if self.handed is not None:  # keep the fence: the next pass may refill this slot
+            try:
+                self._release(self.handed, same_thread=threading.get_ident() == self._consumer)
+            except Exception:
+                pass
             self.handed = None
+        if self.stage is not None:  # worker processes end with their epoch
+            self.stage.close()
         self.ring.close()
         for t in self.threads:
             if t is not threading.current_thread():  # `__del__` may run in a producer
                 t.join()
+        if self.loader._streams is not None and self.next_seq < len(self.batches):
+            self.loader._streams.synchronize()  # stopped early: unconsumed batches' copies may be queued
         if self.loader._active is self:
             self.loader._active_ref = None
 

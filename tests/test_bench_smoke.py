@@ -1,6 +1,7 @@
 """Benchmarks run as tiny tests so that they cannot rot (speed is never asserted)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,12 @@ def test_gdsload_bench_cli_refuses_unlabelled_data(tmp_path, capsys):
         w.write("a", {"bin": b"x"})
     assert main(["bench", str(tmp_path / "d"), "--rounds", "1"]) == 1
     assert "needs a 'cls' field" in capsys.readouterr().err
+
+
+def test_map_bench_tiny(tmp_path):
+    pytest.importorskip("webdataset")
+    pytest.importorskip("torch")
+    r = _load("map_bench").main(["--tiny", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert r["gdsload"]["samples_per_s"] > 0 and r["torch"]["samples_per_s"] > 0
+    assert r["ratio_gdsload_over_torch"]["median"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["args"]["samples"] == 64

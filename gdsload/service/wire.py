@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.decode.image import ImageTransform
+from gdsload.fields import to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
 from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
@@ -45,7 +46,8 @@ def _varint(n: int) -> bytes:
 
 
 def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: int,
-                 max_chunk_bytes: int, skipped: int = 0) -> Iterator[bytes]:
+                 max_chunk_bytes: int, skipped_keys: Sequence[str] = (),
+                 end_position: int = 0) -> Iterator[bytes]:
     """The serialized BatchChunk messages of one batch (a dict field -> NumPy array or list of
     bytes, plus "__key__"), each at most `max_chunk_bytes` long.
 
@@ -68,15 +70,17 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
             if arr.nbytes:
                 pieces.append(memoryview(arr.reshape(-1).view(np.uint8)))
         elif isinstance(value, (list, tuple)):
-            lengths = [memoryview(v).nbytes for v in value]
+            value = [v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v) for v in value]
+            lengths = [memoryview(v).nbytes for v in value]  # text, json, ragged .npy: bytes items
             fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_BYTES, item_nbytes=lengths,
                                        nbytes=sum(lengths)))
             pieces.extend(v for v, n in zip(value, lengths) if n)
         else:
             raise TypeError(f"field {name!r}: cannot send a {type(value).__name__}")
     body = sum(f.nbytes for f in fields)
-    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=skipped,
-                            body_nbytes=body, sources=sources)
+    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=len(skipped_keys),
+                            skipped_keys=skipped_keys, body_nbytes=body, end_position=end_position,
+                            sources=sources)
     first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
     if first_room <= 0:
         raise OverLimit(
@@ -131,7 +135,8 @@ def body_nbytes(batch: Mapping[str, Any]) -> int:
     n = 0
     for name, value in batch.items():
         if name not in (KEY, SOURCE):
-            n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(v).nbytes for v in value)
+            n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(
+                v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v)).nbytes for v in value)
     return n
 
 
@@ -289,8 +294,25 @@ def _three(name: str, values: Sequence[float]) -> tuple[float, float, float] | N
     return (float(values[0]), float(values[1]), float(values[2]))
 
 
+def spec_defaults(spec: pb.ImageTransformSpec) -> pb.ImageTransformSpec:
+    """`spec` with its unset fields (0, "": proto3 cannot tell them from unset) filled in with the
+    defaults feed.proto states, where 0 is not a valid value: scale 0.08..1, ratio 3/4..4/3,
+    resize floor(size * 8 / 7), layout NCHW, dtype float32. `train`, `flip`, `mean` and `std`
+    keep their zero meaning (eval, no flip, no normalization)."""
+    out = pb.ImageTransformSpec()
+    out.CopyFrom(spec)
+    defaults = {"scale_min": 0.08, "scale_max": 1.0, "ratio_min": 3 / 4, "ratio_max": 4 / 3,
+                "resize": spec.size * 8 // 7, "layout": "NCHW", "dtype": "float32"}
+    for name, value in defaults.items():
+        if not getattr(out, name):
+            setattr(out, name, value)
+    return out
+
+
 def spec_to_transform(spec: pb.ImageTransformSpec, *, max_side: int) -> ImageTransform:
-    """An ImageTransform from the wire, validated (BadRequest / OverLimit name the bad value)."""
+    """An ImageTransform from the wire, unset fields defaulted (`spec_defaults`) and validated
+    (BadRequest / OverLimit name the bad value)."""
+    spec = spec_defaults(spec)
     if spec.size < 1:
         raise BadRequest(f"transform.size must be >= 1 pixel, got {spec.size}")
     if spec.layout not in ("NCHW", "NHWC"):

@@ -50,7 +50,7 @@ class ListDatasetsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "dataset_id", "num_samples", "shard_sizes", "fields", "manifest_json")
+    __slots__ = ("name", "dataset_id", "num_samples", "shard_sizes", "fields", "manifest_json", "field_names")
     class FieldsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,13 +64,15 @@ class DatasetInfo(_message.Message):
     SHARD_SIZES_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIELD_NAMES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dataset_id: str
     num_samples: int
     shard_sizes: _containers.RepeatedScalarFieldContainer[int]
     fields: _containers.ScalarMap[str, str]
     manifest_json: str
-    def __init__(self, name: _Optional[str] = ..., dataset_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., fields: _Optional[_Mapping[str, str]] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    field_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., dataset_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., fields: _Optional[_Mapping[str, str]] = ..., manifest_json: _Optional[str] = ..., field_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListDatasetsResponse(_message.Message):
     __slots__ = ("datasets",)
@@ -83,7 +85,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets")
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "max_memory_bytes", "memory_in_use_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,8 @@ class ServerInfo(_message.Message):
     DECODE_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DECODE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     max_message_bytes: int
@@ -106,7 +110,9 @@ class ServerInfo(_message.Message):
     decode_available: bool
     decode_device: str
     num_datasets: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ...) -> None: ...
+    max_memory_bytes: int
+    memory_in_use_bytes: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ...) -> None: ...
 
 class ImageTransformSpec(_message.Message):
     __slots__ = ("size", "train", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "layout", "dtype")
@@ -221,20 +227,24 @@ class BatchChunk(_message.Message):
     def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes", "sources")
+    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes", "sources", "skipped_keys", "end_position")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     BODY_NBYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
     num_samples: int
     keys: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedCompositeFieldContainer[FieldData]
     skipped: int
     body_nbytes: int
     sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    skipped_keys: _containers.RepeatedScalarFieldContainer[str]
+    end_position: int
+    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., skipped_keys: _Optional[_Iterable[str]] = ..., end_position: _Optional[int] = ...) -> None: ...
 
 class FieldData(_message.Message):
     __slots__ = ("name", "layout", "dtype", "shape", "item_nbytes", "nbytes")

@@ -199,7 +199,7 @@ def _tar_members(t: int, n: int) -> tuple[list[tuple[str, bytes]], dict[str, dic
     for i in range(n):
         key = f"t{t}/s{i:03d}"
         big = rng.bytes(5000 + 700 * i)  # >= 4 KiB: must come out 4096-aligned
-        small = f"{t}-{i}".encode()
+        small = b"%d" % (1000 * t + i)  # a label: .cls payloads must be decimal integers
         members += [(f"{key}.bin", big), (f"{key}.cls", small)]
         expected[key] = {"bin": big, "cls": small}
     return members, expected
