@@ -1,6 +1,7 @@
 """Benchmarks run as tiny tests so that they cannot rot (speed is never asserted)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,12 @@ def test_loader_bench_prefetch_sweep_tiny(tmp_path):
     r = mod.prefetch_sweep(jpg, [5.0], batch_size=16, rounds=1, log=lambda *_: None)["5.0"]
     assert set(r["wait_fraction"]) == {str(p) for p in mod.SWEEP}
     assert r["best_fixed"] != "auto" and r["auto_chose"][0] >= 2
+
+
+def test_map_bench_tiny(tmp_path):
+    pytest.importorskip("webdataset")
+    pytest.importorskip("torch")
+    r = _load("map_bench").main(["--tiny", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert r["gdsload"]["samples_per_s"] > 0 and r["torch"]["samples_per_s"] > 0
+    assert r["ratio_gdsload_over_torch"]["median"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["args"]["samples"] == 64
