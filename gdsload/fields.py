@@ -51,6 +51,12 @@ def is_ragged(ds: Any, name: str) -> bool:
     (so no one batch tensor can hold them). Uses the index columns only."""
     lo = hi = None
     for s in range(len(ds.shards)):
+        entry = ds.shards[s]
+        if "min_nbytes" in entry and "max_nbytes" in entry:  # the manifest says: no index to load
+            if name in entry["max_nbytes"]:
+                a, b = entry["min_nbytes"][name], entry["max_nbytes"][name]
+                lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+            continue
         idx = ds.index(s)
         if name not in idx.extensions:
             continue

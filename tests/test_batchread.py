@@ -124,7 +124,7 @@ def test_missing_field_names_sample(tmp_path):
 
 def _strip_manifest(root, tmp_path):
     """A copy of `root` whose manifest is as gdsload wrote it before shard entries had
-    `max_nbytes`, `member_crc` and `npy_c_order`."""
+    `max_nbytes`, `min_nbytes`, `member_crc` and `npy_c_order`."""
     import json
     import shutil
 
@@ -132,7 +132,7 @@ def _strip_manifest(root, tmp_path):
     shutil.copytree(root, old)
     m = json.loads((old / "manifest.json").read_text())
     for e in m["shards"]:
-        for k in ("max_nbytes", "member_crc", "npy_c_order"):
+        for k in ("max_nbytes", "min_nbytes", "member_crc", "npy_c_order"):
             del e[k]
     (old / "manifest.json").write_text(json.dumps(m))
     return old

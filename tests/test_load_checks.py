@@ -66,7 +66,7 @@ def _as_old_index(ds_path: Path) -> None:
             p.write_bytes(dataclasses.replace(idx, member_crc=None, labels={}, npy_c_order=False).to_bytes())
     m = json.loads((ds_path / "manifest.json").read_text())
     for entry in m["shards"]:
-        for k in ("max_nbytes", "member_crc", "npy_c_order"):
+        for k in ("max_nbytes", "min_nbytes", "member_crc", "npy_c_order"):
             entry.pop(k, None)
     (ds_path / "manifest.json").write_text(json.dumps(m))
 

@@ -11,6 +11,7 @@ Layout (version 1)::
      "shards": [{"name": "shard-000000.tar", "index": "shard-000000.idx",
                  "dali_index": "shard-000000.dali.idx", "samples": 9000, "bytes": 1073741824,
                  "sha256": "...", "max_nbytes": {"jpg": 181234, "cls": 3},
+                 "min_nbytes": {"jpg": 20871, "cls": 1},
                  "member_crc": true, "npy_c_order": true}, ...],
      "fields": {"jpg": "image", "cls": "label"},
      "classes": ["n01440764", ...] or null,
@@ -48,6 +49,7 @@ class ShardEntry(_ShardEntryRequired, total=False):
     # Written since the loader stopped loading every index at start-up (absent in older
     # manifests: the loader then reads the shard's index for them):
     max_nbytes: dict[str, int]  # field -> its largest member payload in the shard, in bytes
+    min_nbytes: dict[str, int]  # field -> its smallest (equal to max: one size, a fixed-shape .npy)
     member_crc: bool  # the shard's index holds CRC32s
     npy_c_order: bool  # the shard's index vouches every .npy payload is C-ordered
 
@@ -104,11 +106,12 @@ def parse(text: str, *, name: str) -> dict[str, Any]:
         for key in ("name", "index", "dali_index"):
             if "/" in s[key] or s[key].startswith("."):
                 raise FormatError(f"{name}: shard file name {s[key]!r} must be a plain file name")
-        sizes = s.get("max_nbytes", {})
-        if not isinstance(sizes, dict) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= s["bytes"] for v in sizes.values()):
-            raise FormatError(f"{name}: shard entry {s['name']!r}: 'max_nbytes' must map fields to byte "
-                              f"counts within the shard's {s['bytes']} bytes")
+        for which in ("max_nbytes", "min_nbytes"):
+            sizes = s.get(which, {})
+            if not isinstance(sizes, dict) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= s["bytes"] for v in sizes.values()):
+                raise FormatError(f"{name}: shard entry {s['name']!r}: {which!r} must map fields to byte "
+                                  f"counts within the shard's {s['bytes']} bytes")
     if sum(s["samples"] for s in shards) != m.get("num_samples"):
         raise FormatError(f"{name}: num_samples does not equal the sum over shards")
     return m

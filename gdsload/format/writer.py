@@ -136,11 +136,13 @@ class ShardWriter:
         if self.fortran_to_c:
             entry["fortran_to_c"] = dict(sorted(self.fortran_to_c.items()))
         # what a loader sizes its buffers from without loading every index (`ShardEntry`)
-        sizes: dict[str, int] = {}
+        sizes: dict[str, list[int]] = {}
         for _, members in self._samples:
             for ext, _, n in members:
-                sizes[ext] = max(sizes.get(ext, 0), n)
-        entry["max_nbytes"] = dict(sorted(sizes.items()))
+                lo_hi = sizes.setdefault(ext, [n, n])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], n), max(lo_hi[1], n)
+        entry["max_nbytes"] = {ext: hi for ext, (_, hi) in sorted(sizes.items())}
+        entry["min_nbytes"] = {ext: lo for ext, (lo, _) in sorted(sizes.items())}
         entry["member_crc"] = entry["npy_c_order"] = True
         return entry
 
