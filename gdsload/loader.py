@@ -535,6 +535,12 @@ class _Epoch:
         self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
         self._claim = 0
         self._claim_lock = threading.Lock()
+        # Held by a reader for the Python-heavy parts of a batch (planning, CRC32s, bytes
+        # objects), never across its reads or decodes: readers that interleave those parts
+        # convoy on the GIL (a thread back from a GIL-free `zlib.crc32` waits up to the 5 ms
+        # switch interval for one busy in Python), which measured at half the samples/s of one
+        # reader on 2 cores; serialised, one reader's CPU part overlaps the others' reads.
+        self._cpu = threading.Lock()
         self._closed = False
         self._turn = threading.Condition()
         self._decode_turn = 0
@@ -643,7 +649,8 @@ class _Epoch:
         Planned with array operations (`gdsload.batchread`); batches it does not plan (`.npy`
         headers to read) go member by member (`_fill_members`)."""
         planner = self.loader._planner
-        reads = planner.plan(ids) if planner is not None else None
+        with self._cpu:
+            reads = planner.plan(ids) if planner is not None else None
         if reads is None:
             return self._fill_members(slot, seq, ids)
         return self._fill_planned(slot, seq, ids, reads)
@@ -676,7 +683,6 @@ class _Epoch:
             jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
                     (L._host_backend, ExtentTable.concat(paths, [staged]), slot.host_flat)]
         nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
-        check_crcs(reads, staging)
         streams = L._streams
         names = reads.names
         meta: dict[str, Any] = {"keys": reads.keys, "n": n, "bytes": nbytes, "extra": {}}
@@ -685,29 +691,14 @@ class _Epoch:
         keep = None
         decoded = False
         kepts: dict[str, list[int]] = {}
-        mv = memoryview(staging)
+        self._cpu.acquire()  # CRC32s and per-sample values; images decode after, in their turn
+        try:
+            check_crcs(reads, staging)
+            self._host_values(reads, staging, memoryview(staging), meta, to_host, bufs)
+        finally:
+            self._cpu.release()
         for fp in L._fields:
-            if fp.kind == "label":
-                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
-                col = reads.labels.get(fp.name)
-                if col is not None:
-                    dst[:n] = col
-                if fp.name in reads.staged:  # indexes without a label column: parse the text
-                    pos, nb, smp = reads.staged[fp.name]
-                    for a, k, i in zip(pos.tolist(), nb.tolist(), smp.tolist()):
-                        dst[i] = label(staging, a, k, names[i], fp.name)
-                if streams:  # non-blocking, on the private stream, after the fence above
-                    streams.to_device(bufs[fp.name][:n], dst[:n])
-            elif fp.kind == "tensor" and to_host:
-                streams.to_device(bufs[fp.name][:n], bufs["__h_" + fp.name][:n])
-            elif fp.kind == "bytes":  # the common case without a parse call per sample
-                pos, nb, _ = reads.staged[fp.name]
-                meta["extra"][fp.name] = [bytes(mv[a : a + k]) for a, k in zip(pos.tolist(), nb.tolist())]
-            elif fp.kind in _fieldkinds.LIST_KINDS:
-                pos, nb, _ = reads.staged[fp.name]
-                meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + k], names[i])
-                                          for i, (a, k) in enumerate(zip(pos.tolist(), nb.tolist()))]
-            elif fp.kind == "image":
+            if fp.kind == "image":
                 pos, nb, _ = reads.staged[fp.name]
                 encoded = [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())]
                 turn = seq * self.n_images + len(kepts)
@@ -734,6 +725,37 @@ class _Epoch:
             slot.meta["mapped"] = self.stage.run(self._make_batch(slot, host=True), kept_names,
                                                  lambda a: self._convert(a, copy=False))
         return decoded
+
+    def _host_values(self, reads, staging, mv: memoryview, meta: dict, to_host: bool, bufs) -> None:
+        """The planned batch's labels, host copies of `.npy` rows to the device, and per-sample
+        values of list fields (bytes, text, json, ragged)."""
+        from gdsload.loadcheck import label
+
+        L = self.loader
+        streams = L._streams
+        names = reads.names
+        n = reads.n
+        for fp in L._fields:
+            if fp.kind == "label":
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                col = reads.labels.get(fp.name)
+                if col is not None:
+                    dst[:n] = col
+                if fp.name in reads.staged:  # indexes without a label column: parse the text
+                    pos, nb, smp = reads.staged[fp.name]
+                    for a, k, i in zip(pos.tolist(), nb.tolist(), smp.tolist()):
+                        dst[i] = label(staging, a, k, names[i], fp.name)
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][:n], dst[:n])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][:n], bufs["__h_" + fp.name][:n])
+            elif fp.kind == "bytes":  # the common case without a parse call per sample
+                pos, nb, _ = reads.staged[fp.name]
+                meta["extra"][fp.name] = [bytes(mv[a : a + k]) for a, k in zip(pos.tolist(), nb.tolist())]
+            elif fp.kind in _fieldkinds.LIST_KINDS:
+                pos, nb, _ = reads.staged[fp.name]
+                meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + k], names[i])
+                                          for i, (a, k) in enumerate(zip(pos.tolist(), nb.tolist()))]
 
     def _fill_members(self, slot, seq: int, ids: np.ndarray) -> bool:
         """`_fill` one member at a time: `.npy` headers read and checked per sample."""
