@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--photos", type=int, default=0, help="also this many ~35 KB photos (a second image set)")
     ap.add_argument("--prefetch-sweep", default="",
                     help="comma-separated step lengths in ms: data stall of prefetch_factor='auto' vs fixed")
+    ap.add_argument("--sweep-rounds", type=int, default=3)
     ap.add_argument("--tiers", default="R,D,T")
     ap.add_argument("--stall", default="", help="comma-separated step lengths in ms for the stall table")
     ap.add_argument("--out", default=None)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_table(out["tensors" + tag]))
     if a.prefetch_sweep:
         out["prefetch_sweep"] = prefetch_sweep(jpg, [float(x) for x in a.prefetch_sweep.split(",")],
-                                               batch_size=batch_sizes[0], rounds=a.rounds, log=log)
+                                               batch_size=batch_sizes[0], rounds=a.sweep_rounds, log=log)
     if a.stall:
         out["stall"] = {}
         for ms in [float(x) for x in a.stall.split(",")]:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-SWEEP = ["auto", 1, 2, 3, 4, 6, 8]
+SWEEP = ["auto", 1, 2, 4, 8]
 
 
 def prefetch_sweep(jpg: Path, steps_ms: list[float], *, batch_size: int, rounds: int, log) -> dict:
