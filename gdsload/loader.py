@@ -41,11 +41,31 @@ _LABEL_FIELDS = ("cls",)
 
 
 class Dataset:
-    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used."""
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None):
+    A dataset at a URL (s3://, gs://, http(s)://) is read through a local shard cache
+    (`gdsload.format.cache`): whole shards are fetched ahead of the plan and evicted by it.
+    `cache_dir=None` uses `$XDG_CACHE_HOME/gdsload/shards` (else `~/.cache/gdsload/shards`);
+    `cache_dir=False` reads byte ranges from the store instead. `cache_limit` (bytes, or a size
+    such as "50GB", "200GiB") bounds the folder. A local dataset has no cache.
+    """
+
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None,
+                 cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
+                 cache_limit: int | str = "50GB"):
+        from gdsload.format.store import is_remote
+
         self.path = str(path)
         self.shards = ShardedDataset(path)
+        self.cache_limit = _parse_limit(cache_limit)
+        if cache_dir is False or not is_remote(self.path):
+            self.cache_dir: str | None = None
+        elif cache_dir is None:
+            from gdsload.format.cache import default_cache_dir
+
+            self.cache_dir = str(default_cache_dir())
+        else:
+            self.cache_dir = str(cache_dir)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
         if unknown:
@@ -70,6 +90,26 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
+
+    def _with_fields(self, fields: Sequence[str]) -> "Dataset":
+        return Dataset(self.path, fields=fields, cache_dir=self.cache_dir or False, cache_limit=self.cache_limit)
+
+
+def _parse_limit(limit: int | str) -> int:
+    """`cache_limit` in bytes: an int, or a size string as the CLI takes (`50GB`, `1.5GiB`)."""
+    import argparse
+
+    from gdsload.cli import parse_size  # a pure function; cli imports nothing heavy at the top
+
+    if isinstance(limit, bool) or not isinstance(limit, (int, str)):
+        raise GdsloadError(f"cache_limit must be bytes (an int) or a size such as '50GB', got {limit!r}")
+    try:
+        n = parse_size(limit) if isinstance(limit, str) else limit
+    except argparse.ArgumentTypeError as exc:
+        raise GdsloadError(f"cache_limit: {exc}") from None
+    if n <= 0:
+        raise GdsloadError(f"cache_limit must be positive, got {limit!r}")
+    return n
 
 
 @dataclass
@@ -149,7 +189,7 @@ class DataLoader(PlanCursor):
 
         self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
         if fields is not None:
-            self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"])
+            self.dataset = self.dataset._with_fields([f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -188,6 +228,7 @@ class DataLoader(PlanCursor):
         self._fields: list[_FieldPlan] | None = None
         self._ring = None
         self._backend = None
+        self._cache = None  # a ShardCache for a dataset at a URL with a cache folder
         self._stats: dict[str, Any] = {}
         # weak: an epoch its consumer dropped (a `break`, an exception) is collected, which
         # closes it and ends its threads (see `_Epoch._produce`)
@@ -256,8 +297,16 @@ class DataLoader(PlanCursor):
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
         want_device = self.device == "cuda"
-        io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
+        cached = self.dataset.cache_dir is not None
+        where = self.dataset.cache_dir if cached else ds.root  # cached shards are local files
+        io = self.io_name if self.io_name != "auto" else choose_backend(where, device=want_device)
         self._backend = open_backend(io, threads=max(2, self.num_workers))
+        if cached:
+            from gdsload.format.cache import ShardCache
+
+            self._cache = ShardCache(ds.root, ds.shards, self.dataset.cache_dir, self.dataset.cache_limit,
+                                     on_release=getattr(self._backend, "forget", None))
+            self._cache.check_limit(self.plan.window)
         on_device = want_device and getattr(self._backend, "device_capable", False)
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
@@ -301,6 +350,9 @@ class DataLoader(PlanCursor):
         active = self._active
         if active is not None:
             active.close()
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -324,6 +376,9 @@ class _Epoch:
         self.batches = list(loader.plan.batches(epoch, position))
         self.ring = loader._ring
         self.ring.reset()
+        if loader._cache is not None:  # the shards of every batch, so the cache can fetch ahead
+            ends = np.cumsum(loader.dataset.shard_sizes)
+            loader._cache.start_epoch([np.unique(np.searchsorted(ends, b, side="right")) for b in self.batches])
         self.next_seq = 0
         self.handed = None
         self._claim = 0
@@ -375,6 +430,7 @@ class _Epoch:
             if self is None:
                 return
             decoded = False
+            cache = self.loader._cache
             try:
                 decoded = self._fill(slot, seq, self.batches[seq])
             except RingClosed:
@@ -383,6 +439,8 @@ class _Epoch:
                 self.ring.fail(slot, exc)
                 continue
             finally:
+                if cache is not None:
+                    cache.release(seq)
                 if self.has_images and not decoded:
                     self._skip_turn(seq)
             self.ring.publish(slot)
@@ -433,6 +491,10 @@ class _Epoch:
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
         cursor = 0
+        local = None
+        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            ends = np.cumsum(L.dataset.shard_sizes)
+            local = L._cache.acquire(seq, np.unique(np.searchsorted(ends, ids, side="right")).tolist())
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
@@ -440,7 +502,7 @@ class _Epoch:
             keys.append(key)
             names.append(f"{ds.shards[s]['name']}:{key}")
             members = {e: (o, n) for e, o, n in idx.members(j)}
-            path = ds.shard_path(s)
+            path = local[s] if local is not None else ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
@@ -580,6 +642,8 @@ class _Epoch:
             "device": L.device,
             "skipped": self.skipped,
         }
+        if L._cache is not None:
+            L._stats["cache"] = L._cache.stats()
 
     def _finish(self) -> None:
         self.close()
