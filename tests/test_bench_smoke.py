@@ -43,3 +43,19 @@ def test_gdsload_bench_cli_refuses_unlabelled_data(tmp_path, capsys):
         w.write("a", {"bin": b"x"})
     assert main(["bench", str(tmp_path / "d"), "--rounds", "1"]) == 1
     assert "needs a 'cls' field" in capsys.readouterr().err
+
+
+def test_cache_bench_tiny_gdsload(tmp_path):
+    """The object-store benchmark's gdsload contestants (cache cold and warm, ranges, local) over
+    its latency- and bandwidth-capped local S3 server."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    r = _load("cache_bench").main(["--tiny", "--contestants", "gdsload", "--workdir", str(tmp_path),
+                                   "--out", str(tmp_path / "r.json")])
+    t = r["tiers"]["R"]
+    assert t["agree"] and {t[c]["samples"] for c in ("gdsload-cache", "gdsload-warm", "gdsload-ranges",
+                                                      "gdsload-local")} == {48}
+    fetched = t["gdsload-cache"]["runs"][0]["stats"]["cache"]["fetches"]
+    assert fetched > 0  # the warm run's second epoch fetched nothing more:
+    assert t["gdsload-warm"]["runs"][0]["stats"]["cache"]["fetches"] == fetched
+    assert t["cache_over_ranges"]["median"] > 0 and (tmp_path / "r.json").is_file()
