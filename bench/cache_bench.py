@@ -244,7 +244,7 @@ def run_other(a: dict) -> dict:
         class DS(litdata.StreamingDataset):
             def __getitem__(self, index):
                 s = super().__getitem__(index)
-                img = s["image"]
+                img = bytes(s["image"])  # a memoryview into the chunk, which workers cannot pickle
                 if tier == "T":
                     import io
 
@@ -300,8 +300,12 @@ def _collate_t(items):
 
 def run_one(python: str, args: dict, timeout_s: float) -> dict:
     t0 = time.perf_counter()
-    r = subprocess.run([python, __file__, "--run", json.dumps(args)], capture_output=True, text=True,
-                       timeout=timeout_s, env={**os.environ, **ENV, "PYTHONPATH": str(REPO)})
+    try:
+        r = subprocess.run([python, __file__, "--run", json.dumps(args)], capture_output=True, text=True,
+                           timeout=timeout_s, env={**os.environ, **ENV, "PYTHONPATH": str(REPO)})
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        raise SystemExit(f"{args['contestant']} (tier {args['tier']}) ran past {timeout_s:.0f} s:\n{err[-4000:]}") from None
     if r.returncode:
         raise SystemExit(f"{args['contestant']} (tier {args['tier']}) failed:\n{r.stderr[-4000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -371,10 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
                             "batch_size": a.batch_size, "workers": max(2, os.cpu_count() or 2),
                             "cache_limit": a.cache_limit}
                     python = sys.executable if c in GDSLOAD else a.other_python
-                    try:
-                        r = run_one(python, args, a.timeout_s)
-                    except subprocess.TimeoutExpired:
-                        raise SystemExit(f"{c} (tier {tier}) ran past --timeout-s {a.timeout_s:.0f}") from None
+                    r = run_one(python, args, a.timeout_s)
                     results[tier][c].append(r)
                     shutil.rmtree(cache, ignore_errors=True)
                     print(f"round {rnd} tier {tier} {c:15s} {r['samples_per_s']:10.1f} samples/s "
