@@ -1,231 +1,306 @@
-"""GPU checks and tiers, for an H200 (or any CUDA) host; run through `bench/gpu_check.sh`.
+"""GPU checks and measurements, one table row each; run through `bench/gpu_check.sh`.
 
-1. doctor: CUDA driver, cuFile, KvikIO's compat mode and whether GDS is really available.
-2. KvikIO reads of a shard-sized file into a CuPy buffer vs a plain POSIX read + host-to-device
-   copy of the same bytes (interleaved rounds; page cache evicted before each cold read).
-3. Raw-tensor tier end to end into CUDA tensors: `gdsload.DataLoader(device="cuda")` (KvikIO into
-   the device ring, DLPack to torch) vs `torch.utils.data.DataLoader(num_workers=cores,
-   pin_memory=True)` over webdataset `.npy` + `.cuda(non_blocking=True)`. Checks values.
-4. The ring in device memory: no host round trip for raw tensors (ring device, I/O path, output
-   device all reported).
-5. DALI "mixed" decode (tier T) when DALI imports.
-
-Prints a short table and writes JSON to $OUT (or bench/results/). Sized to finish in a few
-minutes on an H200 host: `--samples` raw tensors of 3x224x224 uint8, `--images` JPEGs.
+Steps (each appends a row to `OUT/gpu-check.json` as soon as it ends; see bench/gpu_table.py):
+  data          make a raw-tensor dataset (uint8[3, 224, 224] rows, 150,528 bytes) and a JPEG
+                dataset, before anything touches CUDA (conversion forks worker processes)
+  device_path   `DataLoader(device="cuda")` over the tensors: FAIL unless `stats()["io_path"]`
+                is a KvikIO path and `ring_device` is a GPU, or if a value differs from the source
+  kvikio_rows   per-row reads as the loader issues them (one `pread` per row into a device
+                batch buffer at row offsets) vs POSIX into pinned memory + one host-to-device
+                copy per batch; KvikIO's gds_threshold, compat mode and cuFile's GDS view reported
+  raw_tier      gdsload into CUDA tensors vs torch DataLoader(pin_memory) + .cuda(), values checked
+  mixed_vs_cpu  the eval transform decoded by DALI "mixed" vs the CPU decode of the same JPEGs:
+                FAIL when an image's mean absolute difference exceeds `--tolerance` (0..255 units)
+  mixed_busy    the same while another thread keeps the default stream busy with matrix
+                products and the consumer reads every batch on a side stream and keeps GPU
+                clones (this is where a missing ready event or release fence shows)
+A step that raises is a FAIL row with its traceback in the JSON. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_table import Report  # noqa: E402
 
-def _fadvise_dontneed(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+ROW_SHAPE = (3, 224, 224)
 
 
-def kvikio_vs_posix(path: str, rounds: int) -> dict:
+def step_data(a) -> tuple:
+    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.sampledata import make_image_folder, make_npy_folder
+
+    work = Path(a.workdir)
+    npy, jpg = work / "npy-shards", work / "jpg-shards"
+    if not (npy / "manifest.json").exists():
+        make_npy_folder(work / "npy", num_samples=a.samples, shape=ROW_SHAPE, dtype="uint8")
+        convert(str(work / "npy"), npy, ConvertOptions(shard_size=64_000_000, progress=False, overwrite=True))
+    if not (jpg / "manifest.json").exists():
+        make_image_folder(work / "jpg", num_images=a.images, num_classes=4, mean_size=(320, 240))
+        convert(str(work / "jpg"), jpg, ConvertOptions(shard_size=32_000_000, progress=False, overwrite=True))
+    return "PASS", f"{a.samples} rows, {a.images} JPEGs", None, {"npy": str(npy), "jpg": str(jpg)}
+
+
+def _source_rows(a) -> dict[str, np.ndarray]:
+    return {p.stem: p for p in (Path(a.workdir) / "npy").glob("*.npy")}
+
+
+def step_device_path(a) -> tuple:
+    import gdsload
+
+    src = _source_rows(a)
+    dl = gdsload.DataLoader(str(Path(a.workdir) / "npy-shards"), batch_size=a.batch_size, device="cuda",
+                            num_workers=4, shuffle=True)
+    bad, n, on_gpu = [], 0, True
+    for b in dl:
+        x = b["npy"]
+        on_gpu &= bool(getattr(x, "is_cuda", hasattr(x, "__cuda_array_interface__")))
+        if n < 3 * a.batch_size:  # check the first batches against the source files
+            host = x.cpu().numpy() if hasattr(x, "cpu") else x.get()
+            bad += [k for i, k in enumerate(b["__key__"]) if not np.array_equal(host[i], np.load(src[k]))]
+        n += len(b["__key__"])
+    st = dl.stats()
+    dl.close()
+    io, ring = str(st.get("io_path")), str(st.get("ring_device"))
+    ok = io.startswith("kvikio") and ring.startswith("cuda") and on_gpu and not bad and n == a.samples
+    return ("PASS" if ok else "FAIL"), f"io={io} ring={ring}", None, {
+        "stats": st, "wrong_keys": bad[:10], "samples": n, "tensors_on_gpu": on_gpu}
+
+
+def _row_extents(a, limit: int):
+    from gdsload.decode.raw import TensorField
+    from gdsload.format.reader import ShardedDataset
+    from gdsload.format.tar import ALIGN
+    from gdsload.io import Extent
+
+    ds = ShardedDataset(str(Path(a.workdir) / "npy-shards"))
+    ext = []
+    field = None
+    for gid in range(min(limit, len(ds))):
+        s, j = ds.locate(gid)
+        o, n = next((o, n) for e, o, n in ds.index(s).members(j) if e == "npy")
+        if field is None:
+            field = TensorField.probe("npy", ds.read_extent(s, o, min(n, 2 * ALIGN)))
+        off, nb = field.data_extent(ds.index(s).key(j), o, n)
+        ext.append(Extent(ds.shard_path(s), off, nb))
+    return ext, field.nbytes
+
+
+def step_kvikio_rows(a) -> tuple:
     import cupy
     import kvikio
-    import kvikio.defaults
 
-    size = os.path.getsize(path)
-    dev = cupy.empty(size, dtype=cupy.uint8)
-    host = np.empty(size, dtype=np.uint8)
-    out: dict = {"bytes": size, "kvikio_gbps": [], "posix_h2d_gbps": []}
-    try:
-        out["compat_mode_preferred"] = bool(kvikio.defaults.is_compat_mode_preferred())
-    except Exception as exc:  # older/newer API
-        out["compat_mode_preferred"] = f"unknown ({exc})"
-    try:
-        import kvikio.cufile_driver
+    from gdsload.io.kvikio_backend import KvikioBackend, gds_active
+    from gdsload.io.posix import PosixBackend
 
-        out["gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
-    except Exception as exc:
-        out["gds_available"] = f"unknown ({exc})"
-    for _ in range(rounds):
-        _fadvise_dontneed(path)
+    ext, nb = _row_extents(a, a.samples)
+    B = a.batch_size
+    dev = cupy.empty(B * nb, dtype=cupy.uint8)
+    dev2 = cupy.empty(B * nb, dtype=cupy.uint8)
+    pinned = np.frombuffer(cupy.cuda.alloc_pinned_memory(B * nb), np.uint8, B * nb)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kv, px = KvikioBackend(threads=8), PosixBackend(threads=8)
+    rates: dict[str, list[float]] = {"kvikio": [], "posix_h2d": []}
+    equal = True
+    batches = [ext[i : i + B] for i in range(0, len(ext) - B + 1, B)]
+
+    def kvikio_pass() -> float:
         t = time.perf_counter()
-        with kvikio.CuFile(path, "r") as f:
-            n = f.pread(dev).get()
+        for rows in batches:
+            kv.read(rows, dev, [i * nb for i in range(len(rows))]).result()
         cupy.cuda.runtime.deviceSynchronize()
-        out["kvikio_gbps"].append(n / (time.perf_counter() - t) / 1e9)
-        _fadvise_dontneed(path)
+        return len(batches) * B * nb / (time.perf_counter() - t) / 1e9
+
+    def posix_pass() -> float:
         t = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(host))
-        dev2 = cupy.asarray(host)
-        cupy.cuda.runtime.deviceSynchronize()
-        out["posix_h2d_gbps"].append(size / (time.perf_counter() - t) / 1e9)
-        del dev2
-    out["equal"] = bool((dev[: 1 << 20].get() == host[: 1 << 20]).all())
-    out["ratio_median"] = statistics.median(a / b for a, b in zip(out["kvikio_gbps"], out["posix_h2d_gbps"]))
-    return out
+        for rows in batches:
+            px.read(rows, pinned, [i * nb for i in range(len(rows))]).result()
+            cupy.cuda.runtime.memcpyAsync(dev2.data.ptr, pinned.ctypes.data, B * nb,
+                                          cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            stream.synchronize()
+        return len(batches) * B * nb / (time.perf_counter() - t) / 1e9
+
+    kvikio_pass(), posix_pass()  # warm-up (page cache hot for both: the rows were just written)
+    for _ in range(a.rounds):
+        rates["kvikio"].append(kvikio_pass())
+        rates["posix_h2d"].append(posix_pass())
+    equal = bool((dev == dev2).all())  # the last batch, read both ways
+    detail = {"row_nbytes": nb, "batch": B, "batches": len(batches), "rates_gbps": rates,
+              "kvikio": getattr(kvikio, "__version__", "?"), "gds_threshold": kv.gds_threshold,
+              "compat_mode_preferred": bool(kvikio.defaults.is_compat_mode_preferred()),
+              "gds_active": gds_active(kvikio), "path_bytes": dict(kv.path_bytes), "equal": equal}
+    kv.close(), px.close()
+    ratio = statistics.median(k / p for k, p in zip(rates["kvikio"], rates["posix_h2d"]))
+    figure = f"{statistics.median(rates['kvikio']):.2f} GB/s {kv.name}"
+    return ("PASS" if equal else "FAIL"), figure, ratio, detail
 
 
-def raw_tier(shards: str, rounds: int, batch: int, workers: int) -> dict:
+def step_raw_tier(a) -> tuple:
     import torch
     import webdataset as wds
 
     import gdsload
 
-    m = json.loads((Path(shards) / "manifest.json").read_text())
-    tars = [str(Path(shards) / s["name"]) for s in m["shards"]]
-    res: dict = {"gdsload_gbps": [], "torch_gbps": [], "samples": m["num_samples"]}
+    shards = Path(a.workdir) / "npy-shards"
+    tars = sorted(str(p) for p in shards.glob("*.tar"))
 
-    def ours() -> tuple[float, dict]:
-        dl = gdsload.DataLoader(shards, batch_size=batch, device="cuda", num_workers=workers)
-        t = time.perf_counter()
-        nbytes = 0
-        first = None
+    def ours() -> float:
+        dl = gdsload.DataLoader(str(shards), batch_size=a.batch_size, device="cuda", num_workers=4)
+        t, nbytes = time.perf_counter(), 0
         for b in dl:
-            x = b["npy"]
-            if first is None:
-                first = {"is_cuda": bool(x.is_cuda), "dtype": str(x.dtype), "shape": list(x.shape)}
-            nbytes += x.numel() * x.element_size()
+            nbytes += b["npy"].numel()
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        st = dl.stats()
-        info = {"io_path": st.get("io_path"), "ring_device": dl._ring.device, "first_batch": first,
-                "wait_fraction": st.get("wait_fraction")}
         dl.close()
-        return nbytes / dt / 1e9, info
+        return nbytes / (time.perf_counter() - t) / 1e9
 
-    def baseline() -> float:
+    def theirs() -> float:
         ds = wds.WebDataset(tars, shardshuffle=False, empty_check=False).decode().to_tuple("npy", "cls")
-        dl = torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers, pin_memory=True)
-        t = time.perf_counter()
-        nbytes = 0
+        dl = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, num_workers=min(8, os.cpu_count() or 8),
+                                         pin_memory=True)
+        t, nbytes = time.perf_counter(), 0
         for x, _ in dl:
-            x = x.cuda(non_blocking=True)
-            nbytes += x.numel() * x.element_size()
+            nbytes += x.cuda(non_blocking=True).numel()
         torch.cuda.synchronize()
         return nbytes / (time.perf_counter() - t) / 1e9
 
-    ours()  # warm-up
-    baseline()
-    for _ in range(rounds):
-        g, info = ours()
-        res["gdsload_gbps"].append(g)
-        res["torch_gbps"].append(baseline())
-    res["info"] = info
-    res["ratio_median"] = statistics.median(a / b for a, b in zip(res["gdsload_gbps"], res["torch_gbps"]))
-    # values: the first sample through the loader equals np.load of the shard bytes
-    dl = gdsload.DataLoader(shards, batch_size=4, device="cuda")
-    b = next(iter(dl))
-    ds = gdsload.open_dataset(shards)
-    import io
-
-    ref = np.load(io.BytesIO(ds.sample(0)["npy"]))
-    res["values_equal"] = bool((b["npy"][0].cpu().numpy() == ref).all())
-    dl.close()
-    return res
+    pairs = [(ours(), theirs()) for _ in range(a.rounds)]
+    ratio = statistics.median(o / t for o, t in pairs)
+    return "INFO", f"{statistics.median(o for o, _ in pairs):.2f} GB/s into CUDA", ratio, {"gbps": pairs}
 
 
-def dali_mixed(shards: str, rounds: int, batch: int) -> dict:
-    import torch
+def _eval_transform():
+    from gdsload.decode.image import ImageTransform
 
+    return ImageTransform(train=False, size=224, resize=256, mean=None, std=None, dtype="uint8", layout="NCHW")
+
+
+def _decode_all(a, device: str, busy: bool = False) -> tuple[dict, float, dict]:
     import gdsload
 
-    rates = []
-    for _ in range(rounds + 1):
-        dl = gdsload.DataLoader(shards, batch_size=batch, device="cuda", num_workers=4)
-        t = time.perf_counter()
-        n = 0
+    dl = gdsload.DataLoader(str(Path(a.workdir) / "jpg-shards"), batch_size=64, device=device,
+                            transform=_eval_transform(), num_workers=4)
+    out: dict[str, np.ndarray] = {}
+    t = time.perf_counter()
+    if device == "cpu":
         for b in dl:
-            n += len(b["__key__"])
+            x = b["jpg"].numpy() if hasattr(b["jpg"], "numpy") else np.asarray(b["jpg"])
+            out.update({k: x[i].copy() for i, k in enumerate(b["__key__"])})
+    else:
+        import torch
+
+        side = torch.cuda.Stream() if busy else None
+        kept = []
+        with torch.cuda.stream(side) if side is not None else _null():
+            for b in dl:  # GPU clones queued on the consumer's stream, read only at the end
+                kept.append((list(b["__key__"]), b["jpg"].clone()))
         torch.cuda.synchronize()
-        rates.append(n / (time.perf_counter() - t))
-        st = dl.stats()
-        dl.close()
-    return {"images_per_s": statistics.median(rates[1:]), "decode_device": st.get("decode_device"),
-            "io_path": st.get("io_path")}
+        for keys, x in kept:
+            host = x.cpu().numpy()
+            out.update({k: host[i] for i, k in enumerate(keys)})
+    rate = len(out) / (time.perf_counter() - t)
+    st = dl.stats()
+    dl.close()
+    return out, rate, st
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default="/tmp/gdsload-gpu")
-    ap.add_argument("--samples", type=int, default=8000)
-    ap.add_argument("--images", type=int, default=4000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=256)
-    a = ap.parse_args()
-    from gdsload import doctor
+class _null:
+    def __enter__(self):
+        return None
 
-    report: dict = {"machine": {"node": platform.node(), "cpus": os.cpu_count()}, "doctor": doctor.collect()}
-    if not report["doctor"].get("gpu_available"):
-        print("no CUDA device on this host: nothing to measure (run this on a GPU host)")
-        return 2
-    from gdsload.convert.engine import ConvertOptions, convert
-    from gdsload.sampledata import make_image_folder, make_npy_folder
+    def __exit__(self, *exc):
+        return False
 
-    work = Path(a.workdir)
-    npy = work / "npy-shards"
-    if not (npy / "manifest.json").exists():
-        make_npy_folder(work / "npy", num_samples=a.samples, shape=(3, 224, 224), dtype="uint8")
-        convert(str(work / "npy"), npy, ConvertOptions(shard_size=256_000_000, progress=False, overwrite=True))
-    steps = {
-        "kvikio_read": lambda: kvikio_vs_posix(str(npy / json.loads((npy / "manifest.json").read_text())
-                                                   ["shards"][0]["name"]), a.rounds),
-        "raw_tier_cuda": lambda: raw_tier(str(npy), a.rounds, a.batch_size, os.cpu_count() or 8),
-    }
+
+def _compare(a, ref: dict, got: dict) -> tuple[str, str, dict]:
+    diffs = {k: float(np.abs(got[k].astype(np.int16) - ref[k].astype(np.int16)).mean()) for k in ref if k in got}
+    worst = max(diffs.values()) if diffs else float("inf")
+    bad = sorted((k for k, d in diffs.items() if d > a.tolerance), key=diffs.get, reverse=True)
+    ok = len(diffs) == len(ref) == len(got) and not bad
+    return ("PASS" if ok else "FAIL"), f"worst mean|diff| {worst:.2f} (tol {a.tolerance})", {
+        "compared": len(diffs), "reference": len(ref), "got": len(got), "over_tolerance": bad[:10],
+        "mean_of_means": statistics.fmean(diffs.values()) if diffs else None}
+
+
+_REFERENCE: dict = {}
+
+
+def step_mixed_vs_cpu(a) -> tuple:
     try:
         import nvidia.dali  # noqa: F401
-
-        def dali_step() -> dict:
-            jpg = work / "jpg-shards"
-            if not (jpg / "manifest.json").exists():
-                make_image_folder(work / "jpg", num_images=a.images, num_classes=10)
-                convert(str(work / "jpg"), jpg, ConvertOptions(shard_size=128_000_000, progress=False, overwrite=True))
-            return dali_mixed(str(jpg), a.rounds, a.batch_size)
-
-        steps["dali_mixed_T"] = dali_step
     except ImportError:
-        report["dali_mixed_T"] = {"skipped": "DALI is not installed on this host"}
-    for name, fn in steps.items():
+        return "SKIP", "DALI not installed (carry it: bench/README.md)", None, {}
+    ref, cpu_rate, _ = _decode_all(a, "cpu")
+    _REFERENCE["ref"] = ref
+    got, gpu_rate, st = _decode_all(a, "cuda")
+    status, figure, detail = _compare(a, ref, got)
+    if st.get("decode_device") != "mixed" or not str(st.get("ring_device")).startswith("cuda"):
+        status = "FAIL"
+    return status, figure, gpu_rate / cpu_rate, {**detail, "stats": st, "images_per_s": [cpu_rate, gpu_rate]}
+
+
+def step_mixed_busy(a) -> tuple:
+    if "ref" not in _REFERENCE:
+        return "SKIP", "needs mixed_vs_cpu", None, {}
+    import torch
+
+    stop = threading.Event()
+    products = [0]
+
+    def burn():  # matrix products on this thread's default stream, the legacy one
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        while not stop.is_set():
+            for _ in range(8):
+                x = torch.tanh(x @ x)
+            products[0] += 8
+            torch.cuda.current_stream().synchronize()  # keep the queue bounded, never empty for long
+        torch.cuda.synchronize()
+
+    burner = threading.Thread(target=burn, name="default-stream-burner", daemon=True)
+    burner.start()
+    try:
+        got, rate, st = _decode_all(a, "cuda", busy=True)
+    finally:
+        stop.set()
+        burner.join(timeout=60)
+    status, figure, detail = _compare(a, _REFERENCE["ref"], got)
+    return status, figure, None, {**detail, "stats": st, "matmuls": products[0], "images_per_s": rate}
+
+
+STEPS = {"data": step_data, "device_path": step_device_path, "kvikio_rows": step_kvikio_rows,
+         "raw_tier": step_raw_tier, "mixed_vs_cpu": step_mixed_vs_cpu, "mixed_busy": step_mixed_busy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results" / "tmp"))
+    ap.add_argument("--workdir", default="/tmp/gdsload-gpu")
+    ap.add_argument("--samples", type=int, default=2048)
+    ap.add_argument("--images", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--tolerance", type=float, default=3.0, help="mean |GPU - CPU| per image, 0..255 units")
+    ap.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of " + ",".join(STEPS))
+    a = ap.parse_args(argv)
+    report = Report(a.out)
+    for name in a.steps.split(","):
         t = time.perf_counter()
         try:
-            report[name] = fn()
+            status, figure, ratio, detail = STEPS[name](a)
         except Exception as exc:
-            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        report[name]["seconds"] = round(time.perf_counter() - t, 1)
-        print(f"{name}: done in {report[name]['seconds']} s", file=sys.stderr)
-
-    d = report["doctor"]
-    print(f"host: {d.get('cuda', {}).get('devices')}  io_path={d.get('io_path')}  decode={d.get('decode_device')}")
-    k = report.get("kvikio_read", {})
-    if "kvikio_gbps" in k:
-        print(f"KvikIO cold read into CuPy: {statistics.median(k['kvikio_gbps']):.2f} GB/s vs POSIX+H2D "
-              f"{statistics.median(k['posix_h2d_gbps']):.2f} GB/s (ratio {k['ratio_median']:.2f}); "
-              f"compat_mode_preferred={k['compat_mode_preferred']} gds_available={k['gds_available']}")
-    r = report.get("raw_tier_cuda", {})
-    if "gdsload_gbps" in r:
-        print(f"raw tier into CUDA tensors: gdsload {statistics.median(r['gdsload_gbps']):.2f} GB/s vs torch "
-              f"DataLoader pin_memory+cuda {statistics.median(r['torch_gbps']):.2f} GB/s (ratio "
-              f"{r['ratio_median']:.2f}); {r['info']}; values_equal={r['values_equal']}")
-    dm = report.get("dali_mixed_T", {})
-    if "images_per_s" in dm:
-        print(f"DALI mixed decode, tier T: {dm['images_per_s']:.0f} images/s ({dm['decode_device']}, {dm['io_path']})")
-    for name in steps:
-        if "error" in report[name]:
-            print(f"{name}: ERROR {report[name]['error']}")
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return 0
+            status, figure, ratio = "FAIL", f"{type(exc).__name__}: {exc}", None
+            detail = {"traceback": traceback.format_exc()[-4000:]}
+        report.add(name, status, figure, ratio, time.perf_counter() - t, **detail)
+    return 1 if report.failed else 0
 
 
 if __name__ == "__main__":

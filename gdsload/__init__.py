@@ -21,6 +21,7 @@ _LAZY = {
     "DataLoader": "gdsload.loader",
     "Dataset": "gdsload.loader",
     "ImageTransform": "gdsload.decode.image",
+    "Mix": "gdsload.mix",
     "RemoteLoader": "gdsload.service.client",
 }
 
@@ -38,6 +39,7 @@ __all__ = [
     "DataLoader",
     "Dataset",
     "ImageTransform",
+    "Mix",
     "RemoteLoader",
     "DestinationError",
     "FormatError",

@@ -67,8 +67,15 @@ def cmd_convert(a: argparse.Namespace) -> int:
         f"{r['workers']} worker(s)"
         + (f"; {r['resumed_shards']} shards kept from the interrupted run" if r["resumed_shards"] else "")
     )
+    m = r["manifest"]
+    n = len(m.get("classes") or [])
+    classes = f"{n} class{'es' if n != 1 else ''}" if n else "no classes"
+    print(f"input: {m['created']['source_format']} ({'--format' if a.format else 'detected'}), {classes}"
+          + (", labels from .cls" if "cls" in m["fields"] and not m.get("classes") else ""))
     if r["rejected"]:
         print(f"{r['rejected']} inputs rejected and left out: see {os.path.join(a.dst, 'rejected.jsonl')}")
+    for field, count in m["created"].get("fortran_to_c", {}).items():
+        print(f"{count} Fortran-ordered .{field} arrays stored in C order (same values)")
     return 0
 
 

@@ -47,7 +47,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "grpc": ("grpc", ("grpcio",), "gRPC"),
 }
 
-IO_PATHS = ("gds", "kvikio-compat", "posix")
+# The names the I/O backends call themselves (`Backend.name`, `DataLoader.stats()["io_path"]`).
+IO_PATHS = ("kvikio-gds", "kvikio-compat", "posix")
 DECODE_DEVICES = ("mixed", "cpu", "unavailable")
 
 _MAX_NATIVE_OUTPUT = 4000  # characters of captured native-library output kept per probe
@@ -184,23 +185,48 @@ def _probe_cuda() -> dict[str, Any]:
     return info
 
 
+# Where NVIDIA's pip wheels put libcufile, inside the `nvidia` namespace package: CUDA 13 wheels
+# (nvidia-cufile 1.15+, what kvikio-cu13 pulls in through cuda-toolkit[cufile]) group every
+# library in nvidia/cu13/lib; CUDA 12 wheels (nvidia-cufile-cu12) use nvidia/cufile/lib.
+CUFILE_WHEEL_DIRS = (("cu13", "lib"), ("cu12", "lib"), ("cufile", "lib"))
+
+
 def _cufile_wheel_candidates() -> list[str]:
-    """libcufile shipped by the nvidia-cufile-cu* wheel (what KvikIO wheels load), if installed."""
+    """libcufile shipped by NVIDIA's cuFile wheels (what KvikIO wheels load), if installed."""
     import importlib.util
 
     paths: list[str] = []
+    locations: list[str] = []
     try:
-        spec = importlib.util.find_spec("nvidia.cufile")
+        spec = importlib.util.find_spec("nvidia")
+        if spec is not None and spec.submodule_search_locations:
+            locations += list(spec.submodule_search_locations)
     except (ImportError, ValueError):
-        return paths
-    if spec is None or not spec.submodule_search_locations:
-        return paths
-    for location in spec.submodule_search_locations:
-        for name in CUFILE_LIBRARIES:
-            candidate = os.path.join(location, "lib", name)
-            if os.path.exists(candidate):
-                paths.append(candidate)
+        pass
+    # `nvidia` is a namespace package in NVIDIA's wheels, but some (DALI's) ship an __init__.py,
+    # which hides the other site directories' nvidia/ folders from find_spec: look in each.
+    locations += [os.path.join(p, "nvidia") for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
+    for location in dict.fromkeys(locations):
+        for parts in CUFILE_WHEEL_DIRS:
+            for name in CUFILE_LIBRARIES:
+                candidate = os.path.join(location, *parts, name)
+                if os.path.exists(candidate) and candidate not in paths:
+                    paths.append(candidate)
     return paths
+
+
+def _cufile_pathfinder() -> str | None:
+    """libcufile as KvikIO itself finds it (`cuda.pathfinder.load_nvidia_dynamic_lib("cufile")`,
+    what libkvikio's `load_library()` calls); None without cuda-pathfinder or when not found."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except Exception:
+        return None
+    try:
+        loaded = load_nvidia_dynamic_lib("cufile")
+    except Exception:
+        return None
+    return getattr(loaded, "abs_path", None) or "cuda.pathfinder"
 
 
 def _probe_cufile_library() -> dict[str, Any]:
@@ -215,6 +241,10 @@ def _probe_cufile_library() -> dict[str, Any]:
             continue
         info["loaded"] = True
         info["library"] = name
+        return info
+    found = _cufile_pathfinder()
+    if found:
+        info.update(loaded=True, library=found)
         return info
     info["error"] = errors[0] if errors else "libcufile not found"
     return info
@@ -278,6 +308,7 @@ def _probe_kvikio_view(kvikio: Any, driver_loaded: bool) -> dict[str, Any]:
         "compat_mode_preferred": None,
         "gds_available": None,
         "libcufile_version": None,
+        "gds_threshold": None,
         "error": None,
     }
     errors: list[str] = []
@@ -303,6 +334,11 @@ def _probe_kvikio_view(kvikio: Any, driver_loaded: bool) -> dict[str, Any]:
             view["compat_mode_preferred"] = view["compat_mode"] == "ON"
     except Exception as exc:
         errors.append(f"is_compat_mode_preferred: {_describe(exc)}")
+    try:  # device reads below it take KvikIO's POSIX shortcut, not cuFile ("kvikio-posix")
+        if defaults is not None and callable(getattr(defaults, "get", None)):
+            view["gds_threshold"] = int(defaults.get("gds_threshold"))
+    except Exception as exc:
+        errors.append(f"gds_threshold: {_describe(exc)}")
     try:
         driver = importlib.import_module("kvikio.cufile_driver")
     except Exception as exc:
@@ -378,15 +414,18 @@ def io_path_for(
 ) -> str:
     """The read path gdsload will take.
 
-    "gds": KvikIO with a working cuFile driver and compat mode not preferred.
-    "kvikio-compat": KvikIO with a CUDA driver and a device, but reading through its POSIX
-    compatibility mode (bounce buffers). "posix": plain host reads otherwise. A driver that sees
-    no device cannot hold the device buffers KvikIO reads into, so that also means "posix".
+    The name is the one the backend gdsload would open calls itself (`KvikioBackend.name` before
+    any read, `DataLoader.stats()["io_path"]`): "kvikio-gds": KvikIO with a working cuFile driver
+    and compat mode not preferred (device reads below KvikIO's `gds_threshold` still take its
+    POSIX shortcut and are counted as "kvikio-posix" once read). "kvikio-compat": KvikIO with a
+    CUDA driver and a device, but reading through its POSIX compatibility mode (bounce buffers).
+    "posix": plain host reads otherwise. A driver that sees no device cannot hold the device
+    buffers KvikIO reads into, so that also means "posix".
     """
     if not (kvikio_importable and cuda_driver and gpu_available):
         return "posix"
     if gds_available is True and compat_mode_preferred is False:
-        return "gds"
+        return "kvikio-gds"
     return "kvikio-compat"
 
 
@@ -563,6 +602,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append(_row("  compat mode", f"{mode} (effective: {effective})"))
         gds = view.get("gds_available")
         lines.append(_row("  GDS usable", {True: "yes", False: "no"}.get(gds, "unknown")))
+        if view.get("gds_threshold") is not None:
+            lines.append(_row("  GDS threshold", f"{view['gds_threshold']} bytes (smaller device "
+                                                 f"reads: KvikIO's POSIX shortcut)"))
         if view.get("error"):
             lines.append(_row("  KvikIO probe", _short(view["error"])))
 

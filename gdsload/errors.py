@@ -55,4 +55,5 @@ def require(module: str, *, extra: str, purpose: str):
         raise MissingDependencyError(
             f"{purpose} needs the Python module {module!r}, which is not installed; "
             f"install it with: pip install 'gdsload[{extra}]'"
+            + (" (or 'gdsload[cuda13]' on a CUDA 13 host)" if extra == "cuda12" else "")
         ) from exc

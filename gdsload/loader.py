@@ -3,13 +3,23 @@
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
 looks up every member in the shard indexes (no tar scan), and issues one coalesced read per
 destination: `.npy` array data goes straight into the batch tensor in the ring slot (device
-memory through KvikIO on a GPU host), encoded images, labels and other small fields into the
+memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
-by DALI into the slot's image tensor; labels are parsed into an int64 tensor. The consumer gets
-views of the slot.
+by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
+from the `.cls` members for older indexes). What is checked on the way is `gdsload.loadcheck`.
+The consumer gets views of the slot.
 
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.
+
+On a GPU (`device="cuda"` or `"cuda:N"`; which GPU: `gdsload.device`), every batch tensor lives in
+the device ring: `.npy` rows (read by KvikIO straight into it, or by POSIX into pinned memory and
+copied), decoded images (DALI "mixed" output copied device to device) and labels (parsed on the
+host, copied without blocking). All copies run on the loader's private stream; a ready event
+orders the consumer's stream after them, and a release fence recorded on the consumer's stream
+when it moves on is waited for before the slot is written again (`gdsload.device`). Encoded bytes
+and labels are read on the host by POSIX (one `preadv` per coalesced group), never through KvikIO
+member by member.
 
 Order and resumption come from `gdsload.plan`: the order of an epoch depends only on (dataset,
 seed, epoch); `state_dict()` records the global position, and `load_state_dict()` resumes the
@@ -35,13 +45,19 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.loadcheck import VerifyMode, check_mode
+from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 
 _LABEL_FIELDS = ("cls",)
+_META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
 class Dataset:
     """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
+
+    `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
 
     A dataset at a URL (s3://, gs://, http(s)://) is read through a local shard cache
     (`gdsload.format.cache`): whole shards are fetched ahead of the plan and evicted by it.
@@ -50,12 +66,13 @@ class Dataset:
     such as "50GB", "200GiB") bounds the folder. A local dataset has no cache.
     """
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None,
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
                  cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
                  cache_limit: int | str = "50GB"):
         from gdsload.format.store import is_remote
 
         self.path = str(path)
+        self.verify = check_mode(verify)
         self.shards = ShardedDataset(path)
         self.cache_limit = _parse_limit(cache_limit)
         if cache_dir is False or not is_remote(self.path):
@@ -92,7 +109,8 @@ class Dataset:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
 
     def _with_fields(self, fields: Sequence[str]) -> "Dataset":
-        return Dataset(self.path, fields=fields, cache_dir=self.cache_dir or False, cache_limit=self.cache_limit)
+        return Dataset(self.path, fields=fields, verify=self.verify, cache_dir=self.cache_dir or False,
+                       cache_limit=self.cache_limit)
 
 
 def _parse_limit(limit: int | str) -> int:
@@ -112,6 +130,26 @@ def _parse_limit(limit: int | str) -> int:
     return n
 
 
+def _check_mix_tensors(mix: Mix, fplans: list[_FieldPlan]) -> None:
+    """A tensor field of a mix has one dtype and shape in every dataset (one batch tensor); the
+    layout is probed on each dataset's first sample of the field, as for one dataset."""
+    for fp in fplans:
+        if fp.kind != "tensor":
+            continue
+        for name, d in zip(mix.names, mix.datasets):
+            ds = d.shards
+            s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
+                          if any(e == fp.name for e, _, _ in ds.index(s).members(j)))
+            o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == fp.name)
+            t = TensorField.probe(fp.name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+            if (t.dtype, t.shape) != (fp.tensor.dtype, fp.tensor.shape):
+                raise FormatError(
+                    f"field {fp.name!r} is {t.dtype}{list(t.shape)} in dataset {name!r} of the mix and "
+                    f"{fp.tensor.dtype}{list(fp.tensor.shape)} in {mix.names[0]!r}; a batch needs one "
+                    f"shape per field (choose fields=[...] without it)"
+                )
+
+
 @dataclass
 class _FieldPlan:
     name: str
@@ -129,13 +167,10 @@ def _torch():
         return None
 
 
-def _current_cuda_device() -> int:
-    """The CUDA device this process uses (torch's current device, as set per rank under torchrun;
-    else LOCAL_RANK; else 0)."""
-    torch = _torch()
-    if torch is not None and torch.cuda.is_available():
-        return torch.cuda.current_device()
-    return int(os.environ.get("LOCAL_RANK", 0))
+def _kvikio_error() -> str | None:
+    from gdsload.io import kvikio_import_error
+
+    return kvikio_import_error()
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -153,7 +188,8 @@ class DataLoader(PlanCursor):
     of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
     per worker, since workers are threads filling one shared ring), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
-    GPU is usable), `transform` (an `ImageTransform`, or None for the default training transform;
+    GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
+    GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.device`), `transform` (an `ImageTransform`, or None for the default training transform;
     `decode=False` returns encoded bytes), `fields` (which fields, in which order; the batch is then
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
@@ -163,7 +199,7 @@ class DataLoader(PlanCursor):
 
     def __init__(
         self,
-        dataset: Dataset | str,
+        dataset: Dataset | Mix | str,
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -185,11 +221,17 @@ class DataLoader(PlanCursor):
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
     ):
+        from gdsload.mix import MixPlan
         from gdsload.plan import Plan
 
-        self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
-        if fields is not None:
-            self.dataset = self.dataset._with_fields([f for f in fields if f != "__key__"])
+        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.mix)
+            self.dataset = dataset.open(Dataset)
+            if fields is not None:
+                self.dataset = self.dataset.with_fields([f for f in fields if f not in _META_FIELDS])
+        else:
+            self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
+            if fields is not None:
+                self.dataset = self.dataset._with_fields([f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
@@ -208,20 +250,24 @@ class DataLoader(PlanCursor):
         self.on_error = on_error
         self.copy = copy
         self.io_name = io
-        self.device = device or self._default_device()
-        if self.device not in ("cpu", "cuda"):
-            raise GdsloadError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        from gdsload.device import parse_device
+
         self.output = output or ("torch" if _torch() is not None else "numpy")
+        self.device, self._device_index = parse_device(device or self._default_device(self.output))
+        self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
+        self._streams = None  # gdsload.device.CopyStreams, with a device ring
+        self._host_backend = None  # POSIX for host-arena reads, beside a device backend
         self.decode_threads = decode_threads or os.cpu_count() or 2
         if transform is None and decode:
             from gdsload.decode.image import ImageTransform
 
             transform = ImageTransform()
         self.transform = transform
-        self.plan = Plan(
+        mixed = {"mix": self.dataset.spec} if isinstance(self.dataset, Mix) else {}
+        self.plan = (MixPlan if mixed else Plan)(
             dataset_id=self.dataset.dataset_id, shard_sizes=self.dataset.shard_sizes,
             batch_size=batch_size, world_size=world_size, rank=rank, seed=seed, shuffle=shuffle,
-            window=shuffle_window, drop_last=drop_last,
+            window=shuffle_window, drop_last=drop_last, **mixed,
         )
         self._epoch = 0
         self._position = 0
@@ -240,18 +286,48 @@ class DataLoader(PlanCursor):
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
     @staticmethod
-    def _default_device() -> str:
+    def _default_device(output: str | None) -> str:
+        """"cuda" when a device exists *and* the loader can use it; else "cpu", with a warning
+        when a device exists (a CPU-only torch build, or no CuPy, on a GPU host)."""
         from gdsload.io import cuda_device_count
 
-        return "cuda" if cuda_device_count() > 0 else "cpu"
+        if cuda_device_count() < 1:
+            return "cpu"
+        why = None
+        try:
+            import cupy  # noqa: F401
+        except Exception as exc:
+            why = f"CuPy does not import ({type(exc).__name__}: {exc})"
+        torch = _torch() if output == "torch" else None
+        if why is None and torch is not None and not torch.cuda.is_available():
+            why = f"torch {torch.__version__} has no CUDA (torch.cuda.is_available() is False)"
+        if why is None:
+            return "cuda"
+        import warnings
+
+        warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
+                      f"device='cuda' to insist)", RuntimeWarning, stacklevel=3)
+        return "cpu"
 
     def _setup(self) -> None:
         from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
+        from gdsload.loadcheck import check_dataset
+        from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
         from gdsload.ring import Ring, SlotSpec
 
         ds = self.dataset.shards
-        B = self.batch_size
+        # what is verified (`gdsload.loadcheck`) is each dataset's own setting, also in a Mix
+        parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
+        notes = [check_dataset(d.shards, d.verify) for d in parts]
+        self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
+            f"{name}: {note}" for name, note in zip(self.dataset.names, notes))
+        self._shard_verify = [d.verify for d in parts for _ in d.shards.shards]  # per global shard
+        # rows per slot: a batch never holds more than one rank's samples of an epoch
+        B = self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
+        # .npy headers are read (into staging) where the index does not vouch for C order
+        self._tensor_headers = any(mode == "full" or not ds.index(s).npy_c_order
+                                   for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
             kind = field_kind(name)
@@ -271,8 +347,11 @@ class DataLoader(PlanCursor):
                 s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
                               if any(e == name for e, _, _ in ds.index(s).members(j)))
                 o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
-                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)))
+                fp.tensor = TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
+                                              where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
             fplans.append(fp)
+        if isinstance(self.dataset, Mix):
+            _check_mix_tensors(self.dataset, fplans)
         images = [fp.name for fp in fplans if fp.kind == "image"]
         if len(images) > 1:
             raise GdsloadError(
@@ -281,39 +360,76 @@ class DataLoader(PlanCursor):
             )
         self._fields = fplans
 
-        # Batch tensors (decoded images, .npy rows) go where the batch is consumed; encoded bytes
-        # and labels stay on the host, where DALI and the label parser read them.
+        # Batch tensors (decoded images, .npy rows, labels) go where the batch is consumed; encoded
+        # bytes stay on the host, where DALI and the label parser read them. On a GPU, labels are
+        # parsed into a host field "__h_<name>" and copied; so are .npy rows when the backend
+        # cannot write device memory.
         spec: dict[str, tuple[tuple[int, ...], str]] = {}
         host: dict[str, tuple[tuple[int, ...], str]] = {}
+        want_device = self.device == "cuda"
+        cache_dir = getattr(self.dataset, "cache_dir", None)  # a Mix has none: it reads ranges
+        where = cache_dir if cache_dir is not None else ds.root  # cached shards are local files
+        io = self.io_name if self.io_name != "auto" else choose_backend(where, device=want_device)
+        threads = max(2, self.num_workers)
+        if want_device:
+            from gdsload.device import resolve_ordinal
+
+            self.device_ordinal = resolve_ordinal(self._device_index)
+        kw = {"device_id": self.device_ordinal} if io == "kvikio" and want_device else {}
+        self._backend = open_backend(io, threads=threads, **kw)
+        if cache_dir is not None:
+            from gdsload.format.cache import ShardCache
+
+            self._cache = ShardCache(ds.root, ds.shards, cache_dir, self.dataset.cache_limit,
+                                     on_release=getattr(self._backend, "forget", None))
+            self._cache.check_limit(self.plan.window)
+        direct = want_device and getattr(self._backend, "device_capable", False)
         staging = 0
         for fp in fplans:
             if fp.kind == "tensor":
                 spec[fp.name] = ((B, *fp.tensor.shape), fp.tensor.dtype.str)
+                if want_device and not direct:
+                    host["__h_" + fp.name] = spec[fp.name]
             elif fp.kind == "image":
                 spec[fp.name] = ((B, *self.transform.output_shape()), self.transform.dtype)
             elif fp.kind == "label":
-                host[fp.name] = ((B,), "int64")
+                (spec if want_device else host)[fp.name] = ((B,), "int64")
+                if want_device:
+                    host["__h_" + fp.name] = ((B,), "int64")
             if fp.kind != "tensor":
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
+            elif self._tensor_headers:
+                staging += B * (-(-max(ALIGN, fp.tensor.header_nbytes) // 64) * 64)
         host["__staging__"] = ((max(staging, 64),), "uint8")
-        want_device = self.device == "cuda"
-        cached = self.dataset.cache_dir is not None
-        where = self.dataset.cache_dir if cached else ds.root  # cached shards are local files
-        io = self.io_name if self.io_name != "auto" else choose_backend(where, device=want_device)
-        self._backend = open_backend(io, threads=max(2, self.num_workers))
-        if cached:
-            from gdsload.format.cache import ShardCache
-
-            self._cache = ShardCache(ds.root, ds.shards, self.dataset.cache_dir, self.dataset.cache_limit,
-                                     on_release=getattr(self._backend, "forget", None))
-            self._cache.check_limit(self.plan.window)
-        on_device = want_device and getattr(self._backend, "device_capable", False)
         slots = self.prefetch_factor + 1
         pin = self.pin_memory and want_device
-        if on_device:  # two arenas: device (GDS target) and pinned host
-            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{_current_cuda_device()}", pin=pin,
+        hint = (f"lower batch_size ({self.batch_size}) or prefetch_factor ({self.prefetch_factor}: "
+                f"{slots} slots)")
+        on_device = bool(want_device and spec)
+        if on_device:
+            import cupy
+
+            with cupy.cuda.Device(self.device_ordinal):  # the loader's GPU, not the current one
+                device_free = available_device_bytes()
+            check_fits("the prefetch ring's device arena", slots * SlotSpec(fields=spec).nbytes,
+                       device_free, where="GPU", hint=hint)
+            check_fits("the prefetch ring's pinned arena", slots * SlotSpec(fields=host).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        else:
+            check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
+                       available_host_bytes(), where="host", hint=hint)
+        if on_device:  # two arenas: device (batch tensors) and pinned host (staging)
+            from gdsload.device import CopyStreams
+
+            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
                               host_spec=SlotSpec(fields=host))
-        else:  # one host arena: one read per batch scatters into every field
+            self._streams = CopyStreams(self.device_ordinal, consumer=self.output)
+            if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
+                self._host_backend = open_backend("posix", threads=threads)
+                register = getattr(self._backend, "register", None)
+                if register is not None:
+                    register(self._ring.arena)
+        else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
             self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -336,10 +452,10 @@ class DataLoader(PlanCursor):
         if self._decoder is None:
             from gdsload.decode.image import ImageDecoder
 
-            self._decoder = ImageDecoder(self.transform, batch_size=self.batch_size,
+            self._decoder = ImageDecoder(self.transform, batch_size=self._rows,
                                          device="mixed" if self.device == "cuda" else "cpu",
                                          threads=self.decode_threads, seed=self.plan.seed,
-                                         on_error=self.on_error, device_id=_current_cuda_device())
+                                         on_error=self.on_error, device_id=self.device_ordinal or 0)
         return self._decoder
 
     def stats(self) -> dict[str, Any]:
@@ -353,9 +469,13 @@ class DataLoader(PlanCursor):
         if self._cache is not None:
             self._cache.close()
             self._cache = None
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        for backend in (self._backend, self._host_backend):
+            if backend is not None:
+                backend.close()
+        self._backend = self._host_backend = None
+        if self._streams is not None:  # copies still queued must not land in freed ring memory
+            self._streams.synchronize()
+        self._streams = None
         self._ring = None
         self._fields = None
 
@@ -381,6 +501,7 @@ class _Epoch:
             loader._cache.start_epoch([np.unique(np.searchsorted(ends, b, side="right")) for b in self.batches])
         self.next_seq = 0
         self.handed = None
+        self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
         self._claim = 0
         self._claim_lock = threading.Lock()
         self._closed = False
@@ -411,6 +532,13 @@ class _Epoch:
         # and the blocked `acquire` raises RingClosed.
         from gdsload.ring import RingClosed
 
+        first = ref()
+        ordinal = first.loader.device_ordinal if first is not None else None
+        first = None
+        if ordinal is not None:  # the current device is per thread; new threads start on GPU 0
+            from gdsload.device import use_device
+
+            use_device(ordinal)
         while True:
             self = ref()
             if self is None or self._closed:
@@ -462,7 +590,8 @@ class _Epoch:
                 dec = self.loader._get_decoder()
                 out, kept = dec.decode(encoded, names)
                 if out is not None:  # inside the turn: the next run() reuses DALI's buffers
-                    dec.copy_into(out, dst)
+                    streams = self.loader._streams
+                    dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
                 return kept
             finally:
                 self._decode_turn += 1
@@ -480,16 +609,23 @@ class _Epoch:
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
         """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn."""
         from gdsload.io import Extent
+        from gdsload.loadcheck import BatchChecks, label
 
         L = self.loader
         ds = L.dataset.shards
         bufs = slot.buffers
         staging = bufs["__staging__"]
+        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
         keys, names = [], []
         direct: dict[str, tuple[list, list]] = {}
         staged: list[Extent] = []
         staged_off: list[int] = []
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        checks = BatchChecks()
+        crc_staged = any(fp.kind in ("image", "bytes") for fp in L._fields)  # labels come from the index
+        # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
+        to_host = self._host_layout is not None and L._host_backend is None
         cursor = 0
         local = None
         if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
@@ -500,46 +636,83 @@ class _Epoch:
             idx = ds.index(s)
             key = idx.key(j)
             keys.append(key)
-            names.append(f"{ds.shards[s]['name']}:{key}")
+            where = f"{ds.shards[s]['name']}:{key}"
+            names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
+            mode = L._shard_verify[s]
+            crcs = (dict(zip(members, idx.crcs(j)))
+                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
             path = local[s] if local is not None else ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
                     raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
                 o, n = m
-                if fp.kind == "tensor":
+                if fp.kind == "label" and fp.name in idx.labels:
+                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
+                elif fp.kind == "tensor":
                     head = None if n >= ALIGN else ds.read_extent(s, o, n)
-                    off, nb = fp.tensor.data_extent(key, o, n, head)
+                    off, nb = fp.tensor.data_extent(where, o, n, head)
                     ex, outs = direct.setdefault(fp.name, ([], []))
                     ex.append(Extent(path, off, nb))
                     outs.append(i * nb)
+                    if head is None and (mode == "full" or not idx.npy_c_order):
+                        head = (staging, cursor, off - o)  # read its header too, to check it
+                        staged.append(Extent(path, o, off - o))
+                        staged_off.append(cursor)
+                        checks.header(fp.tensor, where, *head)
+                        cursor += -(-(off - o) // 64) * 64
+                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
+                        rows = () if isinstance(head, bytes) else (
+                            (slot.host_flat, self._host_layout["__h_" + fp.name] + i * nb, nb) if to_host
+                            else (slot.flat, self._layout[fp.name] + i * nb, nb),)
+                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
                 else:
                     staged.append(Extent(path, o, n))
                     staged_off.append(cursor)
-                    spans[fp.name].append((cursor, n))
+                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
+                    if fp.name in crcs:
+                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
                     cursor += -(-n // 64) * 64
         # One read for the whole batch: offsets are relative to the slot, so adjacent members of
         # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
         layout = self._layout
+        hl = self._host_layout
         extents = [e for ex, _ in direct.values() for e in ex]
-        outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
-        if self._host_layout is None:
+        if to_host:  # .npy rows into pinned host fields, copied to the device below
+            outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
             extents += staged
-            outs += [layout["__staging__"] + o for o in staged_off]
-            staged = []
-        reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
-        if staged:  # device ring: encoded bytes and labels go to the pinned host arena
-            base = self._host_layout["__staging__"]
-            reads.append(L._backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+            outs += [hl["__staging__"] + o for o in staged_off]
+            reads = [L._backend.read(extents, slot.host_flat, outs)] if extents else []
+        else:
+            outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
+            if hl is None:
+                extents += staged
+                outs += [layout["__staging__"] + o for o in staged_off]
+                staged = []
+            reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
+            if staged:  # device ring: encoded bytes and labels via POSIX into the pinned host arena
+                base = hl["__staging__"]
+                reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        checks.run()
+        streams = L._streams
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
+        if isinstance(L.dataset, Mix):
+            meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
-                bufs[fp.name][: len(sp)] = [int(bytes(staging[a : a + n]).decode().strip() or -1) for a, n in sp]
+                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                dst[: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
+                                    for k, v in enumerate(vals)]
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
             elif fp.kind == "bytes":
                 meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
             elif fp.kind == "image":
@@ -550,6 +723,8 @@ class _Epoch:
                 meta["skipped"] = meta.get("skipped", 0) + len(sp) - len(kept)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             meta["keep"] = keep
+        if streams:
+            meta["ready"] = streams.ready()
         slot.meta.update(meta)
         return decoded
 
@@ -561,7 +736,7 @@ class _Epoch:
         if self._closed:  # finished, failed, closed, or replaced by a newer iter(): the ring
             raise StopIteration  # may carry another epoch now, never touch it again
         if self.handed is not None:
-            self.ring.release(self.handed)
+            self._release(self.handed)
             self.handed = None
         if self.next_seq >= len(self.batches):
             self._finish()
@@ -573,6 +748,10 @@ class _Epoch:
             raise
         self.next_seq += 1
         self.handed = slot
+        self._consumer = threading.get_ident()
+        streams = self.loader._streams
+        if streams is not None:  # the consumer's stream waits for the batch's copies (GPU-side)
+            streams.consumer_wait(slot.meta.get("ready"))
         batch = self._make_batch(slot)
         self.loader._position += self.G
         self.samples += slot.meta["n"] - slot.meta.get("skipped", 0)
@@ -580,6 +759,12 @@ class _Epoch:
         self.bytes_read += slot.meta["bytes"]
         self._update_stats()
         return batch
+
+    def _release(self, slot, *, same_thread: bool = True) -> None:
+        """Hand the slot back, with a fence on the consumer's stream when the ring is on the GPU."""
+        streams = self.loader._streams
+        fence = streams.release_fence(same_thread=same_thread) if streams is not None else None
+        self.ring.release(slot, fence=fence)
 
     def _make_batch(self, slot) -> Any:
         L = self.loader
@@ -600,6 +785,9 @@ class _Epoch:
             out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
+        if "sources" in slot.meta:
+            sources = slot.meta["sources"]
+            out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
         if L.tuple_fields is not None:
             return tuple(out[f] for f in L.tuple_fields)
         return out
@@ -611,13 +799,14 @@ class _Epoch:
         if L.output == "torch":
             torch = _torch()
             t = torch.from_dlpack(arr) if on_device else torch.from_numpy(arr)
-            if L.device == "cuda" and not on_device:
-                return t.to("cuda")  # labels, or a host ring without KvikIO: a copy (blocking)
+            if L.device == "cuda" and not on_device:  # not reached: GPU batch tensors are on the GPU
+                return t.to(f"cuda:{L.device_ordinal}")
             return t.clone() if copy else t
         if L.device == "cuda" and not on_device:
             import cupy
 
-            return cupy.asarray(arr)
+            with cupy.cuda.Device(L.device_ordinal):
+                return cupy.asarray(arr)
         return arr.copy() if copy else arr
 
     def _update_stats(self) -> None:
@@ -637,10 +826,14 @@ class _Epoch:
             "ring_slots": rs["slots"],
             "ring_occupancy": rs.get("mean_occupancy", rs.get("occupancy")),
             "io_path": L._backend.name if L._backend else None,
+            "host_io_path": L._host_backend.name if L._host_backend else None,
+            "ring_device": self.ring.device,
+            "kvikio_error": _kvikio_error() if L.device == "cuda" else None,
             "decode_device": ("mixed" if L.device == "cuda" else "cpu") if any(
                 fp.kind == "image" for fp in L._fields) else None,
             "device": L.device,
             "skipped": self.skipped,
+            "verify": L._verify_note,
         }
         if L._cache is not None:
             L._stats["cache"] = L._cache.stats()
@@ -657,12 +850,18 @@ class _Epoch:
         with self._turn:
             self._closed = True
             self._turn.notify_all()
-        if self.handed is not None:
+        if self.handed is not None:  # keep the fence: the next pass may refill this slot
+            try:
+                self._release(self.handed, same_thread=threading.get_ident() == self._consumer)
+            except Exception:
+                pass
             self.handed = None
         self.ring.close()
         for t in self.threads:
             if t is not threading.current_thread():  # `__del__` may run in a producer
                 t.join()
+        if self.loader._streams is not None and self.next_seq < len(self.batches):
+            self.loader._streams.synchronize()  # stopped early: unconsumed batches' copies may be queued
         if self.loader._active is self:
             self.loader._active_ref = None
 

@@ -59,6 +59,14 @@ Invariants
    positions read before and after a resume are complementary: with ``drop_last=True`` the epoch is
    read exactly once in total; with ``drop_last=False`` every sample is read at least once (only
    the padding, whose size depends on the world size, can differ).
+6. Mixing (`gdsload.mix`, `gdsload.Mix`): a weighted mix of datasets is a plan over the
+   datasets' shards one after another whose epoch order is `gdsload.mix.mix_order` instead of
+   `epoch_order`: each dataset contributes its weight's share of an epoch (default size: the sum
+   of the datasets; or ``samples_per_epoch``; or fixed per dataset with ``repeat``/``samples``),
+   drawn from its own epochs (no repeat within one; its own shuffle) and interleaved per sample
+   or per global batch (``mix_by``). Still a pure function of (datasets, weights, seed, epoch);
+   rules 4 and 5 apply unchanged to the epoch size ``M``, and a state also records the mix, so a
+   state from another mix is refused naming the difference (and a mix state is refused here).
 """
 
 from __future__ import annotations
@@ -408,6 +416,7 @@ class Plan:
                 "the state is missing the field(s) " + ", ".join(repr(k) for k in missing)
                 + f"; a state has the fields {', '.join(PlanState.__annotations__)}"
             )
+        self._check_mix(state)
         version = _int("state field 'version'", state["version"], minimum=0, error=StateError)
         if version != STATE_VERSION:
             raise StateError(
@@ -458,6 +467,16 @@ class Plan:
             state["position"], error=StateError, name="state field 'position'"
         )
         return epoch, position
+
+    def _check_mix(self, state: Mapping[str, Any]) -> None:
+        """Refuse a state of a mix (`gdsload.mix.MixPlan` checks the mix instead)."""
+        if "mix" in state:
+            mix = state["mix"] if isinstance(state["mix"], Mapping) else {}
+            names = [d.get("name") for d in mix.get("datasets", ()) if isinstance(d, Mapping)]
+            raise StateError(
+                f"the state is from a mix of datasets {names}, this loader reads one dataset "
+                f"({self.dataset_id!r}); resume it with the same gdsload.Mix"
+            )
 
 
 class PlanCursor:

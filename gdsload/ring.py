@@ -14,7 +14,8 @@ Memory layout
       - device="cpu", pin=True: page-locked host memory from CuPy (`cupy.cuda.alloc_pinned_memory`),
         viewed as NumPy; without CuPy or a CUDA driver the ring falls back to pageable memory and
         reports `pinned=False`;
-      - device="cuda" or "cuda:N": CuPy device memory (`pin` is ignored there).
+      - device="cuda:N": CuPy device memory on GPU N; "cuda" means the calling thread's current
+        device (CUDA's current device is per host thread), not GPU 0. `pin` is ignored there.
     Contents are uninitialised. CuPy is imported on first use only.
 
 Invariant
@@ -40,6 +41,13 @@ Slot lifetime
     A slot's buffers are views into ring memory. The loader releases batch k when the consumer asks
     for batch k+1, so a batch's memory is reused after the next `next()` unless the caller copied
     it (`Slot.copy()`).
+
+Device fences
+    On the GPU, "the consumer moved on" is not "the consumer's kernels are done": they are only
+    queued. So `release(slot, fence=event)` keeps an event (anything with `synchronize()`, recorded
+    by the caller on the consumer's stream), and the slot handed out by the next `acquire` of that
+    slot carries it as `Slot.fence`; the producer calls `Slot.wait_fence()` before writing. A fence
+    survives `reset()` (the last batch of a pass may still be read when the next pass starts).
 
 Shutdown
     `close()` is idempotent and safe from any thread: it wakes every producer blocked in `acquire`
@@ -162,7 +170,7 @@ class Slot:
     keys, lengths, ...). Owned by one producer between `acquire` and `publish`/`fail`, then by the
     consumer between `get` and `release`; the views are invalid after `release`."""
 
-    __slots__ = ("index", "seq", "buffers", "meta", "flat", "host_flat")
+    __slots__ = ("index", "seq", "buffers", "meta", "flat", "host_flat", "fence")
 
     def __init__(self, index: int, seq: int, buffers: dict[str, Any], flat: Any = None):
         self.index = index
@@ -173,10 +181,26 @@ class Slot:
         # so one read call can scatter into several fields of the slot
         self.flat = flat
         self.host_flat = None  # the host-memory fields' range (Ring(host_spec=...)), else None
+        self.fence = None  # the release fence of the slot's previous batch (see "Device fences")
+
+    def wait_fence(self) -> None:
+        """Block until the consumer's queued work on the slot's previous batch is done."""
+        fence, self.fence = self.fence, None
+        if fence is not None:
+            fence.synchronize()
 
     def copy(self) -> dict[str, Any]:
-        """Owned copies of the buffers (same array kind), to keep a batch past its `release`."""
-        return {name: arr.copy() for name, arr in self.buffers.items()}
+        """Owned copies of the buffers (same array kind, and for CuPy the same device: CuPy's
+        `copy()` allocates on the *current* device), to keep a batch past its `release`."""
+        out = {}
+        for name, arr in self.buffers.items():
+            device = getattr(arr, "device", None)
+            if hasattr(arr, "__cuda_array_interface__") and hasattr(device, "__enter__"):
+                with device:
+                    out[name] = arr.copy()
+            else:
+                out[name] = arr.copy()
+        return out
 
     def __repr__(self) -> str:
         return f"Slot(index={self.index}, seq={self.seq}, fields={list(self.buffers)})"
@@ -243,6 +267,7 @@ class Ring:
         self._seq = list(range(num_slots))  # the seq each slot carries now (or is free for)
         self._slot: list[Slot | None] = [None] * num_slots
         self._error: list[BaseException | None] = [None] * num_slots
+        self._fence: list[Any] = [None] * num_slots  # release fences (see "Device fences")
         self._next_get = 0
         self._closed = False
         self._wait_s = 0.0
@@ -275,7 +300,6 @@ class Ring:
             raw = np.empty(total + ALIGN, dtype=np.uint8)
             return "cpu", False, self._aligned(raw, raw.ctypes.data, total)
         if device == "cuda" or device.startswith("cuda:"):
-            ordinal = 0
             if device != "cuda":
                 try:
                     ordinal = int(device[5:])
@@ -284,6 +308,8 @@ class Ring:
                 if ordinal < 0:
                     raise RingError(f"device {device!r} is not valid; use 'cpu', 'cuda' or 'cuda:N'")
             cupy = require("cupy", extra="cuda12", purpose="a ring in device memory (device='cuda')")
+            if device == "cuda":  # the calling thread's current device, as torch's "cuda" means
+                ordinal = int(cupy.cuda.runtime.getDevice())
             with cupy.cuda.Device(ordinal):
                 raw = cupy.empty(total + ALIGN, dtype=cupy.uint8)
             return f"cuda:{ordinal}", False, self._aligned(raw, raw.data.ptr, total)
@@ -361,6 +387,7 @@ class Ring:
             )
             slot = Slot(i, seq, dict(self._arrays[i]),
                         self._arena[i * self.nbytes_per_slot : (i + 1) * self.nbytes_per_slot])
+            slot.fence, self._fence[i] = self._fence[i], None
             if self._host_arena is not None:
                 h = self.host_nbytes_per_slot
                 slot.host_flat = self._host_arena[i * h : (i + 1) * h]
@@ -443,10 +470,13 @@ class Ring:
         except RingTimeout:
             return None
 
-    def release(self, slot: Slot) -> None:
-        """The consumer is done with `slot`; it may be refilled with batch `seq + num_slots`.
-        A no-op after `close()`."""
+    def release(self, slot: Slot, fence: Any = None) -> None:
+        """The consumer is done with `slot`; it may be refilled with batch `seq + num_slots` once
+        `fence` (see "Device fences"; None: nothing queued) has completed. After `close()` only
+        the fence is kept, for the next pass."""
         with self._lock:
+            if fence is not None and self._slot[slot.index] is slot:
+                self._fence[slot.index] = fence
             if self._closed:
                 return
             self._recycle(self._held(slot, _HELD, "release"))
@@ -479,6 +509,11 @@ class Ring:
             self._closed = True
             for cv in self._cv:
                 cv.notify_all()
+
+    @property
+    def arena(self) -> Any:
+        """The (device, or only) arena: all slots, one array (e.g. to register it with cuFile)."""
+        return self._arena
 
     @property
     def closed(self) -> bool:

@@ -32,6 +32,17 @@ def _has_cuda_device() -> bool:
         return False
 
 
+@functools.cache
+def _kvikio_imports() -> bool:
+    """KvikIO really imports (find_spec alone says yes for a wheel that cannot load, e.g. without
+    rapids-logger; bench/gpu_check.sh stops before the tests in that case)."""
+    try:
+        import kvikio  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def _has(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -41,7 +52,7 @@ def _has(module: str) -> bool:
 
 CAPABILITIES = {
     "gpu": (lambda: _has_cuda_device(), "needs a CUDA device"),
-    "gds": (lambda: _has_cuda_device() and _has("kvikio"), "needs KvikIO and a CUDA device"),
+    "gds": (lambda: _has_cuda_device() and _kvikio_imports(), "needs KvikIO and a CUDA device"),
     "dali": (lambda: _has("nvidia.dali"), "needs NVIDIA DALI (pip install 'gdsload[cpu]')"),
     "dali_gpu": (lambda: _has("nvidia.dali") and _has_cuda_device(), "needs DALI and a CUDA device"),
 }

@@ -71,15 +71,17 @@ def _batches(ds, epochs=(0, 1), **kw):
 
 
 def _folder_bytes(folder: Path) -> int:
-    """What the folder holds: complete shards and partial downloads at their size now."""
-    total = 0
+    """What the folder holds: complete shards and partial downloads at their size now. By inode:
+    a .part renamed to its final name while the folder is listed is one file, not two."""
+    sizes = {}
     for e in os.scandir(folder):
         if ".tar" in e.name:
             try:
-                total += e.stat().st_size
+                st = e.stat()
             except FileNotFoundError:
-                pass
-    return total
+                continue
+            sizes[st.st_ino] = st.st_size
+    return sum(sizes.values())
 
 
 def test_cached_reads_equal_the_local_copy_in_content_and_order(remote, tmp_path):

@@ -151,7 +151,7 @@ def test_render_gpu_host_report() -> None:
         "dali": {"installed": True, "version": "2.4.0", "error": None},
         "torch": {"installed": False, "version": None, "error": "ModuleNotFoundError: torch"},
         "gpu_available": True,
-        "io_path": "gds",
+        "io_path": "kvikio-gds",
         "decode_device": "mixed",
     }
     text = doctor.render(fake)
@@ -161,7 +161,7 @@ def test_render_gpu_host_report() -> None:
     assert any(line.startswith("CUDA driver") and "12.8" in line for line in lines)
     assert any(line.strip().startswith("GDS usable") and line.endswith("yes") for line in lines)
     assert any(line.startswith("PyTorch") and line.endswith("not installed") for line in lines)
-    assert lines[-2:] == ["I/O path: gds", "decode device: mixed"]
+    assert lines[-2:] == ["I/O path: kvikio-gds", "decode device: mixed"]
 
 
 def test_render_tolerates_an_empty_report() -> None:
@@ -174,7 +174,7 @@ def test_render_tolerates_an_empty_report() -> None:
     ("kwargs", "expected"),
     [
         (dict(kvikio_importable=True, cuda_driver=True, gpu_available=True,
-              gds_available=True, compat_mode_preferred=False), "gds"),
+              gds_available=True, compat_mode_preferred=False), "kvikio-gds"),
         (dict(kvikio_importable=True, cuda_driver=True, gpu_available=True,
               gds_available=True, compat_mode_preferred=True), "kvikio-compat"),
         (dict(kvikio_importable=True, cuda_driver=True, gpu_available=True,

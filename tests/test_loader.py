@@ -618,3 +618,5 @@ def test_cuda_npy_loader_returns_device_tensors(npy_u8):
             assert int(batch["cls"][i]) == npy_u8.labels[key]
         n += len(batch["__key__"])
     assert n == 50
+    s = loader.stats()  # the device path itself, not the POSIX + host ring fallback (audit 1 #14)
+    assert s["io_path"].startswith("kvikio") and s["ring_device"].startswith("cuda")

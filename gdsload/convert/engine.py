@@ -126,17 +126,26 @@ def read_ref(ref: Ref) -> bytes:
     return data
 
 
+# Pillow's names for the formats DALI's decoder reads (no GIF); MPO is Pillow's name for some JPEGs
+_DALI_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "TIFF", "JPEG2000", "PPM"})
+
+
 def validate_image(data: bytes) -> None:
-    """Decode an image fully with Pillow; raises on anything that would not decode."""
+    """Decode an image fully with Pillow; raises ValueError on anything the loader's decoder
+    (DALI) would not decode: a corrupt bitstream, a type DALI lacks, a decompression bomb."""
     import io
 
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as im:
+            if im.format not in _DALI_FORMATS:
+                raise ValueError(f"{im.format} images are not decoded by DALI (gdsload's decoder)")
             im.load()
     except UnidentifiedImageError:
         raise ValueError("not a decodable image (Pillow cannot identify the format)") from None
+    except Image.DecompressionBombError as exc:  # raised by open() from the header alone
+        raise ValueError(f"too large to decode safely: {exc}") from None
     except OSError as exc:  # truncated or corrupt bitstream
         raise ValueError(f"corrupt image: {exc}") from None
 

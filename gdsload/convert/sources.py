@@ -5,10 +5,17 @@ A source is listed into `Sample`s: a key and, per field, a `Ref` saying where th
 file, a byte range of an input tar, or inline bytes for labels) and how many bytes the field will
 take in a shard. Listing is cheap (stat and tar headers only) and deterministic: sorted by path.
 
-Per-file problems that lose one sample (an empty file, a non-image file in an image folder, an
-invalid `.npy`) become rejects with a reason. Problems that make the input untrustworthy or
-ambiguous (path traversal, links or devices in a tar, an oversized PAX header, a truncated tar,
-duplicate keys, a missing path) raise `InputError` naming the file and member.
+Per-file problems that lose one sample (an empty file or tar member, a non-image file in an image
+folder, an invalid `.npy`, a symbolic link inside a folder, a name that is not UTF-8, a file next
+to the class folders of an image folder) become rejects with a reason; a sample with a bad field is
+left out whole. Problems that make the input untrustworthy or ambiguous (path traversal, links or
+devices in a tar, a link among a folder's tars, an oversized PAX header, a truncated tar, a tar
+header that does not parse, duplicate keys, a missing path, an ambiguous layout) raise `InputError`
+naming the file and member (and, for tar headers, the byte offset).
+
+Links: the path the user names (SRC, a single `.tar`) may be a symbolic link; nothing found inside
+it is followed (a link could point anywhere, e.g. `/etc/passwd`). Names must be UTF-8 (keys go
+into PAX headers, JSON and DALI's index); rejects show other bytes as `\\xNN`.
 
 Key rules (webdataset splits member names at the first dot of the base name, DALI's index is
 whitespace-separated): keys made from file names have dots and whitespace replaced by `_`; keys
@@ -42,7 +49,7 @@ from gdsload.format import npy
 from gdsload.format.index import check_key, split_name
 from gdsload.format.manifest import IMAGE_EXTS
 from gdsload.format.store import is_remote, local_path, url_to_fs
-from gdsload.format.tar import ALIGN
+from gdsload.format.tar import ALIGN, BLOCK
 
 SourceFormat = Literal["imagefolder", "files", "tar", "npy"]
 
@@ -71,6 +78,20 @@ class Sample:
         return next((r.path for _, r in self.fields if r.path), "<inline>")
 
 
+def printable(text: str) -> str:
+    """`text` with bytes that are not UTF-8 (surrogate escapes from the file system) as `\\xNN`."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _not_utf8(name: str) -> str | None:
+    """The reject reason for a name that is not valid UTF-8, or None."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"name '{printable(name)}' is not valid UTF-8; rename it (keys and manifests are UTF-8)"
+    return None
+
+
 @dataclass
 class Listing:
     format: SourceFormat
@@ -78,6 +99,9 @@ class Listing:
     rejects: list[dict[str, str]] = field(default_factory=list)
     classes: list[str] | None = None
     inputs: list[tuple[str, str]] = field(default_factory=list)  # (file, stamp) read: resume fingerprint
+
+    def reject(self, source: str, key: str, reason: str) -> None:
+        self.rejects.append({"source": printable(source), "key": printable(key), "reason": reason})
 
 
 _SANITIZE = re.compile(r"[\s.]")
@@ -119,7 +143,7 @@ class _KeyRegistry:
 class _File:
     path: str  # a local path or a full URL, as it goes into `Ref.path`
     rel: str  # the path relative to the folder walked, `/`-separated
-    size: int | str  # bytes, or the reason the file cannot be read
+    size: int | str  # bytes, or the reason the file is rejected (unreadable, a link, not UTF-8)
     stamp: str  # identity for the resume fingerprint: size and mtime (or ETag)
 
 
@@ -137,18 +161,27 @@ class _LocalTree:
         p = Path(path)
         return "dir" if p.is_dir() else "file" if p.exists() else None
 
-    def children(self, root: str) -> list[tuple[str, bool]]:
-        """(name, is a folder) of the entries directly in root."""
-        return [(e.name, e.is_dir()) for e in os.scandir(root)]
+    def children(self, root: str) -> list[tuple[str, bool, str | None]]:
+        """(name, is a folder (links followed), the reject reason if it is a link) of the entries
+        directly in root."""
+        return [(e.name, e.is_dir(), _link_reason(e.path) if e.is_symlink() else None) for e in os.scandir(root)]
 
     def files_in(self, folder: str) -> dict[str, _File]:
-        """The files directly in folder by name ({} if it is missing); `rel` is the name."""
+        """The files and links directly in folder by name ({} if it is missing); `rel` is the
+        name; a link's `size` is the reason it is refused."""
         try:
-            return {e.name: self.stat(e.path, e.name) for e in os.scandir(folder) if e.is_file()}
+            return {e.name: self.stat(e.path, e.name, follow=False) for e in os.scandir(folder)
+                    if e.is_file() or e.is_symlink()}
         except (FileNotFoundError, NotADirectoryError):
             return {}
 
-    def stat(self, path: str, rel: str = "") -> _File:
+    def stat(self, path: str, rel: str = "", *, follow: bool = True) -> _File:
+        """`path`'s size and stamp, or the reason it is rejected; `follow=False`: a link is one."""
+        if not follow and os.path.islink(path):
+            return _File(path, rel, _link_reason(path), "link")
+        bad_name = _not_utf8(rel or path)
+        if bad_name:
+            return _File(path, rel, bad_name, "not-utf8")
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -158,14 +191,17 @@ class _LocalTree:
         return _File(path, rel, st.st_size, f"{st.st_size}|{st.st_mtime_ns}")
 
     def walk(self, root: str) -> list[_File]:
-        """Files (and links to them) under root in `os.walk` order: sorted, a folder's files
-        before its sub-folders, hidden ones skipped."""
+        """Files under root in `os.walk` order: sorted, a folder's files before its sub-folders,
+        hidden ones skipped. Links (to files or folders, or dangling) are listed, not followed:
+        their `size` is the reason they are rejected."""
         out = []
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if _visible(d))
+            links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            dirnames[:] = sorted(d for d in dirnames if _visible(d) and d not in links)
             prefix = os.path.relpath(dirpath, root).replace(os.sep, "/")
             prefix = "" if prefix == "." else prefix + "/"
-            out += [self.stat(os.path.join(dirpath, f), prefix + f) for f in sorted(filenames) if _visible(f)]
+            names = sorted(n for n in filenames + links if _visible(n))
+            out += [self.stat(os.path.join(dirpath, f), prefix + f, follow=False) for f in names]
         return out
 
     def open(self, path: str) -> BinaryIO:
@@ -197,8 +233,8 @@ class _FsspecTree:
             return None
         return "dir" if info.get("type") == "directory" else "file"
 
-    def children(self, root: str) -> list[tuple[str, bool]]:
-        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("type") == "directory")
+    def children(self, root: str) -> list[tuple[str, bool, str | None]]:
+        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("type") == "directory", None)
                 for e in self.fs.ls(root, detail=True)]
 
     def files_in(self, folder: str) -> dict[str, _File]:
@@ -235,27 +271,61 @@ class _FsspecTree:
         return self.fs.open(path, "rb")
 
 
+def _link_reason(path: str) -> str:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return f"symbolic link (to '{printable(target)}'); links inside the input are not followed"
+
+
 def _tree(src: str) -> _LocalTree | _FsspecTree:
     return _FsspecTree(src) if is_remote(src) else _LocalTree()
 
 
-def read_range(path: str, offset: int = 0, size: int = -1) -> bytes:
-    """`size` bytes of the input `path` (a local path or a URL) from `offset`; -1: to the end."""
+def read_range(path: str, offset: int = 0, size: int = -1, *, follow_link: bool = False) -> bytes:
+    """`size` bytes of the input `path` (a local path or a URL) from `offset`; -1: to the end.
+
+    A local file is opened with O_NOFOLLOW unless `follow_link`: a file swapped for a link after
+    it was listed raises OSError (its sample becomes a reject) instead of reading the link's target.
+    """
     if is_remote(path):
         fs, p = url_to_fs(path)
         return fs.cat_file(p, start=offset, end=None if size < 0 else offset + size)
-    with open(path, "rb") as f:
+    flags = os.O_RDONLY | (0 if follow_link else getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(os.open(path, flags), "rb") as f:
         f.seek(offset)
         return f.read() if size < 0 else f.read(size)
 
 
 # -- image folder --------------------------------------------------------------------------------
+# The image types DALI decodes (gdsload's decoder); it has no GIF decoder, so a GIF is a reject.
+DECODABLE_EXTS = IMAGE_EXTS - {"gif"}
+MIXED_IMAGE_FIELD = "jpg"  # the one field name of an image folder whose images have several types
+
+
 def list_imagefolder(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
-    classes = sorted(name for name, is_dir in tree.children(root) if is_dir and _visible(name))
+    """Every image of an image folder goes into one field, so that a loader can decode it: named
+    after the image type when all have one (`.jpeg` counts as jpg), else `MIXED_IMAGE_FIELD`. The
+    bytes are unchanged; decoders (DALI, Pillow) read the real type from them."""
+    listing = Listing("imagefolder", [], classes=[])
+    classes = []
+    for name, is_dir, link in sorted(tree.children(root)):
+        if not _visible(name):
+            continue
+        where = tree.join(root, name)
+        reason = link or _not_utf8(name)
+        if reason is None and not is_dir:
+            reason = "not in a class folder (an image folder holds ROOT/CLASS/IMAGE files)"
+        if reason:
+            listing.reject(where, "", reason + ("; its files are left out" if is_dir and not link else ""))
+        else:
+            classes.append(name)
     if not classes:
         raise InputError(f"{root}: no class sub-folders found (expected ROOT/CLASS/IMAGE.jpg)")
-    listing = Listing("imagefolder", [], classes=classes)
+    listing.classes = classes
     keys = _KeyRegistry()
+    types = set()
     for label, cls in enumerate(classes):
         for f in tree.walk(tree.join(root, cls)):
             path, rel, size = f.path, f"{cls}/{f.rel}", f.size
@@ -265,38 +335,41 @@ def list_imagefolder(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
                 stem, ext = rel, ""
             ext = ext.lower()
             reject = None
-            if ext.rsplit(".", 1)[-1] not in IMAGE_EXTS:
+            if ext not in IMAGE_EXTS:
                 reject = f"not an image file (extension {ext!r})" if ext else "not an image file (no extension)"
-                ext = ext or "bin"
+            elif ext not in DECODABLE_EXTS:
+                reject = f"{ext.upper()} images are not decoded by DALI (gdsload's decoder); convert them to PNG"
             if isinstance(size, str):
                 reject = size
             elif size == 0:
                 reject = "empty file (0 bytes)"
             key = _key_from_path(stem)
             if reject:
-                listing.rejects.append({"source": path, "key": key, "reason": reject})
+                listing.reject(path, key, reject)
                 continue
             keys.add(key, path)
             ext = "jpg" if ext == "jpeg" else ext
+            types.add(ext)
             listing.inputs.append((path, f.stamp))
             listing.samples.append(Sample(key, ((ext, _file_ref(path, size)), ("cls", _label_ref(label)))))
+    if len(types) > 1:
+        listing.samples = [Sample(s.key, ((MIXED_IMAGE_FIELD, s.fields[0][1]), s.fields[1])) for s in listing.samples]
     return listing
 
 
 # -- KEY.EXT folder ------------------------------------------------------------------------------
 def list_files(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
+    """Files sharing a key form one sample; a sample with a file that is rejected (unreadable,
+    empty, a link, an invalid `.npy`) is left out whole, so no sample lacks one of its fields."""
     listing = Listing("files", [])
-    groups: dict[str, list[tuple[str, str, int, str]]] = {}
+    groups: dict[str, list[tuple[str, str, int | str, str]]] = {}
     owner: dict[tuple[str, str], str] = {}
     for f in tree.walk(root):
         path, size = f.path, f.size
         stem, ext = split_name(f.rel)
         key = _key_from_path(stem)
-        if isinstance(size, str):
-            listing.rejects.append({"source": path, "key": key, "reason": size})
-            continue
         if not ext:
-            listing.rejects.append({"source": path, "key": key, "reason": "no extension, so no field name"})
+            listing.reject(path, key, size if isinstance(size, str) else "no extension, so no field name")
             continue
         other = owner.setdefault((key, ext.lower()), path)
         if other != path:
@@ -304,13 +377,20 @@ def list_files(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
         groups.setdefault(key, []).append((ext.lower(), path, size, f.stamp))
     keys = _KeyRegistry()
     for key in sorted(groups):
-        members = sorted(groups[key])
+        members = sorted(groups[key], key=lambda m: m[0])
+        bad = [(path, size) for _, path, size, _ in members if isinstance(size, str)]
+        for path, reason in bad:
+            listing.reject(path, key, str(reason))
+        if bad:
+            continue
         keys.add(key, members[0][1])
         fields = []
         for ext, path, size, stamp in members:
             ref = _npy_ref(path, size) if ext == "npy" else _file_ref(path, size)
+            if size == 0:
+                ref = "empty file (0 bytes)"
             if isinstance(ref, str):
-                listing.rejects.append({"source": path, "key": key, "reason": ref})
+                listing.reject(path, key, ref)
                 break
             fields.append((ext, ref))
             listing.inputs.append((path, stamp))
@@ -340,7 +420,7 @@ def _npy_ref(path: str, size: int, offset: int = 0) -> Ref | str:
 
 def _read_labels(path: str) -> dict[str, str]:
     try:
-        text = read_range(path).decode()
+        text = read_range(path, follow_link=True).decode()  # a file the user named
         if path.endswith(".json"):
             data = json.loads(text)
             if not isinstance(data, dict):
@@ -365,8 +445,11 @@ def _same_file(a: str, b: str) -> bool:
 
 def list_npy(tree: _LocalTree | _FsspecTree, root: str, labels: str | None = None) -> Listing:
     if labels is None:
-        files = {name for name, is_dir in tree.children(root) if not is_dir}
-        labels = next((tree.join(root, n) for n in ("labels.csv", "labels.json") if n in files), None)
+        files = {name: link for name, is_dir, link in tree.children(root) if not is_dir}
+        found = next((n for n in ("labels.csv", "labels.json") if n in files), None)
+        labels = tree.join(root, found) if found else None
+        if found and files[found]:
+            raise InputError(f"labels file {labels} is a {files[found]}; pass the file itself with --labels")
     label_map = _read_labels(labels) if labels else None
     classes = None
     if label_map is not None:
@@ -383,13 +466,13 @@ def list_npy(tree: _LocalTree | _FsspecTree, root: str, labels: str | None = Non
         if labels is not None and _same_file(path, labels):
             continue
         if not name.endswith(".npy"):
-            listing.rejects.append({"source": path, "key": "", "reason": "not an .npy file"})
+            listing.reject(path, "", size if isinstance(size, str) else "not an .npy file")
             continue
         stem = name[: -len(".npy")]
         key = _key_from_path(stem)
         ref = size if isinstance(size, str) else _npy_ref(path, size)
         if isinstance(ref, str):
-            listing.rejects.append({"source": path, "key": key, "reason": ref})
+            listing.reject(path, key, ref)
             continue
         keys.add(key, path)
         fields: list[tuple[str, Ref]] = [("npy", ref)]
@@ -427,8 +510,9 @@ class _GuardedTarInfo(tarfile.TarInfo):
             )
 
 
-def expand_tar_paths(tree: _LocalTree | _FsspecTree, src: str) -> list[_File]:
-    """A tar file, a folder of tars, or a brace pattern like `train-{000000..000099}.tar`."""
+def expand_tar_paths(tree: _LocalTree | _FsspecTree, src: str) -> tuple[list[_File], list[_File]]:
+    """A tar file, a folder of tars, or a brace pattern like `train-{000000..000099}.tar`: the
+    tars, and the other visible files of a folder of tars (left out, as rejects)."""
     if "{" in src:
         import braceexpand
 
@@ -447,37 +531,86 @@ def expand_tar_paths(tree: _LocalTree | _FsspecTree, src: str) -> list[_File]:
                 f"{len(missing)} of {len(paths)} tars from pattern {src!r} do not exist, "
                 f"first: {missing[0]}"
             )
-        return [f for f in found if f is not None]
+        return [f for f in found if f is not None], []
     src = tree.norm(src)
     kind = tree.kind(src)
     if kind == "dir":
         files = tree.files_in(src)
-        tars = [files[n] for n in sorted(files) if n.endswith(".tar") and _visible(n)]
+        visible = [files[n] for n in sorted(files) if _visible(n)]
+        tars = [f for f in visible if f.path.endswith(".tar")]
         if not tars:
             raise InputError(f"{src}: no .tar files in this folder")
-        return tars
-    if kind == "file":
-        return [tree.stat(src, src)]
+        return tars, [f for f in visible if not f.path.endswith(".tar")]
+    if kind == "file":  # the tar named: it may be a link, read as the file it points at
+        link = not is_remote(src) and os.path.islink(src)
+        return [tree.stat(os.path.realpath(src) if link else src, src)], []
     raise InputError(f"{src}: no such file or folder")
 
 
-def scan_tar(tree: _LocalTree | _FsspecTree, tar: _File) -> list[tuple[str, str, int, int]]:
-    """Regular members of an uncompressed tar as (key, ext, data offset, size), in tar order.
+def _check_tar_end(fh: BinaryIO, end: int, size: int, path: str, members: int) -> None:
+    """Refuse a tar whose bytes after the last member tarfile read are not all zeros.
 
-    Refuses absolute or `..` names, links, devices and FIFOs, oversized extended headers and
-    truncation, naming the tar and the member.
+    tarfile ends its iteration without an error at the first header it cannot parse (a bad
+    checksum, garbage) and at a zero block, so a damaged header in the middle would silently drop
+    every member after it. A sound tar has only its end-of-archive marker and record padding
+    (zeros) there, or nothing.
+    """
+    fh.seek(end)
+    block = fh.read(BLOCK)
+    if block.strip(b"\0"):
+        try:
+            tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            why = "cannot be parsed"
+        except tarfile.HeaderError as exc:
+            why = str(exc) or "cannot be parsed"
+        raise InputError(
+            f"{path}: corrupt tar header at byte offset {end} ({why}) after {members} members; the "
+            f"members after it cannot be read; refusing the tar (repair or re-create it)"
+        )
+    pos = end + len(block)
+    while pos < size:
+        chunk = fh.read(1 << 20)
+        if not chunk:
+            break
+        first = len(chunk) - len(chunk.lstrip(b"\0"))  # of a byte that is not zero
+        if first < len(chunk):
+            raise InputError(
+                f"{path}: data at byte offset {pos + first} after the end-of-archive marker at offset "
+                f"{end} (after {members} members): a zeroed header or a second archive hides members "
+                f"there; refusing the tar"
+            )
+        pos += len(chunk)
+
+
+@dataclass(frozen=True)
+class _Member:
+    key: str
+    ext: str
+    offset: int  # of the payload
+    size: int
+    problem: str | None = None  # the reason its sample is rejected (empty, name not UTF-8)
+
+
+def scan_tar(tree: _LocalTree | _FsspecTree, tar: _File) -> list[_Member]:
+    """Regular members of an uncompressed tar, in tar order.
+
+    Refuses absolute or `..` names, links, devices and FIFOs, oversized extended headers,
+    truncation and headers that do not parse (naming the tar, the member or the byte offset);
+    marks empty members and names that are not UTF-8 as problems that reject their sample.
     """
     path, size = tar.path, tar.size
     if path.endswith((".gz", ".tgz", ".bz2", ".xz", ".zst")):
         raise InputError(f"{path}: compressed tars are not supported; decompress it first")
     if isinstance(size, str):
-        raise InputError(f"{path}: {size}")
+        raise InputError(f"{printable(path)}: {size}")
     out = []
     try:
         with tree.open(path) as fh, tarfile.open(fileobj=fh, mode="r:", tarinfo=_GuardedTarInfo) as tf:
+            count = 0
             for m in tf:
+                count += 1
                 name = m.name
-                where = f"{path}: member {name!r}"
+                where = f"{path}: member {printable(name)!r}"
                 if name.startswith("/") or re.match(r"^[A-Za-z]:[/\\]", name):
                     raise InputError(f"{where} has an absolute path; refusing the tar")
                 if ".." in name.replace("\\", "/").split("/"):
@@ -496,7 +629,11 @@ def scan_tar(tree: _LocalTree | _FsspecTree, tar: _File) -> list[tuple[str, str,
                 key, ext = split_name(name.removeprefix("./"))
                 if not ext:
                     raise InputError(f"{where} has no extension, so it belongs to no field")
-                out.append((key, ext, m.offset_data, m.size))
+                problem = _not_utf8(name)
+                if problem is None and m.size == 0:
+                    problem = f"empty member {name!r} at offset {m.offset_data} (0 bytes)"
+                out.append(_Member(key, ext, m.offset_data, m.size, problem))
+            _check_tar_end(fh, tf.offset, size, path, count)
     except _HostileHeader as exc:
         raise InputError(f"{path}: {exc}") from None
     except tarfile.ReadError as exc:
@@ -507,27 +644,42 @@ def scan_tar(tree: _LocalTree | _FsspecTree, tar: _File) -> list[tuple[str, str,
 
 
 def list_tars(tree: _LocalTree | _FsspecTree, src: str) -> Listing:
+    """Consecutive members sharing a key form a sample; a sample with an empty member or a name
+    that is not UTF-8 is a reject (as an empty or misnamed file in a folder is)."""
     listing = Listing("tar", [])
     keys = _KeyRegistry()
-    for tar in expand_tar_paths(tree, src):
+    tars, others = expand_tar_paths(tree, src)
+    for f in others:
+        listing.reject(f.path, "", "not a .tar file (a folder of tars is read for its .tar files)")
+    for tar in tars:
         path = tar.path
         listing.inputs.append((path, tar.stamp))
         current: list[tuple[str, Ref]] = []
         current_key = None
         exts: set[str] = set()
+        problem: str | None = None
 
         def flush() -> None:
-            if current_key is not None:
+            if current_key is None:
+                return
+            if problem:
+                listing.reject(path, current_key, problem)
+            else:
                 listing.samples.append(Sample(current_key, tuple(current)))
 
-        for key, ext, off, size in scan_tar(tree, tar):
+        for m in scan_tar(tree, tar):
+            key, ext, off, size = m.key, m.ext, m.offset, m.size
             if key != current_key:
                 flush()
-                keys.add(key, f"{path}: member {key + '.' + ext!r} at offset {off}")
-                current, current_key, exts = [], key, set()
+                if _not_utf8(key) is None:
+                    keys.add(key, f"{path}: member {key + '.' + ext!r} at offset {off}")
+                current, current_key, exts, problem = [], key, set(), None
             if ext in exts:
-                raise InputError(f"{path}: member {key}.{ext} appears twice in one sample")
+                raise InputError(f"{path}: member {printable(key)}.{printable(ext)} appears twice in one sample")
             exts.add(ext)
+            problem = problem or m.problem
+            if problem:
+                continue
             if ext == "npy":
                 ref: Ref | str = _npy_ref(path, size, off)
                 if isinstance(ref, str):
@@ -540,7 +692,21 @@ def list_tars(tree: _LocalTree | _FsspecTree, src: str) -> Listing:
 
 
 # -- detection -----------------------------------------------------------------------------------
+def _is_image_name(name: str) -> bool:
+    return "." in name and name.rpartition(".")[2].lower() in IMAGE_EXTS
+
+
 def detect(src: str) -> SourceFormat:
+    """The layout of `src`, from the names directly in it; files that belong to no sample of that
+    layout (a README, LICENSE, classes.csv) do not change it, and become rejects when listed.
+
+    - sub-folders and, next to them, files that share a key (`a.jpg a.json`): a `KEY.EXT` folder;
+    - sub-folders: an image folder, unless images, `.npy` or `.tar` files lie next to them (then
+      it is ambiguous, and refused);
+    - `.tar` files, with no other data file sharing a key with a tar: tars;
+    - `.npy` files (and `labels.csv`/`labels.json`), likewise: an `.npy` folder;
+    - anything else: a `KEY.EXT` folder.
+    """
     if "{" in src or src.endswith(".tar"):
         return "tar"
     tree = _tree(src)
@@ -550,21 +716,38 @@ def detect(src: str) -> SourceFormat:
         raise InputError(f"{src}: no such file or folder")
     if kind != "dir":
         raise InputError(f"{src}: expected a folder, a .tar file or a brace pattern of tars")
-    entries = [(n, d) for n, d in tree.children(root) if _visible(n)]
+    entries = [(n, d) for n, d, _ in tree.children(root) if _visible(n)]
     if not entries:
         raise InputError(f"{src}: the folder is empty")
-    names = {n for n, is_dir in entries if not is_dir}
-    if not names:
+    dirs = sorted(n for n, is_dir in entries if is_dir)
+    names = sorted(n for n, is_dir in entries if not is_dir)
+    if dirs:
+        stems = [split_name(n)[0] for n in names]
+        if len(set(stems)) < len(stems):
+            return "files"
+        data = [n for n in names if _is_image_name(n) or n.endswith((".npy", ".tar"))]
+        if data:
+            raise InputError(
+                f"{src}: ambiguous layout: sub-folders ({', '.join(printable(d) for d in dirs[:3])}"
+                f"{', ...' if len(dirs) > 3 else ''}) and data files next to them "
+                f"({', '.join(printable(n) for n in data[:3])}{', ...' if len(data) > 3 else ''}); "
+                f"pass --format imagefolder (class folders; files next to them are left out), "
+                f"--format files or --format npy"
+            )
         return "imagefolder"
-    if all(n.endswith(".tar") for n in names) and len(names) == len(entries):
-        return "tar"
-    if all(n.endswith(".npy") or n in ("labels.csv", "labels.json") for n in names) and len(names) == len(entries):
-        return "npy"
+    for fmt, ext in (("tar", ".tar"), ("npy", ".npy")):
+        data = [n for n in names if n.endswith(ext)]
+        rest = [n for n in names if not n.endswith(ext) and n not in ("labels.csv", "labels.json")]
+        if data and not any(n.endswith((".tar", ".npy")) or _is_image_name(n) for n in rest) \
+                and not {split_name(n)[0] for n in data} & {split_name(n)[0] for n in rest}:
+            return fmt  # type: ignore[return-value]
     return "files"
 
 
 def list_source(src: str, fmt: SourceFormat | None = None, *, labels: str | None = None) -> Listing:
     """List `src` (a local path or an fsspec URL) as format `fmt` (default: detected)."""
+    if _not_utf8(src):
+        raise InputError(f"{printable(src)}: the path is not valid UTF-8; rename it")
     fmt = fmt or detect(src)
     tree = _tree(src)
     if fmt == "tar":

@@ -12,6 +12,12 @@ Corrupt input: DALI fails the whole batch and invalidates the pipeline. The deco
 it and decodes the batch's samples one at a time to find the bad ones; with `on_error="raise"`
 (default) it raises `DecodeError` naming shard and key, with `on_error="skip"` it drops and
 counts them, and the batch comes back smaller.
+
+Oversized input: before anything is decoded, every image's width and height are read from its
+header (`imagesize`, microseconds per image); one over `ImageTransform.max_pixels` (default
+8192 x 8192, about 200 MB decoded as RGB) is handled by the same `on_error` policy, so a
+16000 x 16000 JPEG never makes DALI allocate gigabytes. Images whose header cannot be read are
+left to DALI (it refuses them as corrupt, or decodes them).
 """
 
 from __future__ import annotations
@@ -23,14 +29,44 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gdsload.decode.imagesize import image_size
 from gdsload.errors import GdsloadError, require
 
+MAX_PIXELS = 8192 * 8192  # default input limit per image: about 200 MB once decoded to RGB
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class DecodeError(GdsloadError):
-    """An image could not be decoded; the message names its shard and key."""
+    """An image could not be decoded; the message names its shard and key.
+
+    `reason` is the message without its `remedy` (how to skip such samples), so that the feed
+    server can word the remedy in protocol terms instead of Python arguments."""
+
+    def __init__(self, reason: str, *, remedy: str = ""):
+        super().__init__(f"{reason}; {remedy}" if remedy else reason)
+        self.reason = reason
+        self.remedy = remedy
+
+
+def dali_reason(exc: BaseException, limit: int = 1000) -> str:
+    """DALI's error as one line: the operator and what it encountered, without the pipeline
+    traceback and the "no longer valid" trailer (the first line alone, "Error in CPU operator
+    `...`,", stops mid-sentence). Cut at a word, with "...", past `limit` characters."""
+    import re
+
+    text = str(exc)
+    op = re.search(r"operator `([^`]+)`", text)
+    _, found, tail = text.partition("encountered:")
+    lines = [line.strip() for line in (tail if found else text).splitlines()]
+    what = " ".join(line for line in lines
+                    if line and "no longer valid" not in line and not line.startswith("Critical error"))
+    what = what or text.strip() or type(exc).__name__
+    if op and found:
+        what = f"{op.group(1)} failed: {what}"
+    if len(what) > limit:
+        what = what[:limit].rsplit(" ", 1)[0] + " ..."
+    return what
 
 
 @dataclass(frozen=True)
@@ -42,6 +78,9 @@ class ImageTransform:
     crop `size`. Then normalize with `mean`/`std` (in 0..1 units; None: no normalization), output
     `layout` and `dtype` ("float32", "float16" or "uint8"; uint8 skips normalization).
     `user_fn(images) -> images` adds DALI operations on the batch node before normalization.
+    `max_pixels`: the largest input image (width x height) decoded; larger ones are refused before
+    decoding, by the `on_error` policy (None: no limit). A server keeps its own limit: it is not
+    part of the feed's transform spec.
     """
 
     size: int = 224
@@ -55,6 +94,11 @@ class ImageTransform:
     layout: Literal["NCHW", "NHWC"] = "NCHW"
     dtype: Literal["float32", "float16", "uint8"] = "float32"
     user_fn: Callable[[Any], Any] | None = field(default=None, compare=False)
+    max_pixels: int | None = MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or self.max_pixels < 1):
+            raise ValueError(f"max_pixels must be a positive number of pixels or None, not {self.max_pixels!r}")
 
     def output_shape(self) -> tuple[int, int, int]:
         s = self.size
@@ -88,7 +132,7 @@ class ImageDecoder:
         self._builds = 0
 
     def _build(self) -> None:
-        require("nvidia.dali", extra="cpu", purpose="image decoding")
+        require("nvidia.dali", extra="cpu" if self.device == "cpu" else "cuda12", purpose="image decoding")
         from nvidia.dali import fn, pipeline_def, types
 
         t = self.transform
@@ -136,6 +180,33 @@ class ImageDecoder:
         """
         if not encoded:
             raise ValueError("decode() needs at least one sample")
+        limit = self.transform.max_pixels
+        if limit is None:
+            return self._decode(encoded, names)
+        over = []
+        for i, e in enumerate(encoded):
+            size = image_size(e)
+            if size is not None and size[0] * size[1] > limit:
+                over.append((i, size))
+        if not over:
+            return self._decode(encoded, names)
+        if self.on_error == "raise":
+            i, (w, h) = over[0]
+            raise DecodeError(
+                f"image {names[i]} is {w} x {h} pixels, over the limit of {limit} "
+                f"(ImageTransform(max_pixels=...)); not decoded ({len(over)} such in this batch); "
+                f"pass on_error='skip' to skip and count such samples"
+            )
+        self.skipped += len(over)
+        refused = {i for i, _ in over}
+        rest = [i for i in range(len(encoded)) if i not in refused]
+        if not rest:
+            return None, []
+        out, kept = self._decode([encoded[i] for i in rest], [names[i] for i in rest])
+        return out, [rest[k] for k in kept]
+
+    def _decode(self, encoded: Sequence[np.ndarray], names: Sequence[str]) -> tuple[Any, list[int]]:
+        """`decode` without the pixel limit: DALI first, one by one to find corrupt samples."""
         try:
             return self._run(encoded), list(range(len(encoded)))
         except RuntimeError:
@@ -150,32 +221,47 @@ class ImageDecoder:
                 bad.append((i, exc))
         if bad and self.on_error == "raise":
             i, exc = bad[0]
-            msg = str(exc).strip().splitlines()
-            detail = next((line for line in msg if "rror" in line and "Critical" not in line), msg[0] if msg else "")
             raise DecodeError(
-                f"cannot decode image {names[i]} ({len(bad)} bad in this batch): {detail.strip()[:200]}; "
-                f"pass on_error='skip' to skip and count corrupt samples"
+                f"cannot decode image {names[i]} ({len(bad)} bad in this batch): {dali_reason(exc)}",
+                remedy="pass on_error='skip' to skip and count corrupt samples",
             ) from exc
         self.skipped += len(bad)
         if not kept:
             return None, []
         return self._run([encoded[i] for i in kept]), kept
 
-    def copy_into(self, out, dst) -> None:
-        """Copy a decoded batch into `dst[:len(out)]` (a ring slot: NumPy or CuPy).
+    def copy_into(self, out, dst, *, stream: Any = None) -> None:
+        """Copy a decoded batch into `dst[:len(out)]` (a ring slot: NumPy for "cpu", CuPy for
+        "mixed"), completed when this returns.
 
-        Must run before the pipeline's next `run()`, which reuses its output buffers. Host
-        output is copied once, straight into the slot (`copy_to_external`); device output goes
-        through `__cuda_array_interface__` into the CuPy slot.
+        It must be complete before the pipeline's next `run()`, which reuses its output buffers:
+        DALI 2.4 with `exec_async=False, prefetch_queue_depth=1` calls `release_outputs()` at the
+        start of the next run (pipeline.py `_run_once`) and reruns on its own non-blocking streams,
+        and a TensorGPU's `__cuda_array_interface__` is version 2 (no stream key), so nothing would
+        order a CuPy copy on the legacy stream against it. Hence device output goes through
+        `TensorListGPU.copy_to_external(ptr, cuda_stream=stream, non_blocking=False)`: ordered
+        after DALI's work on its buffer, on `stream` (the loader's private copy stream, a
+        `ctypes.c_void_p`; None is the default stream), and waited for. Host output is copied
+        once, straight into the slot. A host slot never receives device output (that was a
+        GPU -> host -> GPU round trip; "mixed" decodes into a device slot).
         """
         n = len(out)
-        if hasattr(dst, "__cuda_array_interface__"):
-            import cupy
-
-            dst[:n] = cupy.asarray(out.as_tensor())
-            return
         target = dst[:n]
+        on_device = hasattr(dst, "__cuda_array_interface__")
+        if on_device != (self.device == "mixed"):
+            raise ValueError(f"a {'device' if on_device else 'host'} slot cannot take the output of "
+                             f"{self.device!r} decoding")
         shape = tuple(out.as_tensor().shape())
-        if shape != target.shape or not target.flags.c_contiguous:
+        if on_device:
+            cai = target.__cuda_array_interface__
+            contiguous = cai.get("strides") is None
+            address = cai["data"][0]
+        else:
+            contiguous = target.flags.c_contiguous
+            address = target.ctypes.data
+        if shape != target.shape or not contiguous:
             raise ValueError(f"decoded batch has shape {shape}, the slot expects {target.shape}")
-        out.copy_to_external(ctypes.c_void_p(target.ctypes.data))
+        if on_device:
+            out.copy_to_external(ctypes.c_void_p(address), cuda_stream=stream, non_blocking=False)
+        else:
+            out.copy_to_external(ctypes.c_void_p(address))

@@ -8,6 +8,19 @@ with millions of members is a few array reads, never a tar scan:
 - `sample_start` (int64, n+1): members of sample i are rows `sample_start[i]:sample_start[i+1]`
 - `member_ext` (uint16, index into `extensions`), `member_offset` and `member_size` (uint64):
   the byte offset of each member's payload in the tar, and its length
+- `member_crc` (uint32, optional): CRC32 (`zlib.crc32`) of each member's payload, for the
+  loader's `verify=` checks
+- `label_0`, `label_1`, ... (int64, n, optional): the values of the label fields that
+  `meta["labels"]` lists, parsed and validated at conversion (`gdsload.format.labels`); a sample
+  without that field holds 0 there (its member list says it has none)
+- `meta["npy_c_order"]` (optional, true): every `.npy` payload of the shard was parsed at
+  conversion and stored in C order (`npy.normalize`), so the loader need not read its header
+
+The optional parts were added after version 1 without a version change: indexes without them
+still load (the loader then parses labels and `.npy` headers itself), and older readers ignore
+them. Opening an index checks its arrays against each other, and `check_extents` every member
+against the shard's size, so a damaged index is a `FormatError` naming the file, never an
+allocation of its bogus sizes.
 
 `NAME.dali.idx` is the text format DALI's `wds2idx` writes (version `v1.2`): a header line
 `v1.2 N`, then one line per sample of `ext offset size name` groups, offsets being payload
@@ -23,7 +36,8 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +83,9 @@ class ShardIndex:
     member_ext: np.ndarray
     member_offset: np.ndarray
     member_size: np.ndarray
+    member_crc: np.ndarray | None = None  # None: written before CRCs were stored
+    labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # label field -> int64 per sample
+    npy_c_order: bool = False  # every .npy payload was checked and stored in C order
 
     @property
     def num_samples(self) -> int:
@@ -98,10 +115,24 @@ class ShardIndex:
             )
         ]
 
+    def crcs(self, i: int) -> list[int] | None:
+        """CRC32 of sample i's member payloads (in `members(i)` order), or None if not stored."""
+        if self.member_crc is None:
+            return None
+        return self.member_crc[int(self.sample_start[i]) : int(self.sample_start[i + 1])].tolist()
+
     # -- building ------------------------------------------------------------------------------
     @classmethod
-    def build(cls, samples: list[tuple[str, list[tuple[str, int, int]]]]) -> "ShardIndex":
-        """From `[(key, [(ext, offset, size), ...]), ...]` in tar order."""
+    def build(
+        cls,
+        samples: list[tuple[str, list[tuple[str, int, int]]]],
+        *,
+        crc: Sequence[int] | None = None,
+        labels: Sequence[Mapping[str, int]] | None = None,
+        npy_c_order: bool = False,
+    ) -> "ShardIndex":
+        """From `[(key, [(ext, offset, size), ...]), ...]` in tar order; optionally the CRC32 of
+        every member (flat, in that order) and each sample's label values `{ext: int}`."""
         exts: dict[str, int] = {}
         keys = [k.encode("utf-8") for k, _ in samples]
         key_offsets = np.zeros(len(keys) + 1, np.int64)
@@ -110,6 +141,10 @@ class ShardIndex:
         np.cumsum([len(m) for _, m in samples], out=start[1:])
         rows = [m for _, ms in samples for m in ms]
         ext_ids = [exts.setdefault(e, len(exts)) for e, _, _ in rows]
+        columns: dict[str, np.ndarray] = {}
+        for i, values in enumerate(labels or ()):
+            for ext, v in values.items():
+                columns.setdefault(ext, np.zeros(len(samples), np.int64))[i] = v
         return cls(
             extensions=tuple(exts),
             key_blob=np.frombuffer(b"".join(keys), np.uint8),
@@ -118,11 +153,22 @@ class ShardIndex:
             member_ext=np.asarray(ext_ids, np.uint16),
             member_offset=np.asarray([o for _, o, _ in rows], np.uint64),
             member_size=np.asarray([s for _, _, s in rows], np.uint64),
+            member_crc=None if crc is None else np.asarray(crc, np.uint32),
+            labels=dict(sorted(columns.items())),
+            npy_c_order=npy_c_order,
         )
 
     # -- our file ------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        meta = {"format": "gdsload-index", "version": INDEX_VERSION, "extensions": list(self.extensions)}
+        meta: dict = {"format": "gdsload-index", "version": INDEX_VERSION, "extensions": list(self.extensions)}
+        optional: dict[str, np.ndarray] = {}
+        if self.member_crc is not None:
+            optional["member_crc"] = self.member_crc
+        if self.labels:
+            meta["labels"] = list(self.labels)
+            optional.update({f"label_{i}": col for i, col in enumerate(self.labels.values())})
+        if self.npy_c_order:
+            meta["npy_c_order"] = True
         buf = io.BytesIO()
         np.savez(
             buf,
@@ -133,6 +179,7 @@ class ShardIndex:
             member_ext=self.member_ext,
             member_offset=self.member_offset,
             member_size=self.member_size,
+            **optional,
         )
         return buf.getvalue()
 
@@ -148,12 +195,18 @@ class ShardIndex:
                         f"{name}: index version {meta.get('version')} is not supported "
                         f"(this gdsload reads version {INDEX_VERSION}); re-run gdsload convert"
                     )
+                label_exts = meta.get("labels", [])
+                if not isinstance(label_exts, list) or not all(isinstance(e, str) for e in label_exts):
+                    raise FormatError(f"{name}: index meta 'labels' must be a list of field names")
                 idx = cls(
                     extensions=tuple(meta["extensions"]),
                     **{k: z[k] for k in (
                         "key_blob", "key_offsets", "sample_start",
                         "member_ext", "member_offset", "member_size",
                     )},
+                    member_crc=z["member_crc"] if "member_crc" in z.files else None,
+                    labels={e: z[f"label_{i}"] for i, e in enumerate(label_exts)},
+                    npy_c_order=meta.get("npy_c_order") is True,
                 )
         except FormatError:
             raise
@@ -168,17 +221,54 @@ class ShardIndex:
 
     def _check(self, name: str) -> None:
         n = self.num_samples
+        arrays = (self.key_blob, self.key_offsets, self.sample_start, self.member_ext,
+                  self.member_offset, self.member_size, *self.labels.values())
+        if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
+            raise FormatError(f"{name}: index arrays are not flat integer arrays")
         if (
             n < 0
             or len(self.key_offsets) != n + 1
+            or self.key_offsets[0] != 0
+            or self.key_offsets[-1] != len(self.key_blob)
+            or np.any(self.key_offsets[1:] < self.key_offsets[:-1])
+            or (self.member_crc is not None and (self.member_crc.shape != (self.num_members,)
+                                                 or self.member_crc.dtype != np.uint32))
+            or any(col.shape != (n,) or col.dtype != np.int64 for col in self.labels.values())
             or self.sample_start[0] != 0
             or self.sample_start[-1] != self.num_members
             or len(self.member_ext) != self.num_members
             or len(self.member_size) != self.num_members
-            or (self.num_members and int(self.member_ext.max()) >= len(self.extensions))
-            or np.any(np.diff(self.sample_start) < 1)
+            or (self.num_members and (int(self.member_ext.max()) >= len(self.extensions)
+                                      or int(self.member_ext.min()) < 0))
+            or np.any(self.sample_start[1:] <= self.sample_start[:-1])
         ):
             raise FormatError(f"{name}: index arrays are inconsistent")
+
+    def check_extents(self, shard_nbytes: int, name: str) -> None:
+        """FormatError naming `name` if any member lies outside a shard of `shard_nbytes` bytes.
+
+        One vectorised pass over the offsets and sizes; run when an index is opened, so that a
+        damaged entry (a size of 2**40, say) is refused before anything is sized from it.
+        """
+        if not isinstance(shard_nbytes, int) or shard_nbytes < 0:
+            raise FormatError(f"{name}: shard size {shard_nbytes!r} is not a byte count")
+        if not self.num_members:
+            return
+        if self.member_offset.dtype.kind == "i" and self.member_offset.min() < 0 or (
+                self.member_size.dtype.kind == "i" and self.member_size.min() < 0):
+            raise FormatError(f"{name}: index holds negative member offsets or sizes")
+        size = self.member_size.astype(np.uint64)
+        limit = np.uint64(shard_nbytes)
+        bad = (size > limit) | (self.member_offset.astype(np.uint64) > limit - np.minimum(size, limit))
+        if bad.any():
+            row = int(np.argmax(bad))
+            sample = int(np.searchsorted(self.sample_start, row, side="right")) - 1
+            raise FormatError(
+                f"{name}: member {self.key(sample)}.{self.extensions[int(self.member_ext[row])]} "
+                f"(offset {int(self.member_offset[row])}, {int(self.member_size[row])} bytes) lies "
+                f"outside its shard of {shard_nbytes} bytes ({int(bad.sum())} such members); the "
+                f"index is damaged: re-run gdsload convert"
+            )
 
     # -- DALI's file ---------------------------------------------------------------------------
     def to_dali(self) -> str:

@@ -33,13 +33,17 @@ IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif
 _KINDS = {"npy": "tensor", "cls": "label", "json": "json", "txt": "text"}
 
 
-class ShardEntry(TypedDict):
+class _ShardEntryRequired(TypedDict):
     name: str
     index: str
     dali_index: str
     samples: int
     bytes: int
     sha256: str
+
+
+class ShardEntry(_ShardEntryRequired, total=False):
+    fortran_to_c: dict[str, int]  # .npy field -> Fortran-ordered payloads stored in C order
 
 
 def field_kind(ext: str) -> str:

@@ -5,11 +5,17 @@ preamble fill exactly `ALIGN` bytes; the payload itself starts at an aligned fil
 array data does too and a tensor can be read straight into device memory. The result is an
 ordinary npy v1.0 file that `numpy.load` reads (its header stays under NumPy's 10,000-byte safety
 limit).
+
+Stored payloads are always C-ordered: the loader copies array data straight into rows of a
+C-ordered batch tensor, so a Fortran-ordered input (`fortran_order: True`, as `np.save` writes
+for `np.asfortranarray`) is rewritten in C order at conversion (`normalize`: same values, dtype
+and shape; only the memory layout changes), never stored as is.
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 from numpy.lib import format as npformat
@@ -80,11 +86,8 @@ def parse_header(buf: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bo
     return dtype, tuple(shape), bool(fortran), f.tell()
 
 
-def realign(payload: bytes | memoryview) -> bytes:
-    """Rewrite an npy file so its array data sits `ALIGN` bytes after the payload start.
-
-    The array bytes are copied unchanged; the data length is checked against the header.
-    """
+def _array_data(payload: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bool, int, memoryview]:
+    """Header fields plus the array data, whose length is checked against the header."""
     dtype, shape, fortran, data_off = parse_header(payload)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     data = memoryview(payload)[data_off:]
@@ -93,14 +96,52 @@ def realign(payload: bytes | memoryview) -> bytes:
             f".npy data is {len(data)} bytes but its header (shape {shape}, dtype {dtype}) "
             f"says {nbytes}"
         )
+    return dtype, shape, fortran, data_off, data
+
+
+def _c_order(dtype: np.dtype, shape: tuple[int, ...], data: memoryview) -> bytes:
+    """Fortran-ordered array data rewritten in C order (values unchanged)."""
+    return np.ndarray(shape, dtype, buffer=data, order="F").tobytes(order="C")
+
+
+def realign(payload: bytes | memoryview) -> bytes:
+    """Rewrite an npy file so its array data is C-ordered and sits `ALIGN` bytes after the payload
+    start.
+
+    C-ordered array bytes are copied unchanged; the data length is checked against the header.
+    """
+    dtype, shape, fortran, data_off, data = _array_data(payload)
+    if fortran:
+        return aligned_header(dtype, shape) + _c_order(dtype, shape, data)
     if data_off == ALIGN:
         return bytes(payload)
-    return aligned_header(dtype, shape, fortran) + bytes(data)
+    return aligned_header(dtype, shape) + bytes(data)
+
+
+def normalize(payload: bytes | memoryview) -> tuple[bytes | memoryview, bool]:
+    """What the writer stores for an `.npy` payload, and whether it was Fortran-ordered.
+
+    Payloads of `ALIGN` bytes or more come back `realign`ed; smaller ones as given, or, if
+    Fortran-ordered, rewritten in C order with an ordinary (unpadded) npy header. Raises
+    FormatError for anything that is not a well-formed `.npy` file.
+    """
+    dtype, shape, fortran, data_off, data = _array_data(payload)
+    if len(payload) >= ALIGN:
+        return realign(payload), fortran
+    if not fortran:
+        return payload, False
+    c = np.ndarray(shape, dtype, buffer=_c_order(dtype, shape, data))
+    buf = io.BytesIO()
+    with warnings.catch_warnings():  # a structured dtype with non-ASCII names needs version 3.0
+        warnings.simplefilter("ignore", UserWarning)
+        npformat.write_array(buf, c, version=None, allow_pickle=False)
+    out = buf.getvalue()
+    if len(out) >= ALIGN:  # the new header pushed it over: store it aligned like any big payload
+        out = aligned_header(dtype, shape) + c.tobytes()
+    return out, True
 
 
 def encode(array: np.ndarray) -> bytes:
-    """An aligned npy payload for `array`."""
+    """An aligned npy payload for `array` (in C order, whatever the layout of `array`)."""
     array = np.asarray(array)
-    fortran = array.flags.f_contiguous and not array.flags.c_contiguous
-    data = array.tobytes(order="F" if fortran else "C")
-    return aligned_header(array.dtype, array.shape, fortran) + data
+    return aligned_header(array.dtype, array.shape) + array.tobytes(order="C")

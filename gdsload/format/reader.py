@@ -27,6 +27,7 @@ from gdsload.errors import CorruptDataError, FormatError, StorageError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
+from gdsload.format.labels import parse_label
 from gdsload.format.store import FsspecStore, is_remote, local_path, open_store
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
@@ -80,8 +81,19 @@ class ShardedDataset:
                     f"{name}: index lists {idx.num_samples} samples, manifest says "
                     f"{self.shards[shard]['samples']}"
                 )
+            idx.check_extents(self.shards[shard]["bytes"], name)
             self._indexes[shard] = idx
         return idx
+
+    def stored_sizes(self) -> list[int | None]:
+        """Every shard file's size in storage now (None: missing): a stat per shard locally, one
+        listing of the dataset folder at a URL (not one request per shard)."""
+        if self._fs is None:
+            return [self._store.size(s["name"]) for s in self.shards]
+        self._fs.invalidate_cache(self.root)
+        listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in self._fs.ls(self.root, detail=True)}
+        return [int(e["size"]) if (e := listed.get(s["name"])) and e.get("type") == "file" else None
+                for s in self.shards]
 
     # -- raw I/O -------------------------------------------------------------------------------
     def _read_file(self, path: str) -> bytes:
@@ -163,14 +175,22 @@ class ShardedDataset:
         return {"payloads_4k_or_more": big, "aligned": aligned, "smaller_payloads": small}
 
     def class_histogram(self, field: str = "cls") -> Counter[int]:
-        """Label counts from the `.cls` members (reads only those small members)."""
+        """Label counts: from the index's label column, or (older indexes) the `.cls` members."""
         hist: Counter[int] = Counter()
         for s in range(len(self.shards)):
             idx = self.index(s)
+            col = idx.labels.get(field)
             for j in range(idx.num_samples):
                 for ext, o, n in idx.members(j):
-                    if ext == field:
-                        hist[int(self.read_extent(s, o, n).decode().strip())] += 1
+                    if ext != field:
+                        continue
+                    if col is not None:
+                        hist[int(col[j])] += 1
+                        continue
+                    try:
+                        hist[parse_label(self.read_extent(s, o, n))] += 1
+                    except FormatError as exc:
+                        raise FormatError(f"{self.shards[s]['name']}: sample {idx.key(j)!r}: {exc}") from None
         return hist
 
     # -- integrity -----------------------------------------------------------------------------

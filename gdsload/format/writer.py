@@ -6,6 +6,12 @@ in place: locally it is written as `.NAME.tar.tmp-PID`, fsynced and renamed; at 
 completes then. `abort()` (or an exception inside `with`) drops it, so a shard under its final
 name is always complete.
 
+Per member it also stores, in the index, the payload's CRC32 (`zlib.crc32`, several GB/s) for the
+loader's load-time checks, and per label field the parsed label values as an int64 column; labels
+that are not integers and `.npy` payloads that do not parse are refused (`FormatError`) before
+anything of the sample is written. Fortran-ordered arrays are stored in C order (`npy.normalize`)
+and counted per field in the shard entry (`fortran_to_c`) and the manifest (`created`).
+
 Memory: one sample's payloads at a time. Not thread-safe: one writer per thread or process.
 """
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from gdsload.errors import FormatError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, check_key
+from gdsload.format.labels import parse_label
 from gdsload.format.store import Store, open_store
 from gdsload.format.tar import end_of_archive, write_member
 
@@ -29,11 +37,12 @@ def shard_name(prefix: str, i: int) -> str:
     return f"{prefix}-{i:06d}"
 
 
-def prepare_payload(ext: str, payload: bytes | memoryview) -> bytes | memoryview:
-    """Apply the format's per-field rules: `.npy` array data is realigned to 4 KiB."""
-    if mf.field_kind(ext) == "tensor" and len(payload) >= npy.ALIGN:
-        return npy.realign(payload)
-    return payload
+def prepare_payload(ext: str, payload: bytes | memoryview) -> tuple[bytes | memoryview, bool]:
+    """Apply the format's per-field rules: `.npy` payloads are checked, stored in C order and
+    their array data realigned to 4 KiB. Returns the payload and whether it was Fortran-ordered."""
+    if mf.field_kind(ext) == "tensor":
+        return npy.normalize(payload)
+    return payload, False
 
 
 class ShardWriter:
@@ -46,6 +55,9 @@ class ShardWriter:
         self._hash = hashlib.sha256()
         self._offset = 0
         self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+        self._crc: list[int] = []  # per member, in tar order
+        self._labels: list[dict[str, int]] = []  # per sample: label field -> value
+        self.fortran_to_c: dict[str, int] = {}  # .npy field -> payloads rewritten in C order
         self._keys: set[str] = set()
         self._sink = _Tee(self)
 
@@ -79,27 +91,41 @@ class ShardWriter:
         if not fields:
             raise FormatError(f"sample {key!r} has no fields")
         prepared = []
+        labels: dict[str, int] = {}
+        fortran: list[str] = []
         for ext, payload in fields.items():
             if not ext or "/" in ext or any(c.isspace() or not c.isprintable() for c in ext):
                 raise FormatError(f"sample {key!r}: invalid field name {ext!r} (no '/', whitespace "
                                   f"or control characters)")
-            prepared.append((ext, prepare_payload(ext, payload)))
+            try:
+                if mf.field_kind(ext) == "label":
+                    labels[ext] = parse_label(payload)
+                payload, was_fortran = prepare_payload(ext, payload)
+            except FormatError as exc:
+                raise FormatError(f"sample {key!r}: field {ext!r}: {exc}") from None
+            if was_fortran:
+                fortran.append(ext)
+            prepared.append((ext, payload))
         members = []
         for ext, payload in prepared:
             hdr_start = self._offset
             data_off, _ = write_member(self._sink, hdr_start, f"{key}.{ext}", payload)
             members.append((ext, data_off, len(payload)))
+            self._crc.append(zlib.crc32(payload))
         self._keys.add(key)
         self._samples.append((key, members))
+        self._labels.append(labels)
+        for ext in fortran:
+            self.fortran_to_c[ext] = self.fortran_to_c.get(ext, 0) + 1
 
     def close(self) -> mf.ShardEntry:
         """Finish the archive, write both indexes, and rename the shard into place."""
         self._write(end_of_archive())
-        index = ShardIndex.build(self._samples)
+        index = ShardIndex.build(self._samples, crc=self._crc, labels=self._labels, npy_c_order=True)
         self.store.write(f"{self.name}.idx", index.to_bytes())
         self.store.write(f"{self.name}.dali.idx", index.to_dali().encode())
         self._f.commit()
-        return {
+        entry: mf.ShardEntry = {
             "name": f"{self.name}.tar",
             "index": f"{self.name}.idx",
             "dali_index": f"{self.name}.dali.idx",
@@ -107,6 +133,9 @@ class ShardWriter:
             "bytes": self._offset,
             "sha256": self._hash.hexdigest(),
         }
+        if self.fortran_to_c:
+            entry["fortran_to_c"] = dict(sorted(self.fortran_to_c.items()))
+        return entry
 
     def abort(self) -> None:
         self._f.abort()
@@ -132,6 +161,11 @@ def make_manifest(
 ) -> dict[str, Any]:
     from gdsload import __version__
 
+    fortran: dict[str, int] = {}
+    for s in shards:
+        for ext, n in s.get("fortran_to_c", {}).items():
+            fortran[ext] = fortran.get(ext, 0) + n
+    notes = {"fortran_to_c": dict(sorted(fortran.items()))} if fortran else {}
     return {
         "format": "gdsload",
         "version": mf.FORMAT_VERSION,
@@ -144,6 +178,7 @@ def make_manifest(
             "by": f"gdsload {__version__}",
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **(created or {}),
+            **notes,  # .npy payloads stored in C order, per field
         },
     }
 

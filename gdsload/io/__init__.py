@@ -10,7 +10,14 @@
 Backends are registered by import path and loaded on first use (fsspec-style), so `import
 gdsload.io` costs the standard library and NumPy only. `choose_backend` makes the automatic
 choice and `open_backend` builds one; the instance's `name` then says which path is really in use
-("kvikio-gds" or "kvikio-compat", "posix" after an O_DIRECT refusal).
+("kvikio-gds", "kvikio-posix" (KvikIO's POSIX shortcut for small reads and host buffers),
+"kvikio-compat", "posix" after an O_DIRECT refusal).
+
+KvikIO that is installed but does not load (on CUDA 13 wheels typically a missing `rapids-logger`:
+libkvikio.so is linked against librapids_logger.so, and `libkvikio.load_library()` swallows the
+ModuleNotFoundError of `import rapids_logger`) is not the same as KvikIO absent: when device
+memory is asked for, `choose_backend` warns once, saying why (`kvikio_import_error()`), before it
+falls back to POSIX. An absent KvikIO falls back silently.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import importlib
 import importlib.util
 import os
 import re
+import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +48,7 @@ __all__ = [
     "choose_backend",
     "coalesce",
     "is_url",
+    "kvikio_import_error",
     "kvikio_usable",
     "open_backend",
 ]
@@ -91,27 +101,64 @@ def cuda_device_count() -> int:
 
 
 @functools.cache
+def _kvikio_probe() -> tuple[bool, str | None]:
+    """(usable, why not when KvikIO is installed but broken); cached for the process."""
+    if cuda_device_count() < 1:
+        return False, None
+    try:
+        importlib.import_module("kvikio")
+    except ModuleNotFoundError as exc:
+        if exc.name == "kvikio":
+            return False, None  # not installed
+        return False, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # ImportError/OSError from a native library, or anything else
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, None
+
+
 def kvikio_usable() -> bool:
     """KvikIO imports, libcuda.so.1 loads and a CUDA device exists (cached for the process).
 
     The driver is probed first, so a CPU-only host never imports KvikIO here.
     """
-    if cuda_device_count() < 1:
-        return False
-    try:
-        importlib.import_module("kvikio")
-    except Exception:  # ImportError, or a broken native install
-        return False
-    return True
+    return _kvikio_probe()[0]
+
+
+kvikio_usable.cache_clear = _kvikio_probe.cache_clear  # type: ignore[attr-defined]
+
+
+def kvikio_import_error() -> str | None:
+    """Why an installed KvikIO does not load on this GPU host (None: it loads, or is absent)."""
+    return _kvikio_probe()[1]
+
+
+_warned_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def choose_backend(path: str, *, device: bool) -> str:
     """The registry name to use for `path`: "fsspec" for URLs; "kvikio" when device buffers are
-    wanted and KvikIO is usable on this host; "posix" otherwise."""
+    wanted and KvikIO is usable on this host; "posix" otherwise (with one warning per process when
+    KvikIO is installed but broken)."""
     if is_url(path):
         return "fsspec"
-    if device and kvikio_usable():
-        return "kvikio"
+    if device:
+        if kvikio_usable():
+            return "kvikio"
+        why = kvikio_import_error()
+        if why:
+            _warn_once(f"KvikIO is installed but does not load ({why}); device reads fall back to "
+                       f"POSIX into pinned host memory plus a host-to-device copy. On CUDA 13 "
+                       f"wheels check that rapids-logger is installed (libkvikio needs "
+                       f"librapids_logger.so); `gdsload doctor` shows the details")
     return "posix"
 
 

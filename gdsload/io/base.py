@@ -336,8 +336,12 @@ class PooledBackend:
         with self._lock:
             self._check_open()
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._pool_threads, thread_name_prefix=self._pool_name)
+                self._pool = ThreadPoolExecutor(self._pool_threads, thread_name_prefix=self._pool_name,
+                                                initializer=self._thread_init)
             return self._pool
+
+    def _thread_init(self) -> None:
+        """Runs first in each pool thread (e.g. to set the thread's current CUDA device)."""
 
     def _release(self) -> None:
         """Close cached files; called once by `close()` after the pool has drained."""

@@ -10,20 +10,47 @@ file offset, the size and the device address are multiples of 4096 bytes; other 
 staged through a host bounce buffer. Host (NumPy) buffers are read with POSIX I/O inside KvikIO
 (pinned memory makes the later host-to-device copy faster).
 
-`name` is "kvikio-gds" when KvikIO does not prefer compat mode and cuFile itself reports GDS
-available (`kvikio.cufile_driver.get("is_gds_available")`); otherwise "kvikio-compat" (KvikIO's
-POSIX path, a bounce buffer in host memory for device reads). KvikIO 26.10 imports without a GPU
-but refuses every read when libcuda.so.1 is absent; `gdsload.io.choose_backend` only picks this
-backend where a CUDA device exists.
+Which path a read takes (KvikIO 26.10, cpp/src/file_handle.cpp `FileHandle::pread`), counted per
+read in `path_bytes` and named by `name` (the path that carried most bytes; before any read, the
+path a device read of at least `gds_threshold` would take):
+  - "kvikio-compat": KvikIO prefers compat mode (no cuFile, or `KVIKIO_COMPAT_MODE=ON`): device
+    reads go through its POSIX path, a host bounce buffer and a copy;
+  - "kvikio-posix": the buffer is host memory (always POSIX inside KvikIO, `is_host_memory(buf)`),
+    or a device read smaller than `gds_threshold` (the "shortcut that circumvent the threadpool
+    and use the POSIX backend directly", `if (size < gds_threshold)`);
+  - "kvikio-gds": a device read of at least `gds_threshold` with cuFile reporting GDS available
+    (`kvikio.cufile_driver.get("is_gds_available")`) and compat mode not preferred.
+`gds_threshold` is read from KvikIO (`kvikio.defaults.get("gds_threshold")`). Its default is
+16 KiB in KvikIO 26.10: cpp/src/defaults.cpp:116 `getenv_or("KVIKIO_GDS_THRESHOLD", 16 * 1024)`
+and docs/source/runtime_settings.rst ("the default value is 16384 (16 KiB)"); the "1 MiB" in
+the defaults.hpp docstring is stale. So a 150,528-byte uint8[3,224,224] row does take cuFile when
+GDS is available (settling the two audits' disagreement; gdsload leaves the threshold alone).
+Not visible from Python: KvikIO's per-file fallback to compat under AUTO (CompatModeManager, when
+O_DIRECT or cuFile handle registration fails for that file), so "kvikio-gds" can still hide a
+compat read of a file cuFile refused. Device rows whose address is not 4 KiB-aligned (rows of a
+size that is not a multiple of 4096) go through cuFile's internal bounce buffers, which are GPU
+memory ("maximum GPU memory reserved per device by the library for internal buffering",
+cuFileDriverSetMaxCacheSize): still GDS, with one extra device-to-device copy; padding the row
+stride to 4096 would avoid it and is not done (a measured gain first: bench kvikio_rows). `register(buf)` registers a device arena with cuFile
+(`kvikio.memory_register`, a no-op in compat mode), so reads into it skip that bounce when aligned.
+
+KvikIO 26.10 imports without a GPU but refuses every read when libcuda.so.1 is absent;
+`gdsload.io.choose_backend` only picks this backend where a CUDA device exists. A GDS read
+synchronises the legacy default stream first (`StreamSynchronize(nullptr)`, `sync_default_stream`
+is not exposed by the Python `CuFile.pread`), and the compat path copies on a blocking stream:
+either way a device read waits for work queued on the legacy default stream.
 
 Threads: KvikIO splits large reads over its own thread pool (`threads` sets its size, which is
-process-wide state of KvikIO); this backend issues groups from a small pool of its own, because
-reads below KvikIO's `gds_threshold` run synchronously in the issuing thread.
+process-wide state of KvikIO: setting it waits for running tasks and rebuilds the pool, so it is
+set only when it differs); this backend issues groups from a small pool of its own, because reads
+below KvikIO's `gds_threshold` run synchronously in the issuing thread. With `device_id`, each
+issuing thread makes that GPU its current device first (the current device is per thread).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -40,7 +67,7 @@ def import_kvikio() -> Any:
         import kvikio
         import kvikio.cufile_driver
         import kvikio.defaults
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:  # OSError: a native library (librapids_logger.so) missing
         raise MissingDependencyError(
             "the 'kvikio' I/O backend (GPUDirect Storage) needs the Python module 'kvikio', which "
             f"is not installed or does not load ({exc}); install it with: {INSTALL_HINT}"
@@ -58,6 +85,14 @@ def gds_active(kvikio: Any) -> bool:
         return False
 
 
+def _setting(kvikio: Any, key: str) -> Any:
+    """`kvikio.defaults.get(key)` (KvikIO 26.x), or None where the setting cannot be read."""
+    try:
+        return kvikio.defaults.get(key)
+    except Exception:
+        return None
+
+
 class KvikioBackend(PooledBackend):
     """Local files through KvikIO's `CuFile.pread` into CuPy (device) or NumPy (host) arrays.
 
@@ -69,22 +104,57 @@ class KvikioBackend(PooledBackend):
 
     device_capable = True
 
-    def __init__(self, threads: int | None = None, *, issue_threads: int = 8) -> None:
+    def __init__(self, threads: int | None = None, *, issue_threads: int = 8,
+                 device_id: int | None = None) -> None:
         if threads is not None and threads < 1:
             raise GdsloadError(f"threads={threads} must be >= 1 or None")
         if issue_threads < 1:
             raise GdsloadError(f"issue_threads={issue_threads} must be >= 1")
         super().__init__(issue_threads)
         self._kvikio = import_kvikio()
-        if threads is not None:
+        if threads is not None and _setting(self._kvikio, "num_threads") != threads:
             self._kvikio.defaults.set("num_threads", threads)
         self._gds = gds_active(self._kvikio)
+        threshold = _setting(self._kvikio, "gds_threshold")
+        self.gds_threshold = int(threshold) if isinstance(threshold, int) else 16 * 1024
         self.issue_threads = issue_threads
+        self.device_id = device_id
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (CuFile, file size in bytes)
+        self.path_bytes: dict[str, int] = {}  # read path (module docstring) -> bytes read that way
+        self._registered: list[Any] = []
+        self._path_lock = threading.Lock()  # not `_lock`: `name` is used in messages raised under it
+
+    def _thread_init(self) -> None:
+        if self.device_id is not None:
+            import cupy
+
+            cupy.cuda.Device(self.device_id).use()
+
+    def _path(self, nbytes: int, on_device: bool) -> str:
+        if not on_device:
+            return "kvikio-posix"
+        if not self._gds:
+            return "kvikio-compat"
+        return "kvikio-posix" if nbytes < self.gds_threshold else "kvikio-gds"
 
     @property
     def name(self) -> str:
+        with self._path_lock:
+            if self.path_bytes:
+                return max(self.path_bytes, key=self.path_bytes.__getitem__)
         return "kvikio-gds" if self._gds else "kvikio-compat"
+
+    def register(self, buf: Any) -> bool:
+        """Register a device arena with cuFile for the life of this backend (only with GDS, where
+        it matters; `kvikio.memory_register` is a no-op in compat mode). Returns whether it did."""
+        if not self._gds or not hasattr(buf, "__cuda_array_interface__"):
+            return False
+        try:
+            self._kvikio.memory_register(buf)
+        except (RuntimeError, OSError):  # e.g. BAR1 too small: reads still work, with cuFile's bounce
+            return False
+        self._registered.append(buf)
+        return True
 
     def __repr__(self) -> str:
         return f"KvikioBackend(name={self.name!r})"
@@ -102,6 +172,9 @@ class KvikioBackend(PooledBackend):
             self._files.clear()
         for f in files:
             f.close()
+        for buf in self._registered:
+            self._kvikio.memory_deregister(buf)
+        self._registered.clear()
 
     # -- internals ---------------------------------------------------------------------------
     def _file(self, path: str) -> tuple[Any, int]:
@@ -132,6 +205,9 @@ class KvikioBackend(PooledBackend):
             ) from exc
         self._stats.add(reads=1, bytes_read=group.payload_nbytes if got == group.nbytes else 0,
                         bytes_transferred=got)
+        path = self._path(group.nbytes, hasattr(out, "__cuda_array_interface__"))
+        with self._path_lock:
+            self.path_bytes[path] = self.path_bytes.get(path, 0) + got
         if got < group.nbytes:
             piece = next(p for p in group.pieces if p.offset + p.nbytes > group.offset + got)
             raise short_read(group.path, piece.offset, piece.nbytes,

@@ -1,7 +1,7 @@
 """Bearer-token authentication: a server interceptor, and the metadata a client sends.
 
-Every Feed call must carry `authorization: Bearer TOKEN` when the server has a token; anything
-else ends the call with UNAUTHENTICATED before the handler runs. The grpc.health.v1 service is
+Every Feed call must carry `authorization: Bearer TOKEN` when the server has a token (the scheme
+in any case, as in HTTP); anything else ends the call with UNAUTHENTICATED before the handler runs. The grpc.health.v1 service is
 exempt, so that load balancers and orchestrators (which cannot send the token) can probe the
 server; health says nothing but SERVING or NOT_SERVING. Tokens are compared in constant time. A
 token is a secret: send it over TLS when the network is not trusted.
@@ -63,21 +63,27 @@ class TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str, on_reject: Callable[[str, str], None] | None = None):
         if not token:
             raise GdsloadError("the server token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._on_reject = on_reject
+
+    def _accepts(self, value: object) -> bool:
+        """`Bearer TOKEN`, the scheme in any case (RFC 9110: auth schemes are case-insensitive),
+        the token compared in constant time."""
+        scheme, _, token = str(value).strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(EXEMPT_PREFIXES):
             return continuation(handler_call_details)
         sent = [v for k, v in (handler_call_details.invocation_metadata or ()) if k == HEADER]
-        if len(sent) == 1 and hmac.compare_digest(str(sent[0]).encode(), self._expected):
+        if len(sent) == 1 and self._accepts(sent[0]):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        reason = ("this server needs a bearer token: send the metadata 'authorization: Bearer TOKEN' "
-                  "(RemoteLoader(token=...))") if not sent else "the bearer token is wrong"
+        reason = ("this server needs a bearer token: send the call metadata "
+                  "'authorization: Bearer TOKEN'") if not sent else "the bearer token is wrong"
         if self._on_reject is not None:
             self._on_reject(method, reason)
         return _deny(handler, reason)

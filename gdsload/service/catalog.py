@@ -34,7 +34,7 @@ from pathlib import Path
 from gdsload.errors import GdsloadError
 from gdsload.format.manifest import MANIFEST
 from gdsload.loader import Dataset
-from gdsload.service.status import BadRequest, UnknownDataset
+from gdsload.service.status import BadRequest, UnknownDataset, shown
 
 
 @dataclass
@@ -117,8 +117,8 @@ class Catalog:
                 path = self._paths.get(name)
                 known = sorted(self._paths)
         if path is None:
-            shown = ", ".join(repr(n) for n in known[:20]) + (" ..." if len(known) > 20 else "")
-            raise UnknownDataset(f"unknown dataset {name!r}; this server serves: {shown or 'nothing'}")
+            served = ", ".join(repr(n) for n in known[:20]) + (" ..." if len(known) > 20 else "")
+            raise UnknownDataset(f"unknown dataset {shown(name)}; this server serves: {served or 'nothing'}")
         try:
             stamp = _stamp(path)
         except OSError:
@@ -144,9 +144,10 @@ class Catalog:
         have = base.shards.fields
         unknown = [f for f in fields if f not in have]
         if unknown:
-            raise BadRequest(f"fields {unknown} are not in dataset {name!r} (it has {sorted(have)})")
+            raise BadRequest(f"BatchRequest.fields {shown(unknown)} are not in dataset {name!r} "
+                             f"(it has {sorted(have)})")
         if len(set(fields)) != len(fields):
-            raise BadRequest(f"fields {list(fields)} name a field twice")
+            raise BadRequest(f"BatchRequest.fields {shown(list(fields))} name a field twice")
         view = copy.copy(base)  # shares .shards (manifest, indexes, descriptors)
         view.fields = list(fields)
         return view

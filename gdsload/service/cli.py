@@ -32,13 +32,20 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (TLS)")
     s.add_argument("--tls-key", metavar="PEM", help="server private key (TLS)")
     s.add_argument("--tls-client-ca", metavar="PEM", help="CA of client certificates: mutual TLS")
-    s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
-    s.add_argument("--metrics-address", default="0.0.0.0", metavar="HOST", help="metrics bind address")
+    s.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port (not the --listen port)")
+    s.add_argument("--metrics-address", metavar="HOST",
+                   help="metrics bind address (default: the host of --listen, so a loopback feed keeps "
+                        "its metrics on loopback; 0.0.0.0 for all interfaces)")
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help=f"largest message sent; batches are chunked below it (default {d.max_message_bytes})")
     s.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="largest batch_size accepted")
     s.add_argument("--max-batch-bytes", type=int, default=d.max_batch_bytes, help="largest batch body, bytes")
     s.add_argument("--max-streams", type=int, default=d.max_streams, help="concurrent streams (more: UNAVAILABLE)")
+    s.add_argument("--max-memory", metavar="SIZE",
+                   help="memory budget of all open streams together, e.g. 8GiB (default: half of this "
+                        "machine's memory, or of its cgroup limit); a stream that does not fit waits "
+                        "(UNAVAILABLE, its client retries)")
     s.add_argument("--workers", type=int, default=2, help="reader threads per stream (default 2)")
     s.add_argument("--prefetch", type=int, default=2, help="batches prefetched per reader thread (default 2)")
     s.add_argument("--decode-threads", type=int, default=2, help="DALI threads per stream (default 2)")
@@ -61,11 +68,28 @@ def warm_up() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.errors import GdsloadError
     from gdsload.service.auth import read_token
-    from gdsload.service.config import Limits, TlsConfig
+    from gdsload.service.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
     from gdsload.service.logs import configure, event
     from gdsload.service.server import create_server
 
-    log = configure(level=args.log_level)
+    try:
+        log = configure(level=args.log_level)
+    except ValueError:
+        raise GdsloadError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {args.log_level!r}") from None
+    lowest = {"max_message_bytes": MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES, "max_batch_size": 1,
+              "max_batch_bytes": 1, "max_streams": 1}
+    for flag, least in lowest.items():
+        value = getattr(args, flag)
+        if value < least:
+            raise GdsloadError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
+    max_memory = None
+    if args.max_memory is not None:
+        from gdsload.cli import parse_size
+
+        try:
+            max_memory = parse_size(args.max_memory)
+        except argparse.ArgumentTypeError as exc:
+            raise GdsloadError(f"--max-memory: {exc}") from None
     if bool(args.tls_cert) != bool(args.tls_key):
         raise GdsloadError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -73,7 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     token = read_token(args.token_file) if args.token_file else None
     limits = Limits(max_message_bytes=args.max_message_bytes, max_batch_size=args.max_batch_size,
-                    max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams)
+                    max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams,
+                    max_memory_bytes=max_memory)
     server, _ = create_server(
         args.roots, address=args.listen, token=token, tls=tls, limits=limits,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,

@@ -54,8 +54,9 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 import grpc
 
+from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
-from gdsload.service import status, wire
+from gdsload.service import mixwire, status, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
 from gdsload.v1 import feed_pb2 as pb
@@ -160,7 +161,7 @@ class RemoteLoader(PlanCursor):
         self,
         address: str | Sequence[str],
         *,
-        dataset: str,
+        dataset: str | Mix,
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -194,8 +195,9 @@ class RemoteLoader(PlanCursor):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
-        if not isinstance(dataset, str) or not dataset:
-            raise GdsloadError(f"dataset must be the served dataset's name, got {dataset!r}")
+        if not isinstance(dataset, Mix) and (not isinstance(dataset, str) or not dataset):
+            raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of "
+                               f"served names), got {dataset!r}")
         if on_error not in ("raise", "skip"):
             raise GdsloadError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if output not in ("torch", "numpy", None):
@@ -224,7 +226,7 @@ class RemoteLoader(PlanCursor):
         self.transform = transform
         self._spec = wire.transform_to_spec(transform) if decode else None
         self.tuple_fields = list(fields) if fields is not None else None
-        self._request_fields = [f for f in (fields or []) if f != wire.KEY]
+        self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
         self.output = output or ("torch" if _torch() is not None else "numpy")
         if device is None:
@@ -265,6 +267,18 @@ class RemoteLoader(PlanCursor):
     @property
     def plan(self):
         """The `gdsload.plan.Plan` of this rank (asks the server for the dataset on first use)."""
+        if self._plan is None and isinstance(self.dataset, Mix):
+            from gdsload.mix import MixPlan
+
+            def info(name: str) -> pb.DatasetInfo:
+                return self._unary("ListDatasets", pb.ListDatasetsRequest(name=name)).datasets[0]
+
+            spec = mixwire.resolve(self.dataset, info, self._request_fields)
+            self._plan = MixPlan(
+                dataset_id=spec.mix_id, shard_sizes=spec.shard_sizes, mix=spec,
+                batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
+                shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last,
+            )
         if self._plan is None:
             from gdsload.plan import Plan
 
@@ -294,7 +308,18 @@ class RemoteLoader(PlanCursor):
         return self._unary("GetServerInfo", pb.GetServerInfoRequest())
 
     # -- torch-like surface ---------------------------------------------------------------------
-    # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
+    # len(), set_epoch(), epoch, state_dict(): from PlanCursor
+
+    def load_state_dict(self, state: Any) -> None:
+        """As `DataLoader.load_state_dict`; an epoch the feed cannot carry (BatchRequest.epoch is
+        a uint64) is refused here as a `StateError`, not later by protobuf."""
+        from gdsload.plan import StateError
+
+        epoch, position = self.plan.resume(state)
+        if epoch >= 1 << 64:
+            raise StateError(f"state field 'epoch' is {epoch}, over the feed's limit of 2**64 - 1 "
+                             "(BatchRequest.epoch is a uint64)")
+        self._epoch, self._position = epoch, position
 
     def _active_epoch(self) -> _RemoteEpoch | None:
         return self._active() if self._active is not None else None
@@ -343,8 +368,10 @@ class RemoteLoader(PlanCursor):
 
     def _request(self, epoch: int, position: int) -> pb.BatchRequest:
         plan = self.plan
+        mixed = isinstance(self.dataset, Mix)
         return pb.BatchRequest(
-            dataset=self.dataset, dataset_id=plan.dataset_id, seed=plan.seed, epoch=epoch,
+            dataset="" if mixed else self.dataset, dataset_id=plan.dataset_id,
+            mix=mixwire.to_pb(self.dataset, plan.mix) if mixed else None, seed=plan.seed, epoch=epoch,
             shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
             batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size,
             start_position=position,

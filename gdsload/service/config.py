@@ -8,6 +8,7 @@ than `grpc.http2.min_recv_ping_interval_without_data_ms` gets a GOAWAY "too_many
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,10 @@ class Limits:
     server builds (an upper bound from the index, checked before any read). `max_image_side`:
     the largest decoded image side (transform size and resize), in pixels. `max_streams`:
     concurrent StreamBatches calls (more get UNAVAILABLE, a retryable "at capacity").
+    `max_memory_bytes`: the memory budget of all open streams together (each stream reserves an
+    upper bound of what its loader holds: ring slots, decoder buffers, the chunk being sent); a
+    stream that does not fit next to the open ones gets UNAVAILABLE, one larger than the whole
+    budget RESOURCE_EXHAUSTED. None: `default_max_memory()` (half the machine's memory).
     """
 
     max_message_bytes: int = 4 * MiB
@@ -42,12 +47,15 @@ class Limits:
     max_batch_bytes: int = 1 << 30
     max_image_side: int = 4096
     max_streams: int = 64
+    max_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         from gdsload.errors import GdsloadError
 
+        if self.max_memory_bytes is None:
+            object.__setattr__(self, "max_memory_bytes", default_max_memory())
         for name in ("max_message_bytes", "max_request_bytes", "max_batch_size", "max_batch_bytes",
-                     "max_image_side", "max_streams"):
+                     "max_image_side", "max_streams", "max_memory_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GdsloadError(f"Limits.{name} must be a positive integer, got {value!r}")
@@ -56,6 +64,43 @@ class Limits:
                 f"Limits.max_message_bytes must be at least "
                 f"{MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES}, got {self.max_message_bytes}"
             )
+
+
+def split_address(address: str, what: str = "--listen") -> tuple[str, int]:
+    """`HOST:PORT` (or `[IPv6]:PORT`) as (host, port), refusing what gRPC would misread: no host,
+    a port that is not a number, or one outside 0..65535 (gRPC wraps 99999 to 34463 silently)."""
+    from gdsload.errors import GdsloadError
+
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise GdsloadError(f"{what} {address!r} must be HOST:PORT (e.g. 127.0.0.1:50051, [::]:50051)")
+    if not 0 <= int(port) <= 65535:
+        raise GdsloadError(f"{what} {address!r}: port {int(port)} is outside 0..65535")
+    return host, int(port)
+
+
+def bind_host(host: str) -> str:
+    """A host as sockets take it: `[::1]` -> `::1`."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def machine_memory_bytes() -> int:
+    """Memory this process may use: the physical RAM, or the cgroup limit when lower (a container)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def default_max_memory() -> int:
+    """Default server-wide memory budget for streams: half of `machine_memory_bytes()`, leaving
+    the rest to the page cache (which serves the shards), the process and the rest of the host."""
+    return machine_memory_bytes() // 2
 
 
 @dataclass(frozen=True)
@@ -99,6 +144,38 @@ def read_pem(value: str | Path | bytes, what: str) -> bytes:
     if b"-----BEGIN" not in data:
         raise GdsloadError(f"{what}: {value} is not a PEM file (no '-----BEGIN' line)")
     return data
+
+
+def check_tls(tls: TlsConfig) -> None:
+    """Refuse a certificate chain or private key that OpenSSL cannot use, or a key that is not the
+    certificate's, naming the problem (gRPC only says that it cannot bind). The PEM data go
+    through files in a private temporary folder because `ssl` loads certificates from files."""
+    import ssl
+    import tempfile
+
+    from gdsload.errors import GdsloadError
+
+    with tempfile.TemporaryDirectory(prefix="gdsload-tls-") as tmp:  # mode 0700
+        cert, key = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+        cert.write_bytes(tls.cert_chain)
+        key.touch(mode=0o600)
+        key.write_bytes(tls.private_key)
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+        except ssl.SSLError as exc:
+            reason = exc.reason or str(exc)
+            if "KEY_VALUES_MISMATCH" in str(exc):
+                raise GdsloadError("--tls-key is not the private key of --tls-cert (OpenSSL: key values "
+                                   "mismatch); give the key the certificate was issued for") from None
+            raise GdsloadError(f"--tls-cert/--tls-key cannot be used: {reason} (OpenSSL: {exc}); "
+                               "give a PEM certificate chain and its unencrypted PEM private key") from None
+        if tls.client_ca is not None:
+            ca = Path(tmp, "ca.pem")
+            ca.write_bytes(tls.client_ca)
+            try:
+                ssl.create_default_context(cafile=str(ca))
+            except ssl.SSLError as exc:
+                raise GdsloadError(f"--tls-client-ca cannot be used: {exc.reason or exc}") from None
 
 
 def server_options(limits: Limits, keepalive: Keepalive) -> list[tuple[str, int]]:

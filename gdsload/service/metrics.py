@@ -39,11 +39,13 @@ class Metrics:
         self.send_s = prom.Histogram("gdsload_feed_send_seconds", "Time to hand one batch's chunks to gRPC",
                                      ["payload"], buckets=buckets, registry=r)
         self._http = None
+        self.address: tuple[str, int] | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Start the HTTP exporter (a daemon thread); returns the bound port (`port` 0: any)."""
         prom = require("prometheus_client", extra="serve", purpose="the feed server's metrics")
         self._http, _ = prom.start_http_server(port, addr=addr, registry=self.registry)
+        self.address = self._http.server_address[:2]  # (host, port) as bound
         return self._http.server_port
 
     def close(self) -> None:

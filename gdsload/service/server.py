@@ -8,9 +8,17 @@ same order, by construction. The server keeps nothing per job between calls: the
 cursor with every request, so a restarted server, or another one, continues any job.
 
 Concurrency: one gRPC worker thread per stream (up to `Limits.max_streams`, more get UNAVAILABLE),
-each with its own loader (`workers` reader threads, a ring of `workers * prefetch` batches); the
-opened datasets are shared (see `gdsload.service.catalog`). Memory is therefore bounded by
-max_streams * workers * prefetch * the largest batch.
+each with its own loader (`workers` reader threads, a ring of `prefetch + 1` batches); the opened
+datasets are shared (see `gdsload.service.catalog`).
+
+Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
+hold (`FeedServicer.stream_memory`: the ring's slots sized from the index's largest members, the
+decoder's output and intermediate buffers, two chunks in gRPC) against one server-wide budget,
+`Limits.max_memory_bytes`. A stream that does not fit next to the open ones is refused with
+UNAVAILABLE (the client retries later or elsewhere), one larger than the whole budget with
+RESOURCE_EXHAUSTED. A client that stops reading stalls its stream inside that reservation: gRPC's
+sync server waits for each chunk to be sent, which happens only within the client's HTTP/2
+flow-control window, so the rest of what is in flight lives in the client and the kernel.
 
 Shutdown (`FeedServer.shutdown`, SIGTERM under `gdsload serve`): health turns NOT_SERVING, new
 streams are refused with UNAVAILABLE, open streams end at the next batch boundary (status OK, so
@@ -31,7 +39,8 @@ from typing import Any
 import numpy as np
 
 import gdsload
-from gdsload.errors import FormatError, require
+from gdsload.decode.image import DecodeError
+from gdsload.errors import FormatError, GdsloadError, require
 
 require("grpc", extra="serve", purpose="the feed server (gdsload serve)")
 require("grpc_health", extra="serve", purpose="the feed server's health service")
@@ -40,7 +49,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gdsload.loader import DataLoader
-from gdsload.service import wire
+from gdsload.service import mixwire, wire
 from gdsload.service.auth import TokenInterceptor
 from gdsload.service.catalog import Catalog
 from gdsload.service.config import (
@@ -49,7 +58,10 @@ from gdsload.service.config import (
     Keepalive,
     Limits,
     TlsConfig,
+    bind_host,
+    check_tls,
     server_options,
+    split_address,
 )
 from gdsload.service.logs import LOGGER, event
 from gdsload.service.metrics import Metrics
@@ -67,6 +79,21 @@ from gdsload.v1 import feed_pb2_grpc as pb_grpc
 SERVICE_NAME = "gdsload.v1.Feed"
 _PAYLOADS = {pb.PAYLOAD_UNSPECIFIED: "raw", pb.PAYLOAD_RAW: "raw", pb.PAYLOAD_DECODED: "decoded"}
 _ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_ERROR_SKIP: "skip"}
+_SKIP_REMEDY = ("set BatchRequest.on_error = ON_ERROR_SKIP to leave corrupt samples out "
+                "(BatchHeader.skipped_keys names them)")
+#: Decoder buffers of a decoding stream, in output batches: DALI's output and the decoded,
+#: resized images before the crop (an upper bound for the usual source sizes).
+_DECODE_BUFFERS = 2
+#: Fixed bytes of a stream (reader threads, I/O backend, allocator slack), and more for one that
+#: decodes (DALI's pipeline and thread pool): measured 40-50 MB RSS for a decoding stream of 8 to
+#: 64 images at 224 px on the CPU, over what its ring and buffers take.
+STREAM_OVERHEAD_BYTES = 8 << 20
+DECODER_OVERHEAD_BYTES = 64 << 20
+
+
+def _cut(text: str, limit: int = 64) -> str:
+    """A client-sent id as echoed in a message: ids are short, anything longer is cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _decode_available() -> bool:
@@ -100,6 +127,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self._active = 0
+        self._reserved = 0  # bytes of limits.max_memory_bytes held by open streams
         self._idle = threading.Condition(self._lock)
 
     # -- the one place where exceptions become statuses ----------------------------------------
@@ -129,6 +157,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         return pb.DatasetInfo(
             name=name, dataset_id=ds.dataset_id, num_samples=len(ds), shard_sizes=ds.shard_sizes,
             fields=dict(ds.shards.fields), manifest_json=_manifest_text(ds),
+            field_names=list(ds.shards.fields),
         )
 
     @_unary
@@ -147,13 +176,14 @@ class FeedServicer(pb_grpc.FeedServicer):
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         L = self.limits
         with self._lock:
-            active = self._active
+            active, reserved = self._active, self._reserved
         return pb.ServerInfo(
             version=gdsload.__version__, protocol_version=PROTOCOL_VERSION,
             max_message_bytes=L.max_message_bytes, max_batch_size=L.max_batch_size,
             max_batch_bytes=L.max_batch_bytes, max_image_side=L.max_image_side,
             max_streams=L.max_streams, active_streams=active, decode_available=_decode_available(),
             decode_device="cpu", num_datasets=len(self.catalog.names()),
+            max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=reserved,
         )
 
     # -- streams ---------------------------------------------------------------------------------
@@ -186,6 +216,10 @@ class FeedServicer(pb_grpc.FeedServicer):
         if req.on_error not in _ON_ERROR:
             raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
         payload = _PAYLOADS[req.payload]
+        if payload == "raw" and req.HasField("transform"):
+            raise BadRequest("BatchRequest.transform is set but payload is PAYLOAD_RAW (samples as "
+                             "stored): send payload = PAYLOAD_DECODED to decode on the server, or no "
+                             "transform")
         if req.batch_size < 1:
             raise BadRequest(f"batch_size must be >= 1, got {req.batch_size}")
         if req.batch_size > L.max_batch_size:
@@ -195,17 +229,28 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise BadRequest(f"max_chunk_bytes must be 0 (server default) or >= {MIN_CHUNK_BYTES}, "
                              f"got {req.max_chunk_bytes}")
         fields = list(req.fields)
-        dataset = self.catalog.dataset(req.dataset, fields)
+        if req.HasField("mix"):  # a gdsload.Mix of served datasets; req.dataset becomes its label
+            dataset = mixwire.open_mix(self.catalog, req)
+        else:
+            dataset = self.catalog.dataset(req.dataset, fields)
         if req.dataset_id and req.dataset_id != dataset.dataset_id:
             raise DatasetChanged(
                 f"dataset {req.dataset!r} on this server has id {dataset.dataset_id}, the client "
-                f"planned with {req.dataset_id}: the dataset was rewritten; start from a fresh state"
+                f"planned with {_cut(req.dataset_id)} (BatchRequest.dataset_id): the dataset was "
+                f"rewritten; start from a fresh state"
             )
         transform = None
         if payload == "decoded":
+            images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
+            if len(images) > 1:
+                raise BadRequest(
+                    f"dataset {req.dataset!r} has the image fields {images} and PAYLOAD_DECODED "
+                    f"decodes one: name it (and the other fields wanted) in BatchRequest.fields, "
+                    f"or send PAYLOAD_RAW for the encoded bytes"
+                )
             transform = (wire.spec_to_transform(req.transform, max_side=L.max_image_side)
                          if req.HasField("transform") else wire.ImageTransform())
-        self._check_batch_bytes(req, dataset.fields, transform)
+        memory = self.stream_memory(req, dataset.fields, transform)
         loader = DataLoader(
             dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
             num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
@@ -215,54 +260,108 @@ class FeedServicer(pb_grpc.FeedServicer):
             decode_threads=self.decode_threads,
         )
         try:
+            # the plan's batches from the start, beside the loader's: they name skipped samples;
+            # checking start_position here names the request's field in the message
+            planned = loader.plan.batches(req.epoch, req.start_position)
             loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
         except Exception:
             loader.close()
             raise
         chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
-        return loader, {"payload": payload, "max_chunk_bytes": chunk}
+        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned}
 
-    def _check_batch_bytes(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> None:
+    def stream_memory(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> int:
+        """Upper bound of the bytes a stream for `req` holds, checking `max_batch_bytes` on the way.
+
+        The loader's ring has `prefetch + 1` slots, each holding a batch of outputs (decoded
+        images, tensors, int64 labels) plus a staging area of every non-tensor member rounded up
+        to 64 bytes, sized from the largest member of each field in the index, each field of a
+        slot 4 KiB-aligned. A decoding stream adds `_DECODE_BUFFERS` output batches inside DALI
+        and `DECODER_OVERHEAD_BYTES`, every stream `STREAM_OVERHEAD_BYTES`; gRPC holds at most
+        two chunks of `max_message_bytes` (the one being built and the one it has accepted but
+        not yet sent, waiting for the client's flow-control window).
+        """
         from gdsload.format.manifest import field_kind
 
-        sizes = self.catalog.max_member_nbytes(req.dataset)
-        per_sample = 0
+        sizes = mixwire.max_member_nbytes(self.catalog, req)
+        per_sample = staging = image = 0
         for f in fields:
-            if transform is not None and field_kind(f) == "image":
+            kind = field_kind(f)
+            if transform is not None and kind == "image":
                 c, h, w = transform.output_shape()
-                per_sample += c * h * w * np.dtype(transform.dtype).itemsize
+                image = c * h * w * np.dtype(transform.dtype).itemsize
+                per_sample += image
             else:
                 per_sample += sizes.get(f, 0) + 8  # labels become int64
-        total = per_sample * req.batch_size
+            if kind != "tensor":
+                staging += -(-sizes.get(f, 0) // 64) * 64
+        B = req.batch_size
+        total = per_sample * B
         if total > self.limits.max_batch_bytes:
             raise OverLimit(
-                f"a batch of {req.batch_size} samples of {req.dataset!r} can take up to {total} bytes "
+                f"a batch of {B} samples of {req.dataset!r} can take up to {total} bytes "
                 f"({per_sample} per sample), over the server's limit of {self.limits.max_batch_bytes} "
                 f"bytes per batch; lower batch_size"
             )
+        slot = B * (per_sample + staging) + 4096 * (len(fields) + 1)  # each ring field is 4 KiB-aligned
+        decoder = _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES if transform is not None else 0
+        return (self.prefetch + 1) * slot + decoder + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
-    def _enter(self, dataset: str) -> None:
+    def _enter(self, dataset: str, memory: int) -> None:
+        budget = self.limits.max_memory_bytes
+        if memory > budget:
+            raise OverLimit(
+                f"a stream of this request holds up to {memory} bytes (ring of {self.prefetch + 1} "
+                f"batches and buffers), over the server's memory budget of {budget} bytes "
+                f"(--max-memory); lower batch_size"
+            )
         if self.draining.is_set():
             raise Unavailable("the server is shutting down; retry on another server or after the restart")
         with self._lock:
             if self._active >= self.limits.max_streams:
                 raise Unavailable(f"the server is at capacity ({self.limits.max_streams} streams); retry later")
+            if self._reserved + memory > budget:
+                raise Unavailable(
+                    f"the server's memory budget is in use ({self._reserved} of {budget} bytes held by "
+                    f"{self._active} streams, this one needs {memory}); retry later or on another server"
+                )
             self._active += 1
+            self._reserved += memory
         self.metrics.consumers.labels(dataset).inc()
         self.metrics.streams.labels(dataset).inc()
 
-    def _leave(self, dataset: str) -> None:
+    def _leave(self, dataset: str, memory: int) -> None:
         self.metrics.consumers.labels(dataset).dec()
         with self._idle:
             self._active -= 1
+            self._reserved -= memory
             self._idle.notify_all()
+
+    @staticmethod
+    def _left_out(dataset, ids: np.ndarray, keys: Sequence[str]) -> list[str]:
+        """Keys of the samples `ids` (one batch of the plan) that are not in `keys` (the batch the
+        loader made, without its skipped samples), in batch order."""
+        from collections import Counter
+
+        shards = dataset.shards
+        have = Counter(keys)
+        out = []
+        for gid in ids.tolist():
+            s, j = shards.locate(gid)
+            key = shards.index(s).key(j)
+            if have[key]:
+                have[key] -= 1
+            else:
+                out.append(key)
+        return out
 
     def _stream(self, req: pb.BatchRequest, context) -> Iterator[bytes]:
         # Validate first (cheap: the loader allocates and reads only when iterated), so metrics are
         # labelled with served dataset names only.
         loader, opts = self._open_loader(req)
+        memory = opts["memory"]
         try:
-            self._enter(req.dataset)
+            self._enter(req.dataset, memory)
         except BaseException:
             loader.close()
             raise
@@ -271,13 +370,14 @@ class FeedServicer(pb_grpc.FeedServicer):
         outcome = "ok"
         try:
             payload = opts["payload"]
-            G = loader.plan.global_batch
+            plan = loader.plan
+            G = plan.global_batch
             step = req.start_position // G
+            planned = opts["planned"]
             event(self.log, "stream_start", peer=_peer(context), dataset=req.dataset, payload=payload,
                   epoch=req.epoch, start_position=req.start_position, rank=loader.plan.rank,
                   world_size=loader.plan.world_size, batch_size=req.batch_size)
             it = iter(loader)
-            skipped_before = 0
             m_batches = self.metrics.batches.labels(req.dataset, payload)
             m_samples = self.metrics.samples.labels(req.dataset, payload)
             m_bytes = self.metrics.bytes.labels(req.dataset, payload)
@@ -297,15 +397,18 @@ class FeedServicer(pb_grpc.FeedServicer):
                     batch = next(it)
                 except StopIteration:
                     return
+                except DecodeError as exc:  # word the remedy in protocol terms
+                    raise DecodeError(exc.reason, remedy=_SKIP_REMEDY) from exc
                 m_read.observe(time.perf_counter() - t_read)
-                skipped = loader.stats().get("skipped", 0)
+                ids = next(planned)
+                keys = batch[wire.KEY]
+                skipped = self._left_out(loader.dataset, ids, keys) if len(keys) < len(ids) else []
                 t_send = time.perf_counter()
                 nbytes = wire.body_nbytes(batch)
                 yield from wire.encode_batch(batch, epoch=req.epoch, step=step, position=(step + 1) * G,
                                              max_chunk_bytes=opts["max_chunk_bytes"],
-                                             skipped=skipped - skipped_before)
+                                             skipped_keys=skipped, end_position=plan.end_position)
                 m_send.observe(time.perf_counter() - t_send)
-                skipped_before = skipped
                 step += 1
                 sent_batches += 1
                 sent_bytes += nbytes
@@ -320,7 +423,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise
         finally:
             loader.close()
-            self._leave(req.dataset)
+            self._leave(req.dataset, memory)
             el = time.perf_counter() - t0
             event(self.log, "stream_end", peer=_peer(context), dataset=req.dataset, outcome=outcome,
                   batches=sent_batches, bytes=sent_bytes, seconds=round(el, 3),
@@ -378,9 +481,16 @@ class FeedServer:
         self._shutdown_lock = threading.Lock()
 
     def start(self) -> FeedServer:
+        if self.metrics_port is not None:  # first: a port in use fails before anything is served
+            try:
+                self.metrics_port = self.metrics.serve(self.metrics_port, bind_host(self._metrics_address))
+            except OSError as exc:
+                self.grpc_server.stop(None)  # releases the feed's bound port
+                raise GdsloadError(
+                    f"cannot serve metrics on {self._metrics_address}:{self.metrics_port} "
+                    f"(--metrics-port {self.metrics_port}): {exc.strerror or exc}"
+                ) from None
         self.grpc_server.start()
-        if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.metrics_port, self._metrics_address)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._started = True
@@ -438,6 +548,23 @@ class FeedServer:
         self.shutdown()
 
 
+def _bind_problem(host: str, port: int) -> str:
+    """Why gRPC could not bind (it says only that it failed): try the same bind with a socket."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(bind_host(host) or None, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror})"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return "gRPC refused the address"
+
+
 def create_server(
     roots: Sequence[str],
     *,
@@ -448,7 +575,7 @@ def create_server(
     max_message_bytes: int | None = None,
     keepalive: Keepalive | None = None,
     metrics_port: int | None = None,
-    metrics_address: str = "0.0.0.0",
+    metrics_address: str | None = None,
     workers: int = 2,
     prefetch: int = 2,
     decode_threads: int = 2,
@@ -460,9 +587,26 @@ def create_server(
     Returns `(server, port)`; call `server.start()`. `token`: require `authorization: Bearer
     TOKEN`. `tls`: serve TLS (mutual TLS when `tls.client_ca` is set). `limits` (or just
     `max_message_bytes`): see `Limits`. `metrics_port`: serve Prometheus metrics there (0: any
-    port; None: off). `workers`/`prefetch`/`decode_threads`: per stream, as in `DataLoader`.
-    `grace_s`: how long `shutdown()` waits for open streams.
+    port; None: off), on `metrics_address` (default: the host of `address`, so a loopback feed
+    does not expose its metrics to the network). `workers`/`prefetch`/`decode_threads`: per
+    stream, as in `DataLoader` (>= 1). `grace_s`: how long `shutdown()` waits for open streams.
+    Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
+    host, listen_port = split_address(address, "--listen")
+    for name, value in (("--workers", workers), ("--prefetch", prefetch), ("--decode-threads", decode_threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GdsloadError(f"{name} must be an integer >= 1, got {value!r}")
+    if not grace_s >= 0:  # also refuses NaN
+        raise GdsloadError(f"--grace must be >= 0 seconds, got {grace_s!r}")
+    if metrics_port is not None:
+        if isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
+            raise GdsloadError(f"--metrics-port must be a port in 0..65535, got {metrics_port!r}")
+        if metrics_port and metrics_port == listen_port:
+            raise GdsloadError(f"--metrics-port {metrics_port} is the port of --listen {address}: "
+                               "give metrics a port of their own")
+    metrics_address = host if metrics_address is None else metrics_address
+    if tls is not None:
+        check_tls(tls)
     limits = limits or Limits()
     if max_message_bytes is not None:
         from dataclasses import replace
@@ -504,8 +648,7 @@ def create_server(
     except RuntimeError:
         port = 0
     if not port:
-        raise gdsload.GdsloadError(f"cannot listen on {address} (in use, or not a local address)")
-    host = address.rsplit(":", 1)[0]
+        raise GdsloadError(f"cannot listen on {address}: {_bind_problem(host, listen_port)}")
     fs = FeedServer(server, servicer, health_servicer, metrics, port=port, address=f"{host}:{port}",
                     metrics_port=metrics_port, metrics_address=metrics_address, grace_s=grace_s,
                     logger=log)

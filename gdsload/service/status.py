@@ -117,9 +117,28 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc}); see the server log"
 
 
+#: Longest status message sent, in UTF-8 bytes. gRPC sends it percent-encoded in the trailing
+#: metadata, which clients cap (8 KiB by default); a longer one would replace the real status
+#: with a metadata-size error.
+MAX_DETAILS_BYTES = 2000
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """`repr(value)` for a message, cut to about `limit` characters: requests echo client-sent
+    values (a dataset name of 100 KB) and the message must still fit `MAX_DETAILS_BYTES`."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status `to_status` gives for `exc` (raises, as `context.abort` does)."""
+    """End the call with the status `to_status` gives for `exc` (raises, as `context.abort` does);
+    the message is cut to `MAX_DETAILS_BYTES`."""
     code, message = to_status(exc)
+    data = message.encode()
+    if len(data) > MAX_DETAILS_BYTES:
+        message = data[: MAX_DETAILS_BYTES - 4].decode(errors="ignore") + " ..."
     context.abort(code, message)
     raise AssertionError("unreachable: grpc's context.abort raises")  # pragma: no cover
 

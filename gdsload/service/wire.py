@@ -25,6 +25,7 @@ from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
 KEY = "__key__"
+SOURCE = "__source__"  # per sample, the dataset of a mix it comes from (BatchHeader.sources)
 
 
 # -- server: batch -> chunks ---------------------------------------------------------------------
@@ -44,7 +45,8 @@ def _varint(n: int) -> bytes:
 
 
 def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: int,
-                 max_chunk_bytes: int, skipped: int = 0) -> Iterator[bytes]:
+                 max_chunk_bytes: int, skipped_keys: Sequence[str] = (),
+                 end_position: int = 0) -> Iterator[bytes]:
     """The serialized BatchChunk messages of one batch (a dict field -> NumPy array or list of
     bytes, plus "__key__"), each at most `max_chunk_bytes` long.
 
@@ -54,10 +56,11 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
     of three (join, message, serialization).
     """
     keys = list(batch.get(KEY, ()))
+    sources = list(batch.get(SOURCE, ()))
     fields: list[pb.FieldData] = []
     pieces: list[Any] = []  # bytes-like objects, the body in order
     for name, value in batch.items():
-        if name == KEY:
+        if name in (KEY, SOURCE):
             continue
         if isinstance(value, np.ndarray):
             arr = np.ascontiguousarray(value)
@@ -73,8 +76,9 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
         else:
             raise TypeError(f"field {name!r}: cannot send a {type(value).__name__}")
     body = sum(f.nbytes for f in fields)
-    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=skipped,
-                            body_nbytes=body)
+    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=len(skipped_keys),
+                            skipped_keys=skipped_keys, body_nbytes=body, end_position=end_position,
+                            sources=sources)
     first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
     if first_room <= 0:
         raise OverLimit(
@@ -125,10 +129,10 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
 
 
 def body_nbytes(batch: Mapping[str, Any]) -> int:
-    """Bytes of a batch's body (all fields but the keys)."""
+    """Bytes of a batch's body (all fields but the keys and sources)."""
     n = 0
     for name, value in batch.items():
-        if name != KEY:
+        if name not in (KEY, SOURCE):
             n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(v).nbytes for v in value)
     return n
 
@@ -258,6 +262,8 @@ def decode_body(header: pb.BatchHeader, body: bytes | bytearray | memoryview, *,
             raise ProtocolError(f"field {f.name!r}: unknown layout {f.layout}")
         offset += f.nbytes
     out[KEY] = list(header.keys)
+    if header.sources:
+        out[SOURCE] = list(header.sources)
     return out
 
 
@@ -285,8 +291,25 @@ def _three(name: str, values: Sequence[float]) -> tuple[float, float, float] | N
     return (float(values[0]), float(values[1]), float(values[2]))
 
 
+def spec_defaults(spec: pb.ImageTransformSpec) -> pb.ImageTransformSpec:
+    """`spec` with its unset fields (0, "": proto3 cannot tell them from unset) filled in with the
+    defaults feed.proto states, where 0 is not a valid value: scale 0.08..1, ratio 3/4..4/3,
+    resize floor(size * 8 / 7), layout NCHW, dtype float32. `train`, `flip`, `mean` and `std`
+    keep their zero meaning (eval, no flip, no normalization)."""
+    out = pb.ImageTransformSpec()
+    out.CopyFrom(spec)
+    defaults = {"scale_min": 0.08, "scale_max": 1.0, "ratio_min": 3 / 4, "ratio_max": 4 / 3,
+                "resize": spec.size * 8 // 7, "layout": "NCHW", "dtype": "float32"}
+    for name, value in defaults.items():
+        if not getattr(out, name):
+            setattr(out, name, value)
+    return out
+
+
 def spec_to_transform(spec: pb.ImageTransformSpec, *, max_side: int) -> ImageTransform:
-    """An ImageTransform from the wire, validated (BadRequest / OverLimit name the bad value)."""
+    """An ImageTransform from the wire, unset fields defaulted (`spec_defaults`) and validated
+    (BadRequest / OverLimit name the bad value)."""
+    spec = spec_defaults(spec)
     if spec.size < 1:
         raise BadRequest(f"transform.size must be >= 1 pixel, got {spec.size}")
     if spec.layout not in ("NCHW", "NHWC"):

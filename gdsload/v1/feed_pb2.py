@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gdsload/v1/feed.proto\x12\ngdsload.v1\"#\n\x13ListDatasetsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xd4\x01\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\x13\n\x0bshard_sizes\x18\x04 \x03(\x04\x12\x33\n\x06\x66ields\x18\x05 \x03(\x0b\x32#.gdsload.v1.DatasetInfo.FieldsEntry\x12\x15\n\rmanifest_json\x18\x06 \x01(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x14ListDatasetsResponse\x12)\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x17.gdsload.v1.DatasetInfo\"\x16\n\x14GetServerInfoRequest\"\x8f\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_batch_bytes\x18\x05 \x01(\x04\x12\x16\n\x0emax_image_side\x18\x06 \x01(\r\x12\x13\n\x0bmax_streams\x18\x07 \x01(\r\x12\x16\n\x0e\x61\x63tive_streams\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_available\x18\t \x01(\x08\x12\x15\n\rdecode_device\x18\n \x01(\t\x12\x14\n\x0cnum_datasets\x18\x0b \x01(\r\"\xd5\x01\n\x12ImageTransformSpec\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\r\n\x05train\x18\x02 \x01(\x08\x12\x11\n\tscale_min\x18\x03 \x01(\x01\x12\x11\n\tscale_max\x18\x04 \x01(\x01\x12\x11\n\tratio_min\x18\x05 \x01(\x01\x12\x11\n\tratio_max\x18\x06 \x01(\x01\x12\x0e\n\x06resize\x18\x07 \x01(\r\x12\x0c\n\x04\x66lip\x18\x08 \x01(\x01\x12\x0c\n\x04mean\x18\t \x03(\x01\x12\x0b\n\x03std\x18\n \x03(\x01\x12\x0e\n\x06layout\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\x98\x03\n\x0c\x42\x61tchRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07shuffle\x18\x05 \x01(\x08\x12\x16\n\x0eshuffle_window\x18\x06 \x01(\r\x12\x11\n\tdrop_last\x18\x07 \x01(\x08\x12\x12\n\nbatch_size\x18\x08 \x01(\r\x12\x0c\n\x04rank\x18\t \x01(\r\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x16\n\x0estart_position\x18\x0b \x01(\x04\x12$\n\x07payload\x18\x0c \x01(\x0e\x32\x13.gdsload.v1.Payload\x12\x31\n\ttransform\x18\r \x01(\x0b\x32\x1e.gdsload.v1.ImageTransformSpec\x12\x0e\n\x06\x66ields\x18\x0e \x03(\t\x12%\n\x08on_error\x18\x0f \x01(\x0e\x32\x13.gdsload.v1.OnError\x12\x13\n\x0bmax_batches\x18\x10 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x11 \x01(\x04\"\x95\x01\n\nBatchChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\r\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\'\n\x06header\x18\x06 \x01(\x0b\x32\x17.gdsload.v1.BatchHeader\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"}\n\x0b\x42\x61tchHeader\x12\x13\n\x0bnum_samples\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12%\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x15.gdsload.v1.FieldData\x12\x0f\n\x07skipped\x18\x04 \x01(\r\x12\x13\n\x0b\x62ody_nbytes\x18\x05 \x01(\x04\"\x85\x01\n\tFieldData\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x06layout\x18\x02 \x01(\x0e\x32\x17.gdsload.v1.FieldLayout\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x13\n\x0bitem_nbytes\x18\x05 \x03(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04*H\n\x07Payload\x12\x17\n\x13PAYLOAD_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPAYLOAD_RAW\x10\x01\x12\x13\n\x0fPAYLOAD_DECODED\x10\x02*J\n\x07OnError\x12\x18\n\x14ON_ERROR_UNSPECIFIED\x10\x00\x12\x12\n\x0eON_ERROR_RAISE\x10\x01\x12\x11\n\rON_ERROR_SKIP\x10\x02*\\\n\x0b\x46ieldLayout\x12\x1c\n\x18\x46IELD_LAYOUT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46IELD_LAYOUT_TENSOR\x10\x01\x12\x16\n\x12\x46IELD_LAYOUT_BYTES\x10\x02\x32\xe9\x01\n\x04\x46\x65\x65\x64\x12Q\n\x0cListDatasets\x12\x1f.gdsload.v1.ListDatasetsRequest\x1a .gdsload.v1.ListDatasetsResponse\x12I\n\rGetServerInfo\x12 .gdsload.v1.GetServerInfoRequest\x1a\x16.gdsload.v1.ServerInfo\x12\x43\n\rStreamBatches\x12\x18.gdsload.v1.BatchRequest\x1a\x16.gdsload.v1.BatchChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gdsload/v1/feed.proto\x12\ngdsload.v1\"#\n\x13ListDatasetsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xe9\x01\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\x13\n\x0bshard_sizes\x18\x04 \x03(\x04\x12\x33\n\x06\x66ields\x18\x05 \x03(\x0b\x32#.gdsload.v1.DatasetInfo.FieldsEntry\x12\x15\n\rmanifest_json\x18\x06 \x01(\t\x12\x13\n\x0b\x66ield_names\x18\x07 \x03(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x14ListDatasetsResponse\x12)\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x17.gdsload.v1.DatasetInfo\"\x16\n\x14GetServerInfoRequest\"\xc6\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_batch_bytes\x18\x05 \x01(\x04\x12\x16\n\x0emax_image_side\x18\x06 \x01(\r\x12\x13\n\x0bmax_streams\x18\x07 \x01(\r\x12\x16\n\x0e\x61\x63tive_streams\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_available\x18\t \x01(\x08\x12\x15\n\rdecode_device\x18\n \x01(\t\x12\x14\n\x0cnum_datasets\x18\x0b \x01(\r\x12\x18\n\x10max_memory_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13memory_in_use_bytes\x18\r \x01(\x04\"\xd5\x01\n\x12ImageTransformSpec\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\r\n\x05train\x18\x02 \x01(\x08\x12\x11\n\tscale_min\x18\x03 \x01(\x01\x12\x11\n\tscale_max\x18\x04 \x01(\x01\x12\x11\n\tratio_min\x18\x05 \x01(\x01\x12\x11\n\tratio_max\x18\x06 \x01(\x01\x12\x0e\n\x06resize\x18\x07 \x01(\r\x12\x0c\n\x04\x66lip\x18\x08 \x01(\x01\x12\x0c\n\x04mean\x18\t \x03(\x01\x12\x0b\n\x03std\x18\n \x03(\x01\x12\x0e\n\x06layout\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\xba\x03\n\x0c\x42\x61tchRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07shuffle\x18\x05 \x01(\x08\x12\x16\n\x0eshuffle_window\x18\x06 \x01(\r\x12\x11\n\tdrop_last\x18\x07 \x01(\x08\x12\x12\n\nbatch_size\x18\x08 \x01(\r\x12\x0c\n\x04rank\x18\t \x01(\r\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x16\n\x0estart_position\x18\x0b \x01(\x04\x12$\n\x07payload\x18\x0c \x01(\x0e\x32\x13.gdsload.v1.Payload\x12\x31\n\ttransform\x18\r \x01(\x0b\x32\x1e.gdsload.v1.ImageTransformSpec\x12\x0e\n\x06\x66ields\x18\x0e \x03(\t\x12%\n\x08on_error\x18\x0f \x01(\x0e\x32\x13.gdsload.v1.OnError\x12\x13\n\x0bmax_batches\x18\x10 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x11 \x01(\x04\x12 \n\x03mix\x18\x12 \x01(\x0b\x32\x13.gdsload.v1.MixSpec\"o\n\x07MixSpec\x12&\n\x07sources\x18\x01 \x03(\x0b\x32\x15.gdsload.v1.MixSource\x12\x19\n\x11samples_per_epoch\x18\x02 \x01(\x04\x12!\n\x06mix_by\x18\x03 \x01(\x0e\x32\x11.gdsload.v1.MixBy\"\xa0\x01\n\tMixSource\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x06weight\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06repeat\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07samples\x18\x06 \x01(\x04H\x02\x88\x01\x01\x42\t\n\x07_weightB\t\n\x07_repeatB\n\n\x08_samples\"\x95\x01\n\nBatchChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\r\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\'\n\x06header\x18\x06 \x01(\x0b\x32\x17.gdsload.v1.BatchHeader\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"\xba\x01\n\x0b\x42\x61tchHeader\x12\x13\n\x0bnum_samples\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12%\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x15.gdsload.v1.FieldData\x12\x0f\n\x07skipped\x18\x04 \x01(\r\x12\x13\n\x0b\x62ody_nbytes\x18\x05 \x01(\x04\x12\x0f\n\x07sources\x18\x06 \x03(\t\x12\x14\n\x0cskipped_keys\x18\x07 \x03(\t\x12\x14\n\x0c\x65nd_position\x18\x08 \x01(\x04\"\x85\x01\n\tFieldData\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x06layout\x18\x02 \x01(\x0e\x32\x17.gdsload.v1.FieldLayout\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x13\n\x0bitem_nbytes\x18\x05 \x03(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04*H\n\x07Payload\x12\x17\n\x13PAYLOAD_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPAYLOAD_RAW\x10\x01\x12\x13\n\x0fPAYLOAD_DECODED\x10\x02*J\n\x07OnError\x12\x18\n\x14ON_ERROR_UNSPECIFIED\x10\x00\x12\x12\n\x0eON_ERROR_RAISE\x10\x01\x12\x11\n\rON_ERROR_SKIP\x10\x02*D\n\x05MixBy\x12\x16\n\x12MIX_BY_UNSPECIFIED\x10\x00\x12\x11\n\rMIX_BY_SAMPLE\x10\x01\x12\x10\n\x0cMIX_BY_BATCH\x10\x02*\\\n\x0b\x46ieldLayout\x12\x1c\n\x18\x46IELD_LAYOUT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46IELD_LAYOUT_TENSOR\x10\x01\x12\x16\n\x12\x46IELD_LAYOUT_BYTES\x10\x02\x32\xe9\x01\n\x04\x46\x65\x65\x64\x12Q\n\x0cListDatasets\x12\x1f.gdsload.v1.ListDatasetsRequest\x1a .gdsload.v1.ListDatasetsResponse\x12I\n\rGetServerInfo\x12 .gdsload.v1.GetServerInfoRequest\x1a\x16.gdsload.v1.ServerInfo\x12\x43\n\rStreamBatches\x12\x18.gdsload.v1.BatchRequest\x1a\x16.gdsload.v1.BatchChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DATASETINFO_FIELDSENTRY']._loaded_options = None
   _globals['_DATASETINFO_FIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_PAYLOAD']._serialized_start=1696
-  _globals['_PAYLOAD']._serialized_end=1768
-  _globals['_ONERROR']._serialized_start=1770
-  _globals['_ONERROR']._serialized_end=1844
-  _globals['_FIELDLAYOUT']._serialized_start=1846
-  _globals['_FIELDLAYOUT']._serialized_end=1938
+  _globals['_PAYLOAD']._serialized_start=2144
+  _globals['_PAYLOAD']._serialized_end=2216
+  _globals['_ONERROR']._serialized_start=2218
+  _globals['_ONERROR']._serialized_end=2292
+  _globals['_MIXBY']._serialized_start=2294
+  _globals['_MIXBY']._serialized_end=2362
+  _globals['_FIELDLAYOUT']._serialized_start=2364
+  _globals['_FIELDLAYOUT']._serialized_end=2456
   _globals['_LISTDATASETSREQUEST']._serialized_start=37
   _globals['_LISTDATASETSREQUEST']._serialized_end=72
   _globals['_DATASETINFO']._serialized_start=75
-  _globals['_DATASETINFO']._serialized_end=287
-  _globals['_DATASETINFO_FIELDSENTRY']._serialized_start=242
-  _globals['_DATASETINFO_FIELDSENTRY']._serialized_end=287
-  _globals['_LISTDATASETSRESPONSE']._serialized_start=289
-  _globals['_LISTDATASETSRESPONSE']._serialized_end=354
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=356
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=378
-  _globals['_SERVERINFO']._serialized_start=381
-  _globals['_SERVERINFO']._serialized_end=652
-  _globals['_IMAGETRANSFORMSPEC']._serialized_start=655
-  _globals['_IMAGETRANSFORMSPEC']._serialized_end=868
-  _globals['_BATCHREQUEST']._serialized_start=871
-  _globals['_BATCHREQUEST']._serialized_end=1279
-  _globals['_BATCHCHUNK']._serialized_start=1282
-  _globals['_BATCHCHUNK']._serialized_end=1431
-  _globals['_BATCHHEADER']._serialized_start=1433
-  _globals['_BATCHHEADER']._serialized_end=1558
-  _globals['_FIELDDATA']._serialized_start=1561
-  _globals['_FIELDDATA']._serialized_end=1694
-  _globals['_FEED']._serialized_start=1941
-  _globals['_FEED']._serialized_end=2174
+  _globals['_DATASETINFO']._serialized_end=308
+  _globals['_DATASETINFO_FIELDSENTRY']._serialized_start=263
+  _globals['_DATASETINFO_FIELDSENTRY']._serialized_end=308
+  _globals['_LISTDATASETSRESPONSE']._serialized_start=310
+  _globals['_LISTDATASETSRESPONSE']._serialized_end=375
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=377
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=399
+  _globals['_SERVERINFO']._serialized_start=402
+  _globals['_SERVERINFO']._serialized_end=728
+  _globals['_IMAGETRANSFORMSPEC']._serialized_start=731
+  _globals['_IMAGETRANSFORMSPEC']._serialized_end=944
+  _globals['_BATCHREQUEST']._serialized_start=947
+  _globals['_BATCHREQUEST']._serialized_end=1389
+  _globals['_MIXSPEC']._serialized_start=1391
+  _globals['_MIXSPEC']._serialized_end=1502
+  _globals['_MIXSOURCE']._serialized_start=1505
+  _globals['_MIXSOURCE']._serialized_end=1665
+  _globals['_BATCHCHUNK']._serialized_start=1668
+  _globals['_BATCHCHUNK']._serialized_end=1817
+  _globals['_BATCHHEADER']._serialized_start=1820
+  _globals['_BATCHHEADER']._serialized_end=2006
+  _globals['_FIELDDATA']._serialized_start=2009
+  _globals['_FIELDDATA']._serialized_end=2142
+  _globals['_FEED']._serialized_start=2459
+  _globals['_FEED']._serialized_end=2692
 # @@protoc_insertion_point(module_scope)

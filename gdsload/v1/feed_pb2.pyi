@@ -19,6 +19,12 @@ class OnError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ON_ERROR_RAISE: _ClassVar[OnError]
     ON_ERROR_SKIP: _ClassVar[OnError]
 
+class MixBy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MIX_BY_UNSPECIFIED: _ClassVar[MixBy]
+    MIX_BY_SAMPLE: _ClassVar[MixBy]
+    MIX_BY_BATCH: _ClassVar[MixBy]
+
 class FieldLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FIELD_LAYOUT_UNSPECIFIED: _ClassVar[FieldLayout]
@@ -30,6 +36,9 @@ PAYLOAD_DECODED: Payload
 ON_ERROR_UNSPECIFIED: OnError
 ON_ERROR_RAISE: OnError
 ON_ERROR_SKIP: OnError
+MIX_BY_UNSPECIFIED: MixBy
+MIX_BY_SAMPLE: MixBy
+MIX_BY_BATCH: MixBy
 FIELD_LAYOUT_UNSPECIFIED: FieldLayout
 FIELD_LAYOUT_TENSOR: FieldLayout
 FIELD_LAYOUT_BYTES: FieldLayout
@@ -41,7 +50,7 @@ class ListDatasetsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "dataset_id", "num_samples", "shard_sizes", "fields", "manifest_json")
+    __slots__ = ("name", "dataset_id", "num_samples", "shard_sizes", "fields", "manifest_json", "field_names")
     class FieldsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,13 +64,15 @@ class DatasetInfo(_message.Message):
     SHARD_SIZES_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIELD_NAMES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dataset_id: str
     num_samples: int
     shard_sizes: _containers.RepeatedScalarFieldContainer[int]
     fields: _containers.ScalarMap[str, str]
     manifest_json: str
-    def __init__(self, name: _Optional[str] = ..., dataset_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., fields: _Optional[_Mapping[str, str]] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    field_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., dataset_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., fields: _Optional[_Mapping[str, str]] = ..., manifest_json: _Optional[str] = ..., field_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListDatasetsResponse(_message.Message):
     __slots__ = ("datasets",)
@@ -74,7 +85,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets")
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "max_memory_bytes", "memory_in_use_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +97,8 @@ class ServerInfo(_message.Message):
     DECODE_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DECODE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     max_message_bytes: int
@@ -97,7 +110,9 @@ class ServerInfo(_message.Message):
     decode_available: bool
     decode_device: str
     num_datasets: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ...) -> None: ...
+    max_memory_bytes: int
+    memory_in_use_bytes: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ...) -> None: ...
 
 class ImageTransformSpec(_message.Message):
     __slots__ = ("size", "train", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "layout", "dtype")
@@ -128,7 +143,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +161,7 @@ class BatchRequest(_message.Message):
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIX_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
     seed: int
@@ -163,7 +179,34 @@ class BatchRequest(_message.Message):
     on_error: OnError
     max_batches: int
     max_chunk_bytes: int
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    mix: MixSpec
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ...) -> None: ...
+
+class MixSpec(_message.Message):
+    __slots__ = ("sources", "samples_per_epoch", "mix_by")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MIX_BY_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[MixSource]
+    samples_per_epoch: int
+    mix_by: MixBy
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., samples_per_epoch: _Optional[int] = ..., mix_by: _Optional[_Union[MixBy, str]] = ...) -> None: ...
+
+class MixSource(_message.Message):
+    __slots__ = ("dataset", "dataset_id", "name", "weight", "repeat", "samples")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    dataset_id: str
+    name: str
+    weight: float
+    repeat: float
+    samples: int
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., weight: _Optional[float] = ..., repeat: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class BatchChunk(_message.Message):
     __slots__ = ("step", "position", "epoch", "chunk_index", "last", "header", "data")
@@ -184,18 +227,24 @@ class BatchChunk(_message.Message):
     def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes")
+    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes", "sources", "skipped_keys", "end_position")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     BODY_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
     num_samples: int
     keys: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedCompositeFieldContainer[FieldData]
     skipped: int
     body_nbytes: int
-    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    skipped_keys: _containers.RepeatedScalarFieldContainer[str]
+    end_position: int
+    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., skipped_keys: _Optional[_Iterable[str]] = ..., end_position: _Optional[int] = ...) -> None: ...
 
 class FieldData(_message.Message):
     __slots__ = ("name", "layout", "dtype", "shape", "item_nbytes", "nbytes")

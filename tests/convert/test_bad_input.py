@@ -266,21 +266,21 @@ def test_empty_and_non_image_files_in_imagefolder_are_rejected_not_fatal(tmp_pat
         assert ds.manifest["classes"] == ["cat", "dog"]
 
 
-def test_dangling_symlink_in_imagefolder_is_rejected_as_unreadable(tmp_path, capsys):
+def test_links_in_imagefolder_are_rejected_not_followed(tmp_path, capsys):
     src = tmp_path / "src"
     write(src / "cat" / "ok.jpg", jpeg_bytes(1))
     os.symlink(tmp_path / "does-not-exist.jpg", src / "cat" / "gone.jpg")
-    os.symlink(src / "cat" / "ok.jpg", src / "cat" / "alias.jpg")  # a working link is followed
+    os.symlink(src / "cat" / "ok.jpg", src / "cat" / "alias.jpg")  # a working link is not followed either
     dst = tmp_path / "dst"
     rc, out, err = run(capsys, src, dst, "--workers", "1")
     assert rc == 0, err
-    assert "1 inputs rejected" in out
-    [r] = rejected(dst)
-    assert r["source"] == str(src / "cat" / "gone.jpg")
-    assert r["reason"].startswith("unreadable") and "No such file" in r["reason"]
+    assert "2 inputs rejected" in out
+    rej = {r["source"]: r["reason"] for r in rejected(dst)}
+    assert set(rej) == {str(src / "cat" / "gone.jpg"), str(src / "cat" / "alias.jpg")}
+    assert all(r.startswith("symbolic link") and "not followed" in r for r in rej.values())
     with gdsload.open_dataset(dst) as ds:
         got = {s["__key__"]: s["jpg"] for s in ds.iter_samples()}
-    assert got == {"cat/alias": jpeg_bytes(1), "cat/ok": jpeg_bytes(1)}
+    assert got == {"cat/ok": jpeg_bytes(1)}
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads chmod-000 files")

@@ -39,6 +39,10 @@ ARRAYS = {
 }
 
 
+def _fortran(a: np.ndarray) -> bool:
+    return a.flags.f_contiguous and not a.flags.c_contiguous
+
+
 @pytest.mark.parametrize("name", list(ARRAYS))
 def test_aligned_header_is_one_block(name: str) -> None:
     a = ARRAYS[name]
@@ -55,10 +59,10 @@ def test_aligned_header_is_one_block(name: str) -> None:
 def test_encode_is_loadable_and_aligned(name: str) -> None:
     a = ARRAYS[name]
     enc = npy.encode(a)
-    assert npy.parse_header(enc)[3] == ALIGN
+    assert npy.parse_header(enc)[2:] == (False, ALIGN)  # C order, aligned data
     assert len(enc) == ALIGN + a.nbytes
     b = _load(enc)
-    assert b.dtype == a.dtype and b.shape == a.shape
+    assert b.dtype == a.dtype and b.shape == a.shape and b.flags.c_contiguous
     np.testing.assert_array_equal(b, a)
     # the payload is an ordinary file for numpy, mmap included
     if a.dtype.names is None and a.size:
@@ -80,16 +84,41 @@ def test_realign_preserves_values(name: str, version) -> None:
     dtype, shape, fortran, data_off = npy.parse_header(out)
     assert data_off == ALIGN
     assert (dtype, shape) == (a.dtype, a.shape)
-    assert fortran == (a.flags.f_contiguous and not a.flags.c_contiguous)
+    assert not fortran  # stored payloads are always C-ordered
     b = _load(out)
-    assert b.dtype == a.dtype
+    assert b.dtype == a.dtype and b.flags.c_contiguous
     np.testing.assert_array_equal(b, a)
-    if fortran:
-        assert b.flags.f_contiguous
-    # the array bytes are copied verbatim
-    assert out[ALIGN:] == src[npy.parse_header(src)[3] :]
+    # the array bytes are the source's in C order: verbatim when the source was C-ordered
+    assert out[ALIGN:] == a.tobytes(order="C")
+    if not _fortran(a):
+        assert out[ALIGN:] == src[npy.parse_header(src)[3] :]
     # realigning an aligned payload is the identity
     assert npy.realign(out) == out
+
+
+@pytest.mark.parametrize("name", list(ARRAYS))
+def test_normalize_stores_c_order_and_reports_fortran(name: str) -> None:
+    """Fortran-ordered inputs (any size) come back C-ordered with equal values; the flag says so."""
+    a = ARRAYS[name]
+    src = _save(a)
+    out, was_fortran = npy.normalize(src)
+    assert was_fortran == _fortran(a)
+    assert not npy.parse_header(out)[2]
+    b = _load(out)
+    assert b.dtype == a.dtype and b.shape == a.shape
+    np.testing.assert_array_equal(b, a)
+    if len(out) >= ALIGN:
+        assert npy.parse_header(out)[3] == ALIGN
+    elif not was_fortran:
+        assert out == src  # small C-ordered payloads are stored as given
+    # the bytes a C-ordered reader copies are the array's C-order bytes
+    assert bytes(out[npy.parse_header(out)[3]:]) == a.tobytes(order="C")
+
+
+def test_normalize_refuses_a_truncated_small_payload() -> None:
+    src = _save(np.arange(10, dtype=np.int32))
+    with pytest.raises(FormatError, match="says 40"):
+        npy.normalize(src[:-4])
 
 
 def test_realign_accepts_memoryview() -> None:

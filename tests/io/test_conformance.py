@@ -60,7 +60,7 @@ def test_random_extents_read_the_file_slices(case, backend, request, seed, lead,
 
 def test_backend_meets_the_protocol(case, backend):
     assert isinstance(backend, Backend)
-    assert backend.name in ("posix", "posix-odirect", "fsspec", "kvikio-gds", "kvikio-compat")
+    assert backend.name in ("posix", "posix-odirect", "fsspec", "kvikio-gds", "kvikio-posix", "kvikio-compat")
     assert backend.device_capable == case.id.startswith("kvikio")
     assert set(backend.stats()) >= {"reads", "bytes_read"}
 

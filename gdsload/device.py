@@ -1,0 +1,191 @@
+"""The loader's GPU: which device a rank uses, and the stream/event protocol around ring slots.
+
+Which device (resolved once, in the thread that sets the loader up; `resolve_ordinal`):
+  1. `device="cuda:N"` (or a `torch.device("cuda", N)`) names it;
+  2. else `LOCAL_RANK` (what torchrun exports; it sets no device) when it names a visible device;
+  3. else the calling thread's current device (torch's when torch has CUDA, else CuPy's).
+The CUDA current device belongs to each host thread ("cudaSetDevice: sets device as the current
+device for the calling host thread", CUDA runtime API) and a new thread starts on device 0, so
+every thread of ours that touches CUDA (producers, DALI, KvikIO's issuing threads) calls
+`use_device(ordinal)` first; torch's own pin-memory thread does the same
+(torch/utils/data/_utils/pin_memory.py). Without it, rank k's DALI pipeline and copies ran on GPU 0.
+
+Streams and events (`CopyStreams`, one per loader), for a slot in device memory:
+  - every copy into a device slot (DALI's decoded output, host-to-device copies of labels and of
+    tensors read on the host) runs on one private non-blocking stream, never on the legacy default
+    stream, so it neither queues behind nor implicitly synchronises with the training kernels;
+  - after a batch's copies a *ready* event is recorded on that stream; when the batch is handed out
+    the consumer's current stream waits on it (GPU-side; the host does not block);
+  - when the consumer moves on (the slot is released) a *release fence* is recorded on the
+    consumer's current stream; the producer that refills the slot synchronises on it (host-side)
+    before writing anything, because KvikIO/cuFile writes are not stream-ordered. Without it a
+    consumer on a side stream (torch.cuda.Stream, CUDA graphs) could read the next batch's data.
+The consumer's current stream is torch's (`torch.cuda.current_stream(device)`) for torch output,
+CuPy's for CuPy output.
+
+CuPy is imported on first use; `import gdsload.device` needs the standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import warnings
+from typing import Any
+
+from gdsload.errors import GdsloadError, require
+
+
+def parse_device(device: Any) -> tuple[str, int | None]:
+    """("cpu" | "cuda", explicit ordinal or None) from "cpu", "cuda", "cuda:N" or a torch.device."""
+    kind = getattr(device, "type", None)
+    if kind is not None and not isinstance(device, str):  # torch.device
+        if kind == "cpu":
+            return "cpu", None
+        if kind == "cuda":
+            return "cuda", getattr(device, "index", None)
+        raise GdsloadError(f"device {device!r} is not valid; use 'cpu', 'cuda' or 'cuda:N'")
+    if device == "cpu" or device == "cuda":
+        return device, None
+    if isinstance(device, str) and device.startswith("cuda:"):
+        try:
+            ordinal = int(device[5:])
+        except ValueError:
+            ordinal = -1
+        if ordinal >= 0:
+            return "cuda", ordinal
+    raise GdsloadError(f"device {device!r} is not valid; use 'cpu', 'cuda' or 'cuda:N'")
+
+
+def _cupy() -> Any:
+    return require("cupy", extra="cuda12", purpose="device='cuda'")
+
+
+def _torch_cuda() -> Any:
+    """torch, when it is imported and has a usable CUDA build; else None (never imports torch)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return torch
+    except Exception:
+        pass
+    return None
+
+
+def current_device() -> int:
+    """The calling thread's current CUDA device (torch's view when torch has CUDA, else CuPy's)."""
+    torch = _torch_cuda()
+    if torch is not None:
+        return int(torch.cuda.current_device())
+    return int(_cupy().cuda.runtime.getDevice())
+
+
+def resolve_ordinal(explicit: int | None) -> int:
+    """The rank's GPU: `explicit`, else LOCAL_RANK, else the current device (module docstring)."""
+    count = int(_cupy().cuda.runtime.getDeviceCount())
+    if explicit is not None:
+        if explicit >= count:
+            raise GdsloadError(f"device='cuda:{explicit}', but this process sees {count} CUDA device(s) "
+                               f"(ordinals 0..{count - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
+        return explicit
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        try:
+            rank = int(local)
+        except ValueError:
+            raise GdsloadError(f"LOCAL_RANK={local!r} is not an integer") from None
+        if 0 <= rank < count:
+            current = current_device()
+            if current not in (0, rank):  # the script chose a device, and not LOCAL_RANK's
+                warnings.warn(f"LOCAL_RANK={rank} but the current CUDA device is {current}; gdsload "
+                              f"uses cuda:{rank} (pass device='cuda:{current}' to override)",
+                              RuntimeWarning, stacklevel=3)
+            return rank
+        warnings.warn(f"LOCAL_RANK={rank} names no visible CUDA device ({count} visible, e.g. one "
+                      f"per rank through CUDA_VISIBLE_DEVICES); using the current device",
+                      RuntimeWarning, stacklevel=3)
+    return current_device()
+
+
+def use_device(ordinal: int) -> None:
+    """Make `ordinal` the calling thread's current device for CuPy (the CUDA runtime) and torch."""
+    _cupy().cuda.Device(ordinal).use()
+    torch = _torch_cuda()
+    if torch is not None:
+        torch.cuda.set_device(ordinal)
+
+
+class CopyStreams:
+    """One loader's private copy stream and its ready/release events (module docstring).
+
+    `consumer` is "torch" when batches are handed out as torch tensors (then torch's current
+    stream is the consumer's), anything else for CuPy. Thread-safety: copies may be enqueued from
+    any producer thread; the event calls are cheap and lock-free in CUDA.
+    """
+
+    def __init__(self, ordinal: int, *, consumer: str) -> None:
+        self.cupy = _cupy()
+        self.ordinal = ordinal
+        self.consumer = consumer
+        with self.cupy.cuda.Device(ordinal):
+            self.stream = self.cupy.cuda.Stream(non_blocking=True)
+        self._last_consumer: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def stream_handle(self) -> ctypes.c_void_p:
+        """The private stream as the `ctypes.c_void_p` DALI's `copy_to_external` takes."""
+        return ctypes.c_void_p(self.stream.ptr)
+
+    def to_device(self, dst: Any, src: Any) -> None:
+        """Enqueue a host-to-device copy of `src` (NumPy, pinned for real asynchrony) into `dst`
+        (CuPy, same byte size, both C-contiguous) on the private stream; returns at once."""
+        nbytes = src.nbytes
+        if nbytes != dst.nbytes:
+            raise GdsloadError(f"host-to-device copy of {nbytes} bytes into {dst.nbytes} bytes")
+        if nbytes:
+            rt = self.cupy.cuda.runtime
+            rt.memcpyAsync(dst.data.ptr, src.ctypes.data, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+
+    def ready(self) -> Any:
+        """An event recorded on the private stream after the copies enqueued so far."""
+        with self.cupy.cuda.Device(self.ordinal):
+            event = self.cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        return event
+
+    def consumer_stream(self) -> Any:
+        """The calling thread's current stream on the loader's device, as a CuPy stream."""
+        cuda = self.cupy.cuda
+        torch = _torch_cuda() if self.consumer == "torch" else None
+        with cuda.Device(self.ordinal):
+            if torch is not None:
+                stream = cuda.ExternalStream(torch.cuda.current_stream(self.ordinal).cuda_stream, self.ordinal)
+            else:
+                stream = cuda.get_current_stream()
+        with self._lock:
+            self._last_consumer = stream
+        return stream
+
+    def consumer_wait(self, event: Any) -> None:
+        """Make the consumer's current stream wait for `event` (a batch's ready event)."""
+        if event is not None:
+            self.consumer_stream().wait_event(event)
+
+    def synchronize(self) -> None:
+        """Wait for every copy enqueued so far (before the ring's memory may be freed)."""
+        self.stream.synchronize()
+
+    def release_fence(self, *, same_thread: bool = True) -> Any:
+        """An event recorded on the consumer's current stream: when it completes, the work the
+        consumer queued on the released batch is done. `same_thread=False` (a close from another
+        thread, e.g. the garbage collector) reuses the consumer stream seen last."""
+        stream = self.consumer_stream() if same_thread else self._last_consumer
+        if stream is None:
+            return None
+        with self.cupy.cuda.Device(self.ordinal):
+            event = self.cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+        return event

@@ -1,0 +1,553 @@
+"""Weighted mixing of several datasets: `gdsload.Mix`, its order, and its plan.
+
+Part of the plan layer: a pure function of its inputs (NumPy and the standard library; the only
+gdsload imports are the plan and the shard-concatenation view), no I/O, no state that affects
+results. A `Mix` is read wherever a `Dataset` is: `DataLoader`, `RemoteLoader`, `gdsload serve`.
+
+Semantics
+---------
+Datasets ``0..k-1`` with ``N_i`` samples each. Per epoch of the mix, dataset ``i`` contributes
+``c_i`` samples, fixed by exactly one of (MosaicML Streaming's `proportion` / `repeat` / `choose`):
+
+* ``samples[i]``: ``c_i = samples[i]`` (absolute);
+* ``repeat[i]``: ``c_i = round(repeat[i] * N_i)`` (up- or down-sampling);
+* otherwise its weight (``weights[i]``; with ``weights=None`` every weight is ``N_i``, which is
+  plain concatenation with a random interleave): the weighted datasets share what is left of the
+  epoch, ``E - sum(fixed c_i)``, in proportion to their weights (largest-remainder rounding, ties
+  to the lower index, so the counts add up exactly and differ from ``share * w_i / sum(w)`` by
+  less than 1).
+
+``E`` is ``samples_per_epoch``, or by default ``sum(fixed c_i) + sum(N_i of the weighted ones)``
+(the sum of the datasets when none is fixed). The epoch has ``M = sum(c_i)`` samples.
+
+Order of epoch ``e``: an array of ``M`` *global ids* (not a permutation: a dataset may give more
+or fewer samples than it has). Dataset ``i``'s sample ``j`` has id ``offset_i + j`` with
+``offset_i = N_0 + ... + N_{i-1}``, so the loader reads a mix like one dataset whose shards are
+the datasets' shards one after another.
+
+1. Each dataset has its own endless *stream*: its own epochs ``0, 1, 2, ...`` one after another,
+   each the single-dataset `epoch_order` (its own shuffle, seeded from ``(seed, i)``). Mix epoch
+   ``e`` takes stream positions ``[e*c_i, (e+1)*c_i)``. So no sample repeats within one of the
+   dataset's own epochs; when a dataset is exhausted the mix moves on to its next own epoch.
+2. The interleave: which dataset each position of the epoch comes from. With ``shuffle`` a
+   random permutation of the multiset (``c_i`` times ``i``; PCG64 raw words, stable sort, as in
+   the plan); without, a smooth interleave (dataset ``i``'s ``j``-th sample at key
+   ``(j + 0.5) / c_i``), so every stretch of the epoch has nearly the weights' proportions.
+3. ``mix_by="batch"``: the unit of the interleave is a whole global batch ``G`` instead of one
+   sample, so every global step (every rank's batch in it) comes from one dataset. Counts are then
+   apportioned in whole global batches (``E // G`` of them; fixed counts rounded down to whole
+   batches) and ``M`` is a multiple of ``G``. This is the only case where the order depends on
+   ``G``, which a resume keeps anyway.
+
+Everything else is the plan's (`gdsload.plan`): ranks take interleaved slices of this order, the
+``drop_last`` and padding rules apply to ``M``, a state records the global position and resumes
+exactly, also on another world size with the same global batch. A state also records the mix
+(datasets' ids, weights, repeat, samples, samples_per_epoch, mix_by); a state from another mix is
+refused naming the first difference (weights are compared as given: ``[1, 2]`` and
+``[0.5, 1]`` mix alike, but a state of one is refused by the other; source names only label
+and may change). Cost, once per epoch (cached like the plan's): one sort
+of ``M/unit`` random keys, one linear radix sort, and the datasets' own epoch orders that the
+epoch touches (three sorts each; an own epoch cut by the epoch boundary is computed in both
+epochs); no Python per sample. About 0.9 s for 1.3 M samples mixed 0.7/0.3 from two datasets on
+the 2-core VM, against 0.3 s for one dataset's `epoch_order`.
+
+Fields: a mix yields the fields every dataset has (in the first dataset's order), plus
+``"__key__"`` and ``"__source__"`` (per sample, the name of its dataset: ``names=``, or each
+dataset's folder name). Asking for a field one dataset lacks is an error naming that dataset;
+there is no fill (a batch tensor needs every sample to have the field).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import PurePosixPath
+from typing import Any, Literal, TypedDict
+
+import numpy as np
+
+from gdsload.plan import Plan, PlanError, PlanState, StateError, _compute_order, _int, _shorten
+
+__all__ = ["Mix", "MixPlan", "MixSource", "MixSpec", "mix_order"]
+
+_DOMAIN = 0x6D6978  # "mix": keeps the interleave and the per-dataset seeds apart from the plan's
+MIX_BY = ("sample", "batch")
+
+
+# --------------------------------------------------------------------------------------------
+# the resolved description: what the order depends on
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One dataset of a mix, resolved: its identity and sizes, and how its count is fixed
+    (exactly one of `weight`, `repeat`, `samples` is not None)."""
+
+    name: str
+    dataset_id: str
+    shard_sizes: tuple[int, ...]
+    weight: float | None = None
+    repeat: float | None = None
+    samples: int | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.shard_sizes)
+
+    def fixed_count(self) -> int | None:
+        """``c_i`` when fixed by `samples` or `repeat`, else None (weighted)."""
+        if self.samples is not None:
+            return self.samples
+        if self.repeat is not None:
+            return round(self.repeat * self.num_samples)
+        return None
+
+
+class MixSourceState(TypedDict):
+    name: str
+    dataset: str
+    num_samples: int
+    weight: float | None
+    repeat: float | None
+    samples: int | None
+
+
+class MixState(TypedDict):
+    """What a loader state records about a mix (state field "mix")."""
+
+    datasets: list[MixSourceState]
+    samples_per_epoch: int | None
+    mix_by: str
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """A resolved mix: everything its order depends on besides (seed, epoch, shuffle, window)."""
+
+    sources: tuple[MixSource, ...]
+    samples_per_epoch: int | None = None
+    mix_by: str = "sample"
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise PlanError("a mix needs at least one dataset")
+        if self.mix_by not in MIX_BY:
+            raise PlanError(f"mix_by must be 'sample' or 'batch', got {self.mix_by!r}")
+        for i, s in enumerate(self.sources):
+            if s.num_samples == 0:
+                raise PlanError(f"dataset {i} ({s.name!r}) of the mix has no samples")
+            if sum(x is not None for x in (s.weight, s.repeat, s.samples)) != 1:
+                raise PlanError(f"dataset {i} ({s.name!r}): give exactly one of weight, repeat, samples")
+        weighted = [s for s in self.sources if s.fixed_count() is None]
+        if weighted and sum(s.weight for s in weighted) <= 0:
+            raise PlanError("the weights of the mix are all 0; at least one must be > 0")
+        if not weighted and self.samples_per_epoch is not None:
+            fixed = sum(s.fixed_count() for s in self.sources)
+            if self.samples_per_epoch != fixed:
+                raise PlanError(
+                    f"every dataset of the mix has repeat or samples (together {fixed} samples); "
+                    f"samples_per_epoch {self.samples_per_epoch} would contradict them: leave it out"
+                )
+        self.units(1)  # refuses a samples_per_epoch below the fixed counts (also holds per batch)
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """The datasets' shards one after another: the id space of the mix."""
+        return tuple(n for s in self.sources for n in s.shard_sizes)
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """Global id of each dataset's first sample (length k+1: the last is the total)."""
+        out = np.concatenate(([0], np.cumsum([s.num_samples for s in self.sources]))).astype(np.int64)
+        out.setflags(write=False)
+        return out
+
+    def units(self, unit: int = 1) -> np.ndarray:
+        """Per dataset, its count per epoch in units of `unit` samples (1, or G for mix_by batch)."""
+        fixed = [s.fixed_count() for s in self.sources]
+        out = [0 if c is None else c // unit for c in fixed]
+        weighted = [i for i, c in enumerate(fixed) if c is None]
+        if weighted:
+            if self.samples_per_epoch is not None:
+                total = self.samples_per_epoch
+            else:
+                total = sum(c for c in fixed if c is not None) + sum(
+                    self.sources[i].num_samples for i in weighted)
+            share = total // unit - sum(out)
+            if share < 0:
+                raise PlanError(
+                    f"samples_per_epoch {total} is smaller than the samples the datasets with "
+                    f"repeat/samples take ({sum(out) * unit}); raise it or lower those"
+                )
+            weights = [Fraction(self.sources[i].weight) for i in weighted]
+            quotas = [share * w / sum(weights) for w in weights]
+            counts = [int(q) for q in quotas]  # floor (quotas are >= 0)
+            by_remainder = sorted(range(len(quotas)), key=lambda j: (-(quotas[j] - counts[j]), j))
+            for j in by_remainder[: share - sum(counts)]:
+                counts[j] += 1
+            for i, c in zip(weighted, counts):
+                out[i] = c
+        return np.asarray(out, dtype=np.int64)
+
+    def counts(self, unit: int = 1) -> np.ndarray:
+        """Per dataset, the samples it contributes to one epoch (``c_i``)."""
+        return self.units(unit) * unit
+
+    def describe(self) -> MixState:
+        return MixState(
+            datasets=[MixSourceState(name=s.name, dataset=s.dataset_id, num_samples=s.num_samples,
+                                     weight=s.weight, repeat=s.repeat, samples=s.samples)
+                      for s in self.sources],
+            samples_per_epoch=self.samples_per_epoch, mix_by=self.mix_by,
+        )
+
+    @functools.cached_property
+    def mix_id(self) -> str:
+        """Identity of the order: a hash of everything but the names (which only label)."""
+        d = self.describe()
+        for s in d["datasets"]:
+            s.pop("name")
+        return "mix-" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def differences(self, saved: Any) -> str | None:
+        """The first way a state's "mix" field differs from this mix, in words (None: same)."""
+        now = self.describe()
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("datasets"), list):
+            return "it is malformed (a mapping with a 'datasets' list was expected)"
+        old = saved["datasets"]
+        if len(old) != len(now["datasets"]):
+            return f"the state mixes {len(old)} datasets, this loader mixes {len(now['datasets'])}"
+        for i, (a, b) in enumerate(zip(old, now["datasets"])):
+            if not isinstance(a, Mapping):
+                return f"dataset {i} is malformed"
+            for key in ("dataset", "num_samples", "weight", "repeat", "samples"):
+                if a.get(key) != b[key]:
+                    x, y = (a.get(key), b[key])
+                    if key == "dataset" and isinstance(x, str):
+                        x, y = _shorten(x, y)
+                    return (f"dataset {i} ({b['name']!r}) differs in {key!r}: the state has {x}, "
+                            f"this loader has {y}")
+        for key in ("samples_per_epoch", "mix_by"):
+            if saved.get(key) != now[key]:
+                return f"{key!r} differs: the state has {saved.get(key)!r}, this loader has {now[key]!r}"
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# the order
+
+
+def _source_seed(seed: int, i: int) -> int:
+    return int(np.random.SeedSequence([seed, i, _DOMAIN]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def _stream(source: MixSource, seed: int, i: int, shuffle: bool, window: int,
+            start: int, count: int) -> np.ndarray:
+    """Positions ``[start, start+count)`` of dataset `i`'s stream (its own epochs in a row)."""
+    n = source.num_samples
+    if count == 0:
+        return np.empty(0, dtype=np.int64)
+    first, last = start // n, (start + count - 1) // n
+    own_seed = _source_seed(seed, i)
+    parts = [_compute_order(source.shard_sizes, own_seed, e, shuffle, window) for e in range(first, last + 1)]
+    flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return flat[start - first * n : start - first * n + count]
+
+
+def mix_order(spec: MixSpec, *, seed: int, epoch: int, shuffle: bool, window: int = 4,
+              global_batch: int = 1) -> np.ndarray:
+    """The global ids of mix epoch `epoch`, in order (int64; see the module docstring).
+
+    `global_batch` matters only with ``mix_by="batch"`` (the interleave's unit).
+    """
+    unit = global_batch if spec.mix_by == "batch" else 1
+    units = spec.units(unit)
+    k = len(spec.sources)
+    labels = np.repeat(np.arange(k, dtype=np.int64), units)
+    if shuffle:
+        bits = np.random.PCG64(np.random.SeedSequence([seed, epoch, _DOMAIN]))
+        labels = labels[np.argsort(bits.random_raw(labels.shape[0]), kind="stable")]
+    else:
+        starts = np.repeat(np.cumsum(units) - units, units)
+        rank = np.arange(labels.shape[0], dtype=np.int64) - starts
+        key = (rank + 0.5) / np.repeat(units, units).astype(np.float64)
+        labels = labels[np.argsort(key, kind="stable")]
+    # uint16 labels: NumPy's stable sort of <= 16-bit integers is a radix sort (linear)
+    per_position = np.repeat(labels.astype(np.uint16 if k < 2**16 else np.int64), unit)
+    offsets = spec.offsets
+    counts = units * unit
+    ids = [
+        _stream(s, seed, i, shuffle, window, epoch * int(counts[i]), int(counts[i])) + offsets[i]
+        for i, s in enumerate(spec.sources)
+    ]
+    out = np.empty(per_position.shape[0], dtype=np.int64)
+    # positions grouped by dataset, in epoch order within each: the m-th gets its m-th stream id
+    out[np.argsort(per_position, kind="stable")] = np.concatenate(ids)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_mix_order(spec: MixSpec, seed: int, epoch: int, shuffle: bool, window: int,
+                      global_batch: int) -> np.ndarray:
+    order = mix_order(spec, seed=seed, epoch=epoch, shuffle=shuffle, window=window,
+                      global_batch=global_batch)
+    order.setflags(write=False)
+    return order
+
+
+# --------------------------------------------------------------------------------------------
+# the plan of one rank over a mix
+
+
+class MixPlanState(PlanState):
+    mix: MixState
+
+
+@dataclass(frozen=True)
+class MixPlan(Plan):
+    """A `Plan` whose epoch order is `mix_order` of `mix`; `num_samples` is the mix's epoch size
+    ``M``. `dataset_id` must be ``mix.mix_id`` and `shard_sizes` ``mix.shard_sizes``."""
+
+    mix: MixSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mix, MixSpec):
+            raise PlanError(f"a MixPlan needs a MixSpec, got {type(self.mix).__name__}")
+        super().__post_init__()
+        if self.shard_sizes != self.mix.shard_sizes or self.dataset_id != self.mix.mix_id:
+            raise PlanError("a MixPlan's dataset_id and shard_sizes must be its mix's")
+        if self.num_samples == 0:
+            raise PlanError(
+                "the mix's epoch is empty"
+                + (f" (mix_by='batch' apportions whole global batches of {self.global_batch})"
+                   if self.mix.mix_by == "batch" else "")
+            )
+
+    @property
+    def _global_batch_for_order(self) -> int:
+        return self.global_batch if self.mix.mix_by == "batch" else 1
+
+    @functools.cached_property
+    def num_samples(self) -> int:
+        """M, the samples of one epoch of the mix."""
+        return int(self.mix.counts(self._global_batch_for_order).sum())
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return _cached_mix_order(self.mix, self.seed, epoch, self.shuffle, self.window,
+                                 self._global_batch_for_order)
+
+    def source_of(self, ids: np.ndarray) -> np.ndarray:
+        """The dataset index of each global id."""
+        return np.searchsorted(self.mix.offsets[1:], ids, side="right")
+
+    def state(self, epoch: int, position: int) -> MixPlanState:
+        state = super().state(epoch, position)
+        return MixPlanState(**state, mix=self.mix.describe())
+
+    def _check_mix(self, state: Mapping[str, Any]) -> None:
+        if "mix" not in state:
+            raise StateError(
+                f"the state is from a single dataset (dataset {state.get('dataset')!r}), this loader "
+                f"reads a mix of {[s.name for s in self.mix.sources]}"
+            )
+        why = self.mix.differences(state["mix"])
+        if why is not None:
+            raise StateError(f"state field 'mix' does not match: {why}")
+
+
+# --------------------------------------------------------------------------------------------
+# the user's description
+
+
+def _per_dataset(name: str, value: Any, k: int) -> list[Any]:
+    if value is None:
+        return [None] * k
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise PlanError(f"{name} must be a list with one entry per dataset ({k}), got {value!r}")
+    value = list(value)
+    if len(value) != k:
+        raise PlanError(f"{name} has {len(value)} entries for {k} datasets; give one per dataset")
+    return value
+
+
+def _number(name: str, value: Any, *, positive: bool) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise PlanError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not np.isfinite(value) or value < 0 or (positive and value == 0):
+        raise PlanError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return value
+
+
+def _default_name(entry: Any) -> str:
+    path = entry if isinstance(entry, str) else getattr(entry, "path", None)
+    if not isinstance(path, str) or not path:
+        raise PlanError(f"cannot name dataset {entry!r}; pass names=[...]")
+    return PurePosixPath(path.rstrip("/")).name or path
+
+
+class Mix:
+    """Several datasets read as one, in proportions: ``Mix([a, b], weights=[0.7, 0.3])``.
+
+    `datasets`: `gdsload.Dataset` objects, or strings: paths for a `DataLoader` (opened as
+    `Dataset(path)`), served dataset names for a `RemoteLoader`. `weights`: one per dataset
+    (relative, >= 0), or None for weights equal to the datasets' sizes. `samples_per_epoch`: the
+    epoch's size (default: the sum of the datasets; see the module docstring). `repeat`/`samples`:
+    optional, one entry per dataset (None where unused): fix that dataset's count per epoch to
+    ``repeat * len(dataset)`` or to `samples` instead of a share by weight (its weight must then
+    be None). `mix_by`: "sample" (positions drawn independently) or "batch" (each global batch
+    from one dataset). `names`: the "__source__" name of each dataset (default: folder names).
+
+    A Mix is a description; the order it gives is `mix_order` (pure). With opened datasets it
+    offers what the loader reads from a `Dataset` (`dataset_id`, `shard_sizes`, `fields`,
+    `shards`), the datasets' shards one after another.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Any],
+        weights: Sequence[float | None] | None = None,
+        samples_per_epoch: int | None = None,
+        *,
+        repeat: Sequence[float | None] | None = None,
+        samples: Sequence[int | None] | None = None,
+        mix_by: Literal["sample", "batch"] = "sample",
+        names: Sequence[str] | None = None,
+    ):
+        if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence) or not datasets:
+            raise PlanError(f"Mix takes a non-empty list of datasets, got {datasets!r}")
+        self.datasets = list(datasets)
+        k = len(self.datasets)
+        if mix_by not in MIX_BY:
+            raise PlanError(f"mix_by must be 'sample' or 'batch', got {mix_by!r}")
+        self.mix_by = mix_by
+        if samples_per_epoch is not None:
+            samples_per_epoch = _int("samples_per_epoch", samples_per_epoch, minimum=1)
+        self.samples_per_epoch = samples_per_epoch
+        w = _per_dataset("weights", weights, k)
+        r = _per_dataset("repeat", repeat, k)
+        s = _per_dataset("samples", samples, k)
+        self.weights: list[float | None] = []
+        self.repeat: list[float | None] = []
+        self.samples: list[int | None] = []
+        for i in range(k):
+            if r[i] is not None and s[i] is not None:
+                raise PlanError(f"dataset {i} has both repeat={r[i]!r} and samples={s[i]!r}; give one")
+            fixed = r[i] is not None or s[i] is not None
+            if fixed and w[i] is not None:
+                raise PlanError(f"dataset {i} has a weight ({w[i]!r}) and also repeat/samples; "
+                                f"give one (set its weight to None)")
+            if weights is not None and not fixed and w[i] is None:
+                raise PlanError(f"dataset {i} has no weight (None) and no repeat/samples")
+            self.weights.append(None if w[i] is None else _number(f"weights[{i}]", w[i], positive=False))
+            self.repeat.append(None if r[i] is None else _number(f"repeat[{i}]", r[i], positive=True))
+            if s[i] is not None:
+                s[i] = _int(f"samples[{i}]", s[i], minimum=0)
+            self.samples.append(s[i])
+        self._weights_given = weights is not None
+        if names is None:
+            names = [_default_name(d) for d in self.datasets]
+            if len(set(names)) != k:
+                raise PlanError(f"datasets of the mix share a folder name ({names}); pass names=[...]")
+        else:
+            names = _per_dataset("names", names, k)
+            if not all(isinstance(n, str) and n for n in names) or len(set(names)) != k:
+                raise PlanError(f"names must be {k} different non-empty strings, got {names!r}")
+        self.names = list(names)
+        self._fields: list[str] | None = None
+        self._concat = None
+
+    # -- resolving ----------------------------------------------------------------------------
+    def spec_with(self, described: Sequence[tuple[str, Sequence[int]]]) -> MixSpec:
+        """The `MixSpec` given each dataset's (dataset_id, shard_sizes) (a server's answer, for
+        a remote mix)."""
+        sources = []
+        for i, (dataset_id, sizes) in enumerate(described):
+            sizes = tuple(int(n) for n in sizes)
+            fixed = self.repeat[i] is not None or self.samples[i] is not None
+            weight = None if fixed else (self.weights[i] if self._weights_given else float(sum(sizes)))
+            sources.append(MixSource(name=self.names[i], dataset_id=str(dataset_id), shard_sizes=sizes,
+                                     weight=weight, repeat=self.repeat[i], samples=self.samples[i]))
+        return MixSpec(tuple(sources), self.samples_per_epoch, self.mix_by)
+
+    def open(self, opener: Callable[[str], Any]) -> Mix:
+        """This mix with every string entry replaced by ``opener(entry)`` (a `Dataset`)."""
+        if all(not isinstance(d, str) for d in self.datasets):
+            return self
+        out = copy.copy(self)
+        out.datasets = [opener(d) if isinstance(d, str) else d for d in self.datasets]
+        out.__dict__.pop("spec", None)
+        out._concat = None
+        return out
+
+    def _opened(self) -> list[Any]:
+        if any(isinstance(d, str) for d in self.datasets):
+            raise PlanError("this Mix names datasets by string; open them first (a DataLoader does)")
+        return self.datasets
+
+    @functools.cached_property
+    def spec(self) -> MixSpec:
+        """The resolved mix (needs opened datasets)."""
+        return self.spec_with([(d.dataset_id, d.shard_sizes) for d in self._opened()])
+
+    # -- what the loader reads from a Dataset -------------------------------------------------
+    @property
+    def dataset_id(self) -> str:
+        return self.spec.mix_id
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        return self.spec.shard_sizes
+
+    @property
+    def fields(self) -> list[str]:
+        """The selected fields, by default those every dataset has (first dataset's order)."""
+        if self._fields is not None:
+            return list(self._fields)
+        ds = self._opened()
+        return [f for f in ds[0].fields if all(f in d.fields for d in ds[1:])]
+
+    def with_fields(self, fields: Sequence[str]) -> Mix:
+        """This mix reading `fields` only; each must be in every dataset."""
+        fields = list(fields)
+        for i, d in enumerate(self._opened()):
+            missing = [f for f in fields if f not in d.fields]
+            if missing:
+                raise PlanError(f"fields {missing} are not in dataset {i} ({self.names[i]!r}) of the "
+                                f"mix (it has {sorted(d.fields)}); a mix reads fields all its datasets have")
+        out = copy.copy(self)
+        out._fields = fields
+        return out
+
+    @property
+    def shards(self):
+        """The datasets' shards one after another (`gdsload.format.concat.ConcatShards`)."""
+        if self._concat is None:
+            from gdsload.format.concat import ConcatShards
+
+            parts = [d.shards for d in self._opened()]
+            self._concat = ConcatShards(parts, fields=self.fields)
+        return self._concat
+
+    def sources_of(self, ids: np.ndarray) -> list[str]:
+        """The "__source__" name of each global id."""
+        which = np.searchsorted(self.spec.offsets[1:], np.asarray(ids), side="right")
+        return [self.names[i] for i in which.tolist()]
+
+    def __len__(self) -> int:
+        """Samples of one epoch (with mix_by="batch" a loader rounds to whole global batches)."""
+        return int(self.spec.counts().sum())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_concat"] = None  # rebuilt from the datasets on use
+        return state
+
+    def __repr__(self) -> str:
+        return (f"gdsload.Mix({self.names}, weights={self.weights}, samples_per_epoch="
+                f"{self.samples_per_epoch}, mix_by={self.mix_by!r})")

@@ -1,0 +1,575 @@
+"""A CPU stand-in for the CUDA surface gdsload touches: `cupy`, `kvikio`, torch's CUDA calls, and
+DALI's "mixed" output. Faithful where the audited defects live; everything is recorded.
+
+The model (`FakeGPU`):
+- N devices; the *current device is per host thread* (`threading.local`, starting at 0, as CUDA's
+  is), shared by CuPy and torch (both use the runtime's current device). `cupy.cuda.Device(i)`
+  and `torch.cuda.set_device(i)` change it for the calling thread only.
+- Device memory is host memory (NumPy) behind `FakeArray`, a NumPy subclass that exposes
+  `__cuda_array_interface__` (version 3), `.data.ptr`, `.device`, `.get()`. An array remembers the
+  device it was allocated on. Copying into an array of device k from a thread whose current
+  device is j != k raises CuPy's peer-access ValueError (`_core/_kernel.pyx::_check_peer_access`
+  without peer access).
+- Streams are queues: asynchronous work (`memcpyAsync`, CuPy element-wise copies, DALI copies with
+  `non_blocking=True`, "kernels" a test enqueues) is *deferred* until something synchronises it:
+  `Stream.synchronize()`, `Event.synchronize()` (runs the recorded stream up to the record point),
+  or a stream's `wait_event` (the waiting stream runs the event's prefix first when it runs). A
+  host read (`FakeArray.get()`) synchronises the calling thread's current stream first, as
+  CuPy's does. So an unordered copy really reads its source late, and a slot rewritten with no
+  fence really changes under a consumer's queued kernel.
+- The legacy default stream of each device (`ptr` 0) is one stream; non-blocking streams are not
+  ordered against it. KvikIO's device reads first drain the device's legacy stream (its compat
+  copies run on a blocking stream, its GDS path calls `StreamSynchronize(nullptr)`): that is what
+  made the missing release fence invisible to consumers on the default stream.
+- Every call of interest is appended to `FakeGPU.log` as a tuple.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import sys
+import threading
+import types
+from typing import Any
+
+import numpy as np
+
+_ids = itertools.count(1)
+
+
+class FakeGPU:
+    def __init__(self, devices: int = 2):
+        self.devices = devices
+        self.lock = threading.RLock()
+        self.tls = threading.local()
+        self.log: list[tuple] = []
+        self.streams: dict[int, FakeStream] = {}
+        self.null = [FakeStream(self, d, non_blocking=False, ptr=0) for d in range(devices)]
+        self.peer_access = False
+        # Device memory is never freed while the fake lives: work queued on a stream holds raw
+        # addresses (as CUDA's does); the code under test must synchronise before it frees.
+        self.keepalive: list = []
+
+    # -- per-thread state -------------------------------------------------------------------
+    def current(self) -> int:
+        return getattr(self.tls, "device", 0)
+
+    def set_current(self, device: int) -> None:
+        if not 0 <= device < self.devices:
+            raise RuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {device}")
+        self.tls.device = device
+        self.log.append(("set_device", threading.current_thread().name, device))
+
+    def current_stream(self, device: int | None = None) -> FakeStream:
+        device = self.current() if device is None else device
+        return getattr(self.tls, "cupy_streams", {}).get(device) or self.null[device]
+
+    def torch_stream(self, device: int | None = None) -> FakeStream:
+        device = self.current() if device is None else device
+        return getattr(self.tls, "torch_streams", {}).get(device) or self.null[device]
+
+    def stream_for(self, ptr: int, device: int | None = None) -> FakeStream:
+        if ptr == 0:
+            return self.null[self.current() if device is None else device]
+        return self.streams[ptr]
+
+    def is_device_pointer(self, ptr: int) -> bool:
+        for a in self.keepalive:
+            if isinstance(a, np.ndarray):
+                lo = a.__array_interface__["data"][0]
+                if lo <= ptr < lo + max(a.nbytes, 1):
+                    return True
+        return False
+
+    def log_calls(self, kind: str) -> list[tuple]:
+        return [e for e in self.log if e[0] == kind]
+
+    def synchronize_all(self) -> None:
+        for stream in [*self.null, *self.streams.values()]:
+            stream.synchronize()
+
+
+class FakeStream:
+    def __init__(self, gpu: FakeGPU, device: int, *, non_blocking: bool, ptr: int | None = None):
+        self.gpu = gpu
+        self.device_id = device
+        self.non_blocking = non_blocking
+        self.ptr = next(_ids) * 4096 if ptr is None else ptr
+        self.ops: list[Any] = []  # ops[i] is the (i)th enqueued op; None once run
+        self.done = 0
+        if self.ptr:
+            gpu.streams[self.ptr] = self
+
+    def enqueue(self, op, what: str) -> None:
+        with self.gpu.lock:
+            self.ops.append(op)
+            self.gpu.log.append(("enqueue", self.ptr, what, threading.current_thread().name))
+
+    def run_until(self, mark: int) -> None:
+        with self.gpu.lock:
+            while self.done < mark:
+                op = self.ops[self.done]
+                self.ops[self.done] = None
+                self.done += 1
+                op()
+
+    def synchronize(self) -> None:
+        self.gpu.log.append(("stream_sync", self.ptr))
+        self.run_until(len(self.ops))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.gpu.log.append(("wait_event", self.ptr, event.id))
+        stream, mark = event.stream, event.mark
+        self.enqueue(lambda: stream.run_until(mark) if stream is not None else None, f"wait {event.id}")
+
+    def record(self, event=None):
+        event = event or FakeEvent(self.gpu)
+        event.record(self)
+        return event
+
+    def use(self):
+        self.gpu.tls.__dict__.setdefault("cupy_streams", {})[self.device_id] = self
+        return self
+
+    def __enter__(self):
+        streams = self.gpu.tls.__dict__.setdefault("cupy_streams", {})
+        self._prev = streams.get(self.device_id)
+        streams[self.device_id] = self
+        return self
+
+    def __exit__(self, *exc):
+        self.gpu.tls.cupy_streams[self.device_id] = self._prev
+
+    @property
+    def pending(self) -> int:
+        return len(self.ops) - self.done
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGPU, **_flags):
+        self.gpu = gpu
+        self.id = next(_ids)
+        self.stream: FakeStream | None = None
+        self.mark = 0
+        self.device_id = gpu.current()
+
+    def record(self, stream=None):
+        stream = stream if stream is not None else self.gpu.current_stream()
+        if stream.device_id != self.device_id:
+            raise RuntimeError("cudaErrorInvalidResourceHandle: event and stream on different devices")
+        with self.gpu.lock:
+            self.stream, self.mark = stream, len(stream.ops)
+        self.gpu.log.append(("record", self.id, stream.ptr, threading.current_thread().name))
+
+    def synchronize(self):
+        self.gpu.log.append(("event_sync", self.id, threading.current_thread().name))
+        if self.stream is not None:
+            self.stream.run_until(self.mark)
+
+    def query(self) -> bool:
+        return self.stream is None or self.stream.done >= self.mark
+
+    @property
+    def done(self) -> bool:
+        return self.query()
+
+
+# -- device arrays ------------------------------------------------------------------------------
+class _Ptr:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class FakeDevice:
+    def __init__(self, gpu: FakeGPU, device_id: int):
+        self.gpu, self.id = gpu, device_id
+
+    def use(self):
+        self.gpu.set_current(self.id)
+
+    def __enter__(self):
+        self._prev = self.gpu.current()
+        self.gpu.set_current(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        self.gpu.set_current(self._prev)
+
+    def synchronize(self):
+        self.gpu.synchronize_all()
+
+
+class FakeArray(np.ndarray):
+    """Device memory: a NumPy array that says it lives on device `_device_id`."""
+
+    _gpu: FakeGPU | None = None
+
+    def __array_finalize__(self, obj):
+        self._device_id = getattr(obj, "_device_id", None)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        contiguous = self.flags.c_contiguous
+        return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
+                "data": (self.__array_interface__["data"][0], False),
+                "strides": None if contiguous else self.strides, "stream": 1}
+
+    @property
+    def data(self):  # CuPy: `a.data.ptr`
+        return _Ptr(self.__array_interface__["data"][0])
+
+    @property
+    def device(self):
+        return FakeDevice(self._gpu, self._device_id)
+
+    def _check_device(self) -> None:
+        gpu = self._gpu
+        if self._device_id != gpu.current() and not gpu.peer_access:
+            raise ValueError(f"The device where the array resides ({self._device_id}) is different from "
+                             f"the current device ({gpu.current()}). Peer access is unavailable between "
+                             f"these devices.")
+
+    def __setitem__(self, key, value):
+        gpu = self._gpu
+        self._check_device()
+        target = np.ndarray.__getitem__(self, key)
+        if hasattr(value, "__cuda_array_interface__"):  # device to device: a kernel, deferred
+            src = value if isinstance(value, FakeArray) else _view_cai(value)
+
+            def op(target=target, src=src):
+                np.copyto(target.view(np.ndarray), np.asarray(src.view(np.ndarray)
+                                                              if isinstance(src, np.ndarray) else src))
+
+            gpu.current_stream(self._device_id).enqueue(op, "setitem")
+        else:  # from the host: staged at once (CuPy converts with asarray, then copies in order)
+            staged = np.array(value, dtype=self.dtype)
+            gpu.current_stream(self._device_id).enqueue(
+                lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, staged), "setitem from host")
+
+    def get(self, stream=None) -> np.ndarray:
+        (stream or self._gpu.current_stream(self._device_id)).synchronize()
+        return np.array(self.view(np.ndarray))
+
+    def copy(self, order="C"):
+        self._gpu.current_stream(self._device_id).synchronize()
+        out = np.ndarray.copy(self, order)
+        out._device_id = self._gpu.current()
+        return out
+
+
+def _view_cai(obj) -> np.ndarray:
+    """A NumPy view of the memory a `__cuda_array_interface__` describes (no copy)."""
+    cai = obj.__cuda_array_interface__
+    dtype = np.dtype(cai["typestr"])
+    n = int(np.prod(cai["shape"])) if cai["shape"] else 1
+    buf = (ctypes.c_char * (n * dtype.itemsize)).from_address(cai["data"][0])
+    return np.frombuffer(buf, dtype=dtype, count=n).reshape(cai["shape"])
+
+
+# -- the modules ------------------------------------------------------------------------------------
+def make_cupy(gpu: FakeGPU) -> types.ModuleType:
+    FakeArray._gpu = gpu
+    cupy = types.ModuleType("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    runtime = types.ModuleType("cupy.cuda.runtime")
+    cupy.cuda, cuda.runtime = cuda, runtime
+    cupy.ndarray = FakeArray
+    cupy.uint8 = np.uint8
+    cupy.__version__ = "14.2.0-fake"
+
+    def empty(shape, dtype=np.float32):
+        a = np.empty(shape, dtype=dtype).view(FakeArray)
+        a._device_id = gpu.current()
+        gpu.log.append(("alloc", gpu.current(), a.nbytes))
+        gpu.keepalive.append(a)
+        return a
+
+    def zeros(shape, dtype=np.float32):
+        a = empty(shape, dtype)
+        np.ndarray.fill(a, 0)
+        return a
+
+    def asarray(obj, dtype=None):
+        if isinstance(obj, FakeArray):
+            return obj
+        if hasattr(obj, "__cuda_array_interface__"):  # zero copy, like CuPy
+            v = _view_cai(obj).view(FakeArray)
+            v._device_id = gpu.current()
+            return v
+        # from host memory: CuPy stages the host data before returning (cudaMemcpyAsync from
+        # pageable memory), into fresh memory; it does not wait for work queued on the stream
+        a = empty(np.shape(obj), dtype or np.asarray(obj).dtype)
+        gpu.log.append(("h2d_staged", a.nbytes, threading.current_thread().name))
+        np.copyto(a.view(np.ndarray), np.asarray(obj))
+        return a
+
+    cupy.empty, cupy.zeros, cupy.asarray = empty, zeros, asarray
+    cupy.asnumpy = lambda a, stream=None: a.get(stream) if isinstance(a, FakeArray) else np.asarray(a)
+    cuda.Device = lambda device=None: FakeDevice(gpu, gpu.current() if device is None else int(device))
+    cuda.Stream = lambda null=False, non_blocking=False, ptds=False: _new_stream(gpu, non_blocking)
+    cuda.ExternalStream = lambda ptr, device_id=-1: gpu.stream_for(ptr, None if device_id < 0 else device_id)
+    cuda.Event = lambda block=False, disable_timing=False, interprocess=False: FakeEvent(gpu)
+    cuda.get_current_stream = lambda device_id=-1: gpu.current_stream(None if device_id < 0 else device_id)
+    cuda.alloc_pinned_memory = lambda n: _pinned(gpu, n)
+    runtime.getDevice = gpu.current
+    runtime.setDevice = gpu.set_current
+    runtime.getDeviceCount = lambda: gpu.devices
+    runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
+    runtime.memcpyDeviceToDevice, runtime.memcpyDefault = 3, 4
+    runtime.deviceSynchronize = gpu.synchronize_all
+    runtime.memGetInfo = lambda: (gpu.log.append(("memGetInfo", gpu.current())) or (80 << 30, 141 << 30))
+
+    def memcpy_async(dst, src, size, kind, stream):
+        s = gpu.stream_for(stream)
+        gpu.log.append(("memcpyAsync", s.ptr, size, kind, threading.current_thread().name))
+        s.enqueue(lambda: ctypes.memmove(dst, src, size), f"memcpy {size}")
+
+    runtime.memcpyAsync = memcpy_async
+    return cupy
+
+
+def _new_stream(gpu: FakeGPU, non_blocking: bool) -> FakeStream:
+    s = FakeStream(gpu, gpu.current(), non_blocking=non_blocking)
+    gpu.log.append(("stream_create", s.ptr, s.device_id, non_blocking))
+    return s
+
+
+def _pinned(gpu: FakeGPU, n: int):
+    gpu.log.append(("alloc_pinned", n))
+    buf = bytearray(n)
+    gpu.keepalive.append(buf)
+    return buf
+
+
+class FakeTorchStream:
+    """What `torch.cuda.current_stream()` returns: `.cuda_stream` is the raw handle."""
+
+    def __init__(self, stream: FakeStream):
+        self.stream = stream
+        self.cuda_stream = stream.ptr
+        self.device_index = stream.device_id
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+
+def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
+    """Give the (CPU-only) torch a CUDA surface: availability, per-thread current device and
+    current stream, side streams. Tensors themselves stay CPU tensors."""
+    import torch
+
+    def set_device(device):
+        gpu.set_current(int(getattr(device, "index", device)))
+
+    def current_stream(device=None):
+        return FakeTorchStream(gpu.torch_stream(None if device is None else int(getattr(device, "index", device))))
+
+    class stream_ctx:  # torch.cuda.stream(s)
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            d = self.s.device_index
+            streams = gpu.tls.__dict__.setdefault("torch_streams", {})
+            self.prev = streams.get(d)
+            streams[d] = self.s.stream
+
+        def __exit__(self, *exc):
+            gpu.tls.torch_streams[self.s.device_index] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpu.devices)
+    monkeypatch.setattr(torch.cuda, "current_device", gpu.current)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: FakeTorchStream(
+        _new_stream(gpu, True)))
+    monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: gpu.synchronize_all())
+    orig_to = torch.Tensor.to
+
+    def to(self, *args, **kw):  # `.to("cuda")`: torch's memcpy_and_sync unless non_blocking
+        dev = args[0] if args else kw.get("device")
+        if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda"):
+            non_blocking = bool(kw.get("non_blocking", False))
+            gpu.log.append(("torch_to_cuda", non_blocking, threading.current_thread().name))
+            if not non_blocking:
+                gpu.torch_stream().synchronize()
+            return self.clone()
+        return orig_to(self, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
+                        raising=False)
+
+
+def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
+                threshold: int = 16 * 1024) -> types.ModuleType:
+    """The KvikIO 26.10 surface the backend uses. Device reads drain the device's legacy stream
+    first and then write synchronously (module docstring)."""
+    settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
+    kvikio = types.ModuleType("kvikio")
+    defaults = types.ModuleType("kvikio.defaults")
+    driver = types.ModuleType("kvikio.cufile_driver")
+    kvikio.defaults, kvikio.cufile_driver = defaults, driver
+    kvikio.__version__ = "26.10.00-fake"
+    kvikio.settings = settings
+    kvikio.registered = []
+    defaults.is_compat_mode_preferred = lambda: compat
+    defaults.get = lambda key: settings[key]
+
+    def set_(key, value):
+        gpu.log.append(("kvikio_set", key, value))
+        settings[key] = value
+
+    defaults.set = set_
+    driver.get = lambda key: {"is_gds_available": gds}[key]
+    driver.libcufile_version = lambda: (1, 15)
+
+    class CuFile:
+        def __init__(self, path, flags="r"):
+            import os
+
+            self._fd = os.open(path, os.O_RDONLY)
+
+        def pread(self, buf, size=None, file_offset=0, task_size=None):
+            import os
+
+            size = buf.nbytes if size is None else size
+            on_device = hasattr(buf, "__cuda_array_interface__")
+            gpu.log.append(("kvikio_pread", file_offset, size, getattr(buf, "_device_id", None),
+                            gpu.current(), on_device, threading.current_thread().name))
+            if on_device:
+                gpu.null[buf._device_id].synchronize()
+            n = os.preadv(self._fd, [memoryview(buf.view(np.ndarray).reshape(-1).view(np.uint8))[:size]],
+                          file_offset)
+            return types.SimpleNamespace(get=lambda: n, done=lambda: True)
+
+        def close(self):
+            import os
+
+            os.close(self._fd)
+
+    kvikio.CuFile = CuFile
+    kvikio.memory_register = lambda buf: kvikio.registered.append(buf)
+    kvikio.memory_deregister = lambda buf: kvikio.registered.remove(buf)
+    return kvikio
+
+
+def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_cuda: bool = False) -> FakeGPU:
+    """Install fake `cupy` (and `kvikio`, and torch's CUDA calls) for one test; returns the GPU.
+
+    `kvikio=False` leaves KvikIO absent; a dict passes options to `make_kvikio`. The driver probe
+    (`gdsload.io.cuda_device_count`) reports `devices`.
+    """
+    import gdsload.io as gio
+
+    gpu = FakeGPU(devices)
+    cupy = make_cupy(gpu)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.runtime", cupy.cuda.runtime)
+    if kvikio is not False:
+        kv = make_kvikio(gpu, **(kvikio if isinstance(kvikio, dict) else {}))
+        gpu.kvikio = kv
+        for name, mod in (("kvikio", kv), ("kvikio.defaults", kv.defaults), ("kvikio.cufile_driver", kv.cufile_driver)):
+            monkeypatch.setitem(sys.modules, name, mod)
+    else:
+        monkeypatch.setitem(sys.modules, "kvikio", None)
+    monkeypatch.setattr(gio, "cuda_device_count", lambda: devices)
+    gio.kvikio_usable.cache_clear()
+    monkeypatch.setattr(gio, "_warned", set(), raising=False)
+    if torch_cuda:
+        patch_torch_cuda(monkeypatch, gpu)
+    return gpu
+
+
+def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
+    """A `kvikio` package that is installed but fails on import with `ImportError(message)`, the
+    way kvikio-cu13 26.10 does without the rapids-logger wheel."""
+    pkg = tmp_path / "broken_site" / "kvikio"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"raise ImportError({message!r})\n")
+    monkeypatch.delitem(sys.modules, "kvikio", raising=False)
+    monkeypatch.syspath_prepend(str(pkg.parent))
+
+
+# -- DALI "mixed" on the CPU ---------------------------------------------------------------------
+class FakeTensorGPU:
+    def __init__(self, buf: np.ndarray):
+        self._buf = buf
+
+    def shape(self):
+        return list(self._buf.shape)
+
+    @property
+    def __cuda_array_interface__(self):  # DALI's is version 2: no stream key
+        return {"shape": self._buf.shape, "typestr": self._buf.dtype.str, "version": 2,
+                "data": (self._buf.ctypes.data, False), "strides": None}
+
+
+class FakeTensorListGPU:
+    """A "mixed" pipeline's output: in one device buffer the decoder reuses on every run (as DALI
+    reuses its output buffers), exported without a stream (CAI version 2)."""
+
+    def __init__(self, gpu: FakeGPU, buf: np.ndarray, n: int, device_id: int):
+        self.gpu, self._buf, self._n, self.device_id = gpu, buf, n, device_id
+
+    def __len__(self):
+        return self._n
+
+    def as_tensor(self):
+        return FakeTensorGPU(self._buf[: self._n])
+
+    def copy_to_external(self, ptr, cuda_stream=None, non_blocking=False, use_copy_kernel=False):
+        raw = getattr(cuda_stream, "value", cuda_stream) or 0
+        stream = self.gpu.stream_for(raw, self.device_id)
+        src = self._buf[: self._n]
+        nbytes, address = src.nbytes, ptr.value
+        self.gpu.log.append(("dali_copy", stream.ptr, nbytes, non_blocking, threading.current_thread().name))
+        snapshot_src = src
+
+        def op():
+            ctypes.memmove(address, snapshot_src.ctypes.data, nbytes)
+
+        stream.enqueue(op, "dali copy_to_external")
+        if not non_blocking:
+            stream.synchronize()
+
+
+def dali_mixed_on_cpu(monkeypatch, gpu: FakeGPU) -> list[dict]:
+    """Make `ImageDecoder(device="mixed")` build the same DALI pipeline on the CPU and hand its
+    output back as a `FakeTensorListGPU` in a reused buffer. Returns a list of builds, each with
+    the device_id asked for and the building thread's current device."""
+    from gdsload.decode import image
+
+    builds: list[dict] = []
+    build, run = image.ImageDecoder._build, image.ImageDecoder._run
+
+    def _build(self):
+        if self.device != "mixed":
+            return build(self)
+        builds.append({"device_id": self.device_id, "thread_device": gpu.current(),
+                       "thread": threading.current_thread().name})
+        self.device = "cpu"
+        try:
+            build(self)
+        finally:
+            self.device = "mixed"
+
+    def _run(self, encoded):
+        out = run(self, encoded)
+        if self.device != "mixed":
+            return out
+        host = np.asarray(out.as_tensor())
+        buf = getattr(self, "_fake_buf", None)
+        if buf is None or buf.shape[1:] != host.shape[1:] or len(buf) < len(host):
+            buf = self._fake_buf = np.empty((self.batch_size, *host.shape[1:]), host.dtype)
+        buf[: len(host)] = host  # DALI's run writes its (reused) output buffer, host-synchronous
+        return FakeTensorListGPU(gpu, buf, len(host), self.device_id)
+
+    monkeypatch.setattr(image.ImageDecoder, "_build", _build)
+    monkeypatch.setattr(image.ImageDecoder, "_run", _run)
+    return builds

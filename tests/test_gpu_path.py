@@ -1,0 +1,547 @@
+"""The GPU path on the CPU, one test (or more) per item of the GPU audits
+(../shared/reviews/gpu_audit.md, gpu_audit_2.md), against the fakes in tests/gpu_fakes.py: a fake
+`cupy`/`kvikio`/torch-CUDA surface with per-thread current devices, deferred stream work and
+recorded stream/event calls, and DALI's "mixed" output emulated over a real DALI CPU pipeline.
+
+What the fakes cannot show (real cuFile/GDS, nvJPEG, real stream races, the wheels importing on
+CUDA 13) is left to the `gpu`/`gds`/`dali_gpu` tests at the end and to bench/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpu_fakes
+from gdsload.convert.engine import ConvertOptions, convert
+from gdsload.errors import GdsloadError, MissingDependencyError
+from gdsload.format.reader import ShardedDataset
+from gdsload.loader import DataLoader
+from gdsload.sampledata import make_image_folder, make_npy_folder
+
+EVAL = dict(train=False, size=32, resize=36, mean=None, std=None, dtype="uint8", layout="NHWC")
+
+
+# -- datasets --------------------------------------------------------------------------------------
+def _convert(src: Path, dst: Path, shard_size: int) -> Path:
+    convert(str(src), dst, ConvertOptions(workers=1, progress=False, shard_size=shard_size))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def npy(tmp_path_factory):
+    """24 uint8[4, 32, 32] rows (4 KiB: below KvikIO's 16 KiB gds_threshold) with labels. (4 KiB
+    rows have page-aligned array data, so no producer parses an npy header: numpy's header
+    parser (`ast.literal_eval`) can raise SystemError when threads run it at once on CPython
+    3.11, a problem outside this file.)"""
+    root = tmp_path_factory.mktemp("gpu_npy")
+    make_npy_folder(root / "src", num_samples=24, shape=(4, 32, 32), dtype="uint8", seed=3)
+    ds = _convert(root / "src", root / "ds", shard_size=40_000)
+    arrays = {p.stem: np.load(p) for p in (root / "src").glob("*.npy")}
+    import csv
+
+    with open(root / "src" / "labels.csv") as f:
+        labels = {r["key"]: int(r["label"]) for r in csv.DictReader(f)}
+    return ds, arrays, labels
+
+
+@pytest.fixture(scope="module")
+def npy_big(tmp_path_factory):
+    """8 uint8[4, 64, 64] rows: 16 KiB each, exactly KvikIO's default gds_threshold."""
+    root = tmp_path_factory.mktemp("gpu_npy_big")
+    make_npy_folder(root / "src", num_samples=8, shape=(4, 64, 64), dtype="uint8", seed=4)
+    return _convert(root / "src", root / "ds", shard_size=80_000)
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_jpegs")
+    make_image_folder(root / "src", num_images=12, num_classes=2, seed=6, mean_size=(64, 48), workers=1)
+    return _convert(root / "src", root / "ds", shard_size=30_000)
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(jpegs):
+    """key -> (eval-decoded image, label) from the CPU path: what the GPU path must deliver."""
+    ref = {}
+    for b in DataLoader(str(jpegs), batch_size=4, device="cpu", transform=_eval(), output="numpy"):
+        for i, k in enumerate(b["__key__"]):
+            ref[k] = (np.array(b["jpg"][i]), int(b["cls"][i]))
+    assert len(ref) == 12
+    return ref
+
+
+def _eval():
+    from gdsload.decode.image import ImageTransform
+
+    return ImageTransform(**EVAL)
+
+
+def host(x) -> np.ndarray:
+    """A batch field as NumPy: device arrays through `.get()` (which syncs the current stream)."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _wait_full(it, timeout_s: float = 20.0, held: int = 0) -> None:
+    """Block until the producers have filled every free slot (so later batches ran before we
+    read); `held`: slots the consumer holds."""
+    deadline = time.monotonic() + timeout_s
+    while it.ring.stats()["occupancy"] < min(it.ring.num_slots - held, len(it.batches)):
+        assert time.monotonic() < deadline, "producers did not fill the ring"
+        time.sleep(0.01)
+
+
+# -- audit 1 #1 / audit 2 #1: KvikIO installed but broken --------------------------------------------
+def test_broken_kvikio_warns_once_says_why_in_stats_and_explicit_io_names_it(monkeypatch, tmp_path, npy):
+    """Before: `kvikio_usable()` swallowed the ImportError; device="cuda" ran POSIX silently."""
+    ds, arrays, _ = npy
+    gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    monkeypatch.delitem(__import__("sys").modules, "kvikio")
+    gpu_fakes.install_broken_kvikio(monkeypatch, tmp_path,
+                                    "librapids_logger.so: cannot open shared object file: No such file or directory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two loaders, one warning
+            loader = DataLoader(str(ds), batch_size=8, device="cuda", output="numpy")
+            for b in loader:
+                for i, k in enumerate(b["__key__"]):
+                    np.testing.assert_array_equal(host(b["npy"])[i], arrays[k])
+            loader.close()
+    said = [w for w in caught if "KvikIO is installed but does not load" in str(w.message)]
+    assert len(said) == 1 and "librapids_logger.so" in str(said[0].message)
+    assert "rapids-logger" in str(said[0].message)
+    s = loader.stats()
+    assert s["io_path"] == "posix" and "librapids_logger.so" in s["kvikio_error"]
+    assert s["ring_device"] == "cuda:0"  # the batch still lives on the GPU (audit 1 #10)
+    with pytest.raises(MissingDependencyError, match="librapids_logger"):
+        DataLoader(str(ds), batch_size=8, device="cuda", io="kvikio", output="numpy")._setup()
+
+
+def test_absent_kvikio_falls_back_without_a_warning(monkeypatch, npy):
+    """A guard for the test above (not an audited defect): absent is not broken."""
+    ds, _, _ = npy
+    gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = DataLoader(str(ds), batch_size=8, device="cuda", output="numpy")
+        next(iter(loader))
+    assert loader.stats()["kvikio_error"] is None and loader.stats()["io_path"] == "posix"
+
+
+# -- audit 1 #2: the device ring with no device fields ---------------------------------------------
+@pytest.mark.parametrize("kw", [dict(decode=False), dict(fields=["__key__", "cls"])],
+                         ids=["decode=False", "labels-only"])
+def test_gpu_loader_with_no_decoded_or_tensor_fields(monkeypatch, jpegs, cpu_reference, kw):
+    """Before: `SlotSpec(fields={})` raised RingError for `gdsload bench --tiers R` on JPEGs."""
+    gpu_fakes.install(monkeypatch, devices=1)
+    src = ShardedDataset(str(jpegs))
+    seen = 0
+    for b in DataLoader(str(jpegs), batch_size=5, device="cuda", output="numpy", **kw):
+        b = b if isinstance(b, dict) else dict(zip(["__key__", "cls"], b))
+        for i, k in enumerate(b["__key__"]):
+            assert int(host(b["cls"])[i]) == cpu_reference[k][1]
+            if "jpg" in b:
+                s, j = next((s, j) for s in range(len(src.shards)) for j in range(src.index(s).num_samples)
+                            if src.index(s).key(j) == k)
+                o, n = next((o, n) for e, o, n in src.index(s).members(j) if e == "jpg")
+                assert b["jpg"][i] == src.read_extent(s, o, n)
+            seen += 1
+    assert seen == 12
+
+
+# -- audit 1 #3 / audit 2 #3: producer threads and DALI on the rank's GPU ---------------------------
+def test_producer_threads_and_dali_run_on_the_loaders_gpu(monkeypatch, jpegs, cpu_reference):
+    """The training thread made GPU 1 current (as `torch.cuda.set_device(LOCAL_RANK)` does).
+    Before: DALI was built from a producer thread, whose current device is 0, and the CuPy copy
+    into the cuda:1 slot raised CuPy's peer-access error."""
+    gpu = gpu_fakes.install(monkeypatch, devices=2, torch_cuda=True)
+    builds = gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    gpu.set_current(1)
+    loader = DataLoader(str(jpegs), batch_size=4, device="cuda", transform=_eval(), output="numpy")
+    got = {}
+    for b in loader:
+        img = host(b["jpg"])
+        for i, k in enumerate(b["__key__"]):
+            got[k] = (img[i], int(host(b["cls"])[i]))
+        assert b["jpg"]._device_id == 1 and b["cls"]._device_id == 1
+    assert loader.stats()["ring_device"] == "cuda:1"
+    assert [(x["device_id"], x["thread_device"]) for x in builds] == [(1, 1)]
+    producers = {name for _, name, _ in gpu.log_calls("set_device") if name.startswith("gdsload-reader")}
+    assert producers and all(
+        dev == 1 for _, name, dev in gpu.log_calls("set_device") if name.startswith("gdsload-reader"))
+    for k, (img, label) in got.items():
+        np.testing.assert_array_equal(img, cpu_reference[k][0])
+        assert label == cpu_reference[k][1]
+
+
+def test_kvikio_issuing_threads_read_on_the_loaders_gpu(monkeypatch, npy):
+    ds, arrays, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=2)
+    loader = DataLoader(str(ds), batch_size=8, device="cuda:1", output="numpy")
+    for b in loader:
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(host(b["npy"])[i], arrays[k])
+    device_reads = [e for e in gpu.log_calls("kvikio_pread") if e[5]]
+    assert device_reads and all(buf_dev == 1 and cur == 1 for _, _, _, buf_dev, cur, _, _ in device_reads)
+
+
+# -- audit 1 #4 / audit 2 #4: which GPU ----------------------------------------------------------------
+@pytest.mark.parametrize("device,local_rank,current,torch_cuda", [
+    ("cuda:1", None, 0, True), ("cuda", "1", 0, True), ("cuda", None, 1, False)],
+    ids=["cuda:N", "LOCAL_RANK", "current-device-of-cupy"])
+def test_rank_gpu_from_cuda_n_else_local_rank_else_current(monkeypatch, npy, device, local_rank, current,
+                                                           torch_cuda):
+    """Before: "cuda:1" was refused, LOCAL_RANK ignored whenever torch has CUDA, CuPy's current
+    device ignored without torch CUDA (GPU 0), labels went to `.to("cuda")` (cuda:0)."""
+    ds, arrays, labels = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=2, torch_cuda=torch_cuda)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    gpu.set_current(current)
+    loader = DataLoader(str(ds), batch_size=8, device=device, output="numpy")
+    for b in loader:
+        assert b["npy"]._device_id == 1 and b["cls"]._device_id == 1
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(host(b["npy"])[i], arrays[k])
+            assert int(host(b["cls"])[i]) == labels[k]
+    assert loader.stats()["ring_device"] == "cuda:1" and loader.device_ordinal == 1
+    assert gpu.current() == current  # the training thread's device is left alone
+
+
+def test_device_values_are_checked(monkeypatch, npy):
+    ds, _, _ = npy
+    gpu_fakes.install(monkeypatch, devices=2)
+    with pytest.raises(GdsloadError, match="'tpu'.*'cpu', 'cuda' or 'cuda:N'"):
+        DataLoader(str(ds), device="tpu")
+    with pytest.raises(GdsloadError, match=r"cuda:5.*2 CUDA device"):
+        DataLoader(str(ds), device="cuda:5", output="numpy")._setup()
+    import torch
+
+    assert DataLoader(str(ds), device=torch.device("cuda", 1)).device == "cuda"
+
+
+def test_ring_cuda_means_the_current_device_and_copies_stay_there(monkeypatch):
+    """Before: Ring(device="cuda") was GPU 0, and Slot.copy() copied to the current device."""
+    from gdsload.ring import Ring, SlotSpec
+
+    gpu = gpu_fakes.install(monkeypatch, devices=2)
+    spec = SlotSpec({"x": ((4,), "int64")})
+    gpu.set_current(1)
+    assert Ring(spec, 1, device="cuda").device == "cuda:1"
+    gpu.set_current(0)
+    ring = Ring(spec, 1, device="cuda:1")
+    slot = ring.acquire(0)
+    assert slot.buffers["x"]._device_id == 1
+    assert slot.copy()["x"]._device_id == 1
+
+
+# -- audit 1 #5 / audit 2 #9: the copy out of DALI's output buffer -------------------------------------
+def test_copy_out_of_dali_is_complete_before_the_next_run(monkeypatch, jpegs, cpu_reference):
+    """DALI reuses its output buffer on the next run(). Before: `dst[:n] = cupy.asarray(...)` was
+    an unordered kernel on the legacy stream that read the buffer late, i.e. a later batch's
+    pixels. The producers fill every slot before the consumer reads anything."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    loader = DataLoader(str(jpegs), batch_size=4, device="cuda", transform=_eval(), output="numpy",
+                        prefetch_factor=2, num_workers=2)
+    it = iter(loader)
+    _wait_full(it)
+    n = 0
+    for b in it:
+        img = host(b["jpg"])
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(img[i], cpu_reference[k][0], err_msg=k)
+            n += 1
+    assert n == 12
+    copies = gpu.log_calls("dali_copy")
+    private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
+    assert copies and all(stream in private and not non_blocking for _, stream, _, non_blocking, _ in copies)
+    assert loader.stats()["decode_device"] == "mixed"
+
+
+# -- audit 1 #6 / audit 2 #5: the release fence -------------------------------------------------------
+def test_a_slot_is_not_rewritten_under_a_consumer_kernel_on_a_side_stream(monkeypatch, npy):
+    """The consumer's kernels reading batch k are only queued when it asks for batch k+1. Before:
+    the slot was refilled at once (KvikIO drains only the legacy stream), so the queued kernel
+    read the next batch's rows."""
+    ds, arrays, labels = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    cupy = __import__("sys").modules["cupy"]
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", output="numpy", prefetch_factor=1,
+                        num_workers=2)
+    snaps: list[tuple[list, np.ndarray, np.ndarray]] = []
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:  # the consumer's current stream, as under `torch.cuda.stream(s)`
+        for b in loader:
+            keys, x, y = list(b["__key__"]), b["npy"], b["cls"]
+            side.enqueue(lambda keys=keys, x=x, y=y: snaps.append(
+                (keys, np.array(x.view(np.ndarray)), np.array(y.view(np.ndarray)))), "consumer kernel")
+            time.sleep(0.02)  # the producers get every chance to run ahead
+        side.synchronize()
+    assert sum(len(k) for k, _, _ in snaps) == 24
+    for keys, x, y in snaps:
+        for i, k in enumerate(keys):
+            np.testing.assert_array_equal(x[i], arrays[k], err_msg=k)
+            assert y[i] == labels[k]
+    fences = {e[1] for e in gpu.log_calls("record") if e[2] == side.ptr}
+    waited = fences & {e[1] for e in gpu.log_calls("event_sync")}
+    assert len(fences) == 6 and len(waited) == 4  # the last 2 slots are not refilled this epoch
+
+
+def test_torch_consumer_stream_waits_for_the_batch_and_fences_the_slot(monkeypatch, npy):
+    """torch output: the consumer's stream is torch's current stream; labels come zero-copy from
+    the device ring (before: `.to("cuda")`, a blocking copy, cuda:0)."""
+    import torch
+
+    ds, arrays, labels = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True, kvikio=False)
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", prefetch_factor=1, num_workers=2)
+    snaps = []
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for b in loader:
+            assert isinstance(b["npy"], torch.Tensor)
+            keys, x, y = list(b["__key__"]), b["npy"], b["cls"]
+            s.stream.enqueue(lambda keys=keys, x=x, y=y: snaps.append((keys, x.clone(), y.clone())), "kernel")
+            time.sleep(0.02)
+        s.synchronize()
+    for keys, x, y in snaps:
+        for i, k in enumerate(keys):
+            np.testing.assert_array_equal(x[i].numpy(), arrays[k], err_msg=k)
+            assert int(y[i]) == labels[k]
+    assert gpu.log_calls("torch_to_cuda") == []  # no blocking .to("cuda") per step
+    waits = {e[1] for e in gpu.log_calls("wait_event")}
+    assert s.cuda_stream in waits  # the consumer's stream waited for the batches' copies
+
+
+# -- audit 1 #7: copies on a private stream, labels without blocking ------------------------------
+def test_copies_run_on_a_private_stream_and_the_consumer_never_blocks(monkeypatch, npy):
+    """Before: label copies were blocking (`.to("cuda")` = copy + synchronize; CuPy's asarray the
+    same), on the legacy stream, in the training thread."""
+    ds, _, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False)  # POSIX: rows are copied too
+    loader = DataLoader(str(ds), batch_size=8, device="cuda", output="numpy")
+    for _ in loader:
+        pass
+    private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
+    copies = gpu.log_calls("memcpyAsync")
+    assert len(private) == 1 and copies
+    assert all(stream in private and thread.startswith("gdsload-reader") for _, stream, _, _, thread in copies)
+    label_copies = [size for _, _, size, _, _ in copies if size == 8 * 8]
+    assert len(label_copies) == 3  # one per batch, int64[8]
+    consumer = threading.current_thread().name
+    assert not [e for e in gpu.log if e[0] in ("stream_sync", "event_sync") and consumer in e]
+    assert all(e[0] != "stream_sync" for e in gpu.log)  # nobody blocks on a whole stream
+
+
+# -- audit 1 #8 / audit 2 #6-7: what path the reads took ----------------------------------------------
+@pytest.mark.parametrize("opts,big,name", [
+    (dict(gds=True), False, "kvikio-posix"),  # 3 KiB rows < gds_threshold: KvikIO's POSIX shortcut
+    (dict(gds=True), True, "kvikio-gds"),     # 16 KiB rows: cuFile
+    (dict(gds=False), True, "kvikio-compat"),
+    (dict(gds=True, compat=True), True, "kvikio-compat"),
+])
+def test_io_path_names_the_path_the_reads_took(monkeypatch, npy, npy_big, opts, big, name):
+    """Before: "kvikio-gds" whenever cuFile reported GDS, also for reads below gds_threshold."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=opts)
+    ds = npy_big if big else npy[0]
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", output="numpy")
+    for _ in loader:
+        pass
+    s = loader.stats()
+    assert s["io_path"] == name
+    assert s["host_io_path"] == "posix" and s["ring_device"] == "cuda:0"  # audit 1 #9
+    registered = gpu.kvikio.registered
+    loader.close()
+    assert not registered  # deregistered on close
+
+
+def test_gds_registers_the_device_arena(monkeypatch, npy_big):
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
+    loader = DataLoader(str(npy_big), batch_size=4, device="cuda", output="numpy")
+    next(iter(loader))
+    assert [a.nbytes for a in gpu.kvikio.registered] == [loader._ring._arena.nbytes]
+
+
+def test_kvikio_backend_counts_paths_by_size_and_memory(monkeypatch, tmp_path):
+    from gdsload.io import Extent
+    from gdsload.io.kvikio_backend import KvikioBackend
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
+    cupy = __import__("sys").modules["cupy"]
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 200)
+    with KvikioBackend() as b:
+        assert b.name == "kvikio-gds"  # expected, before any read
+        b.read([Extent(str(path), 0, 4096)], cupy.empty(4096, np.uint8), [0]).result()
+        assert b.name == "kvikio-posix" and b.gds_threshold == 16 * 1024
+        b.read([Extent(str(path), 0, 40_000)], cupy.empty(40_000, np.uint8), [0]).result()
+        assert b.name == "kvikio-gds" and b.path_bytes == {"kvikio-posix": 4096, "kvikio-gds": 40_000}
+        b.read([Extent(str(path), 0, 50_000)], np.empty(50_000, np.uint8), [0]).result()
+        assert b.path_bytes["kvikio-posix"] == 54_096  # host buffers: POSIX inside KvikIO
+    assert gpu.log_calls("kvikio_set") == []
+
+
+def test_kvikio_thread_pool_is_resized_only_when_it_differs(monkeypatch):
+    """Before: every backend construction called defaults.set("num_threads"), which in KvikIO 26.x
+    waits for running tasks and rebuilds the pool (stalling another loader's reads)."""
+    from gdsload.io.kvikio_backend import KvikioBackend
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    KvikioBackend(threads=4).close()
+    KvikioBackend(threads=4).close()
+    assert gpu.log_calls("kvikio_set") == [("kvikio_set", "num_threads", 4)]
+
+
+# -- audit 1 #9: encoded bytes and labels not read through KvikIO member by member --------------------
+def test_host_arena_reads_go_through_posix_not_kvikio(monkeypatch, jpegs, cpu_reference):
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    loader = DataLoader(str(jpegs), batch_size=6, device="cuda", transform=_eval(), output="numpy")
+    for b in loader:
+        for i, k in enumerate(b["__key__"]):
+            assert int(host(b["cls"])[i]) == cpu_reference[k][1]
+    assert [e for e in gpu.log_calls("kvikio_pread") if not e[5]] == []  # no host-buffer KvikIO reads
+    assert loader.stats()["host_io_path"] == "posix"
+    assert loader._host_backend.stats()["reads"] <= 12  # coalesced groups, not 24 members
+
+
+# -- audit 1 #10 / audit 2 #2: no GPU -> host -> GPU bounce -----------------------------------------
+def test_mixed_decode_without_kvikio_decodes_into_the_device_ring(monkeypatch, jpegs, cpu_reference):
+    """Before: with a host-only backend the whole ring was on the host, DALI's GPU output went to
+    a host pointer (copy_to_external is documented for GPU memory) and back with `.to("cuda")`."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    loader = DataLoader(str(jpegs), batch_size=4, device="cuda", transform=_eval(), output="numpy")
+    it = iter(loader)
+    assert it.ring.device == "cuda:0"
+    for b in it:
+        assert b["jpg"]._device_id == 0
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(host(b["jpg"])[i], cpu_reference[k][0])
+    s = loader.stats()
+    assert s["ring_device"] == "cuda:0" and s["io_path"] == "posix"
+    # every DALI copy targeted the device arena; nothing image-sized went host-to-device
+    assert gpu.log_calls("dali_copy")
+    image_nbytes = 4 * 32 * 32 * 3
+    assert all(size < image_nbytes for _, _, size, _, _ in gpu.log_calls("memcpyAsync"))
+
+
+def test_image_decoder_refuses_gpu_output_into_a_host_slot(monkeypatch):
+    from gdsload.decode.image import ImageDecoder
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    dec = ImageDecoder(_eval(), batch_size=2, device="mixed")
+    out = gpu_fakes.FakeTensorListGPU(gpu, np.zeros((2, 32, 32, 3), np.uint8), 2, 0)
+    with pytest.raises(ValueError, match="host slot cannot take the output of 'mixed'"):
+        dec.copy_into(out, np.zeros((2, 32, 32, 3), np.uint8))
+
+
+# -- audit 1 #11 / audit 2 #8 and 16.5: doctor -------------------------------------------------------
+def test_doctor_finds_the_cuda13_cufile_wheel(monkeypatch, tmp_path):
+    """CUDA 13 wheels (nvidia-cufile 1.15+) install nvidia/cu13/lib/libcufile.so.0. Before: only
+    nvidia/cufile/lib (the CUDA 12 layout) was looked at."""
+    from gdsload import doctor
+
+    lib = tmp_path / "site" / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    shutil.copy("/usr/lib/x86_64-linux-gnu/libm.so.6", lib / "libcufile.so.0")  # any loadable ELF
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(doctor, "_cufile_pathfinder", lambda: None, raising=False)
+    try:  # this host has no system libcufile, so the wheel's copy is what must be found
+        __import__("ctypes").CDLL("libcufile.so.0")
+        pytest.skip("this host has a system libcufile")
+    except OSError:
+        pass
+    assert str(lib / "libcufile.so.0") in doctor._cufile_wheel_candidates()
+    info = doctor._probe_cufile_library()
+    assert info["loaded"] and info["library"] == str(lib / "libcufile.so.0")
+
+
+@pytest.mark.parametrize("gds,compat", [(True, False), (False, False), (True, True)])
+def test_doctor_names_the_read_path_as_the_backend_calls_itself(monkeypatch, gds, compat):
+    """Before: doctor said "gds" where the backend and stats() say "kvikio-gds"."""
+    from gdsload import doctor
+    from gdsload.io.kvikio_backend import KvikioBackend
+
+    gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=gds, compat=compat))
+    with KvikioBackend() as b:
+        name = b.name
+    assert doctor.io_path_for(kvikio_importable=True, cuda_driver=True, gpu_available=True,
+                              gds_available=gds, compat_mode_preferred=compat) == name
+    assert set(doctor.IO_PATHS) == {"kvikio-gds", "kvikio-compat", "posix"}
+
+
+# -- audit 1 #12: "cuda" is not the default with a CPU-only torch (or without CuPy) -------------------
+def test_default_device_is_cpu_when_torch_has_no_cuda(monkeypatch, npy):
+    ds, _, _ = npy
+    gpu_fakes.install(monkeypatch, devices=1)  # a GPU and CuPy; torch here is a CPU build
+    with pytest.warns(RuntimeWarning, match="has no CUDA.*device='cpu'"):
+        loader = DataLoader(str(ds), batch_size=8)
+    assert loader.device == "cpu"
+    assert DataLoader(str(ds), batch_size=8, output="numpy").device == "cuda"  # CuPy output is fine
+
+
+def test_default_device_is_cpu_without_cupy(monkeypatch, npy):
+    ds, _, _ = npy
+    gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", None)
+    with pytest.warns(RuntimeWarning, match="CuPy does not import"):
+        assert DataLoader(str(ds), batch_size=8).device == "cpu"
+
+
+# -- on a real GPU (bench/gpu_check.sh runs these by file name) -----------------------------------
+@pytest.mark.gds
+def test_real_gpu_npy_loader_reads_through_kvikio_into_the_device_ring(npy):
+    ds, arrays, labels = npy
+    loader = DataLoader(str(ds), batch_size=8, device="cuda", shuffle=True)
+    n = 0
+    for b in loader:
+        assert b["npy"].is_cuda and b["cls"].is_cuda
+        x, y = b["npy"].cpu().numpy(), b["cls"].cpu().numpy()
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(x[i], arrays[k])
+            assert y[i] == labels[k]
+            n += 1
+    s = loader.stats()
+    assert n == 24 and s["io_path"].startswith("kvikio") and s["ring_device"].startswith("cuda")
+
+
+@pytest.mark.dali_gpu
+def test_real_mixed_decode_matches_the_cpu_decode(jpegs, cpu_reference):
+    loader = DataLoader(str(jpegs), batch_size=4, device="cuda", transform=_eval())
+    n = 0
+    for b in loader:
+        img = b["jpg"].cpu().numpy().astype(np.int16)
+        for i, k in enumerate(b["__key__"]):  # nvJPEG and libjpeg-turbo differ by rounding
+            assert np.abs(img[i] - cpu_reference[k][0]).mean() < 3.0, k
+            n += 1
+    assert n == 12 and loader.stats()["decode_device"] == "mixed"
+
+
+def test_an_early_break_then_a_new_pass_delivers_right_values(monkeypatch, npy):
+    """A guard for the fences kept across passes: batches published but never consumed still have
+    copies queued when the pass is dropped; the next pass must not be mixed with them."""
+    ds, arrays, labels = npy
+    gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", output="numpy", shuffle=True, prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    _wait_full(it, held=1)
+    it.close()
+    n = 0
+    for b in loader:
+        x, y = host(b["npy"]), host(b["cls"])
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(x[i], arrays[k], err_msg=k)
+            assert y[i] == labels[k]
+            n += 1
+    assert n == 20  # the rest of the epoch after the first batch
