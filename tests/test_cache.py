@@ -261,3 +261,30 @@ def test_a_corrupt_object_is_fetched_twice_then_named(s3, remote, tmp_path):
     assert victim not in _log(folder) and _log(folder, "corrupt") == [victim, victim]
     sha = ShardedDataset(local).shards[2]["sha256"]
     assert not list(folder.glob(f"{sha}.tar*"))  # nothing of it is kept
+
+
+def test_feed_server_serves_a_dataset_at_a_url_through_the_cache(remote, tmp_path):
+    """`gdsload serve s3://... --cache-dir DIR`: a real gRPC server on loopback, its streams read
+    the shards from the cache folder (downloaded once) and deliver the local copy's order."""
+    pytest.importorskip("grpc")
+    from gdsload.cli import main as cli_main
+    from gdsload.service.client import RemoteLoader
+    from gdsload.service.server import create_server
+
+    local, url = remote
+    folder = tmp_path / "served"
+    srv, port = create_server([url], cache_dir=str(folder))
+    srv.start()
+    try:
+        kw = {"batch_size": 4, "shuffle": True, "seed": 7, "shuffle_window": 3, "output": "numpy"}
+        for _ in range(2):  # the second stream finds every shard in the cache
+            remote_loader = RemoteLoader(f"127.0.0.1:{port}", dataset="ds", **kw)
+            got = [tuple(b["__key__"]) for b in remote_loader]
+            remote_loader.close()
+            want = [k for k, _, _ in _batches(Dataset(str(local)), epochs=(0,))[0]]
+            assert got == want
+    finally:
+        srv.shutdown(grace_s=2)
+    assert sorted(_log(folder)) == sorted(s["name"] for s in ShardedDataset(local).shards)
+    with pytest.raises(SystemExit):  # a bad --cache-limit is a usage error at start
+        cli_main(["serve", url, "--cache-limit", "lots"])
