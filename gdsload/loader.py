@@ -380,8 +380,15 @@ class DataLoader(PlanCursor):
         if cache_dir is not None:
             from gdsload.format.cache import ShardCache
 
-            self._cache = ShardCache(ds.root, ds.shards, cache_dir, self.dataset.cache_limit,
-                                     on_release=getattr(self._backend, "forget", None))
+            ref = weakref.ref(self)
+
+            def forget(path: str) -> None:  # backends close their fd: an evicted file frees its space
+                loader = ref()
+                for b in (loader._backend, loader._host_backend) if loader is not None else ():
+                    if b is not None and hasattr(b, "forget"):
+                        b.forget(path)
+
+            self._cache = ShardCache(ds.root, ds.shards, cache_dir, self.dataset.cache_limit, on_release=forget)
             self._cache.check_limit(self.plan.window)
         direct = want_device and getattr(self._backend, "device_capable", False)
         staging = 0
@@ -695,6 +702,8 @@ class _Epoch:
                 base = hl["__staging__"]
                 reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        if local is not None:  # read: unpin now, not after the decode turn (which waits on
+            L._cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
         checks.run()
         streams = L._streams
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
