@@ -12,8 +12,10 @@ is refused; `cache_dir=False` reads ranges as before.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,9 +128,17 @@ def test_small_limit_evicts_by_the_plan_and_never_exceeds_it(remote, tmp_path):
     done = threading.Event()
 
     def watch():
+        # Each look holds the folder's space lock, as a reserving process does: a listing is not
+        # a snapshot, and one that saw a shard before its eviction and the download that took its
+        # place after would count both.
         while not done.is_set():
-            if folder.exists():
-                peak[0] = max(peak[0], _folder_bytes(folder))
+            if (folder / ".space.lock").exists():
+                fd = os.open(folder / ".space.lock", os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    peak[0] = max(peak[0], _folder_bytes(folder))
+                finally:
+                    os.close(fd)
             time.sleep(0.0005)
 
     t = threading.Thread(target=watch)
@@ -250,11 +260,13 @@ def test_a_killed_download_is_never_taken_as_complete(big, tmp_path):
 
 def test_a_corrupt_object_is_fetched_twice_then_named(s3, remote, tmp_path):
     local, _ = remote
-    url = _upload(s3, local, "corrupt")
     victim = ShardedDataset(local).shards[2]["name"]
-    data = bytearray((local / victim).read_bytes())
+    bad = tmp_path / "bad"  # a copy with the victim damaged, uploaded as it is: the store never
+    shutil.copytree(local, bad)  # held an intact object under that key
+    data = bytearray((bad / victim).read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, other bytes
-    s3.pipe_file(f"{BUCKET}/corrupt/{victim}", bytes(data))
+    (bad / victim).write_bytes(bytes(data))
+    url = _upload(s3, bad, "corrupt")
     folder = tmp_path / "c"
     with pytest.raises(CorruptDataError, match=rf"shard {victim} .*SHA-256.*fetched twice"):
         _batches(Dataset(url, cache_dir=folder), epochs=(0,))
