@@ -180,19 +180,21 @@ def test_cache_dir_false_reads_ranges_and_default_folder_is_under_xdg(remote, tm
 
 # -- other processes -------------------------------------------------------------------------------
 _CHILD = textwrap.dedent("""
-    import json, sys
+    import json, os, sys, time
     from gdsload.loader import DataLoader, Dataset
-    url, folder = sys.argv[1], sys.argv[2]
+    url, folder, go = sys.argv[1], sys.argv[2], sys.argv[3]
     loader = DataLoader(Dataset(url, cache_dir=folder), batch_size=4, shuffle=True, seed=7,
                         shuffle_window=3, output="numpy", device="cpu")
+    while go and not os.path.exists(go):  # start together with the other process
+        time.sleep(0.005)
     keys = [list(b["__key__"]) for b in loader]
     print(json.dumps({"keys": keys, "cache": loader.stats()["cache"]}))
 """)
 
 
-def _child(url: str, folder: Path) -> subprocess.Popen:
+def _child(url: str, folder: Path, go: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder)], env=env,
+    return subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder), str(go or "")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -206,7 +208,10 @@ def _log(folder: Path, outcome: str = "ok") -> list[str]:
 def test_two_processes_sharing_a_folder_download_each_shard_once(remote, tmp_path):
     local, url = remote
     folder = tmp_path / "shared"
-    procs = [_child(url, folder), _child(url, folder)]
+    go = tmp_path / "go"
+    procs = [_child(url, folder, go), _child(url, folder, go)]
+    time.sleep(3)  # both import and open the dataset, then wait for `go`
+    go.touch()
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
