@@ -2,7 +2,7 @@
 
 Exit status: 0 on success, 1 when gdsload refuses or fails with a message (bad input, a
 destination that holds a dataset, a shard that fails verification), 2 for usage errors, 130 on
-Ctrl-C. Errors print one line naming the problem to stderr, never a traceback
+Ctrl-C (SIGINT), 143 on SIGTERM during `convert`. Errors print one line naming the problem to stderr, never a traceback
 (`GDSLOAD_DEBUG=1` shows it).
 """
 
@@ -12,8 +12,10 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from gdsload.errors import GdsloadError
@@ -44,8 +46,36 @@ def _human(n: float) -> str:
     return f"{n}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered as an interrupt so that it unwinds (and stops workers) as Ctrl-C does."""
+
+    signum = signal.SIGTERM
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within: SIGTERM raises `Terminated` in the main thread (elsewhere: left as it is)."""
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # -- commands ------------------------------------------------------------------------------------
 def cmd_convert(a: argparse.Namespace) -> int:
+    with sigterm_interrupts():
+        return _convert(a)
+
+
+def _convert(a: argparse.Namespace) -> int:
     from gdsload.convert.engine import ConvertOptions, convert
 
     opts = ConvertOptions(
@@ -61,6 +91,10 @@ def cmd_convert(a: argparse.Namespace) -> int:
         raise GdsloadError(f"--ray-address {a.ray_address} applies to --engine ray only (engine is {a.engine!r})")
     else:
         r = convert(a.src, a.dst, opts)
+    if r.get("complete"):
+        print(f"{a.dst}: already complete ({r['samples']} samples in {r['shards']} shards, made from the "
+              f"same inputs and options); nothing to resume")
+        return 0
     print(
         f"converted {r['samples']} samples into {r['shards']} shards ({_human(r['bytes'])}) in "
         f"{r['seconds']:.1f} s: {r['samples_per_s']:.0f} samples/s, {r['mb_per_s']:.1f} MB/s, "
@@ -130,14 +164,19 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
     with open_dataset(a.dataset) as ds:
         bad = ds.verify(hashes=not a.no_hash)
+        listed = {s["name"] for s in ds.shards}
         n = len(ds.shards)
     if not bad:
-        print(f"ok: {n} shards verified (sizes, {'' if a.no_hash else 'hashes, '}index against tar, alignment, DALI index)")
+        print(f"ok: {n} shards verified (sizes, {'' if a.no_hash else 'hashes, '}index against tar, "
+              f"alignment, DALI index; no shard files outside the manifest)")
         return 0
     for name, problems in bad.items():
         for p in problems:
             print(f"BAD {name}: {p}", file=sys.stderr)
-    print(f"{len(bad)} of {n} shards failed verification", file=sys.stderr)
+    shards = sum(name in listed for name in bad)
+    extra = len(bad) - shards
+    print(f"{shards} of {n} shards failed verification"
+          + (f"; {extra} files in the folder are not listed in the manifest" if extra else ""), file=sys.stderr)
     return 1
 
 
@@ -267,9 +306,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     except BrokenPipeError:  # `gdsload inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print(f"gdsload {command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except OSError as exc:  # storage the user pointed at: permissions, a missing bucket, the network
         if os.environ.get("GDSLOAD_DEBUG"):
             raise

@@ -41,19 +41,21 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gdsload import fields as _fieldkinds
 from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
+from gdsload.forksafe import ProcessLocal
 from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
+from gdsload.mapping import MapStage, host_copy
 from gdsload.plan import PlanCursor
 
-_LABEL_FIELDS = ("cls",)
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
-class Dataset:
+class Dataset(ProcessLocal):
     """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
     `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
@@ -64,7 +66,13 @@ class Dataset:
     `cache_dir=None` uses `$XDG_CACHE_HOME/gdsload/shards` (else `~/.cache/gdsload/shards`);
     `cache_dir=False` reads byte ranges from the store instead. `cache_limit` (bytes, or a size
     such as "50GB", "200GiB") bounds the folder. A local dataset has no cache.
+
+    Pickles to its path, fields, `verify` and cache settings; a copy in another process (or a
+    forked child) opens the dataset again on first use and refuses it if its content changed in
+    between.
     """
+
+    _PROCESS_LOCAL = ("_shards",)
 
     def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
                  cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
@@ -73,7 +81,9 @@ class Dataset:
 
         self.path = str(path)
         self.verify = check_mode(verify)
-        self.shards = ShardedDataset(path)
+        self._start_process()
+        self._shards = ShardedDataset(path)
+        self._id = self._content_id(self._shards)
         self.cache_limit = _parse_limit(cache_limit)
         if cache_dir is False or not is_remote(self.path):
             self.cache_dir: str | None = None
@@ -90,16 +100,37 @@ class Dataset:
                 f"fields {unknown} are not in dataset {self.path} (it has {sorted(self.shards.fields)})"
             )
 
+    def _init_process_local(self) -> None:
+        self._shards = None
+
+    @property
+    def shards(self) -> ShardedDataset:
+        """The open dataset of this process (its file descriptors and lock are per process)."""
+        self._check_process()
+        if self._shards is None:
+            shards = ShardedDataset(self.path)
+            if self._content_id(shards) != self._id:
+                raise FormatError(
+                    f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "
+                    f"then, {self._content_id(shards)} now): open it again"
+                )
+            self._shards = shards
+        return self._shards
+
+    @staticmethod
+    def _content_id(shards: ShardedDataset) -> str:
+        h = hashlib.sha256()
+        for s in shards.shards:
+            h.update(s["sha256"].encode())
+        return h.hexdigest()[:16]
+
     def __len__(self) -> int:
         return len(self.shards)
 
     @property
     def dataset_id(self) -> str:
         """Identity for states: hash of the shards' content hashes, in order."""
-        h = hashlib.sha256()
-        for s in self.shards.shards:
-            h.update(s["sha256"].encode())
-        return h.hexdigest()[:16]
+        return self._id
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
@@ -180,7 +211,7 @@ def _dist_rank_world() -> tuple[int, int] | None:
     return None
 
 
-class DataLoader(PlanCursor):
+class DataLoader(ProcessLocal, PlanCursor):
     """A drop-in for `torch.utils.data.DataLoader` over a gdsload dataset.
 
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
@@ -194,8 +225,19 @@ class DataLoader(PlanCursor):
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
-    `output` ("torch" when torch is installed, else "numpy").
+    `output` ("torch" when torch is installed, else "numpy"). User code (`gdsload.mapping`):
+    `map(sample_dict) -> sample_dict` after decoding, `collate_fn(list_of_samples) -> batch` instead
+    of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
+    run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
+    `gdsload.fields`.
+
+    Processes: a loader pickles to its configuration and cursor (`state_dict()`), never to its
+    threads, ring, files or DALI pipeline; a copy (a spawned worker's) or a forked child builds
+    those afresh on first iteration and continues where the loader stood.
     """
+
+    _PROCESS_LOCAL = ("_ring", "_backend", "_host_backend", "_streams", "device_ordinal", "_decoder", "_active_ref",
+                      "_fields", "_stats", "_cuda_lost", "_cache")
 
     def __init__(
         self,
@@ -220,6 +262,9 @@ class DataLoader(PlanCursor):
         io: str = "auto",
         output: Literal["torch", "numpy", None] = None,
         decode_threads: int | None = None,
+        map: Any = None,
+        collate_fn: Any = None,
+        worker_mode: Literal["thread", "process"] = "thread",
     ):
         from gdsload.mix import MixPlan
         from gdsload.plan import Plan
@@ -233,6 +278,9 @@ class DataLoader(PlanCursor):
             if fields is not None:
                 self.dataset = self.dataset._with_fields([f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
+        self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
+            map, collate_fn, worker_mode)
+        self.worker_mode = worker_mode
         if num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads), got {num_workers}")
         if prefetch_factor < 1:
@@ -254,9 +302,6 @@ class DataLoader(PlanCursor):
 
         self.output = output or ("torch" if _torch() is not None else "numpy")
         self.device, self._device_index = parse_device(device or self._default_device(self.output))
-        self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
-        self._streams = None  # gdsload.device.CopyStreams, with a device ring
-        self._host_backend = None  # POSIX for host-arena reads, beside a device backend
         self.decode_threads = decode_threads or os.cpu_count() or 2
         if transform is None and decode:
             from gdsload.decode.image import ImageTransform
@@ -271,15 +316,39 @@ class DataLoader(PlanCursor):
         )
         self._epoch = 0
         self._position = 0
+        self._start_process()
+
+    def _init_process_local(self) -> None:
         self._fields: list[_FieldPlan] | None = None
         self._ring = None
         self._backend = None
         self._cache = None  # a ShardCache for a dataset at a URL with a cache folder
+        self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
+        self._streams = None  # gdsload.device.CopyStreams, with a device ring
+        self._host_backend = None  # POSIX for host-arena reads, beside a device backend
         self._stats: dict[str, Any] = {}
         # weak: an epoch its consumer dropped (a `break`, an exception) is collected, which
         # closes it and ends its threads (see `_Epoch._produce`)
         self._active_ref: Any = None
         self._decoder = None
+        self._cuda_lost = False  # forked from a parent in which this loader used CUDA
+
+    def _enter_process(self) -> None:
+        """Start afresh in a forked child; CUDA state does not survive a fork, so a loader that
+        had CUDA memory or a GPU decoder in the parent is refused there with a clear error."""
+        inherited = self._check_process()
+        if inherited is not None:
+            ring, decoder = inherited["_ring"], inherited["_decoder"]
+            self._cuda_lost = (ring is not None and (ring.device != "cpu" or ring.pinned
+                                                     or getattr(ring, "host_pinned", False))) or (
+                decoder is not None and decoder.device == "mixed")
+        if self._cuda_lost:
+            raise GdsloadError(
+                "this loader was forked after it used CUDA in the parent, and CUDA does not survive a fork: "
+                "start the workers with the 'spawn' or 'forkserver' start method (e.g. "
+                "torch.utils.data.DataLoader(..., multiprocessing_context='spawn')), or build the loader in "
+                "the child"
+            )
 
     # -- torch-like surface --------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
@@ -310,7 +379,6 @@ class DataLoader(PlanCursor):
         return "cpu"
 
     def _setup(self) -> None:
-        from gdsload.format.manifest import field_kind
         from gdsload.io import choose_backend, open_backend
         from gdsload.loadcheck import check_dataset
         from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
@@ -330,11 +398,9 @@ class DataLoader(PlanCursor):
                                    for s, mode in enumerate(self._shard_verify))
         fplans: list[_FieldPlan] = []
         for name in self.dataset.fields:
-            kind = field_kind(name)
-            if kind == "image" and not self.decode:
-                kind = "bytes"
-            if kind not in ("image", "tensor", "label"):
-                kind = "label" if name in _LABEL_FIELDS else "bytes"
+            kind = _fieldkinds.loader_kind(name, decode=self.decode)  # table: gdsload/fields.py
+            if kind == "tensor" and _fieldkinds.is_ragged(ds, name):
+                kind = "ragged"  # shapes vary: a list of tensors, parsed per sample
             fp = _FieldPlan(name, kind)
             for s in range(len(ds.shards)):
                 idx = ds.index(s)
@@ -352,12 +418,6 @@ class DataLoader(PlanCursor):
             fplans.append(fp)
         if isinstance(self.dataset, Mix):
             _check_mix_tensors(self.dataset, fplans)
-        images = [fp.name for fp in fplans if fp.kind == "image"]
-        if len(images) > 1:
-            raise GdsloadError(
-                f"dataset fields {images} are all images; a loader decodes one image field, choose "
-                f"it with fields=[...] (or decode=False for encoded bytes)"
-            )
         self._fields = fplans
 
         # Batch tensors (decoded images, .npy rows, labels) go where the batch is consumed; encoded
@@ -445,6 +505,7 @@ class DataLoader(PlanCursor):
         return self._active_ref() if self._active_ref is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        self._enter_process()
         active = self._active
         if active is not None:
             active.close()
@@ -470,6 +531,7 @@ class DataLoader(PlanCursor):
         return dict(self._stats)
 
     def close(self) -> None:
+        self._check_process()
         active = self._active
         if active is not None:
             active.close()
@@ -499,6 +561,8 @@ class _Epoch:
     def __init__(self, loader: DataLoader, epoch: int, position: int):
         self.loader = loader
         self.epoch = epoch
+        self.pid = os.getpid()  # the producer threads and the ring state exist in this process only
+        self._successor: Iterator[Any] | None = None
         self.G = loader.plan.global_batch
         self.batches = list(loader.plan.batches(epoch, position))
         self.ring = loader._ring
@@ -515,6 +579,8 @@ class _Epoch:
         self._turn = threading.Condition()
         self._decode_turn = 0
         self.has_images = any(fp.kind == "image" for fp in loader._fields)
+        self.n_images = sum(fp.kind == "image" for fp in loader._fields)  # decode turns per batch
+        self.stage = loader._stage.start(loader.num_workers) if loader._stage is not None else None
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}
         hs = self.ring.host_spec
         self._host_layout = {name: off for name, (off, _) in hs.layout().items()} if hs else None
@@ -576,7 +642,7 @@ class _Epoch:
             finally:
                 if cache is not None:
                     cache.release(seq)
-                if self.has_images and not decoded:
+                if self.has_images:  # turns not taken (a failure before or between decodes)
                     self._skip_turn(seq)
             self.ring.publish(slot)
 
@@ -606,11 +672,12 @@ class _Epoch:
 
     def _skip_turn(self, seq: int) -> None:
         """A batch that failed before decoding gives up its turn, so later batches proceed."""
+        first, end = seq * self.n_images, (seq + 1) * self.n_images  # one turn per image field
         with self._turn:
-            while self._decode_turn < seq and not self._closed:
+            while self._decode_turn < first and not self._closed:
                 self._turn.wait()
-            if self._decode_turn == seq:
-                self._decode_turn += 1
+            if first <= self._decode_turn < end:
+                self._decode_turn = end
                 self._turn.notify_all()
 
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
@@ -630,7 +697,7 @@ class _Epoch:
         spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
         labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
         checks = BatchChecks()
-        crc_staged = any(fp.kind in ("image", "bytes") for fp in L._fields)  # labels come from the index
+        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in L._fields)  # labels come from the index
         # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
         to_host = self._host_layout is not None and L._host_backend is None
         cursor = 0
@@ -711,6 +778,7 @@ class _Epoch:
             meta["sources"] = L.dataset.sources_of(ids)
         keep = None
         decoded = False
+        kepts: dict[str, list[int]] = {}
         for fp in L._fields:
             sp = spans[fp.name]
             if fp.kind == "label":
@@ -722,19 +790,31 @@ class _Epoch:
                     streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
             elif fp.kind == "tensor" and to_host:
                 streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
-            elif fp.kind == "bytes":
-                meta["extra"][fp.name] = [bytes(staging[a : a + n]) for a, n in sp]
+            elif fp.kind in _fieldkinds.LIST_KINDS:
+                meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + n], w) for (a, n), w in zip(sp, names)]
             elif fp.kind == "image":
-                kept = self._decode(seq, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
+                turn = seq * self.n_images + len(kepts)
+                kept = kepts[fp.name] = self._decode(turn, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
                 decoded = True
                 if len(kept) < len(sp):
                     keep = kept if keep is None else [k for k in keep if k in set(kept)]
                 meta["skipped"] = meta.get("skipped", 0) + len(sp) - len(kept)
+        if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
+            for name, kf in kepts.items():
+                rows = [kf.index(k) for k in keep]
+                bufs[name][: len(rows)] = bufs[name][rows]
+            meta["skipped"] = len(ids) - len(keep)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             meta["keep"] = keep
         if streams:
             meta["ready"] = streams.ready()
         slot.meta.update(meta)
+        if self.stage is not None:  # map / collate_fn (gdsload.mapping), on host copies
+            if meta.get("ready") is not None:  # device ring: the private stream's copies first
+                meta["ready"].synchronize()
+            kept_names = names if keep is None else [names[k] for k in keep]
+            slot.meta["mapped"] = self.stage.run(self._make_batch(slot, host=True), kept_names,
+                                                 lambda a: self._convert(a, copy=False))
         return decoded
 
     # consumer ---------------------------------------------------------------------------------
@@ -742,6 +822,8 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
         if self._closed:  # finished, failed, closed, or replaced by a newer iter(): the ring
             raise StopIteration  # may carry another epoch now, never touch it again
         if self.handed is not None:
@@ -769,21 +851,39 @@ class _Epoch:
         self._update_stats()
         return batch
 
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its threads are not here and its ring
+        must not be touched, so continue with a new iteration of the child's copy of the loader,
+        which starts at the loader's position (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._closed:
+                raise StopIteration
+            self._closed = True
+            self._successor = iter(self.loader)
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.DataLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
+
     def _release(self, slot, *, same_thread: bool = True) -> None:
         """Hand the slot back, with a fence on the consumer's stream when the ring is on the GPU."""
         streams = self.loader._streams
         fence = streams.release_fence(same_thread=same_thread) if streams is not None else None
         self.ring.release(slot, fence=fence)
 
-    def _make_batch(self, slot) -> Any:
+    def _make_batch(self, slot, *, host: bool = False) -> Any:
+        if "mapped" in slot.meta:
+            return slot.meta["mapped"]
         L = self.loader
         n = slot.meta["n"]
         keep = slot.meta.get("keep")
         out: dict[str, Any] = {}
         for fp in L._fields:
-            if fp.kind == "bytes":
+            if fp.kind in _fieldkinds.LIST_KINDS:
                 vals = slot.meta["extra"][fp.name]
-                out[fp.name] = [vals[k] for k in keep] if keep is not None else vals
+                vals = [vals[k] for k in keep] if keep is not None else vals
+                out[fp.name] = [self._convert(v, copy=False) for v in vals] if fp.kind == "ragged" and not host else vals
                 continue
             arr = slot.buffers[fp.name]
             if keep is not None and fp.kind != "image":
@@ -791,13 +891,13 @@ class _Epoch:
                 view = arr
             else:
                 view = arr[: len(keep) if keep is not None else n]
-            out[fp.name] = self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
+            out[fp.name] = host_copy(view) if host else self._convert(view, copy=L.copy or keep is not None and fp.kind != "image")
         keys = slot.meta["keys"]
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
         if "sources" in slot.meta:
             sources = slot.meta["sources"]
             out["__source__"] = [sources[k] for k in keep] if keep is not None else sources
-        if L.tuple_fields is not None:
+        if L.tuple_fields is not None and not host:
             return tuple(out[f] for f in L.tuple_fields)
         return out
 
@@ -856,6 +956,9 @@ class _Epoch:
     def close(self) -> None:
         if self._closed:
             return
+        if self.pid != os.getpid():  # the parent's iterator in a forked child: touch nothing
+            self._closed = True
+            return
         with self._turn:
             self._closed = True
             self._turn.notify_all()
@@ -865,6 +968,8 @@ class _Epoch:
             except Exception:
                 pass
             self.handed = None
+        if self.stage is not None:  # worker processes end with their epoch
+            self.stage.close()
         self.ring.close()
         for t in self.threads:
             if t is not threading.current_thread():  # `__del__` may run in a producer

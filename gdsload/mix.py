@@ -71,6 +71,7 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 
+from gdsload.forksafe import ProcessLocal
 from gdsload.plan import Plan, PlanError, PlanState, StateError, _compute_order, _int, _shorten
 
 __all__ = ["Mix", "MixPlan", "MixSource", "MixSpec", "mix_order"]
@@ -391,7 +392,7 @@ def _default_name(entry: Any) -> str:
     return PurePosixPath(path.rstrip("/")).name or path
 
 
-class Mix:
+class Mix(ProcessLocal):
     """Several datasets read as one, in proportions: ``Mix([a, b], weights=[0.7, 0.3])``.
 
     `datasets`: `gdsload.Dataset` objects, or strings: paths for a `DataLoader` (opened as
@@ -460,7 +461,10 @@ class Mix:
                 raise PlanError(f"names must be {k} different non-empty strings, got {names!r}")
         self.names = list(names)
         self._fields: list[str] | None = None
-        self._concat = None
+        self._start_process()
+
+    def _init_process_local(self) -> None:
+        self._concat = None  # the datasets' open shards, per process (rebuilt after a fork)
 
     # -- resolving ----------------------------------------------------------------------------
     def spec_with(self, described: Sequence[tuple[str, Sequence[int]]]) -> MixSpec:
@@ -527,6 +531,7 @@ class Mix:
     @property
     def shards(self):
         """The datasets' shards one after another (`gdsload.format.concat.ConcatShards`)."""
+        self._check_process()
         if self._concat is None:
             from gdsload.format.concat import ConcatShards
 
@@ -542,11 +547,6 @@ class Mix:
     def __len__(self) -> int:
         """Samples of one epoch (with mix_by="batch" a loader rounds to whole global batches)."""
         return int(self.spec.counts().sum())
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_concat"] = None  # rebuilt from the datasets on use
-        return state
 
     def __repr__(self) -> str:
         return (f"gdsload.Mix({self.names}, weights={self.weights}, samples_per_epoch="

@@ -1,6 +1,7 @@
 """Benchmarks run as tiny tests so that they cannot rot (speed is never asserted)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,12 @@ def test_cache_bench_tiny_gdsload(tmp_path):
     assert fetched > 0  # the warm run's second epoch fetched nothing more:
     assert t["gdsload-warm"]["runs"][0]["stats"]["cache"]["fetches"] == fetched
     assert t["cache_over_ranges"]["median"] > 0 and (tmp_path / "r.json").is_file()
+
+
+def test_map_bench_tiny(tmp_path):
+    pytest.importorskip("webdataset")
+    pytest.importorskip("torch")
+    r = _load("map_bench").main(["--tiny", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert r["gdsload"]["samples_per_s"] > 0 and r["torch"]["samples_per_s"] > 0
+    assert r["ratio_gdsload_over_torch"]["median"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["args"]["samples"] == 64

@@ -334,3 +334,25 @@ def test_decoded_images_through_a_tight_cache_equal_the_local_copy(s3, tmp_path)
     want, _ = run(Dataset(str(local)))
     got, stats = run(Dataset(url, cache_dir=tmp_path / "c", cache_limit=sum(sizes[:3])))  # window + 1
     assert got == want and stats["cache"]["evictions"] > 0
+
+
+def test_a_pickled_loader_keeps_its_cache_settings(remote, tmp_path):
+    """A loader handed to another process (pickled) reads through the same cache folder; its
+    cache object itself (threads, locks, pins) is never pickled but built afresh."""
+    import pickle
+
+    local, url = remote
+    folder = tmp_path / "c"
+    loader = DataLoader(Dataset(url, cache_dir=folder, cache_limit="10MB"), batch_size=4, output="numpy",
+                        device="cpu")
+    it = iter(loader)
+    next(it)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy.dataset.cache_dir == str(folder) and copy.dataset.cache_limit == 10**7
+    rest = [tuple(b["__key__"]) for b in copy]
+    assert rest == [tuple(b["__key__"]) for b in it]
+    assert copy.stats()["cache"]["folder"] == str(folder)
+    n = len(ShardedDataset(local).shards)  # one folder: each shard downloaded once by the two
+    assert loader.stats()["cache"]["fetches"] + copy.stats()["cache"]["fetches"] == n
+    loader.close()
+    copy.close()

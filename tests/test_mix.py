@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import csv
 import json
+import sys
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -500,8 +501,9 @@ def test_mix_bench_tiny(tmp_path):
 
 
 def test_mix_is_plan_layer_and_needs_numpy_only():
-    """gdsload/mix.py and format/concat.py import nothing above the plan and format layers, and
-    `gdsload.Mix` loads without the loader, grpc or torch."""
+    """gdsload/mix.py and format/concat.py import nothing above the plan and format layers (the
+    leaf modules errors and forksafe aside), and `gdsload.Mix` loads without the loader, grpc or
+    torch."""
     import ast
     import subprocess
     import sys
@@ -510,7 +512,7 @@ def test_mix_is_plan_layer_and_needs_numpy_only():
     for path in (root / "mix.py", root / "format" / "concat.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdsload"):
-                assert node.module.split(".")[1] in ("errors", "plan", "format"), (path.name, node.module)
+                assert node.module.split(".")[1] in ("errors", "forksafe", "plan", "format"), (path.name, node.module)
     code = ("import sys, gdsload; gdsload.Mix; bad = [m for m in ('gdsload.loader', 'grpc', 'torch', "
             "'nvidia.dali', 'cupy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent)
@@ -526,3 +528,39 @@ def test_loader_order_does_not_depend_on_threads_and_takes_paths(sources):
     three = pairs(DataLoader(mix, batch_size=4, shuffle=True, seed=6, num_workers=3, device="cpu", output="numpy"))
     assert one == three == pairs(loader(sources, batch_size=4, **kw))
     assert {s for b in one for s, _ in b} == {"a", "b"}
+
+
+def _mix_in_forked_child(dl, parent_concat, out) -> None:
+    try:
+        fresh = dl.dataset.shards is not parent_concat  # the parent's open shards are set aside
+        out.put((fresh, pairs(dl)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent test
+        out.put(repr(exc))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_rebuilds_the_mix_shards_and_reads_the_same(sources):
+    """A loader over a Mix, used in the parent, iterated in a forked child: the child opens the
+    datasets' shards afresh (the parent's readers and their locks are never touched there) and
+    reads the same (next) epoch as the parent."""
+    import multiprocessing as mp
+
+    dl = loader(sources, weights=[1, 1], shuffle=True, seed=4)
+    pairs(dl)  # epoch 0 read in the parent: its readers are open, the cursor is at epoch 1
+    parent_concat = dl.dataset.shards
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_mix_in_forked_child, args=(dl, parent_concat, out), daemon=True)
+    child.start()
+    try:
+        got = out.get(timeout=90)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    want = pairs(dl)  # epoch 1 in the parent, whose cursor the child did not move
+    dl.close()
+    assert not isinstance(got, str), got
+    fresh, got_pairs = got
+    assert fresh
+    assert got_pairs == want

@@ -13,16 +13,32 @@ upload to the final name at a URL); each finished shard leaves a record in
 `DST/.gdsload-convert/done/`; `manifest.json` is written after every shard is in place. A killed
 run therefore leaves either a dataset with a manifest, or a folder with no manifest and a
 resumable state that `--resume` continues (and that plain `convert` refuses to touch without
-`--resume` or `--overwrite`).
+`--resume` or `--overwrite`). The manifest records the run's fingerprint, so `--resume` on a
+finished dataset made from the same inputs and options is a no-op that succeeds.
+
+One conversion per destination: a local DST is locked for the whole run (`Store.lock`; not at a
+URL). Disk full (ENOSPC, EDQUOT) is a `DestinationError` naming DST; the unfinished shard is
+removed, so `--resume` continues once there is space.
+
+Worker processes (`workers > 1`) never outlive the driver: they ignore SIGINT and leave stopping
+to the driver, which terminates them when it stops for any reason (an error, Ctrl-C, the CLI's
+SIGTERM); a worker whose driver dies (SIGKILL) gets SIGTERM from the kernel (Linux
+`PR_SET_PDEATHSIG`; elsewhere a thread polls the parent pid). On SIGTERM a worker removes the
+files it was writing and exits.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import re
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -36,7 +52,7 @@ from gdsload.convert.sources import Listing, Ref, Sample, SourceFormat, list_sou
 from gdsload.errors import DestinationError, FormatError, InputError
 from gdsload.format import manifest as mf
 from gdsload.format.manifest import field_kind
-from gdsload.format.store import Store, is_remote, local_path, open_store, url_to_fs
+from gdsload.format.store import LOCK, Store, is_remote, local_path, open_store, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 from gdsload.format.writer import ShardWriter, make_manifest, shard_name
 
@@ -151,11 +167,77 @@ def validate_image(data: bytes) -> None:
 
 
 _progress: Any = None  # a multiprocessing queue in worker processes, set by _init_worker
+_in_unit = False  # a worker is inside `_pool_unit`: SIGTERM unwinds it instead of exiting at once
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_S = 1.0  # where there is no parent-death signal: how often a worker checks its parent
 
 
-def _init_worker(queue: Any) -> None:
+class _Stopped(BaseException):
+    """Raised by a worker's SIGTERM handler inside a unit, so that the unit's temporary files are
+    removed on the way out (`write_shard`, `write_atomic`) before the worker exits."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """A worker told to stop (by the driver, or by the kernel as its driver died). It exits with
+    `os._exit`, skipping the interpreter's exit handlers: they would wait on queues that no one
+    reads any more."""
+    if _in_unit:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the pool's own teardown sends another
+        raise _Stopped
+    os._exit(128 + signum)
+
+
+def _pool_unit(dst: str, name: str, samples: list[Sample], validate: bool) -> dict[str, Any]:
+    """`write_shard` in a pool worker, stoppable by SIGTERM (see `_on_sigterm`)."""
+    global _in_unit
+    try:
+        _in_unit = True
+        return write_shard(dst, name, samples, validate)
+    except _Stopped:
+        remove_temporaries(open_store(dst), name)
+        os._exit(128 + signal.SIGTERM)
+    finally:
+        _in_unit = False
+
+
+def remove_temporaries(dst: Store, name: str) -> None:
+    """Remove this process's temporary files of shard unit `name` (`.NAME.*.tmp-PID`, see
+    `gdsload.format.store`). Unwinding an interrupted unit removes the files it was writing,
+    except one opened in the instant before its writer object existed: this removes that one."""
+    prefix, suffix = f".{name}.", f".tmp-{os.getpid()}"
+    for folder in ("", f"{STATE_DIR}/done"):
+        for n in dst.list(folder):
+            if n.startswith(prefix) and n.endswith(suffix):
+                dst.remove(f"{folder}/{n}" if folder else n)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have this process get SIGTERM when `parent_pid` (the driver) exits."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            ok = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            ok = False
+        if ok:
+            if os.getppid() != parent_pid:  # it died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gdsload-parent-watch", daemon=True).start()
+
+
+def _init_worker(queue: Any, parent_pid: int) -> None:
     global _progress
     _progress = queue
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the driver stops us
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _die_with_parent(parent_pid)
 
 
 def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
@@ -248,12 +330,51 @@ def _clean(dst: Store) -> None:
             dst.remove(name)
 
 
+def _what_differs(made: dict[str, Any], src: str, opts: ConvertOptions) -> str:
+    """Why a finished dataset's recorded run is not this one, for the refusal of `--resume`."""
+    old = made.get("options") or {}
+    changed = [f"--{k.replace('_', '-')} was {old.get(k)!r}, now {v!r}"
+               for k, v in opts.output_affecting().items() if old.get(k) != v]
+    if changed:
+        return "other options: " + "; ".join(changed)
+    if made.get("source") != src:
+        return f"another source: it was made from {made.get('source')}, not {src}"
+    if "fingerprint" not in made:
+        return "its manifest records no input fingerprint (made by an older gdsload), so it cannot be matched"
+    return "the inputs changed since (files added, removed, resized or modified)"
+
+
+def finished_dataset(dst: Store, src: str, opts: ConvertOptions, fp: str) -> dict[str, Any] | None:
+    """For `--resume`: the manifest of a dataset at `dst` that this very run (same inputs, options,
+    fingerprint) already finished, with its files in place; None where `dst` holds no manifest.
+    A finished dataset from another run, or one with files missing, is refused."""
+    if not opts.resume or opts.overwrite or not dst.exists(mf.MANIFEST):
+        return None
+    manifest = mf.load(dst)
+    made = manifest.get("created") or {}
+    if made.get("fingerprint") != fp:
+        raise DestinationError(
+            f"{dst.root} already holds a dataset ({mf.MANIFEST} exists) from another conversion "
+            f"({_what_differs(made, src, opts)}); "
+            f"--resume continues only the same conversion: re-run with the same inputs and options, "
+            f"or pass --overwrite to replace it"
+        )
+    for s in manifest["shards"]:
+        for name, want in ((s["name"], s["bytes"]), (s["index"], None), (s["dali_index"], None)):
+            size = dst.size(name)
+            if size is None or (want is not None and size != want):
+                raise DestinationError(
+                    f"{dst.root} holds a finished dataset whose file {name} is "
+                    f"{'missing' if size is None else f'{size} bytes, not {want}'}; run gdsload verify, "
+                    f"or pass --overwrite to convert again"
+                )
+    return manifest
+
+
 def prepare_destination(dst: Store, opts: ConvertOptions, fp: str) -> set[str]:
     """Make `dst` ready; return the names of shards a resumed run can keep."""
     where = dst.root
-    if dst.is_file():
-        raise DestinationError(f"{where}: exists and is not a folder")
-    entries = dst.list()
+    entries = [n for n in dst.list() if n != LOCK]
     if entries:
         has_manifest, has_state = mf.MANIFEST in entries, STATE_DIR in entries
         ours = has_manifest or has_state
@@ -272,7 +393,9 @@ def prepare_destination(dst: Store, opts: ConvertOptions, fp: str) -> set[str]:
                 f"{where} is not empty and holds files that are not gdsload's ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
             )
-        if opts.resume and has_state and not has_manifest:
+        if opts.resume and has_state and not has_manifest and dst.exists(f"{STATE_DIR}/{PLAN}"):
+            # (no plan: the run stopped before writing it, e.g. on a full disk, and wrote no
+            # shard record either, since those are written only next to a plan: start afresh)
             try:
                 old = json.loads(dst.read(f"{STATE_DIR}/{PLAN}"))
             except (OSError, json.JSONDecodeError):
@@ -330,9 +453,111 @@ def _check_paths(src: str, dst: str, inputs: list[tuple[str, str]]) -> None:
         raise InputError(f"input {inside[0]} is inside the destination {dst}; choose another destination")
 
 
+IN_FLIGHT_PER_WORKER = 2  # units submitted to the pool per worker: a freed worker never waits
+POLL_S = 0.2  # how often the driver looks at progress and at a stop signal
+
+
+class _DeferredStop:
+    """SIGINT and SIGTERM, noted while the driver runs its pool and acted on at `check()`.
+
+    An exception raised by a signal handler lands at whatever bytecode runs, which can be inside
+    `concurrent.futures.wait` while it holds futures' locks; the pool's manager thread then
+    waits on such a lock forever and the interpreter hangs at exit. So the handlers only note
+    the signal, and `check()`, called where nothing is held, runs the handler that was in place
+    (KeyboardInterrupt for SIGINT, the CLI's `Terminated` for SIGTERM); a default SIGTERM ends
+    the run with `SystemExit(143)` once the workers are stopped. Only the main thread can set
+    handlers; elsewhere nothing changes."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> "_DeferredStop":
+        self.signum: int | None = None
+        self.previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def check(self) -> None:
+        signum, self.signum = self.signum, None
+        if signum is None:
+            return
+        previous = self.previous.get(signum)
+        if callable(previous):
+            previous(signum, None)
+        elif previous != signal.SIG_IGN:
+            raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_pool(dst: str, units: list[tuple[str, list[Sample]]], validate: bool, workers: int,
+              report: Callable[[int, int], None]) -> Iterator[str]:
+    """Write `units` in a process pool, in plan order, at most `IN_FLIGHT_PER_WORKER` per worker
+    submitted at a time; yields each unit's name as it finishes. However this stops (a unit's
+    error, a signal, a generator closed early), no worker outlives it (module docstring)."""
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    queue = ctx.Queue()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(queue, os.getpid()))
+    todo = list(reversed(units))
+    running: dict[Any, str] = {}
+    try:
+        with _DeferredStop() as stop:
+            while todo or running:
+                while todo and len(running) < IN_FLIGHT_PER_WORKER * workers:
+                    name, samples = todo.pop()
+                    running[pool.submit(_pool_unit, dst, name, samples, validate)] = name
+                done, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                stop.check()
+                while not queue.empty():
+                    report(*queue.get())
+                for f in done:
+                    name = running.pop(f)
+                    f.result()  # re-raise a worker's error here
+                    yield name
+    except BaseException:
+        _stop_pool(pool)
+        raise
+    pool.shutdown()
+
+
+def _stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 10.0) -> None:
+    """Stop a pool's workers now: queued units are dropped, running ones get SIGTERM (a worker
+    then removes its unfinished shard and exits; SIGKILL after `timeout_s`)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # no public API before 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _disk_full(exc: OSError, dst: Store) -> DestinationError | None:
+    """A full disk or quota (at DST: inputs are only read) as an error naming DST and the way on."""
+    if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return None
+    return DestinationError(
+        f"{dst.root}: {exc.strerror or 'no space left on device'} (writing {exc.filename or 'a file there'}); "
+        f"the unfinished file was removed and finished shards are kept: free space there, then run "
+        f"the same command with --resume to continue"
+    )
+
+
 def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
             *, log: Callable[[str], None] | None = None, runner: UnitRunner | None = None) -> dict[str, Any]:
-    """Convert `src` into a gdsload dataset at `dst`; returns a summary with the manifest.
+    """Convert `src` into a gdsload dataset at `dst`; returns a summary with the manifest
+    (`"complete": True` where `--resume` found this very conversion already finished).
 
     `runner` writes the shard units elsewhere (see `UnitRunner`); by default they are written by
     this process (`workers == 1`) or a process pool. The output does not depend on the runner.
@@ -356,11 +581,30 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
             f"{listing.rejects[0]['source'] if listing.rejects else '-'} "
             f"({listing.rejects[0]['reason'] if listing.rejects else 'no inputs'})"
         )
-    keep = prepare_destination(store, opts, fp)
-    todo = [i for i, n in enumerate(names) if n not in keep]
-    workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
+    if store.is_file():
+        raise DestinationError(f"{store.root}: exists and is not a folder")
+    try:
+        with store.lock():
+            finished = finished_dataset(store, src, opts, fp)
+            if finished is not None:
+                return _summary(finished, t0, resumed=len(finished["shards"]), workers=0, complete=True)
+            keep = prepare_destination(store, opts, fp)
+            todo = [i for i, n in enumerate(names) if n not in keep]
+            workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
+            _write_units(store, [(names[i], plan[i]) for i in todo], opts, workers, runner)
+            manifest = _finish(store, src, listing, names, opts, fp, t0)
+    except OSError as exc:
+        full = _disk_full(exc, store)
+        if full is None:
+            raise
+        raise full from exc
+    return _summary(manifest, t0, resumed=len(keep), workers=workers)
 
-    total_samples = sum(len(plan[i]) for i in todo)
+
+def _write_units(store: Store, units: list[tuple[str, list[Sample]]], opts: ConvertOptions, workers: int,
+                 runner: UnitRunner | None) -> None:
+    """Write every unit's shard and done record, with a progress bar unless `opts.progress` is off."""
+    total_samples = sum(len(samples) for _, samples in units)
     bar = None
     if opts.progress:
         from tqdm import tqdm
@@ -375,32 +619,35 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
         if bar is not None:
             bar.update(n)
             bar.set_postfix_str(f"{moved[0] / 1e6 / max(time.perf_counter() - tb, 1e-9):.0f} MB/s, "
-                                f"{finished[0]}/{len(todo)} shards", refresh=False)
+                                f"{finished[0]}/{len(units)} shards", refresh=False)
+
+    def here() -> Iterator[str]:
+        for name, samples in units:
+            try:
+                write_shard(store.root, name, samples, opts.validate, report)
+            except BaseException:  # Ctrl-C, SIGTERM (the CLI's `Terminated`), a full disk
+                remove_temporaries(store, name)
+                raise
+            yield name
 
     if runner is not None:
-        for _ in runner(store.root, [(names[i], plan[i]) for i in todo], opts.validate, workers, report):
-            finished[0] += 1
-    elif workers == 1:
-        for i in todo:
-            write_shard(store.root, names[i], plan[i], opts.validate, report)
-            finished[0] += 1
+        done: Iterator[str] = runner(store.root, units, opts.validate, workers, report)
     else:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        queue = ctx.Queue()
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
-            futs = {pool.submit(write_shard, store.root, names[i], plan[i], opts.validate) for i in todo}
-            while futs:
-                done, futs = wait(futs, timeout=0.2, return_when=FIRST_COMPLETED)
-                while not queue.empty():
-                    report(*queue.get())
-                for f in done:
-                    f.result()  # re-raise a worker's error here
-                    finished[0] += 1
+        done = here() if workers == 1 else _run_pool(store.root, units, opts.validate, workers, report)
+    try:
+        for _ in done:
+            finished[0] += 1
+    finally:
+        getattr(done, "close", lambda: None)()  # a pool stops its workers now, not when collected
     if bar is not None:
         bar.update(total_samples - bar.n)  # progress messages still in flight when the pool ended
         bar.close()
 
-    # gather the shard records in plan order; every shard has one now
+
+def _finish(store: Store, src: str, listing: Listing, names: list[str], opts: ConvertOptions, fp: str,
+            t0: float) -> dict[str, Any]:
+    """Gather the shard records in plan order (every shard has one now), write `rejected.jsonl`
+    and, last, the manifest; remove the conversion state."""
     shards: list[mf.ShardEntry] = []
     fields: dict[str, str] = {}
     rejects = list(listing.rejects)
@@ -416,7 +663,6 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
         store.remove(REJECTED)
     if not shards:
         raise InputError(f"{src}: every sample was rejected; see {store.where(REJECTED)}")
-    seconds = time.perf_counter() - t0
     manifest = make_manifest(
         shards,
         fields,
@@ -425,22 +671,30 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
             "source": src,
             "source_format": listing.format,
             "options": opts.output_affecting(),
+            "fingerprint": fp,  # what `--resume` compares against (see `finished_dataset`)
             "rejected": len(rejects),
-            "seconds": round(seconds, 3),
+            "seconds": round(time.perf_counter() - t0, 3),
         },
     )
     mf.save(store, manifest)
     store.remove_tree(STATE_DIR)
+    return manifest
+
+
+def _summary(manifest: dict[str, Any], t0: float, *, resumed: int, workers: int,
+             complete: bool = False) -> dict[str, Any]:
+    seconds = time.perf_counter() - t0
     n = manifest["num_samples"]
     return {
         "manifest": manifest,
+        "complete": complete,
         "samples": n,
-        "rejected": len(rejects),
-        "shards": len(shards),
+        "rejected": manifest.get("created", {}).get("rejected", 0),
+        "shards": len(manifest["shards"]),
         "bytes": manifest["num_bytes"],
         "seconds": seconds,
         "samples_per_s": n / seconds if seconds else 0.0,
         "mb_per_s": manifest["num_bytes"] / 1e6 / seconds if seconds else 0.0,
-        "resumed_shards": len(keep),
+        "resumed_shards": resumed,
         "workers": workers,
     }

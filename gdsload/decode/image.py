@@ -18,11 +18,20 @@ header (`imagesize`, microseconds per image); one over `ImageTransform.max_pixel
 8192 x 8192, about 200 MB decoded as RGB) is handled by the same `on_error` policy, so a
 16000 x 16000 JPEG never makes DALI allocate gigabytes. Images whose header cannot be read are
 left to DALI (it refuses them as corrupt, or decodes them).
+
+Processes: a DALI pipeline does not survive a fork. A forked child that destroys one it
+inherited (dropping it, collecting it as garbage, or DALI's own shutdown at exit) waits on worker
+threads that exist only in the parent and crashes. So in a forked child every pipeline this
+module built is emptied (DALI then sees it as shut down) and its native part kept forever,
+untouched; an `ImageDecoder` used in the child builds a pipeline of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import pickle
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +44,22 @@ from gdsload.errors import GdsloadError, require
 MAX_PIXELS = 8192 * 8192  # default input limit per image: about 200 MB once decoded to RGB
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # the DALI pipelines this process built
+
+
+def _disown_inherited_pipelines() -> None:
+    """In a forked child: never destroy the parent's pipelines (see the module docstring)."""
+    for pipe in list(_BUILT):
+        native = getattr(pipe, "_pipe", None)  # DALI's own handle; None reads as "shut down"
+        if native is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))  # never freed in this process
+            pipe._pipe = None
+    _BUILT.clear()
+
+
+os.register_at_fork(after_in_child=_disown_inherited_pipelines)
 
 
 class DecodeError(GdsloadError):
@@ -104,6 +129,18 @@ class ImageTransform:
         s = self.size
         return (3, s, s) if self.layout == "NCHW" else (s, s, 3)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for spawned workers; a `user_fn` travels by reference, so it must be importable."""
+        if self.user_fn is not None:
+            try:
+                pickle.dumps(self.user_fn)
+            except Exception as exc:
+                raise GdsloadError(
+                    f"ImageTransform.user_fn {self.user_fn!r} cannot be pickled ({exc}), so this transform "
+                    f"cannot go to a spawned or forkserver worker: define the function at module level"
+                ) from exc
+        return dict(self.__dict__)
+
     def to_spec(self) -> dict[str, Any]:
         """JSON form (for the gRPC feed); a user callable cannot travel and is left out."""
         return {k: getattr(self, k) for k in ("size", "train", "scale", "ratio", "resize", "flip",
@@ -129,6 +166,7 @@ class ImageDecoder:
         self.device_id = device_id  # the GPU that "mixed" decodes on (the rank's own under torchrun)
         self.skipped = 0
         self._pipe = None
+        self._pid = os.getpid()  # the process that built `_pipe`
         self._builds = 0
 
     def _build(self) -> None:
@@ -164,10 +202,12 @@ class ImageDecoder:
 
         self._pipe = pipe()
         self._pipe.build()
+        self._pid = os.getpid()
+        _BUILT.add(self._pipe)
         self._builds += 1
 
     def _run(self, encoded: Sequence[np.ndarray]):
-        if self._pipe is None:
+        if self._pipe is None or self._pid != os.getpid():
             self._build()
         self._pipe.feed_input("encoded", list(encoded))
         (out,) = self._pipe.run()

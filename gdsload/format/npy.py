@@ -15,6 +15,7 @@ and shape; only the memory layout changes), never stored as is.
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 
 import numpy as np
@@ -58,6 +59,12 @@ def _read_v3(f: io.BytesIO):
     raise FormatError("this NumPy cannot read .npy version 3.0 headers")
 
 
+# NumPy parses npy headers with `ast.literal_eval`, which can raise SystemError ("AST constructor
+# recursion depth mismatch") when threads run it at once on CPython 3.11 (seen in the loader's
+# producer threads); that would pass for a malformed header, so headers are parsed one at a time.
+_HEADER_LOCK = threading.Lock()
+
+
 def parse_header(buf: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """Parse an npy header from the start of `buf`: (dtype, shape, fortran_order, data_offset).
 
@@ -68,15 +75,16 @@ def parse_header(buf: bytes | memoryview) -> tuple[np.dtype, tuple[int, ...], bo
         raise FormatError("not an .npy file (bad magic)")
     f = io.BytesIO(bytes(buf[: min(len(buf), 1 << 20)]))
     try:
-        version = npformat.read_magic(f)
-        if version not in ((1, 0), (2, 0), (3, 0)):
-            raise FormatError(f"unsupported .npy version {version}")
-        if version == (1, 0):
-            shape, fortran, dtype = npformat.read_array_header_1_0(f, max_header_size=1 << 20)
-        elif version == (2, 0):
-            shape, fortran, dtype = npformat.read_array_header_2_0(f, max_header_size=1 << 20)
-        else:  # 3.0 headers are UTF-8; numpy reads them only through its private helper
-            shape, fortran, dtype = _read_v3(f)
+        with _HEADER_LOCK:
+            version = npformat.read_magic(f)
+            if version not in ((1, 0), (2, 0), (3, 0)):
+                raise FormatError(f"unsupported .npy version {version}")
+            if version == (1, 0):
+                shape, fortran, dtype = npformat.read_array_header_1_0(f, max_header_size=1 << 20)
+            elif version == (2, 0):
+                shape, fortran, dtype = npformat.read_array_header_2_0(f, max_header_size=1 << 20)
+            else:  # 3.0 headers are UTF-8; numpy reads them only through its private helper
+                shape, fortran, dtype = _read_v3(f)
     except FormatError:
         raise
     except Exception as exc:  # ValueError, SyntaxError, tokenize.TokenError...: a bad header

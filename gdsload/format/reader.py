@@ -195,13 +195,31 @@ class ShardedDataset:
 
     # -- integrity -----------------------------------------------------------------------------
     def verify(self, *, hashes: bool = True) -> dict[str, list[str]]:
-        """Check every shard; returns `{shard name: [problem, ...]}` for the bad ones only."""
+        """Check every shard, and that the folder holds no shard files the manifest does not list;
+        returns `{file name: [problem, ...]}` for the bad shards and those files only."""
         bad: dict[str, list[str]] = {}
         for s, entry in enumerate(self.shards):
             problems = self._verify_shard(s, entry, hashes=hashes)
             if problems:
                 bad[entry["name"]] = problems
+        bad.update(self.unlisted())
         return bad
+
+    def unlisted(self) -> dict[str, list[str]]:
+        """Shard, index and temporary files in the dataset folder that the manifest does not
+        list (what a concurrent or interrupted conversion leaves): a reader that globs `*.tar`
+        would read the samples of stray shards twice, and temporaries take space."""
+        listed = {e[k] for e in self.shards for k in ("name", "index", "dali_index")}
+        out: dict[str, list[str]] = {}
+        for name in sorted(self._store.list()):
+            if name in listed:
+                continue
+            if name.startswith(".") and ".tmp-" in name:
+                out[name] = ["unfinished temporary file of a conversion, not part of the dataset (remove it)"]
+            elif name.endswith((".tar", ".idx")):
+                out[name] = [f"not listed in {mf.MANIFEST}: a reader that globs the folder would read it "
+                             f"(left by another or an interrupted conversion?); remove it, or convert again"]
+        return out
 
     def _open(self, path: str) -> BinaryIO:
         return self._fs.open(path, "rb") if self._fs is not None else open(path, "rb")

@@ -17,13 +17,29 @@ How a file becomes visible, which is what crash safety rests on:
 
 Listing caches of fsspec filesystems are dropped before every existence or listing query: other
 processes (the Ray workers, an earlier run) write into the same prefix.
+
+One writer at a time (`Store.lock`): a local root is locked with `flock` on `ROOT/.gdsload.lock`
+(POSIX; no lock on Windows), which names the holder (pid, host, start time) and is removed when
+the holder is done. The kernel drops the lock when the holder dies, however it dies, so a stale
+file never blocks anyone; NFS (v4, or v3 with lockd) carries `flock` between hosts on Linux.
+Processes forked while it is held share it (the conversion's workers). At an fsspec URL there is no lock:
+object stores have no exclusive-create that works through fsspec for every backend, so two writers
+into one URL at once are not detected (run one conversion per destination; `gdsload verify`
+reports the objects such a race leaves that the manifest does not list).
+
+Write errors name the file: an `OSError` from `write()`, `flush()` or `fsync()` (a full disk's
+ENOSPC carries no file name) is re-raised with the path, and a failed file leaves no temporary.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -46,8 +62,19 @@ def url_to_fs(url: str) -> tuple[Any, str]:
         raise MissingDependencyError(f"{url}: {exc}") from exc
 
 
+LOCK = ".gdsload.lock"  # the writer lock of a local dataset root (see the module docstring)
+
+
 def local_path(path: str | os.PathLike[str]) -> Path:
     return Path(str(path).removeprefix("file://"))
+
+
+def named(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """`exc` with `path` as its file name where it has none (ENOSPC from `write()` has none); the
+    errno picks the same subclass (`PermissionError`, ...)."""
+    if exc.filename is None and exc.errno is not None:
+        return OSError(exc.errno, exc.strerror, str(path))
+    return exc
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
@@ -61,6 +88,9 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise named(exc, tmp) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -122,6 +152,12 @@ class Store(ABC):
     @abstractmethod
     def make_dirs(self, name: str = "") -> None: ...
 
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the root for one writer while inside; a second one raises `DestinationError`
+        naming the holder. Only local roots are locked (see the module docstring)."""
+        yield
+
 
 # -- a local folder ------------------------------------------------------------------------------
 class _LocalPending(PendingFile):
@@ -131,18 +167,28 @@ class _LocalPending(PendingFile):
         self._f: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 - closed by commit/abort
 
     def write(self, data: bytes | memoryview) -> int:
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            raise named(exc, self.tmp) from exc
 
     def commit(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            raise named(exc, self.tmp) from exc
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            if not self._f.closed:
+                self._f.close()  # on a full disk its flush fails again (the file is closed anyway)
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 class LocalStore(Store):
@@ -186,6 +232,44 @@ class LocalStore(Store):
 
     def make_dirs(self, name: str = "") -> None:
         self._p(name).mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        try:
+            import fcntl  # POSIX
+        except ImportError:  # Windows: no lock
+            yield
+            return
+        self.make_dirs()
+        path = self._p(LOCK)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise DestinationError(
+                    f"{self.root} is being written by another gdsload conversion "
+                    f"({holder or 'holder unknown'}, lock {path}); wait for it to finish or stop it "
+                    f"(the lock goes with that process)"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the previous holder removed the file between our open and flock: retry
+        try:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {stamp}\n".encode(), 0)
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while still locked, so nobody holds a lock on a removed file
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 # -- an fsspec URL -------------------------------------------------------------------------------

@@ -29,9 +29,11 @@ Deadlines: unary calls have `deadline_s`; a stream has `stream_deadline_s` as it
 (it is then resumed like a broken one) and is cancelled and resumed when no message arrives for
 `deadline_s`.
 
-Processes: channels are made on first use in each process (keyed by `os.getpid()`), so a loader
-built in a parent can be used inside forked `torch.utils.data.DataLoader` workers; pickling drops
-channels and threads (spawned workers). grpc is imported here, not by `import gdsload`.
+Processes: a loader pickles to its configuration and cursor (`gdsload.forksafe`): channels,
+credentials, locks and the receiver thread are made afresh in the process that iterates it, and
+a forked child finds the parent's by a pid check and leaves them alone. So a loader built (and
+used) in a parent works in `torch.utils.data.DataLoader` workers under fork, spawn and
+forkserver, continuing from the parent's cursor. grpc is imported here, not by `import gdsload`.
 """
 
 from __future__ import annotations
@@ -49,11 +51,14 @@ from typing import Any, Literal
 import numpy as np
 
 from gdsload.errors import GdsloadError, require
+from gdsload.forksafe import ProcessLocal
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 import grpc
 
+from gdsload.fields import parse_columns
+from gdsload.mapping import MapStage
 from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 from gdsload.service import mixwire, status, wire
@@ -93,21 +98,23 @@ class _FeedStub(pb_grpc.FeedStub):
 
 
 class _Channels:
-    """One channel per address, per process. After a fork the child makes its own channels and
-    leaves the parent's alone (their threads and sockets belong to the parent)."""
+    """One channel per address, in the process that made this object (`_Link` makes one per
+    process: the parent's channels, threads and sockets belong to the parent). `tls`: the PEM
+    bytes (root certificates, private key, certificate chain) or None; the credentials are made
+    here, since grpc's cannot be pickled."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]):
-        self._credentials = credentials
+    def __init__(self, tls: tuple[bytes | None, bytes | None, bytes | None] | None, options: list[tuple[str, Any]]):
+        self._credentials = None
+        if tls is not None:
+            root, key, chain = tls
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
+                                                             certificate_chain=chain)
         self._options = options
-        self._pid = -1
         self._stubs: dict[str, tuple[grpc.Channel, _FeedStub]] = {}
         self._lock = threading.Lock()
 
     def stub(self, address: str) -> _FeedStub:
         with self._lock:
-            if self._pid != os.getpid():
-                self._stubs = {}
-                self._pid = os.getpid()
             entry = self._stubs.get(address)
             if entry is None:
                 if self._credentials is not None:
@@ -120,13 +127,12 @@ class _Channels:
 
     def close(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
-                for channel, _ in self._stubs.values():
-                    channel.close()
+            for channel, _ in self._stubs.values():
+                channel.close()
             self._stubs = {}
 
 
-class RemoteLoader(PlanCursor):
+class RemoteLoader(ProcessLocal, PlanCursor):
     """Batches of a dataset served by `gdsload serve`, as the local `DataLoader` would make them.
 
     `address`: "HOST:PORT" or a list of them; rank r starts on address ``r % len`` and fails
@@ -155,7 +161,12 @@ class RemoteLoader(PlanCursor):
 
     Training transforms are random: remote and local batches are the same crops only when both
     decode the same batches in the same sequence; evaluation transforms are deterministic.
+
+    Processes: pickles to its configuration and cursor; a copy or a forked child connects afresh
+    and continues where the loader stood (`state_dict()`).
     """
+
+    _PROCESS_LOCAL = ("_active", "_stats")
 
     def __init__(
         self,
@@ -191,6 +202,8 @@ class RemoteLoader(PlanCursor):
         batches_per_stream: int = 0,
         max_message_bytes: int = 64 * MiB,
         keepalive: Keepalive | None = None,
+        map: Any = None,
+        collate_fn: Any = None,
     ):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
@@ -226,6 +239,8 @@ class RemoteLoader(PlanCursor):
         self.transform = transform
         self._spec = wire.transform_to_spec(transform) if decode else None
         self.tuple_fields = list(fields) if fields is not None else None
+        # map / collate_fn run here on the client, in the consumer's thread (gdsload.mapping)
+        self._stage = MapStage.create(map, collate_fn, "thread")
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
         self.output = output or ("torch" if _torch() is not None else "numpy")
@@ -238,21 +253,18 @@ class RemoteLoader(PlanCursor):
         self.prefetch = int(prefetch)
         self.batches_per_stream = int(batches_per_stream)
         self.max_message_bytes = int(max_message_bytes)
-        credentials = None
+        pems = None  # PEM bytes, not grpc's credentials: those do not pickle (see _Channels)
         if tls or tls_ca or tls_cert or tls_key:
             if bool(tls_cert) != bool(tls_key):
                 raise GdsloadError("mutual TLS needs both tls_cert and tls_key")
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=read_pem(tls_ca, "tls_ca") if tls_ca else None,
-                private_key=read_pem(tls_key, "tls_key") if tls_key else None,
-                certificate_chain=read_pem(tls_cert, "tls_cert") if tls_cert else None,
-            )
+            pems = (read_pem(tls_ca, "tls_ca") if tls_ca else None, read_pem(tls_key, "tls_key") if tls_key else None,
+                    read_pem(tls_cert, "tls_cert") if tls_cert else None)
         options: list[tuple[str, Any]] = channel_options(self.max_message_bytes, keepalive or Keepalive())
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         self._link = _Link(
             addresses, self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0,
-            (credentials, options), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
+            (pems, options), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
             stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
             max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
             max_backoff_s=float(max_backoff_s))
@@ -260,8 +272,16 @@ class RemoteLoader(PlanCursor):
         self._info: pb.DatasetInfo | None = None
         self._epoch = 0
         self._position = 0
+        self._start_process()
+
+    def _init_process_local(self) -> None:
         self._active: weakref.ref[_RemoteEpoch] | None = None  # weak: see "Lifetime" above
         self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0}
+
+    def _enter_process(self) -> None:
+        """In a forked child, leave the parent's epoch, channels and locks alone and start afresh."""
+        self._check_process()
+        self._link._check_process()
 
     # -- plan, from the server's manifest ---------------------------------------------------------
     @property
@@ -325,6 +345,7 @@ class RemoteLoader(PlanCursor):
         return self._active() if self._active is not None else None
 
     def __iter__(self) -> _RemoteEpoch:
+        self._enter_process()
         active = self._active_epoch()
         if active is not None:
             active.close()
@@ -337,6 +358,7 @@ class RemoteLoader(PlanCursor):
         return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address())
 
     def close(self) -> None:
+        self._enter_process()
         active = self._active_epoch()
         if active is not None:
             active.close()
@@ -349,21 +371,13 @@ class RemoteLoader(PlanCursor):
         except Exception:
             pass
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_active")  # `_link` drops its channels and lock itself
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._active = None
-
     def __repr__(self) -> str:
         return (f"gdsload.RemoteLoader({self.addresses!r}, dataset={self.dataset!r}, "
                 f"batch_size={self.batch_size}, rank={self.rank}, world_size={self.world_size})")
 
     # -- calls ------------------------------------------------------------------------------------
     def _unary(self, method: str, request: Any) -> Any:
+        self._enter_process()
         return self._link.unary(method, request)
 
     def _request(self, epoch: int, position: int) -> pb.BatchRequest:
@@ -382,27 +396,42 @@ class RemoteLoader(PlanCursor):
         )
 
     def _convert(self, batch: dict[str, Any]) -> Any:
+        batch = parse_columns(batch, decode=self.decode)  # text, json, ragged .npy: as locally
+        if self._stage is not None:
+            names = [f"{k}" for k in batch[wire.KEY]]
+            return self._stage.start(0).run(batch, names, self._to_output)
         if self.output == "torch":
             torch = _torch()
             for k, v in batch.items():
                 if isinstance(v, np.ndarray):
                     t = torch.from_numpy(v)
                     batch[k] = t.to(self.device, non_blocking=True) if self.device != "cpu" else t
+                elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # a ragged .npy field
+                    batch[k] = [self._to_output(a) for a in v]
         if self.tuple_fields is not None:
             return tuple(batch[f] for f in self.tuple_fields)
         return batch
+
+    def _to_output(self, arr: np.ndarray) -> Any:
+        if self.output != "torch":
+            return arr
+        t = _torch().from_numpy(arr)
+        return t.to(self.device, non_blocking=True) if self.device != "cpu" else t
 
 
 class _Retry(Exception):
     """A stream ended early without an error status (e.g. a draining server)."""
 
 
-class _Link:
+class _Link(ProcessLocal):
     """How a loader reaches its servers, shared by the loader and its receiver threads: channels,
     addresses and the one in use, call metadata, deadlines and the retry policy.
 
-    It refers to no loader and no epoch, so a thread holding it keeps neither alive. Pickling
-    drops the channels, lock and random generator (rebuilt on unpickling)."""
+    It refers to no loader and no epoch, so a thread holding it keeps neither alive. Its
+    channels, lock and random generator are per process (`ProcessLocal`; the loader checks).
+    """
+
+    _PROCESS_LOCAL = ("channels", "_lock", "_rng")
 
     def __init__(self, addresses: list[str], index: int, channel_args: tuple, call_metadata: Any, *,
                  dataset: str, deadline_s: float, stream_deadline_s: float, retry_timeout_s: float,
@@ -419,22 +448,12 @@ class _Link:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.reconnects = 0
-        self._setup()
+        self._start_process()
 
-    def _setup(self) -> None:
+    def _init_process_local(self) -> None:
         self.channels = _Channels(*self.channel_args)
         self._lock = threading.Lock()
         self._rng = random.Random()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for k in ("channels", "_lock", "_rng"):
-            state.pop(k)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._setup()
 
     def address(self) -> str:
         with self._lock:
@@ -555,11 +574,12 @@ class _Receiver:
 
     def cancel(self) -> None:
         """Stop the thread and cancel the call in flight; never blocks (safe in a finalizer)."""
+        if os.getpid() != self.pid:  # a forked child: the thread, the call and their locks are the parent's
+            return
         self.stop.set()
-        if os.getpid() == self.pid:  # a forked child must not touch the parent's call
-            with self._call_lock:
-                if self._call is not None:
-                    self._call.cancel()
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
 
     def watchdog(self) -> None:
         """Cancel a stream that sent nothing for `deadline_s` (it is then resumed)."""
@@ -679,7 +699,8 @@ class _RemoteEpoch:
         self.receiver = _Receiver(loader._link, loader._request(epoch, position), epoch=epoch,
                                   position=position, global_batch=plan.global_batch,
                                   end=plan.end_position, prefetch=loader.prefetch)
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # the receiver thread and its call exist in this process only
+        self._successor: _RemoteEpoch | None = None
         self._done = False
         self._finalizer = weakref.finalize(self, self.receiver.cancel)
         self.thread = threading.Thread(target=self.receiver.run, name="gdsload-remote", daemon=True)
@@ -689,6 +710,8 @@ class _RemoteEpoch:
         return self
 
     def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
         if self._done:
             raise StopIteration
         L = self.loader
@@ -715,6 +738,21 @@ class _RemoteEpoch:
             raise StopIteration
         self.close()
         raise item[1]
+
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its receiver thread is not here and its
+        queue's lock may be held, so continue with a new iteration of the child's copy of the
+        loader, which starts at the loader's cursor (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._done:
+                raise StopIteration
+            self._done = True
+            self._successor = iter(self.loader)
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.RemoteLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
 
     def _finish(self) -> None:
         self.close()

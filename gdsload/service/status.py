@@ -73,6 +73,15 @@ class RemoteError(GdsloadError):
         self.code = code
         self.address = address
 
+    def __reduce__(self):
+        # keyword-only arguments: the default (positional args) cannot rebuild it when it travels
+        # from a worker process (a Pool task, a torch DataLoader worker) to its parent
+        return _remote_error, (type(self), self.args[0], self.code, self.address)
+
+
+def _remote_error(cls: type[RemoteError], message: str, code: str, address: str | None) -> RemoteError:
+    return cls(message, code=code, address=address)
+
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownDataset, grpc.StatusCode.NOT_FOUND),

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.decode.image import ImageTransform
+from gdsload.fields import to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
 from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
@@ -69,7 +70,8 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
             if arr.nbytes:
                 pieces.append(memoryview(arr.reshape(-1).view(np.uint8)))
         elif isinstance(value, (list, tuple)):
-            lengths = [memoryview(v).nbytes for v in value]
+            value = [v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v) for v in value]
+            lengths = [memoryview(v).nbytes for v in value]  # text, json, ragged .npy: bytes items
             fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_BYTES, item_nbytes=lengths,
                                        nbytes=sum(lengths)))
             pieces.extend(v for v, n in zip(value, lengths) if n)
@@ -133,7 +135,8 @@ def body_nbytes(batch: Mapping[str, Any]) -> int:
     n = 0
     for name, value in batch.items():
         if name not in (KEY, SOURCE):
-            n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(v).nbytes for v in value)
+            n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(
+                v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v)).nbytes for v in value)
     return n
 
 

@@ -27,9 +27,13 @@ STATE = ".gdsload-convert"
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file's size, mtime and hash, except the writer lock (`.gdsload.lock`: a killed run
+    leaves it, unlocked; the next run, refused or not, takes it and removes it when done)."""
     out = {}
     for dirpath, _, filenames in os.walk(root):
         for n in filenames:
+            if n == ".gdsload.lock":
+                continue
             p = Path(dirpath) / n
             st = p.stat()
             out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())

@@ -47,7 +47,7 @@ def assert_same_dataset(got: dict[str, bytes], want: dict[str, bytes], got_src: 
             want["rejected.jsonl"].decode().replace(want_src, "SRC")
     gm, wm = json.loads(got["manifest.json"]), json.loads(want["manifest.json"])
     for m in (gm, wm):
-        for k in ("at", "seconds", "source"):
+        for k in ("at", "seconds", "source", "fingerprint"):  # the fingerprint hashes input paths
             m["created"].pop(k)
     assert gm == wm
 

@@ -90,13 +90,17 @@ def test_corrupt_on_every_address_is_final(two_nodes):
     from gdsload.service.status import RemoteError
 
     addresses, copies = two_nodes
+    last = sorted(p.name for p in copies[0].glob("*.tar"))[-1]
     for copy in copies:
-        _break(copy / sorted(p.name for p in copy.glob("*.tar"))[-1], "replace")
+        _break(copy / last, "replace")
     loader = RemoteLoader(addresses, dataset="feats", batch_size=BATCH, rank=0, world_size=1,
                           backoff_s=0.01, output="numpy")
     with pytest.raises(RemoteError) as e:
         for _ in loader:
             pass
-    assert e.value.code == "DATA_LOSS" and "short read" in str(e.value)
+    # The truncated copy is caught by the size check of Dataset(verify="fast") when the stream
+    # opens the shard, before any read comes up short.
+    assert e.value.code == "DATA_LOSS" and last in str(e.value)
+    assert "changed after conversion" in str(e.value)
     assert any("every address" in note for note in e.value.__notes__)
     assert loader.stats()["reconnects"] == 1  # moved to the other address once, not back again
