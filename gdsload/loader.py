@@ -51,6 +51,7 @@ from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
 from gdsload.mapping import MapStage, host_copy
 from gdsload.plan import PlanCursor
+from gdsload.sizes import SizeError, parse_size
 
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
@@ -146,15 +147,11 @@ class Dataset(ProcessLocal):
 
 def _parse_limit(limit: int | str) -> int:
     """`cache_limit` in bytes: an int, or a size string as the CLI takes (`50GB`, `1.5GiB`)."""
-    import argparse
-
-    from gdsload.cli import parse_size  # a pure function; cli imports nothing heavy at the top
-
     if isinstance(limit, bool) or not isinstance(limit, (int, str)):
         raise GdsloadError(f"cache_limit must be bytes (an int) or a size such as '50GB', got {limit!r}")
     try:
         n = parse_size(limit) if isinstance(limit, str) else limit
-    except argparse.ArgumentTypeError as exc:
+    except SizeError as exc:
         raise GdsloadError(f"cache_limit: {exc}") from None
     if n <= 0:
         raise GdsloadError(f"cache_limit must be positive, got {limit!r}")
