@@ -11,31 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from gdsload import sizes
 from gdsload.errors import GdsloadError
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str) -> int:
-    """`1073741824`, `512MB`, `1GiB`, `1.5G` -> bytes (decimal units for KB/MB/GB, binary for KiB...)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use bytes or a number with a unit such as 512MB, 1GiB"
-        )
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be positive")
-    return n
+    """A size argument (`512MB`, `1GiB`; rules in `gdsload.sizes`) for argparse."""
+    try:
+        return sizes.parse_size(text)
+    except sizes.SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _human(n: float) -> str:

@@ -51,6 +51,7 @@ from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
 from gdsload.mapping import MapStage, host_copy
 from gdsload.plan import PlanCursor
+from gdsload.sizes import SizeError, parse_size
 
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
@@ -61,18 +62,38 @@ class Dataset(ProcessLocal):
     `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
     members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
 
-    Pickles to its path, fields and `verify`; a copy in another process (or a forked child) opens
-    the dataset again on first use and refuses it if its content changed in between.
+    A dataset at a URL (s3://, gs://, http(s)://) is read through a local shard cache
+    (`gdsload.format.cache`): whole shards are fetched ahead of the plan and evicted by it.
+    `cache_dir=None` uses `$XDG_CACHE_HOME/gdsload/shards` (else `~/.cache/gdsload/shards`);
+    `cache_dir=False` reads byte ranges from the store instead. `cache_limit` (bytes, or a size
+    such as "50GB", "200GiB") bounds the folder. A local dataset has no cache.
+
+    Pickles to its path, fields, `verify` and cache settings; a copy in another process (or a
+    forked child) opens the dataset again on first use and refuses it if its content changed in
+    between.
     """
 
     _PROCESS_LOCAL = ("_shards",)
 
-    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast"):
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
+                 cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
+                 cache_limit: int | str = "50GB"):
+        from gdsload.format.store import is_remote
+
         self.path = str(path)
         self.verify = check_mode(verify)
         self._start_process()
         self._shards = ShardedDataset(path)
         self._id = self._content_id(self._shards)
+        self.cache_limit = _parse_limit(cache_limit)
+        if cache_dir is False or not is_remote(self.path):
+            self.cache_dir: str | None = None
+        elif cache_dir is None:
+            from gdsload.format.cache import default_cache_dir
+
+            self.cache_dir = str(default_cache_dir())
+        else:
+            self.cache_dir = str(cache_dir)
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
         if unknown:
@@ -118,6 +139,23 @@ class Dataset(ProcessLocal):
 
     def __repr__(self) -> str:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
+
+    def _with_fields(self, fields: Sequence[str]) -> "Dataset":
+        return Dataset(self.path, fields=fields, verify=self.verify, cache_dir=self.cache_dir or False,
+                       cache_limit=self.cache_limit)
+
+
+def _parse_limit(limit: int | str) -> int:
+    """`cache_limit` in bytes: an int, or a size string as the CLI takes (`50GB`, `1.5GiB`)."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, str)):
+        raise GdsloadError(f"cache_limit must be bytes (an int) or a size such as '50GB', got {limit!r}")
+    try:
+        n = parse_size(limit) if isinstance(limit, str) else limit
+    except SizeError as exc:
+        raise GdsloadError(f"cache_limit: {exc}") from None
+    if n <= 0:
+        raise GdsloadError(f"cache_limit must be positive, got {limit!r}")
+    return n
 
 
 def _check_mix_tensors(mix: Mix, fplans: list[_FieldPlan]) -> None:
@@ -197,7 +235,7 @@ class DataLoader(ProcessLocal, PlanCursor):
     """
 
     _PROCESS_LOCAL = ("_ring", "_backend", "_host_backend", "_streams", "device_ordinal", "_decoder", "_active_ref",
-                      "_fields", "_stats", "_cuda_lost", "_planner")
+                      "_fields", "_stats", "_cuda_lost", "_planner", "_cache")
 
     def __init__(
         self,
@@ -236,8 +274,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         else:
             self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
             if fields is not None:
-                self.dataset = Dataset(self.dataset.path, fields=[f for f in fields if f != "__key__"],
-                                       verify=self.dataset.verify)
+                self.dataset = self.dataset._with_fields([f for f in fields if f != "__key__"])
         self.tuple_fields = list(fields) if fields is not None else None
         self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
             map, collate_fn, worker_mode)
@@ -292,6 +329,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._fields: list[_FieldPlan] | None = None
         self._ring = None
         self._backend = None
+        self._cache = None  # a ShardCache for a dataset at a URL with a cache folder
         self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
         self._streams = None  # gdsload.device.CopyStreams, with a device ring
         self._host_backend = None  # POSIX for host-arena reads, beside a device backend
@@ -408,7 +446,9 @@ class DataLoader(ProcessLocal, PlanCursor):
         spec: dict[str, tuple[tuple[int, ...], str]] = {}
         host: dict[str, tuple[tuple[int, ...], str]] = {}
         want_device = self.device == "cuda"
-        io = self.io_name if self.io_name != "auto" else choose_backend(ds.root, device=want_device)
+        cache_dir = getattr(self.dataset, "cache_dir", None)  # a Mix has none: it reads ranges
+        where = cache_dir if cache_dir is not None else ds.root  # cached shards are local files
+        io = self.io_name if self.io_name != "auto" else choose_backend(where, device=want_device)
         threads = max(2, self.num_workers)
         if want_device:
             from gdsload.device import resolve_ordinal
@@ -416,6 +456,19 @@ class DataLoader(ProcessLocal, PlanCursor):
             self.device_ordinal = resolve_ordinal(self._device_index)
         kw = {"device_id": self.device_ordinal} if io == "kvikio" and want_device else {}
         self._backend = open_backend(io, threads=threads, **kw)
+        if cache_dir is not None:
+            from gdsload.format.cache import ShardCache
+
+            ref = weakref.ref(self)
+
+            def forget(path: str) -> None:  # backends close their fd: an evicted file frees its space
+                loader = ref()
+                for b in (loader._backend, loader._host_backend) if loader is not None else ():
+                    if b is not None and hasattr(b, "forget"):
+                        b.forget(path)
+
+            self._cache = ShardCache(ds.root, ds.shards, cache_dir, self.dataset.cache_limit, on_release=forget)
+            self._cache.check_limit(self.plan.window)
         direct = want_device and getattr(self._backend, "device_capable", False)
         staging = 0
         for fp in fplans:
@@ -501,6 +554,9 @@ class DataLoader(ProcessLocal, PlanCursor):
         active = self._active
         if active is not None:
             active.close()
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
         for backend in (self._backend, self._host_backend):
             if backend is not None:
                 backend.close()
@@ -530,6 +586,9 @@ class _Epoch:
         self.batches = list(loader.plan.batches(epoch, position))
         self.ring = loader._ring
         self.ring.reset()
+        if loader._cache is not None:  # the shards of every batch, so the cache can fetch ahead
+            ends = np.cumsum(loader.dataset.shard_sizes)
+            loader._cache.start_epoch([np.unique(np.searchsorted(ends, b, side="right")) for b in self.batches])
         self.next_seq = 0
         self.handed = None
         self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
@@ -597,6 +656,7 @@ class _Epoch:
             if self is None:
                 return
             decoded = False
+            cache = self.loader._cache
             try:
                 decoded = self._fill(slot, seq, self.batches[seq])
             except RingClosed:
@@ -605,6 +665,8 @@ class _Epoch:
                 self.ring.fail(slot, exc)
                 continue
             finally:
+                if cache is not None:
+                    cache.release(seq)
                 if self.has_images:  # turns not taken (a failure before or between decodes)
                     self._skip_turn(seq)
             self.ring.publish(slot)
@@ -667,6 +729,13 @@ class _Epoch:
         layout, hl = self._layout, self._host_layout
         to_host = hl is not None and L._host_backend is None
         paths = L._planner.paths
+        local = None
+        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            local = L._cache.acquire(seq, np.unique(reads.shard).tolist())
+            paths = list(paths)
+            for s, path in local.items():
+                paths[s] = path
+            paths = tuple(paths)
         n = reads.n
         rows = []  # .npy rows: (file, offset, nbytes, out offset) into their batch tensor
         for name, (off, nb) in reads.tensors.items():
@@ -683,6 +752,8 @@ class _Epoch:
             jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
                     (L._host_backend, ExtentTable.concat(paths, [staged]), slot.host_flat)]
         nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
+        if local is not None:  # read: unpin now, not after the decode turn (as `_fill_members`)
+            L._cache.release(seq)
         streams = L._streams
         names = reads.names
         meta: dict[str, Any] = {"keys": reads.keys, "n": n, "bytes": nbytes, "extra": {}}
@@ -778,6 +849,10 @@ class _Epoch:
         # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
         to_host = self._host_layout is not None and L._host_backend is None
         cursor = 0
+        local = None
+        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            ends = np.cumsum(L.dataset.shard_sizes)
+            local = L._cache.acquire(seq, np.unique(np.searchsorted(ends, ids, side="right")).tolist())
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
@@ -789,7 +864,7 @@ class _Epoch:
             mode = L._shard_verify[s]
             crcs = (dict(zip(members, idx.crcs(j)))
                     if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
-            path = ds.shard_path(s)
+            path = local[s] if local is not None else ds.shard_path(s)
             for fp in L._fields:
                 m = members.get(fp.name)
                 if m is None:
@@ -842,6 +917,8 @@ class _Epoch:
                 base = hl["__staging__"]
                 reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
         nbytes = sum(f.result() for f in reads)
+        if local is not None:  # read: unpin now, not after the decode turn (which waits on
+            L._cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
         checks.run()
         streams = L._streams
         meta: dict[str, Any] = {"keys": keys, "n": len(ids), "bytes": nbytes, "extra": {}}
@@ -1055,6 +1132,8 @@ class _Epoch:
             "num_workers": L.num_workers,
             "auto": ",".join(k for k, v in L._auto.items() if v) or None,
         }
+        if L._cache is not None:
+            L._stats["cache"] = L._cache.stats()
 
     def _finish(self) -> None:
         self.close()

@@ -57,6 +57,21 @@ def test_loader_bench_prefetch_sweep_tiny(tmp_path):
     assert set(r["wait_fraction"]) == {str(p) for p in mod.SWEEP}
     assert r["best_fixed"] != "auto" and r["auto_chose"][0] >= 2
 
+def test_cache_bench_tiny_gdsload(tmp_path):
+    """The object-store benchmark's gdsload contestants (cache cold and warm, ranges, local) over
+    its latency- and bandwidth-capped local S3 server."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    r = _load("cache_bench").main(["--tiny", "--contestants", "gdsload", "--workdir", str(tmp_path),
+                                   "--out", str(tmp_path / "r.json")])
+    t = r["tiers"]["R"]
+    assert t["agree"] and {t[c]["samples"] for c in ("gdsload-cache", "gdsload-warm", "gdsload-ranges",
+                                                      "gdsload-local")} == {48}
+    fetched = t["gdsload-cache"]["runs"][0]["stats"]["cache"]["fetches"]
+    assert fetched > 0  # the warm run's second epoch fetched nothing more:
+    assert t["gdsload-warm"]["runs"][0]["stats"]["cache"]["fetches"] == fetched
+    assert t["cache_over_ranges"]["median"] > 0 and (tmp_path / "r.json").is_file()
+
 
 def test_map_bench_tiny(tmp_path):
     pytest.importorskip("webdataset")

@@ -216,6 +216,15 @@ class PosixBackend(PooledBackend):
         self._stats.add(reads=calls, bytes_read=payload, bytes_transferred=moved)
         return payload
 
+    def forget(self, path: str) -> None:
+        """Close the cached fd of `path` (reopened on the next read). The caller guarantees no
+        read of `path` is in flight; the shard cache calls this before a file can be evicted, so
+        an unlinked file does not keep its disk space through a descriptor held here."""
+        with self._lock:
+            entry = self._fds.pop(path, None)
+        if entry is not None:
+            os.close(entry[0])
+
     def _release(self) -> None:
         with self._lock:
             fds = [fd for fd, _ in self._fds.values()] + self._retired

@@ -16,6 +16,11 @@ What is shared between consumers of one dataset (thread-safe):
 Per stream: a `DataLoader` with its reader threads, I/O backend and ring (bounded memory:
 `workers * prefetch` batches), and its DALI pipeline when decoding.
 
+A root may also be the URL of one dataset (`s3://bucket/train`): its name is the URL's last part,
+and it is read through the node's shard cache (`gdsload.format.cache`, `cache_dir` and
+`cache_limit` as for `gdsload.Dataset`; `cache_dir=False` reads byte ranges), shared by every
+stream and by any other process using the same folder.
+
 Names are rescanned (at most once every `rescan_s`) when a name is not found, so datasets
 converted after the server started appear without a restart; a dataset whose manifest changed
 (rewritten with --overwrite) is reopened.
@@ -39,15 +44,17 @@ from gdsload.service.status import BadRequest, UnknownDataset, shown
 
 @dataclass
 class _Entry:
-    path: Path
-    stamp: tuple[int, int]  # (mtime_ns, size) of manifest.json when opened
+    path: Path | str  # a folder, or the URL of a dataset
+    stamp: tuple  # (mtime_ns or ETag, size) of manifest.json when opened
     dataset: Dataset
     max_nbytes: dict[str, int]  # field -> largest member of that field, in bytes
 
 
-def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path]:
-    """Name -> folder of every dataset below `roots` (see the module docstring)."""
-    found: dict[str, Path] = {}
+def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path | str]:
+    """Name -> folder (or URL) of every dataset below `roots` (see the module docstring)."""
+    from gdsload.format.store import is_remote
+
+    found: dict[str, Path | str] = {}
 
     def add(name: str, path: Path) -> None:
         if name in found and found[name] != path:
@@ -58,6 +65,10 @@ def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path]:
         found[name] = path
 
     for root in roots:
+        if is_remote(str(root)):  # the URL of one dataset
+            url = str(root).rstrip("/")
+            add(url.rsplit("/", 1)[-1], url)
+            continue
         root = Path(root).resolve()
         if not root.is_dir():
             raise GdsloadError(f"dataset root {root} is not a folder")
@@ -72,7 +83,13 @@ def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path]:
     return found
 
 
-def _stamp(path: Path) -> tuple[int, int]:
+def _stamp(path: Path | str) -> tuple:
+    if isinstance(path, str):  # a URL: the object's ETag (or modification time) and size
+        from gdsload.format.store import FsspecStore
+
+        store = FsspecStore(path)
+        info = store.fs.info(store._fresh(MANIFEST))  # FileNotFoundError: an OSError, as below
+        return str(info.get("ETag") or info.get("LastModified") or info.get("mtime")), info.get("size")
     st = (path / MANIFEST).stat()
     return st.st_mtime_ns, st.st_size
 
@@ -81,10 +98,12 @@ class Catalog:
     """Thread-safe name -> shared `Dataset`. Raises `UnknownDataset` naming the name and the
     served ones."""
 
-    def __init__(self, roots: Sequence[str | os.PathLike[str]], *, rescan_s: float = 2.0):
+    def __init__(self, roots: Sequence[str | os.PathLike[str]], *, rescan_s: float = 2.0,
+                 cache_dir: str | os.PathLike[str] | bool | None = None, cache_limit: int | str = "50GB"):
         if not roots:
             raise GdsloadError("give at least one dataset root")
         self.roots = [str(r) for r in roots]
+        self.cache_dir, self.cache_limit = cache_dir, cache_limit  # for datasets at a URL
         self.rescan_s = rescan_s
         self._lock = threading.Lock()
         self._paths = find_datasets(self.roots)
@@ -127,7 +146,8 @@ class Catalog:
             entry = self._open.get(name)
             if entry is not None and entry.stamp == stamp and entry.path == path:
                 return entry
-        dataset = Dataset(str(path))  # outside the lock: reads the manifest
+        dataset = Dataset(str(path), cache_dir=self.cache_dir, cache_limit=self.cache_limit)  # outside
+        # the lock: reads the manifest
         entry = _Entry(path, stamp, dataset, {})
         with self._lock:
             current = self._open.get(name)

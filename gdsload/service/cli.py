@@ -25,7 +25,13 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     from gdsload.service.config import Limits
 
     d = Limits()
-    s.add_argument("roots", nargs="+", metavar="ROOT", help="folders holding datasets")
+    s.add_argument("roots", nargs="+", metavar="ROOT", help="folders holding datasets, or URLs of datasets")
+    s.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="shard cache for URL roots (default: ~/.cache/gdsload/shards; 'none': read ranges)")
+    from gdsload.cli import parse_size
+
+    s.add_argument("--cache-limit", metavar="SIZE", type=parse_size, default="50GB",
+                   help="shard cache size limit (default 50GB)")
     s.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces)")
     s.add_argument("--token-file", metavar="PATH", help="require 'authorization: Bearer TOKEN' (token in PATH)")
@@ -103,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.roots, address=args.listen, token=token, tls=tls, limits=limits,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
         prefetch=args.prefetch, decode_threads=args.decode_threads, grace_s=args.grace, logger=log,
+        cache_dir=False if args.cache_dir == "none" else args.cache_dir, cache_limit=args.cache_limit,
     )
     stop = threading.Event()
     received: list[str] = []

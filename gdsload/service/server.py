@@ -581,6 +581,8 @@ def create_server(
     decode_threads: int = 2,
     grace_s: float = 10.0,
     logger: logging.Logger | None = None,
+    cache_dir: str | bool | None = None,
+    cache_limit: int | str = "50GB",
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -590,6 +592,7 @@ def create_server(
     port; None: off), on `metrics_address` (default: the host of `address`, so a loopback feed
     does not expose its metrics to the network). `workers`/`prefetch`/`decode_threads`: per
     stream, as in `DataLoader` (>= 1). `grace_s`: how long `shutdown()` waits for open streams.
+    `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     host, listen_port = split_address(address, "--listen")
@@ -613,7 +616,7 @@ def create_server(
 
         limits = replace(limits, max_message_bytes=max_message_bytes)
     log = logger or logging.getLogger(LOGGER)
-    catalog = Catalog(roots)
+    catalog = Catalog(roots, cache_dir=cache_dir, cache_limit=cache_limit)
     metrics = Metrics()
     servicer = FeedServicer(catalog, limits, metrics, workers=workers, prefetch=prefetch,
                             decode_threads=decode_threads, logger=log)
