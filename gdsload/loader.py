@@ -1,8 +1,9 @@
 """`gdsload.Dataset` and `gdsload.DataLoader`: plan -> I/O -> decode -> ring -> training loop.
 
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
-looks up every member in the shard indexes (no tar scan), and issues one coalesced read per
-destination: `.npy` array data goes straight into the batch tensor in the ring slot (device
+plans the batch's reads with NumPy over the shard indexes (`gdsload.batchread`; no tar scan, no
+Python object per member), and issues one coalesced read table per destination
+(`gdsload.io.table`): `.npy` array data goes straight into the batch tensor in the ring slot (device
 memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
 by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
