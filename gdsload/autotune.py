@@ -51,6 +51,10 @@ class Tuner:
     _wait0: float = 0.0
     _pwait0: float = 0.0
 
+    def restart(self) -> None:
+        """A new pass: its first batch (the ring filling) is start-up, not a stall."""
+        self._t0, self._batches = None, 0
+
     def observe(self, now: float, wait_s: float, producer_wait_s: float) -> str | None:
         if self._t0 is None:  # the first batch includes start-up: measure from it
             self._t0, self._wait0, self._pwait0 = now, wait_s, producer_wait_s

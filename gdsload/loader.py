@@ -605,6 +605,8 @@ class _Epoch:
         self._turn = threading.Condition()
         self._decode_turn = 0
         self.has_images = any(fp.kind == "image" for fp in loader._fields)
+        if loader._tuner is not None:
+            loader._tuner.restart()
         self.n_images = sum(fp.kind == "image" for fp in loader._fields)  # decode turns per batch
         self.stage = loader._stage.start(loader.num_workers) if loader._stage is not None else None
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}

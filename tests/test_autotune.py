@@ -41,6 +41,19 @@ def test_rule_grows_on_stall_with_backpressure_adds_workers_without():
     assert autotune.fits(100, 400) and not autotune.fits(101, 400) and autotune.fits(1, None)
 
 
+def test_a_new_epochs_first_wait_is_not_a_stall():
+    def epochs(restart):
+        t = autotune.Tuner(True, True, 2, 2, 4)
+        acts = [t.observe(0.02 * k, 0.0, 0.0) for k in range(autotune.WINDOW + 1)]  # epoch 1: calm
+        if restart:
+            t.restart()
+        now, wait = 0.02 * autotune.WINDOW + 1.0, 1.0  # epoch 2's first batch: 1 s filling the ring
+        acts += [t.observe(now + 0.02 * k, wait, 0.0) for k in range(autotune.WINDOW)]
+        return [a for a in acts if a]
+    assert epochs(restart=False) == ["worker"]  # what the loader did before it restarted the tuner
+    assert epochs(restart=True) == []
+
+
 def test_ring_grows_while_producers_run_in_order():
     ring = Ring(SlotSpec({"x": ((4,), "int64")}), 2)
     n = 60
