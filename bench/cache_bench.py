@@ -366,7 +366,11 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="cache-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     store, endpoint = start_store(work, a.latency_ms, a.mbps)
-    os.environ.update({**ENV, "AWS_ENDPOINT_URL": endpoint, "S3_ENDPOINT_URL": endpoint})
+    # this process's fsspec finds the store through the environment; put it back afterwards (a
+    # test suite that runs main() keeps its own S3 endpoint there)
+    env = {**ENV, "AWS_ENDPOINT_URL": endpoint, "S3_ENDPOINT_URL": endpoint}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         data = prepare(work, a.images, a.shard_mb, a.tiny, others, a.other_python, endpoint)
         results: dict = {t: {c: [] for c in contestants} for t in a.tiers.split(",")}
@@ -387,6 +391,11 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         store.terminate()
         store.wait()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     report = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
               "config": {k: v for k, v in vars(a).items() if k != "out"}, "skipped": skipped,
               "dataset": {k: data[k] for k in ("files", "bytes")}, "tiers": {}}

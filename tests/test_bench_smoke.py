@@ -62,8 +62,13 @@ def test_cache_bench_tiny_gdsload(tmp_path):
     its latency- and bandwidth-capped local S3 server."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
+    import os
+
+    before = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")}
     r = _load("cache_bench").main(["--tiny", "--contestants", "gdsload", "--workdir", str(tmp_path),
                                    "--out", str(tmp_path / "r.json")])
+    # its store is gone: the session's S3 endpoint (tests/conftest.py::s3) must be back in place
+    assert {k: os.environ.get(k) for k in before} == before
     t = r["tiers"]["R"]
     assert t["agree"] and {t[c]["samples"] for c in ("gdsload-cache", "gdsload-warm", "gdsload-ranges",
                                                       "gdsload-local")} == {48}

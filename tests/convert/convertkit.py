@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import io
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+
+def write(path: Path, data: bytes) -> Path:
+    """`data` at `path`, creating its folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A ustar file at `path` holding `members` (name, bytes) in order, with a fixed mtime."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mtime = len(data), 1_600_000_000
+            tf.addfile(ti, io.BytesIO(data))
+    return path
 
 
 def convert_and_kill(argv: list[str], ready: Callable[[], bool], *, timeout: float, poll: float) -> None:

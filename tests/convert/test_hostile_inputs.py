@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 import gdsload
+from convertkit import make_tar, write
 from gdsload.cli import main
 
 
@@ -38,21 +39,6 @@ def npy_bytes(a: np.ndarray) -> bytes:
     np.save(buf, a)
     return buf.getvalue()
 
-
-def write(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
-
-
-def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-        for name, data in members:
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mtime = len(data), 1_600_000_000
-            tf.addfile(ti, io.BytesIO(data))
-    return path
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

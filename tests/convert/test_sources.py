@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from numpy.lib import format as npformat
 from PIL import Image
 
 import gdsload
+from convertkit import make_tar, write
 from gdsload.cli import main, parse_size
 
 ALIGN = 4096
@@ -41,22 +41,6 @@ def png_bytes(seed: int) -> bytes:
     Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
 
-
-def write(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
-
-
-def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-        for name, data in members:
-            ti = tarfile.TarInfo(name)
-            ti.size = len(data)
-            ti.mtime = 1_600_000_000
-            tf.addfile(ti, io.BytesIO(data))
-    return path
 
 
 def convert(src, dst, *extra: str, capsys=None) -> str:
