@@ -781,23 +781,7 @@ class _Epoch:
                 if len(kept) < n:
                     keep = kept if keep is None else [k for k in keep if k in set(kept)]
                 meta["skipped"] = meta.get("skipped", 0) + n - len(kept)
-        # from here on as `_fill_members` (several image fields, map / collate_fn)
-        if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
-            for name, kf in kepts.items():
-                rows = [kf.index(k) for k in keep]
-                bufs[name][: len(rows)] = bufs[name][rows]
-            meta["skipped"] = n - len(keep)
-        if keep is not None:  # corrupt images skipped: compact the other fields to match
-            meta["keep"] = keep
-        if streams:
-            meta["ready"] = streams.ready()
-        slot.meta.update(meta)
-        if self.stage is not None:  # map / collate_fn (gdsload.mapping), on host copies
-            if meta.get("ready") is not None:  # device ring: the private stream's copies first
-                meta["ready"].synchronize()
-            kept_names = names if keep is None else [names[k] for k in keep]
-            slot.meta["mapped"] = self.stage.run(self._make_batch(slot, host=True), kept_names,
-                                                 lambda a: self._convert(a, copy=False))
+        self._finish_fill(slot, meta, bufs, names, n, keep, kepts)
         return decoded
 
     def _host_values(self, reads, staging, mv: memoryview, meta: dict, to_host: bool, bufs) -> None:
@@ -950,23 +934,31 @@ class _Epoch:
                 if len(kept) < len(sp):
                     keep = kept if keep is None else [k for k in keep if k in set(kept)]
                 meta["skipped"] = meta.get("skipped", 0) + len(sp) - len(kept)
+        self._finish_fill(slot, meta, bufs, names, len(ids), keep, kepts)
+        return decoded
+
+    def _finish_fill(self, slot, meta: dict, bufs, names: list[str], n: int, keep: list[int] | None,
+                     kepts: dict[str, list[int]]) -> None:
+        """What both fill paths end with: rows of several image fields aligned to the samples all
+        of them kept, the kept rows and the ready event in the slot's metadata, then `map` /
+        `collate_fn` (gdsload.mapping) on host copies of the batch."""
         if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
             for name, kf in kepts.items():
                 rows = [kf.index(k) for k in keep]
                 bufs[name][: len(rows)] = bufs[name][rows]
-            meta["skipped"] = len(ids) - len(keep)
+            meta["skipped"] = n - len(keep)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             meta["keep"] = keep
+        streams = self.loader._streams
         if streams:
             meta["ready"] = streams.ready()
         slot.meta.update(meta)
-        if self.stage is not None:  # map / collate_fn (gdsload.mapping), on host copies
+        if self.stage is not None:
             if meta.get("ready") is not None:  # device ring: the private stream's copies first
                 meta["ready"].synchronize()
             kept_names = names if keep is None else [names[k] for k in keep]
             slot.meta["mapped"] = self.stage.run(self._make_batch(slot, host=True), kept_names,
                                                  lambda a: self._convert(a, copy=False))
-        return decoded
 
     # consumer ---------------------------------------------------------------------------------
     def __iter__(self) -> "_Epoch":
