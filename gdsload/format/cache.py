@@ -339,8 +339,11 @@ class ShardCache:
             try:
                 self._fetch_verified(shard, part)
                 os.replace(part, self.path(shard))
-            except BaseException:
+            except BaseException as exc:
                 part.unlink(missing_ok=True)
+                if isinstance(exc, CorruptDataError):  # before the shard's lock is released, so
+                    with self._lock:  # whoever waits on it next takes this answer, not a 3rd fetch
+                        self._errors[shard] = exc
                 raise
             with self._lock:
                 self._errors.pop(shard, None)
