@@ -338,7 +338,7 @@ class ShardCache:
                 return False
             try:
                 self._fetch_verified(shard, part)
-                os.replace(part, self.path(shard))
+                self._publish(part, self.path(shard))
             except BaseException as exc:
                 part.unlink(missing_ok=True)
                 if isinstance(exc, CorruptDataError):  # before the shard's lock is released, so
@@ -427,6 +427,17 @@ class ShardCache:
                     )
                 with self._lock:
                     self._changed.wait(0.05)
+
+    def _publish(self, part: Path, path: str) -> None:
+        """Rename a verified .part to its shard's name under the folder-wide space lock: a
+        reservation that listed the folder during the rename could see neither name (the .part
+        gone, the new name not yet read) and count the shard as free space."""
+        with self._lock:
+            fcntl.flock(self._space_fd, fcntl.LOCK_EX)
+            try:
+                os.replace(part, path)
+            finally:
+                fcntl.flock(self._space_fd, fcntl.LOCK_UN)
 
     def _usage(self) -> tuple[int, dict[str, int]]:
         """Bytes held in the folder, and the complete shards there (file name -> bytes); stale
