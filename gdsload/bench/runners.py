@@ -62,21 +62,24 @@ def _shards(dataset: str) -> tuple[list[str], list[str], dict]:
 
 
 # -- Pillow transforms for the torch baseline (torchvision's definitions) ------------------------
-def pil_random_resized_crop(img, rng, size: int = SIZE, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """torchvision.transforms.RandomResizedCrop(size) semantics, bilinear."""
-    from PIL import Image
-
-    w, h = img.size
+def rrc_box(w: int, h: int, rng: np.random.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision.transforms.RandomResizedCrop's box (width, height, x, y) for a w x h image: ten
+    tries at a random area and aspect ratio, else the whole image."""
     area = w * h
     for _ in range(10):
         target = area * rng.uniform(*scale)
         ar = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
         cw, ch = int(round(np.sqrt(target * ar))), int(round(np.sqrt(target / ar)))
         if 0 < cw <= w and 0 < ch <= h:
-            x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-            break
-    else:  # fall back to a center crop, as torchvision does
-        cw, ch, x, y = w, h, 0, 0
+            return cw, ch, int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    return w, h, 0, 0
+
+
+def pil_random_resized_crop(img, rng, size: int = SIZE, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision.transforms.RandomResizedCrop(size) semantics, bilinear."""
+    from PIL import Image
+
+    cw, ch, x, y = rrc_box(*img.size, rng, scale, ratio)
     return img.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
 
 
@@ -241,18 +244,6 @@ def spdl_missing() -> str | None:
     return None
 
 
-def _spdl_crop(w: int, h: int, rng: np.random.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """torchvision RandomResizedCrop's box (as `pil_random_resized_crop`), for an FFmpeg filter."""
-    area = w * h
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        ar = np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1])))
-        cw, ch = int(round(np.sqrt(target * ar))), int(round(np.sqrt(target / ar)))
-        if 0 < cw <= w and 0 < ch <= h:
-            return cw, ch, int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-    return w, h, 0, 0
-
-
 def run_spdl(a: dict) -> dict:
     import spdl.io
     from spdl.pipeline import PipelineBuilder
@@ -291,7 +282,7 @@ def run_spdl(a: dict) -> dict:
             chain = f"scale={SIZE}:{SIZE}"
         else:
             with lock:
-                cw, ch, x, y = _spdl_crop(packets.width, packets.height, rng)
+                cw, ch, x, y = rrc_box(packets.width, packets.height, rng)
                 flip = rng.random() < 0.5
             chain = f"crop={cw}:{ch}:{x}:{y},scale={SIZE}:{SIZE}" + (",hflip" if flip else "")
         frames = spdl.io.decode_packets(packets, filter_desc=chain + ",format=rgb24")
