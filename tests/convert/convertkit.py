@@ -19,6 +19,19 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
+def random_jpeg_folder(root: Path, *, classes: int, per_class: int, seed: int, digits: int) -> Path:
+    """`root/c{k}/im{i}.jpg` files of 20-40 KB of random bytes (not decodable: for conversions
+    that run long, not for the loader)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            (root / f"c{c}" / f"im{i:0{digits}d}.jpg").write_bytes(rng.bytes(int(rng.integers(20_000, 40_000))))
+    return root
+
+
 def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
     """A ustar file at `path` holding `members` (name, bytes) in order, with a fixed mtime."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from convertkit import random_jpeg_folder
 import pytest
 
 import gdsload
@@ -39,13 +39,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("lock") / "src"
-    rng = np.random.default_rng(11)
-    for c in range(2):
-        (root / f"c{c}").mkdir(parents=True)
-        for i in range(100):
-            (root / f"c{c}" / f"im{i:03d}.jpg").write_bytes(rng.bytes(int(rng.integers(20_000, 40_000))))
-    return root
+    return random_jpeg_folder(tmp_path_factory.mktemp("lock") / "src", classes=2, per_class=100, seed=11, digits=3)
 
 
 @pytest.fixture

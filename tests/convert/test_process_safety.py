@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
+from convertkit import random_jpeg_folder
 import pytest
 
 import gdsload
@@ -57,13 +57,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
     """600 random-bytes "JPEGs" of 20-40 KB, one per 64 KB shard: a run of many seconds here."""
-    root = tmp_path_factory.mktemp("safety") / "src"
-    rng = np.random.default_rng(3)
-    for c in range(3):
-        (root / f"c{c}").mkdir(parents=True)
-        for i in range(200):
-            (root / f"c{c}" / f"im{i:04d}.jpg").write_bytes(rng.bytes(int(rng.integers(20_000, 40_000))))
-    return root
+    return random_jpeg_folder(tmp_path_factory.mktemp("safety") / "src", classes=3, per_class=200, seed=3, digits=4)
 
 
 def start_and_signal(src: Path, dst: Path, sig: int, opts: list[str] = OPTS,
