@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
+import sys
 
 import pytest
 
@@ -58,7 +60,17 @@ CAPABILITIES = {
 }
 
 
+# Tests that use gRPC in a child forked from the test process. gRPC core does not promise that a
+# forked child can use it when the parent holds gRPC state (threads, pollers, servers: see grpc's
+# doc/fork_support.md); a training script that builds a RemoteLoader and then forks workers holds
+# little of it, but a test process that has run every in-process server of the suite holds a lot,
+# and a child forked from it was once seen to hang. They run first, from a process that has
+# started no gRPC server yet, as a training script would be.
+FORK_WITH_GRPC = ("tests/service/test_fork.py", "tests/service/test_multiprocess_remote.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(FORK_WITH_GRPC))  # stable: order kept otherwise
     for item in items:
         for name, (check, why) in CAPABILITIES.items():
             if item.get_closest_marker(name) and not check():
@@ -95,3 +107,51 @@ def s3():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# -- a guard on the test process itself ----------------------------------------------------------
+# A CI run once went wrong part-way (the rest of the run failed or hung until the job's limit) in a
+# way no other run reproduced: imports of modules not yet loaded stopped working and subprocesses
+# failed, which is what a damaged installation, working directory or import path looks like. The
+# guard stats a few installed files after every test (microseconds) and, the moment one goes
+# missing, stops the whole run naming the test that was running, instead of letting hundreds of
+# tests fail for a reason that is not theirs.
+_CANARY_MODULES = ("webdataset", "nvidia.dali", "numpy.testing", "json.tool", "hypothesis", "pytest")
+
+
+def _canary_files() -> list[str]:
+    files = [sys.executable]
+    for name in _CANARY_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+            files.append(spec.origin)
+    return files
+
+
+def _damage(files: list[str], path: list[str]) -> str | None:
+    missing = [f for f in files if not os.access(f, os.R_OK)]
+    if missing:
+        return f"installed files no longer readable: {missing}"
+    try:
+        os.getcwd()
+    except OSError as exc:
+        return f"the working directory is gone: {exc}"
+    lost = [p for p in path if p not in sys.path]
+    if lost:
+        return f"sys.path lost {lost}"
+    return None
+
+
+def pytest_sessionstart(session):
+    session.config._gdsload_guard = (_canary_files(), list(sys.path))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    files, path = item.config._gdsload_guard
+    why = _damage(files, path)
+    if why is not None:
+        pytest.exit(f"the test process was damaged during {item.nodeid}: {why}", returncode=3)

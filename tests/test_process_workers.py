@@ -173,10 +173,13 @@ def test_a_killed_worker_fails_the_loop_instead_of_hanging(path):
     from gdsload.workers import WorkerDied
 
     before = set(threading.enumerate())
+    others = set(multiprocessing.active_children())  # an earlier test's child may still be exiting
     lo = loader(path, fields=FIELDS, map=fs.slow_map, worker_mode="process", batch_size=2)
     it = iter(lo)
     next(it)
-    os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+    ours = [p for p in multiprocessing.active_children() if p not in others]
+    assert ours, "the loader started no worker process"
+    os.kill(ours[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(WorkerDied, match="died with exit code -9"):
         for _ in it:
