@@ -516,6 +516,9 @@ class DataLoader(ProcessLocal, PlanCursor):
                 register = getattr(self._backend, "register", None)
                 if register is not None:
                     register(self._ring.arena)
+                order_on = getattr(self._backend, "order_on", None)
+                if order_on is not None:  # reads on the private stream, not behind the training stream
+                    order_on(self._streams.stream.ptr)
         else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
             self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
 

@@ -407,8 +407,9 @@ def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
 
 def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
                 threshold: int = 16 * 1024) -> types.ModuleType:
-    """The KvikIO 26.10 surface the backend uses. Device reads drain the device's legacy stream
-    first and then write synchronously (module docstring)."""
+    """The KvikIO 26.10 surface the backend uses. `pread` into device memory drains the device's
+    legacy stream first and then writes synchronously (module docstring); `raw_read_async` is
+    ordered on the stream it is given."""
     settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
     kvikio = types.ModuleType("kvikio")
     defaults = types.ModuleType("kvikio.defaults")
@@ -446,6 +447,28 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             n = os.preadv(self._fd, [memoryview(buf.view(np.ndarray).reshape(-1).view(np.uint8))[:size]],
                           file_offset)
             return types.SimpleNamespace(get=lambda: n, done=lambda: True)
+
+        def raw_read_async(self, buf, raw_stream, size=None, file_offset=0, dev_offset=0):
+            """cuFileReadAsync: the read is an op of stream `raw_stream` (it happens when that
+            stream runs, after what was queued there before, and waits for no other stream);
+            `check_bytes_done()` synchronises that stream and returns the bytes read."""
+            import os
+
+            size = buf.nbytes - dev_offset if size is None else size
+            if not hasattr(buf, "__cuda_array_interface__"):
+                raise ValueError("raw_read_async reads into device memory only")
+            stream = gpu.stream_for(raw_stream, buf._device_id)
+            gpu.log.append(("kvikio_read_async", file_offset, size, raw_stream, buf._device_id, gpu.current(),
+                            threading.current_thread().name))
+            target = memoryview(buf.view(np.ndarray).reshape(-1).view(np.uint8))[dev_offset:dev_offset + size]
+            got: list[int] = []
+            stream.enqueue(lambda: got.append(os.preadv(self._fd, [target], file_offset)), "kvikio_read_async")
+
+            def check_bytes_done() -> int:
+                stream.synchronize()
+                return got[0]
+
+            return types.SimpleNamespace(check_bytes_done=check_bytes_done)
 
         def close(self):
             import os

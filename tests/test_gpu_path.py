@@ -9,6 +9,7 @@ CUDA 13) is left to the `gpu`/`gds`/`dali_gpu` tests at the end and to bench/gpu
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import threading
 import time
@@ -187,8 +188,35 @@ def test_kvikio_issuing_threads_read_on_the_loaders_gpu(monkeypatch, npy):
     for b in loader:
         for i, k in enumerate(b["__key__"]):
             np.testing.assert_array_equal(host(b["npy"])[i], arrays[k])
-    device_reads = [e for e in gpu.log_calls("kvikio_pread") if e[5]]
-    assert device_reads and all(buf_dev == 1 and cur == 1 for _, _, _, buf_dev, cur, _, _ in device_reads)
+    device_reads = gpu.log_calls("kvikio_read_async")  # stream-ordered: the test below
+    assert device_reads and all(buf_dev == 1 and cur == 1 and gpu.streams[stream].device_id == 1
+                                for _, _, _, stream, buf_dev, cur, _ in device_reads)
+
+
+def test_kvikio_device_reads_do_not_wait_for_the_training_stream(monkeypatch, npy_big):
+    """Before (audit 1 #7, audit 2 #6): every device read was `CuFile.pread`, which synchronises
+    the legacy default stream first, so the ring filled only once the training step queued there
+    had finished. Now the reads are ordered on the loader's private stream."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
+    training: list[str] = []
+    gpu.null[0].enqueue(lambda: training.append("ran"), "a training step queued on the default stream")
+    loader = DataLoader(str(npy_big), batch_size=2, device="cuda", output="numpy", prefetch_factor=3)
+    it = iter(loader)
+    first = next(it)
+    _wait_full(it, held=1)  # every read the ring has room for was issued and finished
+    assert training == [], "a read waited for the training stream"
+    private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
+    reads = gpu.log_calls("kvikio_read_async")
+    assert len(private) == 1 and len(reads) >= 4 and {stream for _, _, _, stream, _, _, _ in reads} == private
+    assert not [e for e in gpu.log_calls("kvikio_pread") if e[5]]  # no device read through pread
+    src = npy_big.parent / "src"
+    seen = []
+    for b in itertools.chain([first], it):  # each batch checked before the next is taken (slot reuse)
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(host(b["npy"])[i], np.load(src / f"{k}.npy"))
+            seen.append(k)
+    assert sorted(seen) == sorted(p.stem for p in src.glob("*.npy")) and len(seen) == 8
+    assert loader.stats()["io_path"] == "kvikio-gds"
 
 
 # -- audit 1 #4 / audit 2 #4: which GPU ----------------------------------------------------------------
@@ -344,7 +372,7 @@ def test_copies_run_on_a_private_stream_and_the_consumer_never_blocks(monkeypatc
 
 # -- audit 1 #8 / audit 2 #6-7: what path the reads took ----------------------------------------------
 @pytest.mark.parametrize("opts,big,name", [
-    (dict(gds=True), False, "kvikio-posix"),  # 3 KiB rows < gds_threshold: KvikIO's POSIX shortcut
+    (dict(gds=True), False, "kvikio-gds"),    # 4 KiB rows: raw_read_async has no small-read shortcut
     (dict(gds=True), True, "kvikio-gds"),     # 16 KiB rows: cuFile
     (dict(gds=False), True, "kvikio-compat"),
     (dict(gds=True, compat=True), True, "kvikio-compat"),

@@ -79,6 +79,16 @@ def test_process_map_equals_thread_map_on_a_rank_slice_in_order(path):
     assert sorted(keys + rank0) == sorted(f"s{i:03d}" for i in range(fs.N))  # disjoint slices
 
 
+def test_process_collate_fn_equals_thread_collate_fn_in_order(path):
+    """A user `collate_fn` (padding ragged token rows) gives the same batches in worker processes
+    as in threads."""
+    kw = dict(shuffle=True, seed=3, fields=FIELDS, collate_fn=fs.pad_collate)
+    threads = list(loader(path, **kw))
+    procs = list(loader(path, worker_mode="process", **kw))
+    assert len(threads) == -(-fs.N // 3) and all(isinstance(b, dict) for b in threads)
+    same(procs, threads)
+
+
 def test_resume_mid_epoch_gives_exactly_the_remaining_batches(path):
     kw = dict(shuffle=True, seed=4, fields=FIELDS, map=fs.caption_map, collate_fn=None)
     reference = list(loader(path, **kw))  # threads

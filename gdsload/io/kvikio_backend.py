@@ -35,10 +35,18 @@ stride to 4096 would avoid it and is not done (a measured gain first: bench kvik
 (`kvikio.memory_register`, a no-op in compat mode), so reads into it skip that bounce when aligned.
 
 KvikIO 26.10 imports without a GPU but refuses every read when libcuda.so.1 is absent;
-`gdsload.io.choose_backend` only picks this backend where a CUDA device exists. A GDS read
-synchronises the legacy default stream first (`StreamSynchronize(nullptr)`, `sync_default_stream`
-is not exposed by the Python `CuFile.pread`), and the compat path copies on a blocking stream:
-either way a device read waits for work queued on the legacy default stream.
+`gdsload.io.choose_backend` only picks this backend where a CUDA device exists.
+
+Streams: `CuFile.pread` into device memory synchronises the legacy default stream first
+(file_handle.cpp `StreamSynchronize(nullptr)`; `sync_default_stream` is not exposed in Python),
+so a read waits for every kernel a training loop has queued there and the ring fills only while
+the GPU idles. `order_on(stream)` (the loader passes its private copy stream) makes device reads
+stream-ordered instead: one `CuFile.raw_read_async(buf, stream, size, offset)` per group
+(`cuFileReadAsync` on that stream; where KvikIO prefers compat mode for async I/O it reads through
+its POSIX path after synchronising that stream), then `check_bytes_done()`, which synchronises
+that stream only, in the issuing thread. These reads take no small-read shortcut, so their path
+is "kvikio-gds" with GDS and "kvikio-compat" without. Host buffers, and a backend without
+`order_on`, use `pread` as above.
 
 Threads: KvikIO splits large reads over its own thread pool (`threads` sets its size, which is
 process-wide state of KvikIO: setting it waits for running tasks and rebuilds the pool, so it is
@@ -122,6 +130,7 @@ class KvikioBackend(PooledBackend):
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (CuFile, file size in bytes)
         self.path_bytes: dict[str, int] = {}  # read path (module docstring) -> bytes read that way
         self._registered: list[Any] = []
+        self._stream: int | None = None  # raw CUDA stream of stream-ordered device reads (order_on)
         self._path_lock = threading.Lock()  # not `_lock`: `name` is used in messages raised under it
 
     def _thread_init(self) -> None:
@@ -135,7 +144,15 @@ class KvikioBackend(PooledBackend):
             return "kvikio-posix"
         if not self._gds:
             return "kvikio-compat"
+        if self._stream is not None:  # raw_read_async: cuFileReadAsync, whatever the size
+            return "kvikio-gds"
         return "kvikio-posix" if nbytes < self.gds_threshold else "kvikio-gds"
+
+    def order_on(self, stream: int) -> None:
+        """Read into device memory on the CUDA stream whose raw handle is `stream` (an int, e.g.
+        `cupy.cuda.Stream.ptr`) from now on, never behind the legacy default stream (module
+        docstring). The caller owns the stream and keeps it alive while this backend reads."""
+        self._stream = int(stream)
 
     @property
     def name(self) -> str:
@@ -197,15 +214,19 @@ class KvikioBackend(PooledBackend):
             raise short_read(group.path, piece.offset, piece.nbytes, max(0, size - piece.offset), size)
         first = group.pieces[0].out_offset
         view = out[first : first + group.nbytes]  # contiguous: coalesce(contiguous_out=True)
+        on_device = hasattr(out, "__cuda_array_interface__")
         try:
-            got = handle.pread(view, group.nbytes, group.offset).get()
+            if on_device and self._stream is not None:
+                got = handle.raw_read_async(view, self._stream, group.nbytes, group.offset).check_bytes_done()
+            else:
+                got = handle.pread(view, group.nbytes, group.offset).get()
         except (OSError, RuntimeError) as exc:
             raise StorageError(
                 f"KvikIO read of {group.path!r} bytes {group.offset}..{group.end} failed: {exc}"
             ) from exc
         self._stats.add(reads=1, bytes_read=group.payload_nbytes if got == group.nbytes else 0,
                         bytes_transferred=got)
-        path = self._path(group.nbytes, hasattr(out, "__cuda_array_interface__"))
+        path = self._path(group.nbytes, on_device)
         with self._path_lock:
             self.path_bytes[path] = self.path_bytes.get(path, 0) + got
         if got < group.nbytes:
