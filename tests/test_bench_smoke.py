@@ -85,3 +85,17 @@ def test_map_bench_tiny(tmp_path):
     assert r["gdsload"]["samples_per_s"] > 0 and r["torch"]["samples_per_s"] > 0
     assert r["ratio_gdsload_over_torch"]["median"] > 0
     assert json.loads((tmp_path / "r.json").read_text())["args"]["samples"] == 64
+
+
+def test_tree_compare_tiny(tmp_path):
+    """The committed tree (HEAD) against this checkout, tier R on a few images."""
+    import subprocess
+
+    pytest.importorskip("torch")
+    if subprocess.run(["git", "-C", str(BENCH.parent), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    r = _load("tree_compare").main(["--base", "HEAD", "--workdir", str(tmp_path), "--images", "24", "--rows", "8",
+                                    "--tiers", "R,N", "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    assert r["tiers"]["R"]["samples"] == 24 and r["tiers"]["N"]["samples"] == 8
+    assert r["tiers"]["R"]["head_over_base"]["median"] > 0
+    assert (tmp_path / "r.json").is_file()

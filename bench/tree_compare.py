@@ -1,0 +1,158 @@
+"""gdsload against an earlier gdsload: did a change make the existing tiers slower?
+
+Two source trees, this checkout ("head") and a git revision ("base", extracted with `git archive`),
+run the same loaders over the same images, each in a fresh process, interleaved (base, head, base,
+head, ...) after one warm-up run of each. Each tree converts the images with its own `gdsload
+convert`, so each reads the shard format it writes. Imports (NumPy, torch, DALI) happen before the
+clock; the clock covers building the `DataLoader` and one shuffled epoch in threads, no `map`.
+
+Tiers (as in bench/loader_bench.py):
+  R   encoded JPEG bytes and labels (`decode=False`), samples/s
+  N   `.npy` uint8[3, 224, 224] rows and labels, samples/s (x 150,528 bytes = bytes/s)
+  T   decode + random resized crop 224 + flip + normalize (`ImageTransform(size=224)`, DALI CPU)
+
+Reported per tier: head / base samples/s, median (min-max) over rounds paired by round, and CPU
+seconds per 1,000 samples of each. Example (issue 17: "with threads and no map, the existing
+tiers do not get slower"; 739255f is the last commit before map/collate_fn/worker_mode):
+
+    python bench/tree_compare.py --base 739255f --workdir /tmp/tcmp --rounds 5 \
+        --out bench/results/tree-compare-premap-cpu2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in the contestant's process with PYTHONPATH=<its tree>; prints one JSON line.
+RUNNER = r'''
+import json, resource, sys, time
+a = json.loads(sys.argv[1])
+# this tree's gdsload, not the one an editable install's import hook would find
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "").lower()
+                    and "editable" not in repr(f).lower()]
+sys.path.insert(0, a["tree"])
+import numpy, torch  # noqa: F401  (outside the clock)
+if a["tier"] == "T":
+    import nvidia.dali  # noqa: F401
+import gdsload
+kw = dict(batch_size=a["batch_size"], shuffle=True, seed=1, num_workers=2, device="cpu", output="numpy",
+          fields=(a["field"], "cls"))
+if a["tier"] == "R":
+    kw["decode"] = False
+if a["tier"] == "T":
+    kw["transform"] = gdsload.ImageTransform(size=224)
+cpu0, t0 = time.process_time(), time.perf_counter()
+loader = gdsload.DataLoader(gdsload.Dataset(a["dataset"]), **kw)
+n = 0
+labels = 0
+for batch in loader:
+    n += len(batch[-1])
+    labels += int(numpy.asarray(batch[-1]).sum())
+wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+print(json.dumps({"samples": n, "label_sum": labels, "wall_s": wall, "cpu_s": cpu,
+                  "gdsload": gdsload.__file__}))
+'''
+
+
+def run(tree: Path, args: dict, timeout_s: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    args = {**args, "tree": str(tree)}
+    r = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(args)], capture_output=True, text=True,
+                       timeout=timeout_s, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tree} {args['tier']}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if not out["gdsload"].startswith(str(tree)):
+        raise RuntimeError(f"ran {out['gdsload']}, not the tree {tree}")
+    return out
+
+
+CONVERT = RUNNER.split("import numpy, torch")[0].replace("a = json.loads(sys.argv[1])", "a = {'tree': sys.argv[1]}") + (
+    "from gdsload.cli import main\nsys.exit(main(sys.argv[2:]))\n")
+
+
+def convert(tree: Path, src: Path, dst: Path) -> None:
+    if (dst / "manifest.json").exists():
+        return
+    subprocess.run([sys.executable, "-c", CONVERT, str(tree), "convert", str(src), str(dst), "--shard-size", "64MB",
+                    "-q", "--overwrite"], check=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="git revision of the earlier gdsload")
+    ap.add_argument("--workdir", default="/tmp/tree-compare")
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--rows", type=int, default=2000, help=".npy rows for tier N")
+    ap.add_argument("--tiers", default="R,N,T")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--timeout-s", type=float, default=900)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from gdsload.sampledata import make_image_folder, make_npy_folder
+
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    base = work / f"base-{a.base}"
+    if not base.exists():
+        base.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", a.base], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "xf", "-", "-C", str(base)], input=archive, check=True)
+    trees = {"base": base, "head": REPO}
+    images, rows = work / "images", work / "rows"
+    if not images.exists():
+        make_image_folder(images, num_images=a.images, num_classes=10, seed=1)
+    if not rows.exists():
+        make_npy_folder(rows, num_samples=a.rows, shape=(3, 224, 224), dtype="uint8", seed=1)
+    sets = {}
+    for name, tree in trees.items():
+        convert(tree, images, work / f"{name}-jpg")
+        convert(tree, rows, work / f"{name}-npy")
+        sets[name] = {"R": (work / f"{name}-jpg", "jpg"), "T": (work / f"{name}-jpg", "jpg"),
+                      "N": (work / f"{name}-npy", "npy")}
+    results: dict = {"base": a.base, "batch_size": a.batch_size, "rounds": a.rounds, "tiers": {},
+                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    for tier in a.tiers.split(","):
+        runs: dict[str, list[dict]] = {"base": [], "head": []}
+        for rnd in range(a.rounds + 1):  # round 0: warm-up, not counted
+            for name, tree in trees.items():
+                path, field = sets[name][tier]
+                r = run(tree, {"tier": tier, "dataset": str(path), "field": field, "batch_size": a.batch_size},
+                        a.timeout_s)
+                if rnd:
+                    runs[name].append(r)
+        for key in ("samples", "label_sum"):
+            seen = {r[key] for rs in runs.values() for r in rs}
+            if len(seen) != 1:
+                raise RuntimeError(f"tier {tier}: the two trees disagree on {key}: {seen}")
+        rate = {n: [r["samples"] / r["wall_s"] for r in rs] for n, rs in runs.items()}
+        ratios = [h / b for h, b in zip(rate["head"], rate["base"])]
+        row = {"samples": runs["head"][0]["samples"],
+               "samples_per_s": {n: statistics.median(v) for n, v in rate.items()},
+               "cpu_s_per_1k": {n: statistics.median(1000 * r["cpu_s"] / r["samples"] for r in rs)
+                                for n, rs in runs.items()},
+               "head_over_base": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
+        results["tiers"][tier] = row
+        hb = row["head_over_base"]
+        print(f"tier {tier}: head {row['samples_per_s']['head']:,.0f}/s, base {row['samples_per_s']['base']:,.0f}/s, "
+              f"head/base {hb['median']:.2f} ({hb['min']:.2f}-{hb['max']:.2f}); CPU s/1k head "
+              f"{row['cpu_s_per_1k']['head']:.2f}, base {row['cpu_s_per_1k']['base']:.2f}", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
