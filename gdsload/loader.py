@@ -44,6 +44,7 @@ import numpy as np
 
 from gdsload import fields as _fieldkinds
 from gdsload.decode.raw import TensorField
+from gdsload.distributed import dist_rank_world
 from gdsload.errors import FormatError, GdsloadError
 from gdsload.format.reader import ShardedDataset
 from gdsload.format.tar import ALIGN
@@ -202,13 +203,6 @@ def _kvikio_error() -> str | None:
     return kvikio_import_error()
 
 
-def _dist_rank_world() -> tuple[int, int] | None:
-    torch = _torch()
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return None
-
-
 class DataLoader(ProcessLocal, PlanCursor):
     """A drop-in for `torch.utils.data.DataLoader` over a gdsload dataset.
 
@@ -293,7 +287,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             raise GdsloadError(f"prefetch_factor must be >= 1 or 'auto', got {prefetch_factor!r}")
         self._tuner = autotune.Tuner(self._auto["prefetch"], self._auto["workers"], prefetch_factor,
                                      num_workers, autotune.max_workers()) if any(self._auto.values()) else None
-        dist = _dist_rank_world()
+        dist = dist_rank_world()
         if rank is None:
             rank = dist[0] if dist else 0
         if world_size is None:
@@ -550,8 +544,12 @@ class DataLoader(ProcessLocal, PlanCursor):
         return self._decoder
 
     def stats(self) -> dict[str, Any]:
-        """samples/s, bytes/s, data stall (seconds and fraction), ring occupancy, I/O and decode."""
-        return dict(self._stats)
+        """samples/s, bytes/s, data stall (seconds and fraction), ring occupancy, I/O and decode;
+        "cache" with a shard cache (read here, not per batch: its lock is the readers')."""
+        out = dict(self._stats)
+        if self._cache is not None:
+            out["cache"] = self._cache.stats()
+        return out
 
     def close(self) -> None:
         self._check_process()
@@ -559,6 +557,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         if active is not None:
             active.close()
         if self._cache is not None:
+            self._stats["cache"] = self._cache.stats()  # kept for stats() after close
             self._cache.close()
             self._cache = None
         for backend in (self._backend, self._host_backend):
@@ -1130,8 +1129,6 @@ class _Epoch:
             "num_workers": L.num_workers,
             "auto": ",".join(k for k, v in L._auto.items() if v) or None,
         }
-        if L._cache is not None:
-            L._stats["cache"] = L._cache.stats()
 
     def _finish(self) -> None:
         self.close()

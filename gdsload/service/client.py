@@ -50,6 +50,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gdsload.distributed import dist_rank_world
 from gdsload.errors import GdsloadError, require
 from gdsload.forksafe import ProcessLocal
 
@@ -77,13 +78,6 @@ def _torch():
         return torch
     except ImportError:
         return None
-
-
-def _dist_rank_world() -> tuple[int, int] | None:
-    torch = _torch()
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return None
 
 
 class _FeedStub(pb_grpc.FeedStub):
@@ -223,7 +217,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         if (max_retries is not None and max_retries < 0) or prefetch < 1 or batches_per_stream < 0:
             raise GdsloadError(f"max_retries (or None) and batches_per_stream must be >= 0 and prefetch >= 1, "
                                f"got {max_retries}, {batches_per_stream} and {prefetch}")
-        dist = _dist_rank_world()
+        dist = dist_rank_world()
         self.rank = rank if rank is not None else (dist[0] if dist else 0)
         self.world_size = world_size if world_size is not None else (dist[1] if dist else 1)
         self.addresses = addresses
