@@ -591,7 +591,10 @@ class _Epoch:
         self.ring.reset()
         if loader._cache is not None:  # the shards of every batch, so the cache can fetch ahead
             ends = np.cumsum(loader.dataset.shard_sizes)
-            loader._cache.start_epoch([np.unique(np.searchsorted(ends, b, side="right")) for b in self.batches])
+            needs = [np.unique(np.searchsorted(ends, b, side="right")) for b in self.batches]
+            loader._cache.start_epoch(needs)
+            # their indexes too (one request each at the URL), in order of first use
+            loader.dataset.shards.load_indexes(s for b in needs for s in b.tolist())
         self.next_seq = 0
         self.handed = None
         self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
