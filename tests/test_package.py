@@ -68,3 +68,20 @@ def test_test_extra_installs_what_the_suite_needs():
     names = {re.split(r"[<>=!\[ ]", d, maxsplit=1)[0].lower() for d in extras["test"]}
     assert {"grpcio", "grpcio-health-checking", "grpcio-tools", "protobuf", "prometheus-client",
             "webdataset", "hypothesis", "aiohttp", "scikit-image", "ray", "moto", "s3fs"} <= names
+
+
+def test_a_numpy_output_loader_does_not_import_torch(tmp_path):
+    """Only a process that imported torch can have a torch.distributed group, so the loader does not
+    import torch (over a second) to look for one (`gdsload.distributed`)."""
+    from gdsload.cli import main
+    from gdsload.sampledata import make_npy_folder
+
+    make_npy_folder(tmp_path / "src", num_samples=8, shape=(4,), dtype="uint8", seed=1)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "ds"), "-q"]) == 0
+    code = ("import sys, gdsload\n"
+            f"dl = gdsload.DataLoader(gdsload.Dataset({str(tmp_path / 'ds')!r}), batch_size=4, device='cpu', "
+            "output='numpy')\n"
+            "print(sum(len(b['cls']) for b in dl), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["8", "False"]

@@ -16,7 +16,7 @@ import pytest
 from gdsload.cli import main
 from gdsload.errors import FormatError, StorageError
 from gdsload.format import manifest as mf
-from gdsload.format.reader import open_dataset
+from gdsload.format.reader import ShardedDataset, open_dataset
 from gdsload.format.tar import ALIGN
 from gdsload.format.writer import DatasetWriter, ShardWriter, make_manifest, shard_name
 
@@ -329,3 +329,22 @@ def test_manifest_sample_count_disagrees_with_index(ds_path: Path) -> None:
     with open_dataset(ds_path) as ds:
         with pytest.raises(FormatError, match="shard-000000.idx.*manifest says 5"):
             ds.sample(0)
+
+
+def test_load_indexes_loads_the_missing_ones_in_the_background(pristine: Path) -> None:
+    ds = ShardedDataset(pristine)
+    ds.index(0)
+    t = ds.load_indexes([2, 1, 2, 0])
+    assert t is not None
+    t.join(timeout=30)
+    assert sorted(ds._indexes) == [0, 1, 2] == list(range(NUM_SHARDS))
+    assert ds.load_indexes(range(NUM_SHARDS)) is None  # nothing left to load: no thread
+
+
+def test_load_indexes_leaves_a_damaged_index_to_the_reader(ds_path: Path) -> None:
+    (ds_path / "shard-000001.idx").write_bytes(b"not an index")
+    ds = ShardedDataset(ds_path)
+    ds.load_indexes(range(NUM_SHARDS)).join(timeout=30)
+    assert 1 not in ds._indexes and 0 in ds._indexes
+    with pytest.raises(FormatError):
+        ds.index(1)
