@@ -119,22 +119,30 @@ def s3():
 _CANARY_MODULES = ("webdataset", "nvidia.dali", "numpy.testing", "json.tool", "hypothesis", "pytest")
 
 
-def _canary_files() -> list[str]:
-    files = [sys.executable]
+def _canaries() -> dict[str, str]:
+    """Canary module name -> the file it is found in (those installed here)."""
+    found = {"": sys.executable}
     for name in _CANARY_MODULES:
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             continue
         if spec is not None and spec.origin and os.path.isfile(spec.origin):
-            files.append(spec.origin)
-    return files
+            found[name] = spec.origin
+    return found
 
 
-def _damage(files: list[str], path: list[str]) -> str | None:
-    missing = [f for f in files if not os.access(f, os.R_OK)]
+def _damage(canaries: dict[str, str], path: list[str], finders: list) -> str | None:
+    missing = [f for f in canaries.values() if not os.access(f, os.R_OK)]
     if missing:
         return f"installed files no longer readable: {missing}"
+    for name in canaries:  # a module not imported yet must still be found (the import system works)
+        if name and name not in sys.modules:
+            try:
+                if importlib.util.find_spec(name) is None:
+                    return f"the installed module {name!r} can no longer be found"
+            except Exception as exc:  # noqa: BLE001 (reported, with what it was)
+                return f"looking for the installed module {name!r} raised {exc!r}"
     try:
         os.getcwd()
     except OSError as exc:
@@ -142,16 +150,18 @@ def _damage(files: list[str], path: list[str]) -> str | None:
     lost = [p for p in path if p not in sys.path]
     if lost:
         return f"sys.path lost {lost}"
+    gone = [f for f in finders if f not in sys.meta_path]
+    if gone:
+        return f"sys.meta_path lost {gone}"
     return None
 
 
 def pytest_sessionstart(session):
-    session.config._gdsload_guard = (_canary_files(), list(sys.path))
+    session.config._gdsload_guard = (_canaries(), list(sys.path), list(sys.meta_path))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    files, path = item.config._gdsload_guard
-    why = _damage(files, path)
+    why = _damage(*item.config._gdsload_guard)
     if why is not None:
         pytest.exit(f"the test process was damaged during {item.nodeid}: {why}", returncode=3)
