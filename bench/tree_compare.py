@@ -33,14 +33,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Runs in the contestant's process with PYTHONPATH=<its tree>; prints one JSON line.
-RUNNER = r'''
-import json, resource, sys, time
-a = json.loads(sys.argv[1])
-# this tree's gdsload, not the one an editable install's import hook would find
+# The start of every child: `tree`'s gdsload, not the one an editable install's import hook finds.
+USE_TREE = r'''
+import json, sys, time
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "").lower()
                     and "editable" not in repr(f).lower()]
-sys.path.insert(0, a["tree"])
+sys.path.insert(0, TREE)
+'''
+
+# One contestant run; prints one JSON line.
+RUNNER = USE_TREE.replace("TREE", "json.loads(sys.argv[1])['tree']") + r'''
+a = json.loads(sys.argv[1])
 import numpy, torch  # noqa: F401  (outside the clock)
 if a["tier"] == "T":
     import nvidia.dali  # noqa: F401
@@ -77,8 +80,8 @@ def run(tree: Path, args: dict, timeout_s: float) -> dict:
     return out
 
 
-CONVERT = RUNNER.split("import numpy, torch")[0].replace("a = json.loads(sys.argv[1])", "a = {'tree': sys.argv[1]}") + (
-    "from gdsload.cli import main\nsys.exit(main(sys.argv[2:]))\n")
+# `gdsload convert` of that tree: argv[1] is the tree, the rest the command line.
+CONVERT = USE_TREE.replace("TREE", "sys.argv[1]") + "from gdsload.cli import main\nsys.exit(main(sys.argv[2:]))\n"
 
 
 def convert(tree: Path, src: Path, dst: Path) -> None:
