@@ -97,7 +97,8 @@ def test_cached_reads_equal_the_local_copy_in_content_and_order(remote, tmp_path
     assert c["fetches"] == n  # each shard once over two epochs: the cache holds them all
     assert c["bytes_fetched"] == sum(s.stat().st_size for s in local.glob("*.tar"))
     assert c["hits"] > 0 and c["hits"] + c["misses"] > c["fetches"]
-    assert c["misses"] > 0 and c["fetch_wait_s"] > 0  # the first batches waited for their shards
+    # a batch waited for its shards exactly when one was missing (read-ahead may have won every race)
+    assert (c["misses"] > 0) == (c["fetch_wait_s"] > 0) and c["fetch_wait_s"] >= 0
     assert 1 <= c["max_readahead_depth"] <= n and 0 <= c["readahead_depth"] <= c["max_readahead_depth"]
     assert c["retries"] == 0
     # a second loader on the warm folder fetches nothing

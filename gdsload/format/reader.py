@@ -18,6 +18,7 @@ import tarfile
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -85,30 +86,18 @@ class ShardedDataset:
             self._indexes[shard] = idx
         return idx
 
-    def load_indexes(self, shards: Iterable[int], threads: int = 4) -> threading.Thread | None:
-        """Load the indexes of `shards` not loaded yet, `threads` requests at a time, in a
-        background thread started here (returned): at a URL each index is a request, and a reader
-        that meets a shard first would otherwise wait for it in line. Failures are left for
-        `index()` to raise where the shard is read. None when every index is loaded already."""
+    def load_indexes(self, shards: Iterable[int], threads: int = 4) -> list[Future]:
+        """Start loading the indexes of `shards` not loaded yet, `threads` requests at a time, and
+        return at once (a future per index): at a URL each index is a request, and a reader that
+        meets a shard first would otherwise wait for it in line. A failure stays in its future;
+        `index()` raises it again, in context, where the shard is read."""
         todo = [s for s in dict.fromkeys(int(s) for s in shards) if s not in self._indexes]
         if not todo:
-            return None
-
-        def load() -> None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            def one(s: int) -> None:
-                try:
-                    self.index(s)
-                except Exception:  # noqa: BLE001 (raised again, in context, by the reader's index())
-                    pass
-
-            with ThreadPoolExecutor(threads, thread_name_prefix="gdsload-index") as pool:
-                list(pool.map(one, todo))
-
-        t = threading.Thread(target=load, name="gdsload-index-readahead", daemon=True)
-        t.start()
-        return t
+            return []
+        pool = ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="gdsload-index")
+        futures = [pool.submit(self.index, s) for s in todo]
+        pool.shutdown(wait=False)  # its threads end with the last index
+        return futures
 
     def stored_sizes(self) -> list[int | None]:
         """Every shard file's size in storage now (None: missing): a stat per shard locally, one

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -334,17 +334,19 @@ def test_manifest_sample_count_disagrees_with_index(ds_path: Path) -> None:
 def test_load_indexes_loads_the_missing_ones_in_the_background(pristine: Path) -> None:
     ds = ShardedDataset(pristine)
     ds.index(0)
-    t = ds.load_indexes([2, 1, 2, 0])
-    assert t is not None
-    t.join(timeout=30)
+    futures = ds.load_indexes([2, 1, 2, 0])
+    assert len(futures) == 2  # shards 2 and 1, once each
+    wait(futures, timeout=30)
     assert sorted(ds._indexes) == [0, 1, 2] == list(range(NUM_SHARDS))
-    assert ds.load_indexes(range(NUM_SHARDS)) is None  # nothing left to load: no thread
+    assert ds.load_indexes(range(NUM_SHARDS)) == []  # nothing left to load: no thread
 
 
 def test_load_indexes_leaves_a_damaged_index_to_the_reader(ds_path: Path) -> None:
     (ds_path / "shard-000001.idx").write_bytes(b"not an index")
     ds = ShardedDataset(ds_path)
-    ds.load_indexes(range(NUM_SHARDS)).join(timeout=30)
+    futures = ds.load_indexes(range(NUM_SHARDS))
+    wait(futures, timeout=30)
     assert 1 not in ds._indexes and 0 in ds._indexes
+    assert isinstance(futures[1].exception(), FormatError)  # kept in its future, not raised
     with pytest.raises(FormatError):
         ds.index(1)
