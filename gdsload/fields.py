@@ -8,7 +8,7 @@
 | `.cls`                    | int64 tensor (N,)                                  | `numpy.int64`              |
 | `.txt`                    | list of `str` (UTF-8)                              | `str`                      |
 | `.json`                   | list of parsed objects (`json.loads`)              | dict / list / ...          |
-| anything else             | list of `bytes`                                    | `bytes`                    |
+| anything else             | `BytesColumn` (a sequence of `bytes`, see below)   | `bytes`                    |
 
 With `decode=False`, images, `.txt` and `.json` stay `bytes`. A `.npy` field is "ragged" when its
 members' payload sizes differ in the shard indexes (an array-level check, no read); ragged
@@ -16,6 +16,13 @@ members are read whole into the staging buffer and parsed per sample (a Python s
 per sample, unlike the zero-copy fixed-shape path). `.txt`, `.json` and ragged values are parsed
 per sample in the producer threads; a value that does not parse raises `DecodeError` naming shard
 and key (`on_error="skip"` applies to images only).
+
+A bytes column (`BytesColumn`) is one object per batch, not one `bytes` per sample: item i is
+made when it is asked for, `view(i)` is a zero-copy NumPy view, and `data`/`offsets`/`sizes` give
+the whole column as arrays. It owns its buffer (unlike the batch tensors it never points into the
+ring), so it may be kept. A loader that decodes nothing reads the members straight into that
+buffer (one copy, kernel to column); one that also decodes images stages them in the ring and
+copies the bytes fields out once per batch.
 
 The remote feed carries these fields as bytes items (`to_wire`); the client parses them with the
 same function (`parse`), so local and remote batches are equal.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,8 +41,79 @@ from gdsload.errors import FormatError
 from gdsload.format import npy
 from gdsload.format.manifest import field_kind
 
-#: kinds whose batch column is a Python list (per-sample values), not one batch tensor
+#: kinds whose batch column holds per-sample values (a `BytesColumn` or a list), not one tensor
 LIST_KINDS = frozenset({"bytes", "text", "json", "ragged"})
+
+
+class BytesColumn(Sequence):
+    """A batch's bytes field: `column[i]` is sample i's member as `bytes`, made when asked.
+
+    `data` is a uint8 buffer the column owns (the loader reads a batch's members straight into
+    it, or copies them there once), member i is `data[offsets[i] : offsets[i] + sizes[i]]`; so a
+    column stays valid after the loader moves on, like a list of bytes, at one object per batch.
+    Equal to any sequence of the same bytes (`column == [b"...", ...]`).
+    """
+
+    __slots__ = ("data", "offsets", "sizes")
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray):
+        self.data, self.offsets, self.sizes = data, offsets, sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """The members' bytes, all together."""
+        return int(np.sum(self.sizes))
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        a = int(self.offsets[i])
+        return self.data[a : a + int(self.sizes[i])].tobytes()
+
+    def view(self, i: int) -> np.ndarray:
+        """Member i as a zero-copy uint8 view."""
+        a = int(self.offsets[i])
+        return self.data[a : a + int(self.sizes[i])]
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> "BytesColumn":
+        """The members `rows`, in that order (no bytes copied)."""
+        rows = np.asarray(rows, np.intp)
+        return BytesColumn(self.data, self.offsets[rows], self.sizes[rows])
+
+    def copy(self) -> "BytesColumn":
+        """The same members packed into a buffer of their own (one copy): what the loader keeps
+        when the members were staged in its ring."""
+        sizes = np.asarray(self.sizes, np.int64)
+        offsets = np.zeros(len(sizes), np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        data = np.empty(int(sizes.sum()), np.uint8)
+        for a, o, n in zip(self.offsets.tolist(), offsets.tolist(), sizes.tolist()):
+            data[o : o + n] = self.data[a : a + n]
+        return BytesColumn(data, offsets, sizes)
+
+    def tolist(self) -> list[bytes]:
+        data = self.data
+        return [data[a : a + n].tobytes() for a, n in zip(self.offsets.tolist(), self.sizes.tolist())]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (BytesColumn, list, tuple)):
+            return len(self) == len(other) and self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self):  # pickled packed: only its own members travel
+        c = self.copy()
+        return BytesColumn, (c.data, c.offsets, c.sizes)
+
+    def __repr__(self) -> str:
+        return f"BytesColumn({len(self)} members, {self.nbytes} bytes)"
 
 
 def loader_kind(name: str, *, decode: bool) -> str:

@@ -465,6 +465,11 @@ class DataLoader(ProcessLocal, PlanCursor):
             self._cache = ShardCache(ds.root, ds.shards, cache_dir, self.dataset.cache_limit, on_release=forget)
             self._cache.check_limit(self.plan.window)
         direct = want_device and getattr(self._backend, "device_capable", False)
+        # Nothing decoded, host memory: a planned batch's staged members (bytes, text, json,
+        # label text) are read into a buffer of the batch's own, which its BytesColumns keep
+        # (no copy out of the ring); see `_fill_planned`.
+        self._own_staging = self._planner is not None and not want_device and not any(
+            fp.kind == "image" for fp in fplans)
         staging = 0
         for fp in fplans:
             if fp.kind == "tensor":
@@ -477,7 +482,7 @@ class DataLoader(ProcessLocal, PlanCursor):
                 (spec if want_device else host)[fp.name] = ((B,), "int64")
                 if want_device:
                     host["__h_" + fp.name] = ((B,), "int64")
-            if fp.kind != "tensor":
+            if fp.kind != "tensor":  # (untouched by planned batches with `_own_staging`)
                 staging += B * (-(-fp.max_nbytes // 64) * 64)
             elif self._tensor_headers:
                 staging += B * (-(-max(ALIGN, fp.tensor.header_nbytes) // 64) * 64)
@@ -719,8 +724,8 @@ class _Epoch:
         Planned with array operations (`gdsload.batchread`); batches it does not plan (`.npy`
         headers to read) go member by member (`_fill_members`)."""
         planner = self.loader._planner
-        with self._cpu:
-            reads = planner.plan(ids) if planner is not None else None
+        with self._cpu:  # members packed in a batch-owned buffer: CRC-checked in one call
+            reads = planner.plan(ids, packed=self.loader._own_staging) if planner is not None else None
         if reads is None:
             return self._fill_members(slot, seq, ids)
         return self._fill_planned(slot, seq, ids, reads)
@@ -732,7 +737,9 @@ class _Epoch:
 
         L = self.loader
         bufs = slot.buffers
-        staging = bufs["__staging__"]
+        own = L._own_staging  # staged members into the batch's own buffer, not the ring's
+        staging = np.empty(int(reads.staged_pos[-1] + reads.staged_nbytes[-1]) if own and len(reads.staged_pos)
+                           else 0, np.uint8) if own else bufs["__staging__"]
         slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
         layout, hl = self._layout, self._host_layout
         to_host = hl is not None and L._host_backend is None
@@ -750,9 +757,12 @@ class _Epoch:
             base = hl["__h_" + name] if to_host else layout[name]
             rows.append((reads.shard, off, nb, base + np.arange(n, dtype=np.int64) * nb))
         staged = (reads.staged_file, reads.staged_offset, reads.staged_nbytes,
-                  (hl if hl is not None else layout)["__staging__"] + reads.staged_pos)
+                  reads.staged_pos + (0 if own else (hl if hl is not None else layout)["__staging__"]))
         # one table per destination arena: a host ring reads the whole batch in one call
-        if hl is None:
+        if own:
+            jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
+                    (L._backend, ExtentTable.concat(paths, [staged]), staging)]
+        elif hl is None:
             jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.flat)]
         elif to_host:
             jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.host_flat)]
@@ -773,7 +783,7 @@ class _Epoch:
         self._cpu.acquire()  # CRC32s and per-sample values; images decode after, in their turn
         try:
             check_crcs(reads, staging)
-            self._host_values(reads, staging, memoryview(staging), meta, to_host, bufs)
+            self._host_values(reads, staging, meta, to_host, bufs)
         finally:
             self._cpu.release()
         for fp in L._fields:
@@ -789,7 +799,7 @@ class _Epoch:
         self._finish_fill(slot, meta, bufs, names, n, keep, kepts)
         return decoded
 
-    def _host_values(self, reads, staging, mv: memoryview, meta: dict, to_host: bool, bufs) -> None:
+    def _host_values(self, reads, staging, meta: dict, to_host: bool, bufs) -> None:
         """The planned batch's labels, host copies of `.npy` rows to the device, and per-sample
         values of list fields (bytes, text, json, ragged)."""
         from gdsload.loadcheck import label
@@ -812,9 +822,10 @@ class _Epoch:
                     streams.to_device(bufs[fp.name][:n], dst[:n])
             elif fp.kind == "tensor" and to_host:
                 streams.to_device(bufs[fp.name][:n], bufs["__h_" + fp.name][:n])
-            elif fp.kind == "bytes":  # the common case without a parse call per sample
+            elif fp.kind == "bytes":  # one object for the batch; bytes made when asked (fields.py)
                 pos, nb, _ = reads.staged[fp.name]
-                meta["extra"][fp.name] = [bytes(mv[a : a + k]) for a, k in zip(pos.tolist(), nb.tolist())]
+                col = _fieldkinds.BytesColumn(staging, pos, nb)
+                meta["extra"][fp.name] = col if L._own_staging else col.copy()  # not a view of the ring
             elif fp.kind in _fieldkinds.LIST_KINDS:
                 pos, nb, _ = reads.staged[fp.name]
                 meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + k], names[i])
@@ -930,6 +941,9 @@ class _Epoch:
                     streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
             elif fp.kind == "tensor" and to_host:
                 streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
+            elif fp.kind == "bytes":  # copied out of the ring's staging area
+                meta["extra"][fp.name] = _fieldkinds.BytesColumn(
+                    staging, np.array([a for a, _ in sp], np.int64), np.array([n for _, n in sp], np.int64)).copy()
             elif fp.kind in _fieldkinds.LIST_KINDS:
                 meta["extra"][fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + n], w) for (a, n), w in zip(sp, names)]
             elif fp.kind == "image":
@@ -1065,6 +1079,11 @@ class _Epoch:
         keep = slot.meta.get("keep")
         out: dict[str, Any] = {}
         for fp in L._fields:
+            if fp.kind == "bytes":  # a BytesColumn owning its buffer (never a view of the ring)
+                col = slot.meta["extra"][fp.name]
+                col = col.take(keep) if keep is not None else col
+                out[fp.name] = col.tolist() if host else col  # `map`/`collate_fn` get bytes per sample
+                continue
             if fp.kind in _fieldkinds.LIST_KINDS:
                 vals = slot.meta["extra"][fp.name]
                 vals = [vals[k] for k in keep] if keep is not None else vals

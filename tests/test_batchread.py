@@ -113,6 +113,39 @@ def test_changed_member_is_caught_naming_shard_and_key(mixed, tmp_path):
     assert zlib.crc32(src[key][2]) == int(idx.member_crc[row])
 
 
+def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
+    """A loader that decodes nothing packs a batch's staged members back to back in a buffer of the
+    batch's own and checks them with one `crc32` call (the members' CRCs combined): one call per
+    member gave the GIL up and back once per member, which convoyed with the other readers. A
+    changed byte still fails the run and is then named member by member."""
+    import gdsload.batchread as br
+
+    if br.crc32_combine is None:
+        pytest.skip("no isal: CRC32s are checked member by member")
+    root, src = mixed
+    dl = DataLoader(str(root), batch_size=16, device="cpu", output="numpy", decode=False, fields=["__key__", "bin"])
+    dl._setup()
+    assert dl._own_staging
+    planner = dl._planner
+    ids = np.arange(16)
+    reads = planner.plan(ids, packed=True)
+    pos, nb = reads.staged["bin"][:2]
+    assert (pos[1:] == pos[:-1] + nb[:-1]).all()  # back to back
+    staging = np.zeros(int(pos[-1] + nb[-1]), np.uint8)
+    for i, key in enumerate(reads.keys):
+        staging[pos[i] : pos[i] + nb[i]] = np.frombuffer(src[key][2], np.uint8)
+    calls = []
+    monkeypatch.setattr(br, "crc32", lambda data, value=0: calls.append(len(data)) or zlib.crc32(data, value))
+    br.check_crcs(reads, staging)
+    assert len(calls) == 1 and calls[0] == staging.size
+    staging[pos[5] + nb[5] // 2] ^= 0xFF
+    with pytest.raises(CorruptDataError, match=rf":{reads.keys[5]}: field 'bin' differs .* \(1 such members"):
+        br.check_crcs(reads, staging)
+    aligned = planner.plan(ids)
+    assert (aligned.staged["bin"][0] % br.STAGE_ALIGN == 0).all()
+    dl.close()
+
+
 def test_missing_field_names_sample(tmp_path):
     root = tmp_path / "ds"
     with DatasetWriter(root) as w:

@@ -6,7 +6,7 @@ in place: locally it is written as `.NAME.tar.tmp-PID`, fsynced and renamed; at 
 completes then. `abort()` (or an exception inside `with`) drops it, so a shard under its final
 name is always complete.
 
-Per member it also stores, in the index, the payload's CRC32 (`zlib.crc32`, several GB/s) for the
+Per member it also stores, in the index, the payload's CRC32 (`gdsload.format.crc`: zlib's polynomial) for the
 loader's load-time checks, and per label field the parsed label values as an int64 column; labels
 that are not integers and `.npy` payloads that do not parse are refused (`FormatError`) before
 anything of the sample is written. Fortran-ordered arrays are stored in C order (`npy.normalize`)
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from gdsload.errors import FormatError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
+from gdsload.format.crc import crc32
 from gdsload.format.index import ShardIndex, check_key
 from gdsload.format.labels import parse_label
 from gdsload.format.store import Store, open_store
@@ -111,7 +111,7 @@ class ShardWriter:
             hdr_start = self._offset
             data_off, _ = write_member(self._sink, hdr_start, f"{key}.{ext}", payload)
             members.append((ext, data_off, len(payload)))
-            self._crc.append(zlib.crc32(payload))
+            self._crc.append(crc32(payload))
         self._keys.add(key)
         self._samples.append((key, members))
         self._labels.append(labels)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.decode.image import ImageTransform
-from gdsload.fields import to_wire
+from gdsload.fields import BytesColumn, to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
 from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
@@ -69,6 +69,11 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
                                        shape=arr.shape, nbytes=arr.nbytes))
             if arr.nbytes:
                 pieces.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        elif isinstance(value, BytesColumn):  # the loader's bytes fields: views of the ring slot
+            lengths = value.sizes.tolist()
+            fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_BYTES, item_nbytes=lengths,
+                                       nbytes=sum(lengths)))
+            pieces.extend(memoryview(value.view(i)) for i, n in enumerate(lengths) if n)
         elif isinstance(value, (list, tuple)):
             value = [v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v) for v in value]
             lengths = [memoryview(v).nbytes for v in value]  # text, json, ragged .npy: bytes items
