@@ -697,14 +697,19 @@ class _Epoch:
                 from gdsload.ring import RingClosed
 
                 raise RingClosed("loader closed")
-            try:
-                dec = self.loader._get_decoder()
-                out, kept = dec.decode(encoded, names)
-                if out is not None:  # inside the turn: the next run() reuses DALI's buffers
-                    streams = self.loader._streams
-                    dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
-                return kept
-            finally:
+        # This thread holds the turn, so it alone runs the pipeline; the condition's lock is not
+        # held meanwhile (a producer that holds it through a decode stalls every other one in
+        # `_skip_turn` before it can publish: each batch reached the consumer only after the next
+        # batch had been decoded too).
+        try:
+            dec = self.loader._get_decoder()
+            out, kept = dec.decode(encoded, names)
+            if out is not None:  # inside the turn: the next run() reuses DALI's buffers
+                streams = self.loader._streams
+                dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
+            return kept
+        finally:
+            with self._turn:
                 self._decode_turn += 1
                 self._turn.notify_all()
 

@@ -7,7 +7,10 @@ Contestants, all over the same shards and the same work:
   Pillow decode and the same transforms written with Pillow and NumPy (torchvision is not
   installable beside the CPU torch wheel here; the transforms follow torchvision's definitions).
 - `dali`: DALI's own `fn.readers.webdataset` pipeline (with the `.dali.idx` index files) and the
-  same DALI operators gdsload uses.
+  same DALI operators gdsload uses; the consumer takes DALI's output buffers as they are.
+- `dali_torch` (tiers D and T): the same pipeline through DALI's PyTorch iterator
+  (`DALIGenericIterator`), which copies each batch into torch tensors the job keeps: what a
+  PyTorch job gets from DALI, and what gdsload hands out (tensors in its own ring).
 - `spdl`: SPDL's thread-based `spdl.pipeline` (`spdl` 0.8, the fastest Python-side peer): shards
   parsed by `spdl.io.iter_tarfile` (a shard per thread, its samples held as a list), images decoded by FFmpeg (`spdl.io`, crop + resize + flip as
   one FFmpeg filter, the crop drawn as torchvision draws it), normalized with NumPy, batched by
@@ -217,6 +220,18 @@ def run_dali(a: dict) -> dict:
 
     p = pipe()
     p.build()
+    if a["contestant"] == "dali_torch" and a["tier"] != "R":
+        # What a PyTorch job gets from DALI: its iterator copies each output into torch tensors
+        # (the tensors stay the job's; DALI's buffers go back to the pipeline)
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        it = DALIGenericIterator([p], ["image", "cls"], reader_name="r",
+                                 last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False)
+        construct = time.perf_counter() - t0
+        r = _consume(iter(it), a["step_ms"],
+                     lambda b: [int(bytes(c).decode()) for c in b[0]["cls"].numpy()])
+        r["first_batch_s"] += construct
+        return r
     construct = time.perf_counter() - t0
     seen = [0]
 
@@ -381,7 +396,7 @@ def run_decode1(a: dict) -> dict:
 
 
 RUNNERS = {"gdsload": run_gdsload, "gdsload_noverify": run_gdsload, "torch": run_torch,
-           "dali": run_dali, "spdl": run_spdl, "read": run_read, "decode1": run_decode1}
+           "dali": run_dali, "dali_torch": run_dali, "spdl": run_spdl, "read": run_read, "decode1": run_decode1}
 
 
 # Imports each contestant needs, done before the clock and the CPU counter start: the benchmark
@@ -392,7 +407,7 @@ PRELOAD = {"gdsload": ["torch", "nvidia.dali", "gdsload.loader", "gdsload.decode
                                 "gdsload.io.posix", "gdsload.plan"],
            "torch": ["torch", "webdataset", "PIL.Image"],
            "spdl": ["spdl.io", "spdl.pipeline", "spdl.io.lib._libspdl"],
-           "dali": ["nvidia.dali"], "read": [], "decode1": ["PIL.Image", "gdsload"]}
+           "dali": ["nvidia.dali"], "dali_torch": ["torch", "nvidia.dali", "nvidia.dali.plugin.pytorch"], "read": [], "decode1": ["PIL.Image", "gdsload"]}
 
 
 def main() -> None:
