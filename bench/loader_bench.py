@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "platform": platform.platform(), "python": platform.python_version()},
                  "command": "python bench/loader_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     log = (lambda *x: None) if a.tiny else (lambda m: print(m, file=sys.stderr))
-    images = ["gdsload", "gdsload_noverify", "torch", "dali", "spdl", "read", "decode1"]
+    images = ["gdsload", "gdsload_noverify", "torch", "dali", "dali_torch", "spdl", "read", "decode1"]
     sets = [("images", jpg)] + ([("photos", ensure_photos(work, images=a.photos))] if a.photos else [])
     for bs in batch_sizes:
         tag = "" if len(batch_sizes) == 1 else f"@{bs}"
