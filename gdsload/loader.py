@@ -52,6 +52,8 @@ from gdsload.forksafe import ProcessLocal
 from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
 from gdsload.mapping import MapStage, host_copy
+from gdsload.output import as_output, default_output, torch_or_none
+from gdsload.turns import DecodeTurns
 from gdsload.plan import PlanCursor
 from gdsload.sizes import SizeError, parse_size
 
@@ -188,15 +190,6 @@ class _FieldPlan:
     max_nbytes: int = 0
 
 
-def _torch():
-    try:
-        import torch
-
-        return torch
-    except ImportError:
-        return None
-
-
 def _kvikio_error() -> str | None:
     from gdsload.io import kvikio_import_error
 
@@ -302,7 +295,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         self.io_name = io
         from gdsload.device import parse_device
 
-        self.output = output or ("torch" if _torch() is not None else "numpy")
+        self.output = default_output(output)
         self.device, self._device_index = parse_device(device or self._default_device(self.output))
         self.decode_threads = decode_threads or os.cpu_count() or 2
         if transform is None and decode:
@@ -370,7 +363,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             import cupy  # noqa: F401
         except Exception as exc:
             why = f"CuPy does not import ({type(exc).__name__}: {exc})"
-        torch = _torch() if output == "torch" else None
+        torch = torch_or_none() if output == "torch" else None
         if why is None and torch is not None and not torch.cuda.is_available():
             why = f"torch {torch.__version__} has no CUDA (torch.cuda.is_available() is False)"
         if why is None:
@@ -607,17 +600,15 @@ class _Epoch:
         self._claim_lock = threading.Lock()
         # Held by a reader for the Python-heavy parts of a batch (planning, CRC32s, bytes
         # objects), never across its reads or decodes: readers that interleave those parts
-        # convoy on the GIL (a thread back from a GIL-free `zlib.crc32` waits up to the 5 ms
+        # convoy on the GIL (a thread back from a GIL-free `crc32` call waits up to the 5 ms
         # switch interval for one busy in Python), which measured at half the samples/s of one
         # reader on 2 cores; serialised, one reader's CPU part overlaps the others' reads.
         self._cpu = threading.Lock()
         self._closed = False
-        self._turn = threading.Condition()
-        self._decode_turn = 0
-        self.has_images = any(fp.kind == "image" for fp in loader._fields)
+        self.n_images = sum(fp.kind == "image" for fp in loader._fields)  # decode turns per batch
+        self.turns = DecodeTurns(self.n_images)
         if loader._tuner is not None:
             loader._tuner.restart()
-        self.n_images = sum(fp.kind == "image" for fp in loader._fields)  # decode turns per batch
         self.stage = loader._stage.start(loader.num_workers) if loader._stage is not None else None
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}
         hs = self.ring.host_spec
@@ -680,48 +671,23 @@ class _Epoch:
             finally:
                 if cache is not None:
                     cache.release(seq)
-                if self.has_images:  # turns not taken (a failure before or between decodes)
-                    self._skip_turn(seq)
+                if self.n_images:  # turns not taken (a failure before or between decodes)
+                    self.turns.skip_batch(seq)
             self.ring.publish(slot)
 
-    def _decode(self, seq: int, encoded: list, names: list[str], dst):
-        """Decode with the loader's one DALI pipeline, batches strictly in seq order.
+    def _decode(self, turn: int, encoded: list, names: list[str], dst):
+        """Decode with the loader's one DALI pipeline, in turn order (`gdsload.turns`).
 
         One pipeline with all cores as DALI threads beats one per producer: the batch the
         consumer needs next gets every core (time to first batch), and memory is paid once.
         """
-        with self._turn:
-            while self._decode_turn != seq and not self._closed:
-                self._turn.wait()
-            if self._closed:
-                from gdsload.ring import RingClosed
-
-                raise RingClosed("loader closed")
-        # This thread holds the turn, so it alone runs the pipeline; the condition's lock is not
-        # held meanwhile (a producer that holds it through a decode stalls every other one in
-        # `_skip_turn` before it can publish: each batch reached the consumer only after the next
-        # batch had been decoded too).
-        try:
+        with self.turns.take(turn):
             dec = self.loader._get_decoder()
             out, kept = dec.decode(encoded, names)
             if out is not None:  # inside the turn: the next run() reuses DALI's buffers
                 streams = self.loader._streams
                 dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
             return kept
-        finally:
-            with self._turn:
-                self._decode_turn += 1
-                self._turn.notify_all()
-
-    def _skip_turn(self, seq: int) -> None:
-        """A batch that failed before decoding gives up its turn, so later batches proceed."""
-        first, end = seq * self.n_images, (seq + 1) * self.n_images  # one turn per image field
-        with self._turn:
-            while self._decode_turn < first and not self._closed:
-                self._turn.wait()
-            if first <= self._decode_turn < end:
-                self._decode_turn = end
-                self._turn.notify_all()
 
     def _fill(self, slot, seq: int, ids: np.ndarray) -> bool:
         """Read (and decode) batch `seq` into `slot`; returns whether it took its decode turn.
@@ -785,12 +751,12 @@ class _Epoch:
         keep = None
         decoded = False
         kepts: dict[str, list[int]] = {}
-        self._cpu.acquire()  # CRC32s and per-sample values; images decode after, in their turn
-        try:
+        if L._own_staging:  # packed members: a few crc32 calls, each giving the GIL up once
             check_crcs(reads, staging)
+        with self._cpu:  # per-sample values (and CRC32s member by member); images decode after, in their turn
+            if not L._own_staging:
+                check_crcs(reads, staging)
             self._host_values(reads, staging, meta, to_host, bufs)
-        finally:
-            self._cpu.release()
         for fp in L._fields:
             if fp.kind == "image":
                 pos, nb, _ = reads.staged[fp.name]
@@ -1113,19 +1079,7 @@ class _Epoch:
     def _convert(self, arr, *, copy: bool):
         """A slot view as the output type, on the loader's device (zero copy where it is there)."""
         L = self.loader
-        on_device = hasattr(arr, "__cuda_array_interface__")
-        if L.output == "torch":
-            torch = _torch()
-            t = torch.from_dlpack(arr) if on_device else torch.from_numpy(arr)
-            if L.device == "cuda" and not on_device:  # not reached: GPU batch tensors are on the GPU
-                return t.to(f"cuda:{L.device_ordinal}")
-            return t.clone() if copy else t
-        if L.device == "cuda" and not on_device:
-            import cupy
-
-            with cupy.cuda.Device(L.device_ordinal):
-                return cupy.asarray(arr)
-        return arr.copy() if copy else arr
+        return as_output(arr, L.output, f"cuda:{L.device_ordinal}" if L.device == "cuda" else "cpu", copy=copy)
 
     def _update_stats(self) -> None:
         L = self.loader
@@ -1169,9 +1123,8 @@ class _Epoch:
         if self.pid != os.getpid():  # the parent's iterator in a forked child: touch nothing
             self._closed = True
             return
-        with self._turn:
-            self._closed = True
-            self._turn.notify_all()
+        self._closed = True
+        self.turns.close()
         if self.handed is not None:  # keep the fence: the next pass may refill this slot
             try:
                 self._release(self.handed, same_thread=threading.get_ident() == self._consumer)

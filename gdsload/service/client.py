@@ -60,6 +60,7 @@ import grpc
 
 from gdsload.fields import parse_columns
 from gdsload.mapping import MapStage
+from gdsload.output import as_output, default_output, torch_or_none
 from gdsload.mix import Mix
 from gdsload.plan import PlanCursor
 from gdsload.service import mixwire, status, wire
@@ -69,15 +70,6 @@ from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
 __all__ = ["RemoteLoader"]
-
-
-def _torch():
-    try:
-        import torch
-
-        return torch
-    except ImportError:
-        return None
 
 
 class _FeedStub(pb_grpc.FeedStub):
@@ -237,9 +229,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self._stage = MapStage.create(map, collate_fn, "thread")
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
-        self.output = output or ("torch" if _torch() is not None else "numpy")
+        self.output = default_output(output)
         if device is None:
-            torch = _torch()
+            torch = torch_or_none()
             device = "cuda" if self.output == "torch" and torch is not None and torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda") or (device == "cuda" and self.output != "torch"):
             raise GdsloadError(f"device must be 'cpu', or 'cuda' with torch output, not {device!r}")
@@ -395,11 +387,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             names = [f"{k}" for k in batch[wire.KEY]]
             return self._stage.start(0).run(batch, names, self._to_output)
         if self.output == "torch":
-            torch = _torch()
             for k, v in batch.items():
                 if isinstance(v, np.ndarray):
-                    t = torch.from_numpy(v)
-                    batch[k] = t.to(self.device, non_blocking=True) if self.device != "cpu" else t
+                    batch[k] = self._to_output(v)
                 elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # a ragged .npy field
                     batch[k] = [self._to_output(a) for a in v]
         if self.tuple_fields is not None:
@@ -407,10 +397,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return batch
 
     def _to_output(self, arr: np.ndarray) -> Any:
-        if self.output != "torch":
-            return arr
-        t = _torch().from_numpy(arr)
-        return t.to(self.device, non_blocking=True) if self.device != "cpu" else t
+        return as_output(arr, self.output, self.device) if self.output == "torch" else arr
 
 
 class _Retry(Exception):

@@ -1,0 +1,56 @@
+"""Decode turns: the loader's reader threads run its one DALI pipeline strictly in batch order.
+
+Batch `seq` owns turns `seq * per_batch ... (seq + 1) * per_batch - 1`, one per image field.
+`take(turn)` waits until every earlier turn is over, runs the caller's decode, then ends the
+turn; the condition's lock is held only to wait and to move on, never through the decode (a
+thread that held it through a DALI run stalled every other reader that wanted to give up its
+turns, and with them the batches those readers had ready). A batch that failed before or
+between its decodes gives up the turns it did not take (`skip_batch`), so later batches go on.
+`close()` wakes every waiter: `take` then raises `RingClosed`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gdsload.ring import RingClosed
+
+
+class DecodeTurns:
+    def __init__(self, per_batch: int):
+        self.per_batch = per_batch
+        self._next = 0  # the turn that may run now
+        self._closed = False
+        self._cv = threading.Condition()
+
+    @contextmanager
+    def take(self, turn: int) -> Iterator[None]:
+        """Run the body as turn `turn`, after every earlier one."""
+        with self._cv:
+            while self._next != turn and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                raise RingClosed("loader closed")
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._next += 1
+                self._cv.notify_all()
+
+    def skip_batch(self, seq: int) -> None:
+        """Give up batch `seq`'s turns not taken yet (after the earlier batches' turns)."""
+        first, end = seq * self.per_batch, (seq + 1) * self.per_batch
+        with self._cv:
+            while self._next < first and not self._closed:
+                self._cv.wait()
+            if first <= self._next < end:
+                self._next = end
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
