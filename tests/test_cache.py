@@ -360,3 +360,46 @@ def test_a_pickled_loader_keeps_its_cache_settings(remote, tmp_path):
     assert loader.stats()["cache"]["fetches"] + copy.stats()["cache"]["fetches"] == n
     loader.close()
     copy.close()
+
+
+def test_readers_waiting_for_room_hold_no_pins(remote, tmp_path):
+    """Room for two shards. Batch 2 needs shards 0 and 2, batch 3 shards 1 and 3; 0 and 1 are
+    present, pinned by batches 0 and 1, then released. Before: batch 2 kept its pin on 0 while it
+    waited for room for 2 (one reader at a time does that), batch 3 kept its pin on 1 while it
+    waited in line, and nothing could be evicted: CacheFullError once the wait timed out. Now a
+    reader waits holding no pin, and both batches get their shards."""
+    from gdsload.format.cache import ShardCache
+
+    _, url = remote
+    ds = ShardedDataset(url)
+    sizes = [s["bytes"] for s in ds.shards[:4]]
+    limit = 2 * max(sizes)
+    assert 3 * min(sizes) > limit  # two shards fit, three never do
+    cache = ShardCache(ds.root, ds.shards, tmp_path / "c", limit, fetchers=1, wait_timeout_s=5)
+    try:
+        cache.acquire(0, [0])
+        cache.acquire(1, [1])
+        got: dict[int, object] = {}
+
+        def batch(seq, shards):
+            try:
+                got[seq] = cache.acquire(seq, shards)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                got[seq] = exc
+
+        threads = [threading.Thread(target=batch, args=(2, [0, 2])), threading.Thread(target=batch, args=(3, [1, 3]))]
+        threads[0].start()
+        time.sleep(0.3)  # batch 2 is waiting for room, in line
+        threads[1].start()
+        time.sleep(0.3)
+        cache.release(0)
+        cache.release(1)
+        threads[0].join(30)
+        if isinstance(got.get(2), dict):
+            cache.release(2)
+        threads[1].join(30)
+        assert isinstance(got[2], dict) and sorted(got[2]) == [0, 2], got.get(2)
+        assert isinstance(got[3], dict) and sorted(got[3]) == [1, 3], got.get(3)
+        cache.release(3)
+    finally:
+        cache.close()

@@ -211,8 +211,14 @@ class ShardCache:
         t0 = time.perf_counter()
         missing = [s for s in shards if not self._pin(seq, s)]
         if missing:
+            # Wait holding no pin: readers waiting here in line while each pinned a shard could
+            # hold, between them, all the room the one downloading needs (seen with 3 readers and
+            # room for window + 1 shards: CacheFullError after 120 s). In line, this reader pins
+            # its shards one by one; the pins others hold are then only those of batches being
+            # read, which come free.
+            self._unpin(seq)
             with self._miss:
-                for s in missing:
+                for s in shards:
                     while not self._pin(seq, s):
                         err = self._errors.get(s)
                         if isinstance(err, CorruptDataError):
@@ -235,18 +241,30 @@ class ShardCache:
         """Batch `seq` has finished reading: unpin its shards."""
         with self._lock:
             for s in self._open.pop(seq, ()):
-                pin = self._pins[s]
-                pin[1] -= 1
-                if pin[1] == 0:
-                    del self._pins[s]
-                    if self.on_release is not None:
-                        self.on_release(self.path(s))
-                    os.close(pin[0])  # drops the shared flock: evictable again
+                self._drop_pin(s)
             if self._open:
                 self._move_cursor()
             else:
                 self._cursor = max(self._cursor, seq + 1)
             self._changed.notify_all()
+
+    def _unpin(self, seq: int) -> None:
+        """Drop batch `seq`'s pins, keeping it open (the cursor stays at it)."""
+        with self._lock:
+            shards = self._open.get(seq, [])
+            self._open[seq] = []
+            for s in shards:
+                self._drop_pin(s)
+            self._changed.notify_all()
+
+    def _drop_pin(self, s: int) -> None:
+        pin = self._pins[s]
+        pin[1] -= 1
+        if pin[1] == 0:
+            del self._pins[s]
+            if self.on_release is not None:
+                self.on_release(self.path(s))
+            os.close(pin[0])  # drops the shared flock: evictable again
 
     def _pin(self, seq: int, shard: int) -> bool:
         """Pin the complete copy of `shard` for batch `seq`; False when there is none."""
