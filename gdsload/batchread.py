@@ -23,7 +23,9 @@ was guaranteed) and `.npy` payloads under 4 KiB (their header length varies).
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,40 @@ STAGE_ALIGN = 64  # bytes: staged members start on cache lines (DALI and zlib re
 
 def round_up(n: np.ndarray | int, to: int = STAGE_ALIGN) -> Any:
     return -(-n // to) * to
+
+
+class StagingPool:
+    """Buffers for the packed members of batches that decode nothing (`plan(..., packed=True)`),
+    which the batch's `BytesColumn`s own; a buffer comes back here when the last array or view
+    of it is gone (a ctypes owner per batch, watched by `weakref.finalize`), never earlier.
+
+    Why: a fresh multi-MB buffer per batch goes to and from the OS (glibc serves it with `mmap`
+    or trims it from the heap), and first-touching its pages cost ~40 % of the R tier's
+    samples/s on the 2-core VM. At most `keep` free buffers are kept (the largest), so a job
+    that held many batches at once does not keep their memory after it let them go."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= nbytes]
+            buf = min(fits, key=len) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = bytearray(max(1, nbytes + nbytes // 4))  # headroom: the next batch may be a bit bigger
+        owner = (ctypes.c_char * nbytes).from_buffer(buf)
+        weakref.finalize(owner, self._give_back, buf).atexit = False
+        return np.frombuffer(owner, np.uint8) if nbytes else np.zeros(0, np.uint8)
+
+    def _give_back(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=len))
 
 
 class ShardColumns:

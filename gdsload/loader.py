@@ -223,6 +223,7 @@ class DataLoader(ProcessLocal, PlanCursor):
     """
 
     _PROCESS_LOCAL = ("_ring", "_backend", "_host_backend", "_streams", "device_ordinal", "_decoder", "_active_ref",
+                      "_staging_pool",
                       "_fields", "_stats", "_cuda_lost", "_planner", "_cache")
 
     def __init__(
@@ -327,6 +328,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._active_ref: Any = None
         self._decoder = None
         self._planner = None  # gdsload.batchread.BatchPlanner, made in `_setup`
+        self._staging_pool = None  # gdsload.batchread.StagingPool, with `_own_staging`
         self._cuda_lost = False  # forked from a parent in which this loader used CUDA
 
     def _enter_process(self) -> None:
@@ -421,7 +423,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         if isinstance(self.dataset, Mix):
             _check_mix_tensors(self.dataset, fplans)
         self._fields = fplans
-        from gdsload.batchread import BatchPlanner
+        from gdsload.batchread import BatchPlanner, StagingPool
 
         self._planner = None if self._tensor_headers else BatchPlanner(
             ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans],
@@ -463,6 +465,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         # (no copy out of the ring); see `_fill_planned`.
         self._own_staging = self._planner is not None and not want_device and not any(
             fp.kind == "image" for fp in fplans)
+        self._staging_pool = StagingPool(keep=self.num_workers + 2) if self._own_staging else None
         staging = 0
         for fp in fplans:
             if fp.kind == "tensor":
@@ -709,8 +712,8 @@ class _Epoch:
         L = self.loader
         bufs = slot.buffers
         own = L._own_staging  # staged members into the batch's own buffer, not the ring's
-        staging = np.empty(int(reads.staged_pos[-1] + reads.staged_nbytes[-1]) if own and len(reads.staged_pos)
-                           else 0, np.uint8) if own else bufs["__staging__"]
+        staging = L._staging_pool.take(int(reads.staged_pos[-1] + reads.staged_nbytes[-1]) if len(reads.staged_pos)
+                                       else 0) if own else bufs["__staging__"]
         slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
         layout, hl = self._layout, self._host_layout
         to_host = hl is not None and L._host_backend is None

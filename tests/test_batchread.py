@@ -146,6 +146,45 @@ def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
     dl.close()
 
 
+def test_staging_buffers_are_reused_only_when_nothing_points_into_them(mixed):
+    """The packed members of a batch that decodes nothing live in a pooled buffer the batch's
+    BytesColumn owns. A column, or any view of its bytes, kept past the next batches keeps its
+    buffer out of the pool (never overwritten); a dropped batch's buffer is taken again."""
+    import gc
+
+    from gdsload.batchread import StagingPool
+
+    pool = StagingPool(keep=2)
+    a = pool.take(1000)
+    a[:] = 7
+    view = a[10:20]
+    addr = a.ctypes.data
+    del a
+    gc.collect()
+    b = pool.take(1000)  # the first buffer is still seen by `view`: a new one
+    assert b.ctypes.data != addr and (view == 7).all()
+    b[:] = 9
+    del view
+    gc.collect()
+    c = pool.take(900)  # now free again: reused
+    assert c.ctypes.data == addr and len(c) == 900
+    del b, c
+    for _ in range(5):
+        pool.take(10)
+    assert len(pool._free) <= 2
+
+    root, src = mixed
+    dl = DataLoader(str(root), batch_size=16, device="cpu", output="numpy", decode=False, shuffle=False)
+    kept = []
+    for batch in dl:  # keep every column: none of them may be overwritten by a later batch
+        kept.append((list(batch["__key__"]), batch["bin"], batch["bin"].view(0)))
+    dl.close()
+    assert len(kept) > 3
+    for keys, col, first in kept:
+        assert col == [src[k][2] for k in keys]
+        assert first.tobytes() == src[keys[0]][2]
+
+
 def test_missing_field_names_sample(tmp_path):
     root = tmp_path / "ds"
     with DatasetWriter(root) as w:
