@@ -53,9 +53,9 @@ from gdsload.loadcheck import VerifyMode, check_mode
 from gdsload.mix import Mix
 from gdsload.mapping import MapStage, host_copy
 from gdsload.output import as_output, default_output, torch_or_none
-from gdsload.turns import DecodeTurns
 from gdsload.plan import PlanCursor
 from gdsload.sizes import SizeError, parse_size
+from gdsload.turns import DecodeTurns
 
 _META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
@@ -601,8 +601,8 @@ class _Epoch:
         self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
         self._claim = 0
         self._claim_lock = threading.Lock()
-        # Held by a reader for the Python-heavy parts of a batch (planning, CRC32s, bytes
-        # objects), never across its reads or decodes: readers that interleave those parts
+        # Held by a reader for the Python-heavy parts of a batch (planning, per-sample values,
+        # CRC32s member by member), never across its reads or decodes: readers that interleave those parts
         # convoy on the GIL (a thread back from a GIL-free `crc32` call waits up to the 5 ms
         # switch interval for one busy in Python), which measured at half the samples/s of one
         # reader on 2 cores; serialised, one reader's CPU part overlaps the others' reads.
@@ -754,10 +754,10 @@ class _Epoch:
         keep = None
         decoded = False
         kepts: dict[str, list[int]] = {}
-        if L._own_staging:  # packed members: a few crc32 calls, each giving the GIL up once
+        if own:  # packed members: a few crc32 calls, each giving the GIL up once
             check_crcs(reads, staging)
         with self._cpu:  # per-sample values (and CRC32s member by member); images decode after, in their turn
-            if not L._own_staging:
+            if not own:
                 check_crcs(reads, staging)
             self._host_values(reads, staging, meta, to_host, bufs)
         for fp in L._fields:

@@ -253,3 +253,21 @@ def test_manifest_max_nbytes_is_checked(mixed, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="'max_nbytes' must map fields to byte counts within"):
         Dataset(str(bad))
+
+
+def test_bytes_column_behaves_as_a_sequence_of_bytes():
+    import pickle
+
+    from gdsload.fields import BytesColumn
+
+    members = [b"abc", b"", b"defgh", b"i"]
+    data = np.frombuffer(b"..abc...defgh.i.", np.uint8)
+    col = BytesColumn(data, np.array([2, 5, 8, 14]), np.array([3, 0, 5, 1]))
+    assert len(col) == 4 and col.nbytes == 9 and col == members and members == col
+    assert col[2] == b"defgh" and col[-1] == b"i" and list(col) == members
+    assert col[1:3] == [b"", b"defgh"] and col.take([3, 0]) == [b"i", b"abc"]
+    assert col.view(2).tobytes() == b"defgh" and col.view(2).base is not None  # no copy
+    packed = col.copy()
+    assert packed == members and packed.data.tobytes() == b"abcdefghi"
+    assert pickle.loads(pickle.dumps(col)) == members
+    assert col != [b"abc"] and col != members[::-1]
