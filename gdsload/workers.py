@@ -130,6 +130,9 @@ class WorkerPool:
                 raise self.broken
             if self._closed:
                 raise PoolClosed("the worker pool is closed")
+        if self._check_alive():  # a worker killed while idle: the next batch says so, not the epoch's end
+            raise self.broken
+        with self._lock:
             task_id = next(self._ids)
             self._pending[task_id] = fut
         self._inbox.put((task_id, payload))
@@ -146,17 +149,7 @@ class WorkerPool:
             try:
                 data = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                if self._closed:
-                    return
-                dead = [p for p in self.procs if not p.is_alive()]
-                if dead:  # a worker that died mid-task (killed, segfault) leaves its task unanswered
-                    self.broken = WorkerDied(
-                        f"worker process {dead[0].name} (pid {dead[0].pid}) died with exit code "
-                        f"{dead[0].exitcode}; its batch is lost (the loader stops; a new iter() "
-                        f"resumes from the last batch received). A worker that cannot import the "
-                        f"function's module exits at start: its traceback is on stderr")
-                    self._closed = True
-                    self._fail_pending(self.broken)
+                if self._closed or self._check_alive():
                     return
                 continue
             except (EOFError, OSError, ValueError):  # the queue was closed under us
@@ -166,6 +159,23 @@ class WorkerPool:
                 fut = self._pending.pop(task_id, None)
             if fut is not None:
                 fut.set_result(value) if ok else fut.set_exception(value)
+
+    def _check_alive(self) -> bool:
+        """Whether a worker died (killed, segfault): then the pool is broken and every pending
+        task fails with `WorkerDied` (a worker that died mid-task leaves its task unanswered)."""
+        dead = [p for p in self.procs if not p.is_alive()]
+        if not dead:
+            return False
+        with self._lock:
+            if self.broken is None:
+                self.broken = WorkerDied(
+                    f"worker process {dead[0].name} (pid {dead[0].pid}) died with exit code "
+                    f"{dead[0].exitcode}; its batch is lost (the loader stops; a new iter() "
+                    f"resumes from the last batch received). A worker that cannot import the "
+                    f"function's module exits at start: its traceback is on stderr")
+            self._closed = True
+        self._fail_pending(self.broken)
+        return True
 
     def close(self) -> None:
         """Stop the workers and threads; idempotent. Pending tasks fail with `PoolClosed`."""

@@ -197,3 +197,21 @@ def test_a_killed_worker_fails_the_loop_instead_of_hanging(path):
     assert time.monotonic() - t0 < 30
     del it, lo
     assert nothing_left(before) == ([], [])
+
+
+def test_a_worker_killed_while_idle_fails_the_next_submit():
+    """Before: a worker killed between tasks went unnoticed while the other one kept answering
+    (death was looked for only when no result came for a while), so the loop went on with half
+    its workers, or ended without a word. Now the next submit raises WorkerDied."""
+    from gdsload.workers import WorkerDied, WorkerPool
+
+    pool = WorkerPool(abs, 2)
+    try:
+        assert pool.submit(-3).result(timeout=60) == 3
+        victim = pool.procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        with pytest.raises(WorkerDied, match="died with exit code -9"):
+            pool.submit(-4)
+    finally:
+        pool.close()

@@ -18,5 +18,6 @@ def test_remote_bench_tiny(tmp_path):
     assert r["dataset"]["images"] == 48
     assert {(row["payload"], row["consumers"]) for row in r["rows"]} == {
         ("raw", 1), ("raw", 4), ("decoded", 1), ("decoded", 4)}
-    assert all(row["ratio"]["median"] > 0 and row["server_cpu_s_per_gb"] > 0 for row in r["rows"])
+    # CPU comes from /proc/PID/stat in 10 ms ticks: a tiny run's server may use none of them
+    assert all(row["ratio"]["median"] > 0 and row["server_cpu_s_per_gb"] >= 0 for row in r["rows"])
     assert (tmp_path / "r.json").is_file()
