@@ -250,10 +250,12 @@ def run_dali(a: dict) -> dict:
 def spdl_missing() -> str | None:
     """Why the `spdl` contestant cannot run here, or None."""
     try:
-        import spdl.io
-        from spdl.io.lib import _libspdl  # noqa: F401  (loads FFmpeg's shared libraries)
+        import spdl.io  # noqa: F401
+        from spdl.io import lib
 
-        spdl.io.lib._libspdl.__name__
+        # `lib._libspdl` is imported lazily (touching the name loads nothing); this loads the
+        # extension and FFmpeg's shared libraries, or raises naming the missing libavutil
+        lib._import_libspdl()
     except Exception as exc:  # ImportError, or RuntimeError naming the missing libavutil
         return f"{type(exc).__name__}: {str(exc)[:300]}"
     return None
