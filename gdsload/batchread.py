@@ -60,16 +60,18 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
+        if not nbytes:  # nothing staged (a .npy dataset whose labels are in the index): no buffer
+            return np.zeros(0, np.uint8)
         with self._lock:
             fits = [b for b in self._free if len(b) >= nbytes]
             buf = min(fits, key=len) if fits else None
             if buf is not None:
                 self._free.remove(buf)
         if buf is None:
-            buf = bytearray(max(1, nbytes + nbytes // 4))  # headroom: the next batch may be a bit bigger
+            buf = bytearray(nbytes + nbytes // 4)  # headroom: the next batch may be a bit bigger
         owner = (ctypes.c_char * nbytes).from_buffer(buf)
         weakref.finalize(owner, self._give_back, buf).atexit = False
-        return np.frombuffer(owner, np.uint8) if nbytes else np.zeros(0, np.uint8)
+        return np.frombuffer(owner, np.uint8)
 
     def _give_back(self, buf: bytearray) -> None:
         with self._lock:

@@ -130,7 +130,7 @@ class WorkerPool:
                 raise self.broken
             if self._closed:
                 raise PoolClosed("the worker pool is closed")
-        if self._check_alive():  # a worker killed while idle: the next batch says so, not the epoch's end
+        if self._worker_died():  # a worker killed while idle: the next batch says so, not the epoch's end
             raise self.broken
         with self._lock:
             task_id = next(self._ids)
@@ -149,7 +149,7 @@ class WorkerPool:
             try:
                 data = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                if self._closed or self._check_alive():
+                if self._closed or self._worker_died():
                     return
                 continue
             except (EOFError, OSError, ValueError):  # the queue was closed under us
@@ -160,7 +160,7 @@ class WorkerPool:
             if fut is not None:
                 fut.set_result(value) if ok else fut.set_exception(value)
 
-    def _check_alive(self) -> bool:
+    def _worker_died(self) -> bool:
         """Whether a worker died (killed, segfault): then the pool is broken and every pending
         task fails with `WorkerDied` (a worker that died mid-task leaves its task unanswered)."""
         dead = [p for p in self.procs if not p.is_alive()]

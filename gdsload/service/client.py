@@ -397,7 +397,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return batch
 
     def _to_output(self, arr: np.ndarray) -> Any:
-        return as_output(arr, self.output, self.device) if self.output == "torch" else arr
+        return as_output(arr, self.output, self.device)  # NumPy output: `arr` itself (device is "cpu")
 
 
 class _Retry(Exception):
