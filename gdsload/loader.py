@@ -43,6 +43,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gdsload import fields as _fieldkinds
+from gdsload.batchread import distinct
 from gdsload.decode.raw import TensorField
 from gdsload.distributed import dist_rank_world
 from gdsload.errors import FormatError, GdsloadError
@@ -592,10 +593,10 @@ class _Epoch:
         self.ring.reset()
         if loader._cache is not None:  # the shards of every batch, so the cache can fetch ahead
             ends = np.cumsum(loader.dataset.shard_sizes)
-            needs = [np.unique(np.searchsorted(ends, b, side="right")) for b in self.batches]
+            needs = [distinct(np.searchsorted(ends, b, side="right")) for b in self.batches]
             loader._cache.start_epoch(needs)
             # their indexes too (one request each at the URL), in order of first use
-            loader.dataset.shards.load_indexes(s for b in needs for s in b.tolist())
+            loader.dataset.shards.load_indexes(s for b in needs for s in b)
         self.next_seq = 0
         self.handed = None
         self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
@@ -720,7 +721,7 @@ class _Epoch:
         paths = L._planner.paths
         local = None
         if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
-            local = L._cache.acquire(seq, np.unique(reads.shard).tolist())
+            local = L._cache.acquire(seq, distinct(reads.shard))
             paths = list(paths)
             for s, path in local.items():
                 paths[s] = path
@@ -829,7 +830,7 @@ class _Epoch:
         local = None
         if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
             ends = np.cumsum(L.dataset.shard_sizes)
-            local = L._cache.acquire(seq, np.unique(np.searchsorted(ends, ids, side="right")).tolist())
+            local = L._cache.acquire(seq, distinct(np.searchsorted(ends, ids, side="right")))
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)

@@ -271,3 +271,10 @@ def test_bytes_column_behaves_as_a_sequence_of_bytes():
     assert packed == members and packed.data.tobytes() == b"abcdefghi"
     assert pickle.loads(pickle.dumps(col)) == members
     assert col != [b"abc"] and col != members[::-1]
+
+
+def test_distinct_lists_each_shard_of_a_batch_once_in_order():
+    from gdsload.batchread import distinct
+
+    assert distinct(np.array([3, 0, 3, 7, 0], np.int64)) == [0, 3, 7]
+    assert distinct(np.zeros(0, np.int64)) == []
