@@ -203,8 +203,9 @@ class DataLoader(ProcessLocal, PlanCursor):
     Arguments follow PyTorch where they make sense: `batch_size`, `shuffle`, `drop_last`,
     `num_workers` (reader/decoder threads, not processes), `prefetch_factor` (batches filled ahead
     of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
-    per worker, since workers are threads filling one shared ring; `"auto"` for either: sized
-    while it runs, within stated bounds, see `gdsload.autotune`), `pin_memory` (pinned staging on a
+    per worker, since workers are threads filling one shared ring; default 2, or 1 when images are
+    decoded (below); `"auto"` for either: sized while it runs, within stated bounds, see
+    `gdsload.autotune`), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
     GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
     GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.device`), `transform` (an `ImageTransform`, or None for the default training transform;
@@ -217,6 +218,13 @@ class DataLoader(ProcessLocal, PlanCursor):
     of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
     run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
     `gdsload.fields`.
+
+    Why one batch ahead when images are decoded: every batch is decoded by the loader's one DALI
+    pipeline, which has all the cores, so a second batch ahead adds no decoding, only a slot of
+    decoded float32 rows (154 MB at batch 256, 224x224). Measured on 2 cores, tier T: 1 gave the
+    same or more images/s than 2 (5 interleaved pairs of fresh processes, batch 64 and 256) and
+    159-175 MB less peak RSS at batch 256 (849 against 1008 MB, photos; 1030 against 1205 MB,
+    ImageNet-like).
 
     Processes: a loader pickles to its configuration and cursor (`state_dict()`), never to its
     threads, ring, files or DALI pipeline; a copy (a spawned worker's) or a forked child builds
@@ -234,7 +242,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         shuffle: bool = False,
         drop_last: bool = False,
         num_workers: int | Literal["auto"] = 2,
-        prefetch_factor: int | Literal["auto"] = 2,
+        prefetch_factor: int | Literal["auto"] | None = None,
         pin_memory: bool = True,
         *,
         seed: int = 0,
@@ -276,6 +284,9 @@ class DataLoader(ProcessLocal, PlanCursor):
             num_workers = autotune.START_WORKERS
         if self._auto["prefetch"]:
             prefetch_factor = autotune.START_PREFETCH
+        elif prefetch_factor is None:  # one batch ahead of the one in use when DALI decodes (above)
+            prefetch_factor = 1 if decode and any(
+                _fieldkinds.loader_kind(f, decode=True) == "image" for f in self.dataset.fields) else 2
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise GdsloadError(f"num_workers must be >= 1 (reader threads) or 'auto', got {num_workers!r}")
         if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:

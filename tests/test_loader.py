@@ -620,3 +620,17 @@ def test_cuda_npy_loader_returns_device_tensors(npy_u8):
     assert n == 50
     s = loader.stats()  # the device path itself, not the POSIX + host ring fallback (audit 1 #14)
     assert s["io_path"].startswith("kvikio") and s["ring_device"].startswith("cuda")
+
+
+def test_default_prefetch_is_one_batch_ahead_when_decoding_images(images, npy_u8):
+    def slots(src, **kw):
+        loader = DataLoader(str(src.dst), batch_size=4, device="cpu", output="numpy", **kw)
+        next(iter(loader))
+        n = (loader.prefetch_factor, loader.stats()["ring_slots"])
+        loader.close()
+        return n
+
+    assert slots(images) == (1, 2)  # decoded by the one DALI pipeline: no second batch ahead
+    assert slots(images, decode=False) == (2, 3)  # encoded bytes only
+    assert slots(npy_u8) == (2, 3)
+    assert slots(images, prefetch_factor=2) == (2, 3)  # what was asked
