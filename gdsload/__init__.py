@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "DataLoader": "gdsload.loader",
-    "Dataset": "gdsload.loader",
+    "Dataset": "gdsload.dataset",
     "ImageTransform": "gdsload.decode.image",
     "Mix": "gdsload.mix",
     "RemoteLoader": "gdsload.service.client",

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-import gdsload.loader as loader_mod
+from gdsload.epoch import Epoch
 from gdsload import autotune
 from gdsload.errors import GdsloadError
 from gdsload.format.writer import DatasetWriter
@@ -94,14 +94,14 @@ def small(tmp_path_factory):
 
 def _run(root, step_s, monkeypatch=None, slow_every=0, **kw):
     if slow_every:
-        fill = loader_mod._Epoch._fill
+        fill = Epoch._fill
 
         def bursty(self, slot, seq, ids):  # every n-th batch is slow (a cold shard, say)
             if seq % slow_every == slow_every - 1:
                 time.sleep(0.03)
             return fill(self, slot, seq, ids)
 
-        monkeypatch.setattr(loader_mod._Epoch, "_fill", bursty)
+        monkeypatch.setattr(Epoch, "_fill", bursty)
     dl = DataLoader(str(root), batch_size=4, device="cpu", output="numpy", decode=False, **kw)
     keys = []
     for b in dl:

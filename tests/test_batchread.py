@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-import gdsload.loader as loader_mod
+from gdsload.epoch import Epoch
 from gdsload.errors import CorruptDataError, FormatError
 from gdsload.format.index import ShardIndex
 from gdsload.format.writer import DatasetWriter
@@ -57,7 +57,7 @@ def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch
             np.testing.assert_array_equal(b["npy"][k], x)
             assert b["cls"][k] == label and b["bin"][k] == blob
     assert sum(len(b["__key__"]) for b in planned) == 90
-    monkeypatch.setattr(loader_mod._Epoch, "_fill", loader_mod._Epoch._fill_members)
+    monkeypatch.setattr(Epoch, "_fill", Epoch._fill_members)
     members = _epoch(root)
     assert [b["__key__"] for b in planned] == [b["__key__"] for b in members]
     for a, b in zip(planned, members):

@@ -1,0 +1,115 @@
+"""`gdsload.Dataset`: a converted dataset, opened by path or URL (the manifest only, until used)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+from gdsload.errors import FormatError, GdsloadError
+from gdsload.format.reader import ShardedDataset
+from gdsload.forksafe import ProcessLocal
+from gdsload.loadcheck import VerifyMode, check_mode
+from gdsload.sizes import SizeError, parse_size
+
+
+class Dataset(ProcessLocal):
+    """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
+
+    `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
+
+    A dataset at a URL (s3://, gs://, http(s)://) is read through a local shard cache
+    (`gdsload.format.cache`): whole shards are fetched ahead of the plan and evicted by it.
+    `cache_dir=None` uses `$XDG_CACHE_HOME/gdsload/shards` (else `~/.cache/gdsload/shards`);
+    `cache_dir=False` reads byte ranges from the store instead. `cache_limit` (bytes, or a size
+    such as "50GB", "200GiB") bounds the folder. A local dataset has no cache.
+
+    Pickles to its path, fields, `verify` and cache settings; a copy in another process (or a
+    forked child) opens the dataset again on first use and refuses it if its content changed in
+    between.
+    """
+
+    _PROCESS_LOCAL = ("_shards",)
+
+    def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
+                 cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
+                 cache_limit: int | str = "50GB"):
+        from gdsload.format.store import is_remote
+
+        self.path = str(path)
+        self.verify = check_mode(verify)
+        self._start_process()
+        self._shards = ShardedDataset(path)
+        self._id = self._content_id(self._shards)
+        self.cache_limit = parse_limit(cache_limit)
+        if cache_dir is False or not is_remote(self.path):
+            self.cache_dir: str | None = None
+        elif cache_dir is None:
+            from gdsload.format.cache import default_cache_dir
+
+            self.cache_dir = str(default_cache_dir())
+        else:
+            self.cache_dir = str(cache_dir)
+        self.fields = list(fields) if fields else [f for f in self.shards.fields]
+        unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
+        if unknown:
+            raise GdsloadError(
+                f"fields {unknown} are not in dataset {self.path} (it has {sorted(self.shards.fields)})"
+            )
+
+    def _init_process_local(self) -> None:
+        self._shards = None
+
+    @property
+    def shards(self) -> ShardedDataset:
+        """The open dataset of this process (its file descriptors and lock are per process)."""
+        self._check_process()
+        if self._shards is None:
+            shards = ShardedDataset(self.path)
+            if self._content_id(shards) != self._id:
+                raise FormatError(
+                    f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "
+                    f"then, {self._content_id(shards)} now): open it again"
+                )
+            self._shards = shards
+        return self._shards
+
+    @staticmethod
+    def _content_id(shards: ShardedDataset) -> str:
+        h = hashlib.sha256()
+        for s in shards.shards:
+            h.update(s["sha256"].encode())
+        return h.hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @property
+    def dataset_id(self) -> str:
+        """Identity for states: hash of the shards' content hashes, in order."""
+        return self._id
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        return tuple(s["samples"] for s in self.shards.shards)
+
+    def __repr__(self) -> str:
+        return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
+
+    def _with_fields(self, fields: Sequence[str]) -> "Dataset":
+        return Dataset(self.path, fields=fields, verify=self.verify, cache_dir=self.cache_dir or False,
+                       cache_limit=self.cache_limit)
+
+def parse_limit(limit: int | str) -> int:
+    """`cache_limit` in bytes: an int, or a size string as the CLI takes (`50GB`, `1.5GiB`)."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, str)):
+        raise GdsloadError(f"cache_limit must be bytes (an int) or a size such as '50GB', got {limit!r}")
+    try:
+        n = parse_size(limit) if isinstance(limit, str) else limit
+    except SizeError as exc:
+        raise GdsloadError(f"cache_limit: {exc}") from None
+    if n <= 0:
+        raise GdsloadError(f"cache_limit must be positive, got {limit!r}")
+    return n

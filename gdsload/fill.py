@@ -1,0 +1,318 @@
+"""Filling one ring slot with one batch: the producer's half of `gdsload.epoch.Epoch`.
+
+`_fill` plans the batch's reads with NumPy (`gdsload.batchread`) and, when it can, goes through
+`_fill_planned`: one coalesced read table per destination arena, CRC32s checked per contiguous
+run, labels from the index, bytes fields as one `BytesColumn`, images decoded by the loader's one
+DALI pipeline in plan order (`gdsload.turns`). Batches it cannot plan (`.npy` headers to read)
+go member by member through `_fill_members`. Both end in `_finish_fill`, which records what the
+consumer needs in a `BatchInfo` and runs the user's `map`/`collate_fn`.
+
+A mixin, not a class of its own, so that an epoch reads as one object: it uses the epoch's
+`loader`, `ring` layout (`_layout`, `_host_layout`), decode turns and `_cpu` lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gdsload import fields as _fieldkinds
+from gdsload.batchread import distinct
+from gdsload.errors import FormatError
+from gdsload.format.tar import ALIGN
+from gdsload.mix import Mix
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(slots=True)
+class BatchInfo:
+    """What the producer knows of the batch in a slot, for the consumer (`slot.meta["batch"]`)."""
+
+    keys: Sequence[str]  # per sample, in batch order
+    n: int  # samples read (rows filled, before corrupt images are dropped)
+    nbytes: int  # bytes read
+    extra: dict[str, Any] = field(default_factory=dict)  # list-like fields: bytes, text, json, ragged
+    sources: list[str] | None = None  # a Mix: the dataset of each sample
+    keep: list[int] | None = None  # rows kept when corrupt images were skipped (None: all)
+    skipped: int = 0  # samples skipped (corrupt or over the pixel limit)
+    ready: Any = None  # device ring: the event after which the batch's copies are done
+    mapped: Any = UNSET  # the output of `map` / `collate_fn`, when the loader has them
+
+
+class SlotFill:
+    def _decode(self, turn: int, encoded: list, names: list[str], dst):
+        """Decode with the loader's one DALI pipeline, in turn order (`gdsload.turns`).
+
+        One pipeline with all cores as DALI threads beats one per producer: the batch the
+        consumer needs next gets every core (time to first batch), and memory is paid once.
+        """
+        with self.turns.take(turn):
+            dec = self.loader._get_decoder()
+            out, kept = dec.decode(encoded, names)
+            if out is not None:  # inside the turn: the next run() reuses DALI's buffers
+                streams = self.loader._streams
+                dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
+            return kept
+
+    def _fill(self, slot, seq: int, ids: np.ndarray) -> None:
+        """Read (and decode) batch `seq` into `slot`.
+
+        Planned with array operations (`gdsload.batchread`); batches it does not plan (`.npy`
+        headers to read) go member by member (`_fill_members`)."""
+        planner = self.loader._planner
+        with self._cpu:  # members packed in a batch-owned buffer: CRC-checked in one call
+            reads = planner.plan(ids, packed=self.loader._own_staging) if planner is not None else None
+        if reads is None:
+            return self._fill_members(slot, seq, ids)
+        return self._fill_planned(slot, seq, ids, reads)
+
+    def _fill_planned(self, slot, seq: int, ids: np.ndarray, reads) -> None:
+        from gdsload.batchread import check_crcs
+        from gdsload.io.table import ExtentTable, read_table
+
+        L = self.loader
+        bufs = slot.buffers
+        own = L._own_staging  # staged members into the batch's own buffer, not the ring's
+        staging = L._staging_pool.take(int(reads.staged_pos[-1] + reads.staged_nbytes[-1]) if len(reads.staged_pos)
+                                       else 0) if own else bufs["__staging__"]
+        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
+        layout, hl = self._layout, self._host_layout
+        to_host = hl is not None and L._host_backend is None
+        paths = L._planner.paths
+        local = None
+        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            local = L._cache.acquire(seq, distinct(reads.shard))
+            paths = list(paths)
+            for s, path in local.items():
+                paths[s] = path
+            paths = tuple(paths)
+        n = reads.n
+        rows = []  # .npy rows: (file, offset, nbytes, out offset) into their batch tensor
+        for name, (off, nb) in reads.tensors.items():
+            base = hl["__h_" + name] if to_host else layout[name]
+            rows.append((reads.shard, off, nb, base + np.arange(n, dtype=np.int64) * nb))
+        staged = (reads.staged_file, reads.staged_offset, reads.staged_nbytes,
+                  reads.staged_pos + (0 if own else (hl if hl is not None else layout)["__staging__"]))
+        # one table per destination arena: a host ring reads the whole batch in one call
+        if own:
+            jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
+                    (L._backend, ExtentTable.concat(paths, [staged]), staging)]
+        elif hl is None:
+            jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.flat)]
+        elif to_host:
+            jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.host_flat)]
+        else:  # KvikIO into the device arena, encoded bytes and labels via POSIX into pinned memory
+            jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
+                    (L._host_backend, ExtentTable.concat(paths, [staged]), slot.host_flat)]
+        nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
+        if local is not None:  # read: unpin now, not after the decode turn (as `_fill_members`)
+            L._cache.release(seq)
+        names = reads.names
+        info = BatchInfo(keys=reads.keys, n=n, nbytes=nbytes)
+        if isinstance(L.dataset, Mix):
+            info.sources = L.dataset.sources_of(ids)
+        keep = None
+        kepts: dict[str, list[int]] = {}
+        if own:  # packed members: a few crc32 calls, each giving the GIL up once
+            check_crcs(reads, staging)
+        with self._cpu:  # per-sample values (and CRC32s member by member); images decode after, in their turn
+            if not own:
+                check_crcs(reads, staging)
+            self._host_values(reads, staging, info, to_host, bufs)
+        for fp in L._fields:
+            if fp.kind == "image":
+                pos, nb, _ = reads.staged[fp.name]
+                encoded = [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())]
+                turn = seq * self.n_images + len(kepts)
+                kept = kepts[fp.name] = self._decode(turn, encoded, names, bufs[fp.name])
+                if len(kept) < n:
+                    keep = kept if keep is None else [k for k in keep if k in set(kept)]
+                info.skipped += n - len(kept)
+        self._finish_fill(slot, info, bufs, names, n, keep, kepts)
+
+    def _host_values(self, reads, staging, info: BatchInfo, to_host: bool, bufs) -> None:
+        """The planned batch's labels, host copies of `.npy` rows to the device, and per-sample
+        values of list fields (bytes, text, json, ragged)."""
+        from gdsload.loadcheck import label
+
+        L = self.loader
+        streams = L._streams
+        names = reads.names
+        n = reads.n
+        for fp in L._fields:
+            if fp.kind == "label":
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                col = reads.labels.get(fp.name)
+                if col is not None:
+                    dst[:n] = col
+                if fp.name in reads.staged:  # indexes without a label column: parse the text
+                    pos, nb, smp = reads.staged[fp.name]
+                    for a, k, i in zip(pos.tolist(), nb.tolist(), smp.tolist()):
+                        dst[i] = label(staging, a, k, names[i], fp.name)
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][:n], dst[:n])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][:n], bufs["__h_" + fp.name][:n])
+            elif fp.kind == "bytes":  # one object for the batch; bytes made when asked (fields.py)
+                pos, nb, _ = reads.staged[fp.name]
+                col = _fieldkinds.BytesColumn(staging, pos, nb)
+                info.extra[fp.name] = col if L._own_staging else col.copy()  # not a view of the ring
+            elif fp.kind in _fieldkinds.LIST_KINDS:
+                pos, nb, _ = reads.staged[fp.name]
+                info.extra[fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + k], names[i])
+                                          for i, (a, k) in enumerate(zip(pos.tolist(), nb.tolist()))]
+
+    def _fill_members(self, slot, seq: int, ids: np.ndarray) -> None:
+        """`_fill` one member at a time: `.npy` headers read and checked per sample."""
+        from gdsload.io import Extent
+        from gdsload.loadcheck import BatchChecks, label
+
+        L = self.loader
+        ds = L.dataset.shards
+        bufs = slot.buffers
+        staging = bufs["__staging__"]
+        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
+        keys, names = [], []
+        direct: dict[str, tuple[list, list]] = {}
+        staged: list[Extent] = []
+        staged_off: list[int] = []
+        spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        checks = BatchChecks()
+        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in L._fields)  # labels come from the index
+        # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
+        to_host = self._host_layout is not None and L._host_backend is None
+        cursor = 0
+        local = None
+        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            ends = np.cumsum(L.dataset.shard_sizes)
+            local = L._cache.acquire(seq, distinct(np.searchsorted(ends, ids, side="right")))
+        for i, gid in enumerate(ids.tolist()):
+            s, j = ds.locate(gid)
+            idx = ds.index(s)
+            key = idx.key(j)
+            keys.append(key)
+            where = f"{ds.shards[s]['name']}:{key}"
+            names.append(where)
+            members = {e: (o, n) for e, o, n in idx.members(j)}
+            mode = L._shard_verify[s]
+            crcs = (dict(zip(members, idx.crcs(j)))
+                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
+            path = local[s] if local is not None else ds.shard_path(s)
+            for fp in L._fields:
+                m = members.get(fp.name)
+                if m is None:
+                    raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
+                o, n = m
+                if fp.kind == "label" and fp.name in idx.labels:
+                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
+                elif fp.kind == "tensor":
+                    head = None if n >= ALIGN else ds.read_extent(s, o, n)
+                    off, nb = fp.tensor.data_extent(where, o, n, head)
+                    ex, outs = direct.setdefault(fp.name, ([], []))
+                    ex.append(Extent(path, off, nb))
+                    outs.append(i * nb)
+                    if head is None and (mode == "full" or not idx.npy_c_order):
+                        head = (staging, cursor, off - o)  # read its header too, to check it
+                        staged.append(Extent(path, o, off - o))
+                        staged_off.append(cursor)
+                        checks.header(fp.tensor, where, *head)
+                        cursor += -(-(off - o) // 64) * 64
+                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
+                        rows = () if isinstance(head, bytes) else (
+                            (slot.host_flat, self._host_layout["__h_" + fp.name] + i * nb, nb) if to_host
+                            else (slot.flat, self._layout[fp.name] + i * nb, nb),)
+                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
+                else:
+                    staged.append(Extent(path, o, n))
+                    staged_off.append(cursor)
+                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
+                    if fp.name in crcs:
+                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
+                    cursor += -(-n // 64) * 64
+        # One read for the whole batch: offsets are relative to the slot, so adjacent members of
+        # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
+        layout = self._layout
+        hl = self._host_layout
+        extents = [e for ex, _ in direct.values() for e in ex]
+        if to_host:  # .npy rows into pinned host fields, copied to the device below
+            outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
+            extents += staged
+            outs += [hl["__staging__"] + o for o in staged_off]
+            reads = [L._backend.read(extents, slot.host_flat, outs)] if extents else []
+        else:
+            outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
+            if hl is None:
+                extents += staged
+                outs += [layout["__staging__"] + o for o in staged_off]
+                staged = []
+            reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
+            if staged:  # device ring: encoded bytes and labels via POSIX into the pinned host arena
+                base = hl["__staging__"]
+                reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+        nbytes = sum(f.result() for f in reads)
+        if local is not None:  # read: unpin now, not after the decode turn (which waits on
+            L._cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
+        checks.run()
+        streams = L._streams
+        info = BatchInfo(keys=keys, n=len(ids), nbytes=nbytes)
+        if isinstance(L.dataset, Mix):
+            info.sources = L.dataset.sources_of(ids)
+        keep = None
+        kepts: dict[str, list[int]] = {}
+        for fp in L._fields:
+            sp = spans[fp.name]
+            if fp.kind == "label":
+                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
+                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+                dst[: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
+                                    for k, v in enumerate(vals)]
+                if streams:  # non-blocking, on the private stream, after the fence above
+                    streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
+            elif fp.kind == "tensor" and to_host:
+                streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
+            elif fp.kind == "bytes":  # copied out of the ring's staging area
+                info.extra[fp.name] = _fieldkinds.BytesColumn(
+                    staging, np.array([a for a, _ in sp], np.int64), np.array([n for _, n in sp], np.int64)).copy()
+            elif fp.kind in _fieldkinds.LIST_KINDS:
+                info.extra[fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + n], w) for (a, n), w in zip(sp, names)]
+            elif fp.kind == "image":
+                turn = seq * self.n_images + len(kepts)
+                kept = kepts[fp.name] = self._decode(turn, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
+                if len(kept) < len(sp):
+                    keep = kept if keep is None else [k for k in keep if k in set(kept)]
+                info.skipped += len(sp) - len(kept)
+        self._finish_fill(slot, info, bufs, names, len(ids), keep, kepts)
+
+    def _finish_fill(self, slot, info: BatchInfo, bufs, names: list[str], n: int, keep: list[int] | None,
+                     kepts: dict[str, list[int]]) -> None:
+        """What both fill paths end with: rows of several image fields aligned to the samples all
+        of them kept, the kept rows and the ready event in the batch's `BatchInfo`, then `map` /
+        `collate_fn` (gdsload.mapping) on host copies of the batch."""
+        if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
+            for name, kf in kepts.items():
+                rows = [kf.index(k) for k in keep]
+                bufs[name][: len(rows)] = bufs[name][rows]
+            info.skipped = n - len(keep)
+        if keep is not None:  # corrupt images skipped: compact the other fields to match
+            info.keep = keep
+        streams = self.loader._streams
+        if streams:
+            info.ready = streams.ready()
+        slot.meta["batch"] = info
+        if self.stage is not None:
+            if info.ready is not None:  # device ring: the private stream's copies first
+                info.ready.synchronize()
+            kept_names = names if keep is None else [names[k] for k in keep]
+            info.mapped = self.stage.run(self._make_batch(slot, host=True), kept_names,
+                                                 lambda a: self._convert(a, copy=False))

@@ -1,0 +1,129 @@
+"""Batch layout: what each field of a loader becomes, and the ring slot that holds one batch.
+
+`plan_fields` decides, once per loader, each field's kind (image, tensor, ragged, label, bytes,
+text, json: the table is `gdsload.fields`), the largest member it may stage (from the manifest,
+else the index) and, for a `.npy` field, its dtype and shape (probed on the first sample that has
+it; every dataset of a `Mix` must agree). `slot_fields` turns those into the ring's `SlotSpec`
+fields: batch tensors (`.npy` rows, decoded images, labels) where the batch is consumed, and in
+host memory the staging area for encoded bytes plus, on a GPU, host copies ("__h_<name>") of the
+fields that are parsed or read on the host first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gdsload import fields as _fieldkinds
+from gdsload.batchread import STAGE_ALIGN, round_up
+from gdsload.decode.raw import TensorField
+from gdsload.errors import FormatError
+from gdsload.format.tar import ALIGN
+from gdsload.mix import Mix
+
+
+@dataclass
+class FieldPlan:
+    name: str
+    kind: str  # image | tensor | ragged | label | bytes | text | json
+    tensor: TensorField | None = None  # a .npy field's dtype, shape and header size
+    max_nbytes: int = 0  # the field's largest member: staging room per sample
+
+
+def _probe(ds: Any, name: str) -> TensorField:
+    """The `.npy` layout of field `name`, from the first sample of `ds` that has it."""
+    s0, j0 = next((s, j) for s in range(len(ds.shards)) for j in range(ds.index(s).num_samples)
+                  if any(e == name for e, _, _ in ds.index(s).members(j)))
+    o, n = next((o, n) for e, o, n in ds.index(s0).members(j0) if e == name)
+    return TensorField.probe(name, ds.read_extent(s0, o, min(n, 2 * ALIGN)),
+                             where=f"{ds.shards[s0]['name']}:{ds.index(s0).key(j0)}")
+
+
+def _max_nbytes(ds: Any, name: str) -> int:
+    """The largest member of field `name` in any shard: the manifest's figure, else the index's."""
+    most = 0
+    for s in range(len(ds.shards)):
+        known = ds.shards[s].get("max_nbytes")  # in the manifest: no index to load
+        if known is not None:
+            most = max(most, known.get(name, 0))
+            continue
+        idx = ds.index(s)
+        if name in idx.extensions:
+            sizes = idx.member_size[idx.member_ext == idx.extensions.index(name)]
+            if len(sizes):
+                most = max(most, int(sizes.max()))
+    return most
+
+
+def plan_fields(dataset: Any, *, decode: bool) -> list[FieldPlan]:
+    """The fields a loader over `dataset` (a `gdsload.Dataset`, or an opened `Mix`) reads."""
+    ds = dataset.shards
+    plans = []
+    for name in dataset.fields:
+        kind = _fieldkinds.loader_kind(name, decode=decode)
+        if kind == "tensor" and _fieldkinds.is_ragged(ds, name):
+            kind = "ragged"  # shapes vary: a list of tensors, parsed per sample
+        fp = FieldPlan(name, kind, max_nbytes=_max_nbytes(ds, name))
+        if kind == "tensor":
+            fp.tensor = _probe(ds, name)
+        plans.append(fp)
+    if isinstance(dataset, Mix):  # one batch tensor per field across its datasets
+        _check_mix_tensors(dataset, plans)
+    return plans
+
+
+def _check_mix_tensors(mix: Mix, plans: list[FieldPlan]) -> None:
+    """A tensor field of a mix has one dtype and shape in every dataset (one batch tensor); the
+    layout is probed on each dataset's first sample of the field, as for one dataset."""
+    for fp in plans:
+        if fp.kind != "tensor":
+            continue
+        for name, d in zip(mix.names, mix.datasets):
+            t = _probe(d.shards, fp.name)
+            if (t.dtype, t.shape) != (fp.tensor.dtype, fp.tensor.shape):
+                raise FormatError(
+                    f"field {fp.name!r} is {t.dtype}{list(t.shape)} in dataset {name!r} of the mix and "
+                    f"{fp.tensor.dtype}{list(fp.tensor.shape)} in {mix.names[0]!r}; a batch needs one "
+                    f"shape per field (choose fields=[...] without it)"
+                )
+
+
+def tensor_headers_needed(ds: Any, shard_verify: Sequence[str | None]) -> bool:
+    """Whether `.npy` headers must be read (into staging) and checked: `verify="full"`, or a
+    shard whose manifest and index do not vouch for C order (converted before it was recorded)."""
+    return any(mode == "full" or not (ds.shards[s].get("npy_c_order") or ds.index(s).npy_c_order)
+               for s, mode in enumerate(shard_verify))
+
+
+Spec = dict[str, tuple[tuple[int, ...], str]]
+
+
+def slot_fields(plans: Sequence[FieldPlan], rows: int, transform: Any, *, on_device: bool,
+                direct: bool, tensor_headers: bool) -> tuple[Spec, Spec]:
+    """(batch fields, host fields) of a ring slot of `rows` samples, as `SlotSpec` fields.
+
+    `on_device`: batch tensors on the GPU; then labels are parsed into "__h_<name>" host fields
+    and copied, and so are `.npy` rows unless the backend reads into device memory (`direct`).
+    Host fields always end with "__staging__": room for every staged member of a batch (encoded
+    bytes, text, label text and, with `tensor_headers`, `.npy` headers), each on a cache line."""
+    spec: Spec = {}
+    host: Spec = {}
+    staging = 0
+    for fp in plans:
+        if fp.kind == "tensor":
+            spec[fp.name] = ((rows, *fp.tensor.shape), fp.tensor.dtype.str)
+            if on_device and not direct:
+                host["__h_" + fp.name] = spec[fp.name]
+        elif fp.kind == "image":
+            spec[fp.name] = ((rows, *transform.output_shape()), transform.dtype)
+        elif fp.kind == "label":
+            (spec if on_device else host)[fp.name] = ((rows,), "int64")
+            if on_device:
+                host["__h_" + fp.name] = ((rows,), "int64")
+        if fp.kind != "tensor":
+            staging += rows * round_up(fp.max_nbytes)
+        elif tensor_headers:
+            staging += rows * round_up(max(ALIGN, fp.tensor.header_nbytes))
+    host["__staging__"] = ((max(staging, STAGE_ALIGN),), "uint8")
+    return spec, host
