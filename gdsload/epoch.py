@@ -4,7 +4,7 @@
 ring slot (`Ring.acquire`: at most `prefetch_factor` batches ahead of the one in use), fills it
 (`gdsload.fill`) and publishes it; a failure is published in its place and raised to the
 consumer in order. `__next__` releases the previous batch's slot, waits for the next in plan
-order, and hands out views of it (`_make_batch`), then updates `stats()`. With `"auto"`
+order, and hands out views of it (`_make_batch`), then counts it (`Progress`, what `stats()` reports). With `"auto"`
 settings it asks `gdsload.autotune` whether to add a slot or a reader.
 
 The epoch holds the loader; its threads hold the epoch only weakly while they wait, so an epoch
@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,20 @@ from gdsload.turns import DecodeTurns
 
 if TYPE_CHECKING:
     from gdsload.loader import DataLoader
+
+
+@dataclass
+class Progress:
+    """One pass's counters, kept by its consumer per batch; `DataLoader.stats()` reports them."""
+
+    epoch: int
+    t0: float  # when the pass started
+    wait0: float  # the ring's total consumer wait then
+    batches: int = 0
+    samples: int = 0  # delivered (corrupt ones skipped are not)
+    skipped: int = 0
+    bytes_read: int = 0
+    t_last: float = 0.0  # when the last batch was handed out
 
 
 class Epoch(SlotFill):
@@ -71,11 +86,7 @@ class Epoch(SlotFill):
         self._layout = {name: off for name, (off, _) in self.ring.spec.layout().items()}
         hs = self.ring.host_spec
         self._host_layout = {name: off for name, (off, _) in hs.layout().items()} if hs else None
-        self.bytes_read = 0
-        self.samples = 0
-        self.skipped = 0
-        self.t0 = time.perf_counter()
-        self.wait0 = self.ring.stats()["wait_s"]
+        self.progress = Progress(epoch, time.perf_counter(), self.ring.stats()["wait_s"])
         self.threads = [
             threading.Thread(target=Epoch._produce, args=(weakref.ref(self),),
                              name=f"gdsload-reader-{i}", daemon=True)
@@ -167,10 +178,13 @@ class Epoch(SlotFill):
         batch = self._make_batch(slot)
         self.loader._position += self.G
         info = slot.meta["batch"]
-        self.samples += info.n - info.skipped
-        self.skipped += info.skipped
-        self.bytes_read += info.nbytes
-        self._update_stats()
+        p = self.progress
+        p.batches = self.next_seq
+        p.samples += info.n - info.skipped
+        p.skipped += info.skipped
+        p.bytes_read += info.nbytes
+        p.t_last = time.perf_counter()
+        self.loader._progress = p  # what `stats()` reports from now on
         return batch
 
     def _tune(self, action: str) -> None:
@@ -265,36 +279,6 @@ class Epoch(SlotFill):
         L = self.loader
         return as_output(arr, L.output, f"cuda:{L.device_ordinal}" if L.device == "cuda" else "cpu", copy=copy)
 
-    def _update_stats(self) -> None:
-        L = self.loader
-        el = max(time.perf_counter() - self.t0, 1e-9)
-        rs = self.ring.stats()
-        wait = rs["wait_s"] - self.wait0
-        L._stats = {
-            "epoch": self.epoch,
-            "batches": self.next_seq,
-            "samples": self.samples,
-            "elapsed_s": el,
-            "samples_per_s": self.samples / el,
-            "bytes_per_s": self.bytes_read / el,
-            "wait_s": wait,
-            "wait_fraction": wait / el,
-            "ring_slots": rs["slots"],
-            "ring_occupancy": rs.get("mean_occupancy", rs.get("occupancy")),
-            "io_path": L._backend.name if L._backend else None,
-            "host_io_path": L._host_backend.name if L._host_backend else None,
-            "ring_device": self.ring.device,
-            "kvikio_error": _kvikio_error() if L.device == "cuda" else None,
-            "decode_device": ("mixed" if L.device == "cuda" else "cpu") if any(
-                fp.kind == "image" for fp in L._fields) else None,
-            "device": L.device,
-            "skipped": self.skipped,
-            "verify": L._verify_note,
-            "prefetch_factor": L.prefetch_factor,  # now: "auto" may have grown it (gdsload.autotune)
-            "num_workers": L.num_workers,
-            "auto": ",".join(k for k, v in L._auto.items() if v) or None,
-        }
-
     def _finish(self) -> None:
         self.close()
         L = self.loader
@@ -331,9 +315,3 @@ class Epoch(SlotFill):
             self.close()
         except Exception:
             pass
-
-
-def _kvikio_error() -> str | None:
-    from gdsload.io import kvikio_import_error
-
-    return kvikio_import_error()

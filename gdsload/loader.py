@@ -94,7 +94,7 @@ class DataLoader(ProcessLocal, PlanCursor):
 
     _PROCESS_LOCAL = ("_ring", "_backend", "_host_backend", "_streams", "device_ordinal", "_decoder", "_active_ref",
                       "_staging_pool",
-                      "_fields", "_stats", "_cuda_lost", "_planner", "_cache")
+                      "_fields", "_stats", "_progress", "_cuda_lost", "_planner", "_cache")
 
     def __init__(
         self,
@@ -195,7 +195,8 @@ class DataLoader(ProcessLocal, PlanCursor):
         self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
         self._streams = None  # gdsload.device.CopyStreams, with a device ring
         self._host_backend = None  # POSIX for host-arena reads, beside a device backend
-        self._stats: dict[str, Any] = {}
+        self._stats: dict[str, Any] = {}  # stats() after close
+        self._progress = None  # gdsload.epoch.Progress of the pass that handed out the last batch
         # weak: an epoch its consumer dropped (a `break`, an exception) is collected, which
         # closes it and ends its threads (see `Epoch._produce`)
         self._active_ref: Any = None
@@ -382,18 +383,53 @@ class DataLoader(ProcessLocal, PlanCursor):
     def stats(self) -> dict[str, Any]:
         """samples/s, bytes/s, data stall (seconds and fraction), ring occupancy, I/O and decode;
         "cache" with a shard cache (read here, not per batch: its lock is the readers')."""
-        out = dict(self._stats)
+        out = self._stats_now() if self._ring is not None else dict(self._stats)
         if self._cache is not None:
             out["cache"] = self._cache.stats()
         return out
+
+    def _stats_now(self) -> dict[str, Any]:
+        """`stats()` from the counters of the pass that handed out the last batch (`Progress`)."""
+        p = self._progress
+        if p is None:
+            return {}
+        el = max(p.t_last - p.t0, 1e-9)
+        rs = self._ring.stats()
+        wait = rs["wait_s"] - p.wait0
+        return {
+            "epoch": p.epoch,
+            "batches": p.batches,
+            "samples": p.samples,
+            "elapsed_s": el,
+            "samples_per_s": p.samples / el,
+            "bytes_per_s": p.bytes_read / el,
+            "wait_s": wait,
+            "wait_fraction": wait / el,
+            "ring_slots": rs["slots"],
+            "ring_occupancy": rs.get("mean_occupancy", rs.get("occupancy")),
+            "io_path": self._backend.name if self._backend else None,
+            "host_io_path": self._host_backend.name if self._host_backend else None,
+            "ring_device": self._ring.device,
+            "kvikio_error": _kvikio_error() if self.device == "cuda" else None,
+            "decode_device": ("mixed" if self.device == "cuda" else "cpu") if any(
+                fp.kind == "image" for fp in self._fields) else None,
+            "device": self.device,
+            "skipped": p.skipped,
+            "verify": self._verify_note,
+            "prefetch_factor": self.prefetch_factor,  # now: "auto" may have grown it (gdsload.autotune)
+            "num_workers": self.num_workers,
+            "auto": ",".join(k for k, v in self._auto.items() if v) or None,
+        }
 
     def close(self) -> None:
         self._check_process()
         active = self._active
         if active is not None:
             active.close()
+        if self._ring is not None:  # what stats() reports after close
+            self._stats = self._stats_now()
         if self._cache is not None:
-            self._stats["cache"] = self._cache.stats()  # kept for stats() after close
+            self._stats["cache"] = self._cache.stats()
             self._cache.close()
             self._cache = None
         for backend in (self._backend, self._host_backend):
@@ -411,3 +447,9 @@ class DataLoader(ProcessLocal, PlanCursor):
             self.close()
         except Exception:
             pass
+
+
+def _kvikio_error() -> str | None:
+    from gdsload.io import kvikio_import_error
+
+    return kvikio_import_error()
