@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "platform": platform.platform(), "python": platform.python_version()},
                  "command": "python bench/loader_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     log = (lambda *x: None) if a.tiny else (lambda m: print(m, file=sys.stderr))
-    images = ["gdsload", "gdsload_noverify", "torch", "dali", "dali_torch", "spdl", "read", "decode1"]
+    images = ["gdsload", "gdsload_noverify", "torch", "dali", "dali_torch", "spdl", "read", "read_warm", "decode1"]
     sets = [("images", jpg)] + ([("photos", ensure_photos(work, images=a.photos))] if a.photos else [])
     for bs in batch_sizes:
         tag = "" if len(batch_sizes) == 1 else f"@{bs}"
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         contestants=images, warmup=not a.tiny, log=log)
             print(format_table(out[name + tag]))
         out["tensors" + tag] = run_suite(str(npy), kind="tensor", tiers=["R"], batch_size=bs, rounds=a.rounds,
-                                         contestants=["gdsload", "torch", "spdl", "read"], warmup=not a.tiny, log=log)
+                                         contestants=["gdsload", "torch", "spdl", "read", "read_warm"], warmup=not a.tiny, log=log)
         print(format_table(out["tensors" + tag]))
     if a.prefetch_sweep:
         out["prefetch_sweep"] = prefetch_sweep(jpg, [float(x) for x in a.prefetch_sweep.split(",")],

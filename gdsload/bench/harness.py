@@ -111,8 +111,8 @@ def run_suite(dataset: str, *, kind: str, tiers: list[str], contestants: list[st
         names = [c for c in contestants if not (c in ("dali", "dali_torch") and kind == "tensor")]
         if tier == "R":  # encoded bytes of varied sizes: no tensors for DALI's PyTorch iterator
             names = [c for c in names if c not in ("decode1", "dali_torch")]
-        else:  # the CRC32 cost shows where bytes are not decoded
-            names = [c for c in names if c != "gdsload_noverify"]
+        else:  # the CRC32 cost and the storage's own speed show where bytes are not decoded
+            names = [c for c in names if c not in ("gdsload_noverify", "read_warm")]
 
         def args(c: str, **kw: Any) -> dict[str, Any]:
             return {"contestant": c, "tier": tier, "dataset": str(dataset), "kind": kind,
@@ -135,7 +135,7 @@ def run_suite(dataset: str, *, kind: str, tiers: list[str], contestants: list[st
         # every loader must have delivered the same samples and labels
         ref = runs["gdsload"][0] if "gdsload" in runs else None
         for c in names:
-            if c in ("read", "decode1") or ref is None:
+            if c in ("read", "read_warm", "decode1") or ref is None:
                 continue
             for r in runs[c]:
                 if r["samples"] != ref["samples"] or r["labels"] != ref["labels"]:
@@ -170,7 +170,7 @@ def run_suite(dataset: str, *, kind: str, tiers: list[str], contestants: list[st
                 pair = list(zip(ours, runs[c]))
                 tier_out[c]["ratio_gdsload_over"] = _ratio_stats(
                     [(o["samples"] / o["wall_s"]) / (b["samples"] / b["wall_s"]) for o, b in pair])
-                if c == "read":
+                if c in ("read", "read_warm"):
                     tier_out[c]["ratio_bytes_gdsload_over"] = _ratio_stats(
                         [o["stats"]["bytes_per_s"] / (b["bytes"] / b["wall_s"]) for o, b in pair])
                 if ours[0].get("first_batch_s") is not None and runs[c][0].get("first_batch_s"):
