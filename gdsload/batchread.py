@@ -74,11 +74,9 @@ class StagingPool:
     def take(self, nbytes: int) -> np.ndarray:
         if not nbytes:  # nothing staged (a .npy dataset whose labels are in the index): no buffer
             return np.zeros(0, np.uint8)
-        with self._lock:
-            fits = [b for b in self._free if len(b) >= nbytes]
-            buf = min(fits, key=len) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
+        with self._lock:  # the smallest free buffer that fits (by position: arrays compare by value)
+            fits = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
+            buf = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
         if buf is None:  # headroom: the next batch may be a bit bigger
             buf = np.empty(max(nbytes + nbytes // 4, 4 << 20), np.uint8)
         owner = (ctypes.c_char * nbytes).from_buffer(buf)
@@ -88,8 +86,8 @@ class StagingPool:
     def _give_back(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=len))
+            if len(self._free) > self.keep:  # drop the smallest
+                self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
 
 class ShardColumns:

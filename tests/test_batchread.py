@@ -172,6 +172,15 @@ def test_staging_buffers_are_reused_only_when_nothing_points_into_them(mixed):
     for _ in range(5):
         pool.take(10)
     assert len(pool._free) <= 2
+    # free buffers of different sizes: the smallest one that fits is taken, the others stay
+    big, small = pool.take(9 << 20), pool.take(5 << 20)
+    big_at, small_at = big.ctypes.data, small.ctypes.data
+    del big, small
+    gc.collect()
+    little = pool.take(1 << 20)  # both fit: the smaller (second in the free list)
+    assert little.ctypes.data == small_at
+    mid = pool.take(7 << 20)
+    assert mid.ctypes.data == big_at
 
     root, src = mixed
     dl = DataLoader(str(root), batch_size=16, device="cpu", output="numpy", decode=False, shuffle=False)
