@@ -10,11 +10,7 @@ Memory layout
     Inside a slot the fields of the `SlotSpec` follow in mapping order, each at an offset that is
     a multiple of 4096 and padded up to the next one, so every field buffer starts 4 KiB-aligned
     and `nbytes_per_slot = sum(round_up(field nbytes, 4096))`. The arena lives in:
-      - device="cpu": pageable NumPy memory (over-allocated by 4096 bytes and offset), every page
-        faulted in at allocation (one byte written per 4 KiB page): the memory is the process's
-        from the start, so a ring too large for the machine fails (or is killed) at `iter()`, not
-        in the middle of an epoch, and the first batches do not pay the kernel's first-touch page
-        faults (~0.6 ms per MB on the 2-core VM, 185 ms for two 154 MB slots);
+      - device="cpu": pageable NumPy memory (over-allocated by 4096 bytes and offset);
       - device="cpu", pin=True: page-locked host memory from CuPy (`cupy.cuda.alloc_pinned_memory`),
         viewed as NumPy; without CuPy or a CUDA driver the ring falls back to pageable memory and
         reports `pinned=False`;
@@ -342,7 +338,6 @@ class Ring:
                 except Exception as exc:  # no CuPy, no driver, out of pinned memory: stay correct
                     self.pin_error = f"{type(exc).__name__}: {exc}"
             raw = np.empty(total + ALIGN, dtype=np.uint8)
-            raw[::ALIGN] = 0  # every page faulted in now (see "Memory layout")
             return "cpu", False, self._aligned(raw, raw.ctypes.data, total)
         if device == "cuda" or device.startswith("cuda:"):
             if device != "cuda":
