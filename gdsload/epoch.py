@@ -4,8 +4,8 @@
 ring slot (`Ring.acquire`: at most `prefetch_factor` batches ahead of the one in use), fills it
 (`gdsload.fill`) and publishes it; a failure is published in its place and raised to the
 consumer in order. `__next__` releases the previous batch's slot, waits for the next in plan
-order, and hands out views of it (`_make_batch`), then counts it (`Progress`, what `stats()` reports). With `"auto"`
-settings it asks `gdsload.autotune` whether to add a slot or a reader.
+order, hands out views of it (`_make_batch`) and counts it (`Progress`, what `stats()` reports).
+With `"auto"` settings it asks `gdsload.autotune` whether to add a slot or a reader.
 
 The epoch holds the loader; its threads hold the epoch only weakly while they wait, so an epoch
 the training loop dropped (a `break`) is collected, and closing it ends the threads.

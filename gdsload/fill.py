@@ -50,6 +50,8 @@ class BatchInfo:
 
 
 class SlotFill:
+    """The producer's methods of `gdsload.epoch.Epoch` (see the module docstring)."""
+
     def _decode(self, turn: int, encoded: list, names: list[str], dst):
         """Decode with the loader's one DALI pipeline, in turn order (`gdsload.turns`).
 
