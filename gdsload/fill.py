@@ -58,13 +58,10 @@ class SlotFill:
         One pipeline with all cores as DALI threads beats one per producer: the batch the
         consumer needs next gets every core (time to first batch), and memory is paid once.
         """
-        with self.turns.take(turn):
-            dec = self.loader._get_decoder()
-            out, kept = dec.decode(encoded, names)
-            if out is not None:  # inside the turn: the next run() reuses DALI's buffers
-                streams = self.loader._streams
-                dec.copy_into(out, dst, **({"stream": streams.stream_handle} if streams else {}))
-            return kept
+        with self.turns.take(turn):  # copied out inside the turn: the next run reuses DALI's buffers
+            streams = self.loader._streams
+            return self.loader._get_decoder().decode_into(
+                encoded, names, dst, stream=streams.stream_handle if streams else None)
 
     def _fill(self, slot, seq: int, ids: np.ndarray) -> None:
         """Read (and decode) batch `seq` into `slot`.

@@ -535,9 +535,12 @@ def test_corrupt_jpeg_raises_decode_error_naming_shard_and_key(corrupt_images):
 
 
 @pytest.mark.dali
-def test_corrupt_jpeg_skip_yields_the_others(corrupt_images):
+@pytest.mark.parametrize("run_size", [64, 3])  # 3: each batch of 4 decoded in DALI runs of 3 and 1
+def test_corrupt_jpeg_skip_yields_the_others(corrupt_images, run_size, monkeypatch):
+    from gdsload.decode import image
     from gdsload.decode.image import ImageTransform
 
+    monkeypatch.setattr(image, "RUN_SIZE", run_size)
     loader = DataLoader(str(corrupt_images.dst), batch_size=4, device="cpu", on_error="skip",
                         transform=ImageTransform(**EVAL_U8))
     classes = corrupt_images.result["manifest"]["classes"]
