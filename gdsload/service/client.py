@@ -447,6 +447,11 @@ class _Link(ProcessLocal):
                 self.index = (self.index + 1) % len(self.addresses)
             self.reconnects += 1
 
+    def reconnect(self) -> None:
+        """Count a new stream to the same address after one broke."""
+        with self._lock:
+            self.reconnects += 1
+
     def backoff(self, failures: int) -> float:
         delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
         with self._lock:
@@ -663,6 +668,7 @@ class _Receiver:
                         return
                 elif attempts.failures:  # broke after some batches: retry at once, same address
                     attempts.reset()
+                    link.reconnect()
             if not self.stop.is_set():
                 self._put(("end",))
         except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
