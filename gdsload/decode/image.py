@@ -195,8 +195,8 @@ class ImageDecoder:
         # 2106-2146 img/s and 726 MB; async, 2 deep, in runs of 64 or 128 gave 1624-2001 img/s.
         # And fed a run ahead by a decode thread, each output copied while DALI ran the next (the
         # pipelined executor, 2 output buffers): in the loader 0.85-0.93x DALI's own pipeline
-        # against 0.84-0.98x for this one (medians of 5 rounds, both image sets, batch 64 and
-        # 256), 34-37 MB more: with 2 ring slots there is rarely a second batch to feed ahead.
+        # against 0.84-0.98x for this one (medians of 5 rounds; photos at batch 64, ImageNet-like
+        # at 64 and 256), 34-37 MB more: with 2 ring slots there is rarely a batch to feed ahead.
         @pipeline_def(batch_size=self.run_size, num_threads=self.threads,
                       device_id=self.device_id if dev == "mixed" else None, seed=self.seed + 7919 * self._builds,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
