@@ -40,11 +40,10 @@ import sys
 import time
 from pathlib import Path
 
+from gdsload.bench.runners import SIZE, dali_train_transform, shard_paths
+from gdsload.decode.image import RUN_SIZE as RUN
+
 VARIANTS = ["copy", "handoff", "dynamic", "reader", "reader_copy", "handoff_copy", "dynamic_copy"]
-RUN = 64  # gdsload.decode.image.RUN_SIZE
-SIZE = 224
-MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
-STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
 def _rss_mb() -> float:
@@ -59,21 +58,14 @@ def one(variant: str, root: str, bs: int, threads: int) -> dict:
     import numpy as np
     from nvidia.dali import fn, pipeline_def, types
 
-    man = json.loads((Path(root) / "manifest.json").read_text())
-    shards = sorted(man["shards"], key=lambda s: s["name"])
+    tars, idx, man = shard_paths(root)
     field = next(f for f, k in man["fields"].items() if k == "image")
     enc: list = []
     if not variant.startswith("reader"):
-        for s in shards:
-            with tarfile.open(Path(root) / s["name"]) as tf:
+        for t in tars:
+            with tarfile.open(t) as tf:
                 enc += [np.frombuffer(tf.extractfile(m).read(), np.uint8) for m in tf if m.name.endswith("." + field)]
     n = man["num_samples"]
-
-    def transform(src):
-        img = fn.decoders.image_random_crop(src, device="cpu", output_type=types.RGB)
-        img = fn.resize(img, size=(SIZE, SIZE))
-        return fn.crop_mirror_normalize(img, dtype=types.FLOAT, output_layout="CHW", crop=(SIZE, SIZE),
-                                        mean=MEAN, std=STD, mirror=fn.random.coin_flip(probability=0.5))
 
     run = min(RUN, bs) if variant == "copy" else bs
     kw = {"copy": dict(exec_async=False, exec_pipelined=False, prefetch_queue_depth=1),
@@ -83,11 +75,10 @@ def one(variant: str, root: str, bs: int, threads: int) -> dict:
     @pipeline_def(batch_size=run, num_threads=threads, device_id=None, **kw)
     def pipe():
         if variant.startswith("reader"):
-            img, _ = fn.readers.webdataset(paths=[str(Path(root) / s["name"]) for s in shards],
-                                           index_paths=[str(Path(root) / s["dali_index"]) for s in shards],
-                                           ext=[field, "cls"], dtypes=[types.UINT8, types.UINT8], pad_last_batch=True)
-            return transform(img)
-        return transform(fn.external_source(name="enc", dtype=types.UINT8, ndim=1))
+            img, _ = fn.readers.webdataset(paths=tars, index_paths=idx, ext=[field, "cls"],
+                                           dtypes=[types.UINT8, types.UINT8], pad_last_batch=True)
+            return dali_train_transform(img)
+        return dali_train_transform(fn.external_source(name="enc", dtype=types.UINT8, ndim=1))
 
     before = _rss_mb()
     t0, c0 = time.perf_counter(), time.process_time()

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-SIZE = 224
+from gdsload.bench.runners import dali_train_transform, shard_paths
 
 
 def _thread_cpu() -> dict[str, tuple[str, float]]:
@@ -58,21 +58,14 @@ def one(contestant: str, root: str, bs: int, workers: int) -> dict:
     else:
         from nvidia.dali import fn, pipeline_def, types
 
-        shards = sorted(man["shards"], key=lambda s: s["name"])
+        tars, idx, _ = shard_paths(root)
         field = next(f for f, k in man["fields"].items() if k == "image")
 
         @pipeline_def(batch_size=bs, num_threads=workers, device_id=None)
         def pipe():
-            img, cls = fn.readers.webdataset(paths=[str(Path(root) / s["name"]) for s in shards],
-                                             index_paths=[str(Path(root) / s["dali_index"]) for s in shards],
-                                             ext=[field, "cls"], dtypes=[types.UINT8, types.UINT8], pad_last_batch=True)
-            out = fn.decoders.image_random_crop(img, device="cpu", output_type=types.RGB)
-            out = fn.resize(out, size=(SIZE, SIZE))
-            out = fn.crop_mirror_normalize(out, dtype=types.FLOAT, output_layout="CHW", crop=(SIZE, SIZE),
-                                           mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
-                                           std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
-                                           mirror=fn.random.coin_flip(probability=0.5))
-            return out, cls
+            img, cls = fn.readers.webdataset(paths=tars, index_paths=idx, ext=[field, "cls"],
+                                             dtypes=[types.UINT8, types.UINT8], pad_last_batch=True)
+            return dali_train_transform(img), cls
 
         p = pipe()
         p.build()

@@ -57,7 +57,8 @@ def _cpu_s() -> float:
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
-def _shards(dataset: str) -> tuple[list[str], list[str], dict]:
+def shard_paths(dataset: str) -> tuple[list[str], list[str], dict]:
+    """(tar paths, DALI index paths, manifest) of a converted dataset, in manifest order."""
     m = json.load(open(os.path.join(dataset, "manifest.json")))
     tars = [os.path.join(dataset, s["name"]) for s in m["shards"]]
     idx = [os.path.join(dataset, s["dali_index"]) for s in m["shards"]]
@@ -171,7 +172,7 @@ def run_torch(a: dict) -> dict:
     import torch
     import webdataset as wds
 
-    tars, _, _ = _shards(a["dataset"])
+    tars, _, _ = shard_paths(a["dataset"])
     t0 = time.perf_counter()
     if a["kind"] == "tensor":
         ds = wds.WebDataset(tars, shardshuffle=False, empty_check=False).decode().to_tuple("npy", "cls")
@@ -193,10 +194,22 @@ def run_torch(a: dict) -> dict:
     return r
 
 
+def dali_train_transform(img):
+    """Tier T in a DALI graph: decode with a random crop, resize to SIZE, flip at random,
+    normalize to float32 CHW (what gdsload's default `ImageTransform` runs)."""
+    from nvidia.dali import fn, types
+
+    out = fn.decoders.image_random_crop(img, device="cpu", output_type=types.RGB)
+    out = fn.resize(out, size=(SIZE, SIZE))
+    return fn.crop_mirror_normalize(out, dtype=types.FLOAT, output_layout="CHW", crop=(SIZE, SIZE),
+                                    mean=MEAN.tolist(), std=STD.tolist(),
+                                    mirror=fn.random.coin_flip(probability=0.5))
+
+
 def run_dali(a: dict) -> dict:
     from nvidia.dali import fn, pipeline_def, types
 
-    tars, idx, m = _shards(a["dataset"])
+    tars, idx, m = shard_paths(a["dataset"])
     n_total = m["num_samples"]
     bs = a["batch_size"]
     t0 = time.perf_counter()
@@ -211,12 +224,7 @@ def run_dali(a: dict) -> dict:
             out = fn.decoders.image(img, device="cpu", output_type=types.RGB)
             out = fn.resize(out, size=(SIZE, SIZE))
             return out, cls
-        out = fn.decoders.image_random_crop(img, device="cpu", output_type=types.RGB)
-        out = fn.resize(out, size=(SIZE, SIZE))
-        out = fn.crop_mirror_normalize(out, dtype=types.FLOAT, output_layout="CHW", crop=(SIZE, SIZE),
-                                       mean=MEAN.tolist(), std=STD.tolist(),
-                                       mirror=fn.random.coin_flip(probability=0.5))
-        return out, cls
+        return dali_train_transform(img), cls
 
     p = pipe()
     p.build()
@@ -265,7 +273,7 @@ def run_spdl(a: dict) -> dict:
     import spdl.io
     from spdl.pipeline import PipelineBuilder
 
-    tars, _, _ = _shards(a["dataset"])
+    tars, _, _ = shard_paths(a["dataset"])
     tier, kind = a["tier"], a["kind"]
     field = "npy" if kind == "tensor" else a["image_field"]
     t0 = time.perf_counter()
@@ -362,7 +370,7 @@ READ_BUFFER = 64 << 20  # ... cycling through a 64 MiB buffer (issue 15's defini
 
 
 def run_read(a: dict) -> dict:
-    tars, _, m = _shards(a["dataset"])
+    tars, _, m = shard_paths(a["dataset"])
     cold = a.get("cold", False)
     warm = a["contestant"] == "read_warm"
     if warm:  # the buffer's pages are touched before the clock (see READ_BUFFER)
