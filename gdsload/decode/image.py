@@ -201,7 +201,11 @@ class ImageDecoder:
                       device_id=self.device_id if dev == "mixed" else None, seed=self.seed + 7919 * self._builds,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
         def pipe():
-            enc = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            # no_copy: DALI reads the encoded bytes where they are (the slot's staging), not a copy
+            # of them; they stay untouched until the batch is consumed, long after the one run
+            # (prefetch_queue_depth=1) that reads them. feed_input: 7-8 instead of 11-12 µs per
+            # image (photos ~35 KB, batch 64, 3 rounds), a small part of the ~1,300 µs decoding.
+            enc = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, no_copy=True)
             if t.train:
                 img = fn.decoders.image_random_crop(enc, device=dev, output_type=types.RGB,
                                                     random_area=list(t.scale), random_aspect_ratio=list(t.ratio))
