@@ -28,9 +28,11 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,7 +121,7 @@ def one(contestant: str, root: str, bs: int, workers: int, perf: bool = False) -
     epoch()
     recorder = None
     if perf:
-        data = f"/tmp/thread-profile-{os.getpid()}.perf"
+        data = os.path.join(tempfile.gettempdir(), f"thread-profile-{os.getpid()}.perf")
         recorder = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-p", str(os.getpid()), "-o", data],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # perf attaches to every thread before the clock starts
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not (root / "manifest.json").exists():
         sys.exit(f"no shards in {root}: run bench/loader_bench.py --workdir {a.workdir} --photos 3000 first")
+    if a.perf and shutil.which("perf") is None:
+        sys.exit("--perf needs Linux perf on PATH (e.g. the linux-tools package); not found")
     contestants = a.contestants.split(",")
     unknown = set(contestants) - {"gdsload", "gdsload-nocopy", "dali"}
     if unknown:
