@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,7 +148,7 @@ def one(contestant: str, root: str, bs: int, workers: int, perf: bool = False) -
     if len(spans) > 1:  # DALI's pool is idle between one run's end and the next one's start
         gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
         runs = {"dali_runs": len(spans), "run_ms": 1e3 * sum(e - s for s, e in spans) / len(spans),
-                "between_runs_ms": 1e3 * sorted(gaps)[len(gaps) // 2]}  # median: an epoch's end is one long gap
+                "between_runs_ms": 1e3 * statistics.median(gaps)}  # median: an epoch's end is one long gap
     return {"contestant": contestant, "images_per_s": n / wall, "cores_busy": total / wall, **runs,
             "us_per_image": {k: v / n * 1e6 for k, v in groups.items() if v > 0.005 * total},
             "cpu_us_per_image": total / n * 1e6, **({"perf_top": top} if top is not None else {})}
@@ -204,9 +205,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             ours = [r["images_per_s"] for r in runs if r["contestant"] == c]
             theirs = [r["images_per_s"] for r in runs if r["contestant"] == "dali"]
-            ratios = sorted(x / y for x, y in zip(ours, theirs))
-            print(f"{c} ÷ dali, paired by round: median {ratios[len(ratios) // 2]:.2f} "
-                  f"({ratios[0]:.2f}-{ratios[-1]:.2f})", flush=True)
+            ratios = [x / y for x, y in zip(ours, theirs)]
+            print(f"{c} ÷ dali, paired by round: median {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
     if a.perf:
         for c in contestants:
             r = run(c, True)
