@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     n = made["num_images"]
     out_files = sorted((work / "out-wds").glob("*.tar"))
     wds_count = int(runs["webdataset"][-1]["stdout"].strip())
-    from gdsload.format.reader import open_dataset
+    from gdsload.dataset.sharded import open_dataset
 
     ours_count = len(open_dataset(work / "out-gdsload"))
     if not (ours_count == wds_count == n):

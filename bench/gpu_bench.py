@@ -81,7 +81,7 @@ def step_device_path(a) -> tuple:
 
 def _row_extents(a, limit: int):
     from gdsload.decode.raw import TensorField
-    from gdsload.format.reader import ShardedDataset
+    from gdsload.dataset.sharded import ShardedDataset
     from gdsload.format.tar import ALIGN
     from gdsload.io import Extent
 

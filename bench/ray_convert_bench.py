@@ -93,9 +93,9 @@ def _remove(dst: str) -> None:
 
 
 def _manifest(dst: str) -> dict:
-    from gdsload.format import manifest
+    from gdsload.io.store import load_manifest
 
-    return manifest.load(dst)
+    return load_manifest(dst)
 
 
 def run_convert(src: str, dst: str, shard_size: int, extra: list[str]) -> dict:

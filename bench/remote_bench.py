@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.decode.image import ImageTransform
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
     from gdsload.sampledata import make_image_folder
     from gdsload.service.client import RemoteLoader
 

@@ -13,15 +13,15 @@ from gdsload.errors import (
     InputError,
     MissingDependencyError,
 )
-from gdsload.format.reader import ShardedDataset, open_dataset
+from gdsload.dataset.sharded import ShardedDataset, open_dataset
 
-__version__ = "0.1.0"
+from gdsload._version import __version__
 
 _LAZY = {
-    "DataLoader": "gdsload.loader",
-    "Dataset": "gdsload.dataset",
+    "DataLoader": "gdsload.loader.dataloader",
+    "Dataset": "gdsload.dataset.dataset",
     "ImageTransform": "gdsload.decode.image",
-    "Mix": "gdsload.mix",
+    "Mix": "gdsload.dataset.mix",
     "RemoteLoader": "gdsload.service.client",
 }
 

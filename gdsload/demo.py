@@ -247,7 +247,7 @@ def _train_torch(dst: Path, cfg: DemoConfig, device: str) -> dict[str, Any]:
     import torch
     import webdataset as wds
 
-    from gdsload.format.reader import open_dataset
+    from gdsload.dataset.sharded import open_dataset
 
     with open_dataset(dst) as shards:
         tars = [shards.shard_path(i) for i in range(len(shards.shards))]
@@ -317,7 +317,7 @@ def run(workdir: str | Path = "gdsload-demo", *, tiny: bool = False, config: Dem
 
     import gdsload
     from gdsload.convert.engine import ConvertOptions, convert
-    from gdsload.format.reader import open_dataset
+    from gdsload.dataset.sharded import open_dataset
     from gdsload.io import choose_backend
     from gdsload.sampledata import make_image_folder
 

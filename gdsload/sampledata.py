@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.errors import GdsloadError, require
-from gdsload.format.store import write_atomic
+from gdsload.io.store import write_atomic
 
 __all__ = ["PHOTOS", "available_photos", "make_image_folder", "make_npy_folder"]
 

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import re
 
-from gdsload.errors import GdsloadError
+from gdsload.errors import SizeError  # noqa: F401 (re-exported: defined in errors.py)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class SizeError(GdsloadError, ValueError):
-    """A size that is not a positive number of bytes with a known unit."""
 
 
 def parse_size(text: str) -> int:
@@ -29,3 +25,13 @@ def parse_size(text: str) -> int:
     if n <= 0:
         raise SizeError(f"invalid size {text!r}: must be positive")
     return n
+
+
+def argparse_size(text: str) -> int:
+    """`parse_size` for argparse's `type=`: a bad size becomes argparse's usage error (exit 2)."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

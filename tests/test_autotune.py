@@ -1,4 +1,4 @@
-"""`prefetch_factor="auto"` / `num_workers="auto"` (`gdsload.autotune`): the decision rule, the
+"""`prefetch_factor="auto"` / `num_workers="auto"` (`gdsload.loader.autotune`): the decision rule, the
 ring growing under running producers, and a real loader that grows only when it stalls."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from gdsload.epoch import Epoch
-from gdsload import autotune
+from gdsload.loader.epoch import Epoch
+from gdsload.loader import autotune
 from gdsload.errors import GdsloadError
-from gdsload.format.writer import DatasetWriter
-from gdsload.loader import DataLoader
-from gdsload.ring import Ring, SlotSpec
+from gdsload.convert.shards import DatasetWriter
+from gdsload.loader.dataloader import DataLoader
+from gdsload.ring.ring import Ring, SlotSpec
 
 
 def _feed(tuner, windows, *, wait, pwait, dt=0.02):

@@ -1,4 +1,4 @@
-"""Batch-at-a-time reads (`gdsload.batchread`): a batch is planned with array operations over the
+"""Batch-at-a-time reads (`gdsload.loader.gather`): a batch is planned with array operations over the
 shard indexes, never member by member, and gives the same batches the member path gives."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import zlib
 import numpy as np
 import pytest
 
-from gdsload.epoch import Epoch
+from gdsload.loader.epoch import Epoch
 from gdsload.errors import CorruptDataError, FormatError
 from gdsload.format.index import ShardIndex
-from gdsload.format.writer import DatasetWriter
+from gdsload.convert.shards import DatasetWriter
 from gdsload.io import base as io_base
-from gdsload.loader import DataLoader, Dataset
+from gdsload.loader.dataloader import DataLoader, Dataset
 
 
 def _npy(a: np.ndarray) -> bytes:
@@ -118,7 +118,7 @@ def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
     batch's own and checks them with one `crc32` call (the members' CRCs combined): one call per
     member gave the GIL up and back once per member, which convoyed with the other readers. A
     changed byte still fails the run and is then named member by member."""
-    import gdsload.batchread as br
+    import gdsload.loader.gather as br
 
     if br.crc32_combine is None:
         pytest.skip("no isal: CRC32s are checked member by member")
@@ -152,7 +152,7 @@ def test_staging_buffers_are_reused_only_when_nothing_points_into_them(mixed):
     buffer out of the pool (never overwritten); a dropped batch's buffer is taken again."""
     import gc
 
-    from gdsload.batchread import StagingPool
+    from gdsload.loader.gather import StagingPool
 
     pool = StagingPool(keep=2)
     a = pool.take(1000)
@@ -267,7 +267,7 @@ def test_manifest_max_nbytes_is_checked(mixed, tmp_path):
 def test_bytes_column_behaves_as_a_sequence_of_bytes():
     import pickle
 
-    from gdsload.fields import BytesColumn
+    from gdsload.frontend.fields import BytesColumn
 
     members = [b"abc", b"", b"defgh", b"i"]
     data = np.frombuffer(b"..abc...defgh.i.", np.uint8)
@@ -283,7 +283,7 @@ def test_bytes_column_behaves_as_a_sequence_of_bytes():
 
 
 def test_distinct_lists_each_shard_of_a_batch_once_in_order():
-    from gdsload.batchread import distinct
+    from gdsload.loader.gather import distinct
 
     assert distinct(np.array([3, 0, 3, 7, 0], np.int64)) == [0, 3, 7]
     assert distinct(np.zeros(0, np.int64)) == []

@@ -38,7 +38,7 @@ def test_loader_bench_tiny(tmp_path):
 
 def test_gdsload_bench_cli_refuses_unlabelled_data(tmp_path, capsys):
     from gdsload.cli import main
-    from gdsload.format.writer import DatasetWriter
+    from gdsload.convert.shards import DatasetWriter
 
     with DatasetWriter(tmp_path / "d") as w:
         w.write("a", {"bin": b"x"})

@@ -1,4 +1,4 @@
-"""The plan-driven shard cache (`gdsload.format.cache`) against moto's real S3 server (the session
+"""The plan-driven shard cache (`gdsload.io.cache`) against moto's real S3 server (the session
 fixture `s3` in tests/conftest.py): datasets are converted locally, uploaded with s3fs, and read
 through `gdsload.Dataset("s3://...", cache_dir=...)`.
 
@@ -29,9 +29,9 @@ import pytest
 
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import CorruptDataError, GdsloadError
-from gdsload.format.cache import CacheFullError
-from gdsload.format.reader import ShardedDataset
-from gdsload.loader import DataLoader, Dataset
+from gdsload.io.cache import CacheFullError
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
 
 BUCKET = "gdsload-cache-test"
@@ -185,7 +185,7 @@ def test_cache_dir_false_reads_ranges_and_default_folder_is_under_xdg(remote, tm
 # -- other processes -------------------------------------------------------------------------------
 _CHILD = textwrap.dedent("""
     import json, os, sys, time
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
     url, folder, go = sys.argv[1], sys.argv[2], sys.argv[3]
     loader = DataLoader(Dataset(url, cache_dir=folder), batch_size=4, shuffle=True, seed=7,
                         shuffle_window=3, output="numpy", device="cpu")
@@ -368,7 +368,7 @@ def test_readers_waiting_for_room_hold_no_pins(remote, tmp_path):
     waited for room for 2 (one reader at a time does that), batch 3 kept its pin on 1 while it
     waited in line, and nothing could be evicted: CacheFullError once the wait timed out. Now a
     reader waits holding no pin, and both batches get their shards."""
-    from gdsload.format.cache import ShardCache
+    from gdsload.io.cache import ShardCache
 
     _, url = remote
     ds = ShardedDataset(url)

@@ -14,10 +14,10 @@ import torch
 import fieldsample as fs
 from gdsload.decode.image import ImageTransform
 from gdsload.errors import GdsloadError
-from gdsload.format.reader import ShardedDataset
-from gdsload.loader import DataLoader
-from gdsload.mapping import default_collate
-from gdsload.plan import epoch_order
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.loader.dataloader import DataLoader
+from gdsload.frontend.usercode import default_collate
+from gdsload.plan.plan import epoch_order
 
 pytestmark = pytest.mark.dali
 

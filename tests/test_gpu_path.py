@@ -22,8 +22,8 @@ import pytest
 import gpu_fakes
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import GdsloadError, MissingDependencyError
-from gdsload.format.reader import ShardedDataset
-from gdsload.loader import DataLoader
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.loader.dataloader import DataLoader
 from gdsload.sampledata import make_image_folder, make_npy_folder
 
 EVAL = dict(train=False, size=32, resize=36, mean=None, std=None, dtype="uint8", layout="NHWC")
@@ -258,7 +258,7 @@ def test_device_values_are_checked(monkeypatch, npy):
 
 def test_ring_cuda_means_the_current_device_and_copies_stay_there(monkeypatch):
     """Before: Ring(device="cuda") was GPU 0, and Slot.copy() copied to the current device."""
-    from gdsload.ring import Ring, SlotSpec
+    from gdsload.ring.ring import Ring, SlotSpec
 
     gpu = gpu_fakes.install(monkeypatch, devices=2)
     spec = SlotSpec({"x": ((4,), "int64")})

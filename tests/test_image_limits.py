@@ -18,7 +18,7 @@ from PIL import Image, features
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.decode.image import MAX_PIXELS, ImageTransform
 from gdsload.decode.imagesize import image_size
-from gdsload.loader import DataLoader
+from gdsload.loader.dataloader import DataLoader
 
 EVAL = dict(train=False, size=32, resize=36, mean=None, std=None, dtype="uint8", layout="NHWC")
 

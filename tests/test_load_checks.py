@@ -1,4 +1,4 @@
-"""What `gdsload.DataLoader` checks while it reads (`gdsload.loadcheck`), on real converted datasets.
+"""What `gdsload.DataLoader` checks while it reads (`gdsload.dataset.verify`), on real converted datasets.
 
 - Fortran-ordered `.npy` inputs come back equal to the source (stored in C order at conversion);
   an older dataset that still holds Fortran-ordered payloads is refused, naming shard and field.
@@ -27,9 +27,9 @@ import pytest
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 from gdsload.format.index import ShardIndex
-from gdsload.format.reader import ShardedDataset
-from gdsload.format.writer import DatasetWriter
-from gdsload.loader import DataLoader, Dataset
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.convert.shards import DatasetWriter
+from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
 
 
@@ -287,7 +287,7 @@ def test_index_entry_sized_2_to_40_is_a_format_error_naming_the_index(tmp_path, 
 def test_available_host_memory_is_measured():
     import os
 
-    from gdsload.memory import available_host_bytes
+    from gdsload.host.memory import available_host_bytes
 
     avail = available_host_bytes()
     assert avail is not None and 0 < avail <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -327,7 +327,7 @@ def test_ring_larger_than_host_memory_is_refused_with_a_message(mixed):
 
 # -- in a Mix ----------------------------------------------------------------------------------------
 def test_each_dataset_of_a_mix_keeps_its_verify_setting(tmp_path, mixed):
-    from gdsload.mix import Mix
+    from gdsload.dataset.mix import Mix
 
     changed = _changed_copy(tmp_path / "c", mixed, "bin")
     intact = tmp_path / "intact"
@@ -387,7 +387,7 @@ def test_batch_checks_copy_device_rows_to_the_host_for_the_crc():
     CuPy's ndarray the check uses: `__cuda_array_interface__`, slicing, `.get()` to NumPy)."""
     import zlib
 
-    from gdsload.loadcheck import BatchChecks
+    from gdsload.dataset.verify import BatchChecks
 
     class DeviceArray:
         def __init__(self, host: np.ndarray):

@@ -27,9 +27,9 @@ from PIL import Image
 
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import FormatError
-from gdsload.format.reader import ShardedDataset
-from gdsload.loader import DataLoader
-from gdsload.plan import StateError, epoch_order
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.loader.dataloader import DataLoader
+from gdsload.plan.plan import StateError, epoch_order
 from gdsload.sampledata import make_image_folder, make_npy_folder
 
 EVAL_U8 = dict(train=False, size=64, resize=72, mean=None, std=None, dtype="uint8", layout="NHWC")

@@ -24,9 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gdsload.format.reader import ShardedDataset
-from gdsload.mix import Mix, MixPlan, MixSource, MixSpec, _source_seed, mix_order
-from gdsload.plan import Plan, PlanError, StateError, epoch_order
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.dataset.mix import Mix
+from gdsload.plan.mix import MixPlan, MixSource, MixSpec, _source_seed, mix_order
+from gdsload.plan.plan import Plan, PlanError, StateError, epoch_order
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -384,7 +385,7 @@ def sources(tmp_path_factory) -> dict[str, Source]:
 
 
 def loader(srcs, names=("a", "b"), **kw):
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
 
     mix_kw = {k: kw.pop(k) for k in ("weights", "samples_per_epoch", "repeat", "samples", "mix_by") if k in kw}
     mix = Mix([Dataset(str(srcs[n].dst)) for n in names], **mix_kw)
@@ -501,26 +502,25 @@ def test_mix_bench_tiny(tmp_path):
 
 
 def test_mix_is_plan_layer_and_needs_numpy_only():
-    """gdsload/mix.py and format/concat.py import nothing above the plan and format layers (the
-    leaf modules errors and forksafe aside), and `gdsload.Mix` loads without the loader, grpc or
-    torch."""
+    """gdsload/plan/mix.py imports nothing but the plan and errors, and `gdsload.Mix` loads without
+    the loader, grpc or torch (the layer table as a whole: tests/test_layers.py)."""
     import ast
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1] / "gdsload"
-    for path in (root / "mix.py", root / "format" / "concat.py"):
+    for path in (root / "plan" / "mix.py",):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdsload"):
-                assert node.module.split(".")[1] in ("errors", "forksafe", "plan", "format"), (path.name, node.module)
-    code = ("import sys, gdsload; gdsload.Mix; bad = [m for m in ('gdsload.loader', 'grpc', 'torch', "
+                assert node.module.split(".")[1] in ("errors", "plan"), (path.name, node.module)
+    code = ("import sys, gdsload; gdsload.Mix; bad = [m for m in ('gdsload.loader.dataloader', 'grpc', 'torch', "
             "'nvidia.dali', 'cupy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent)
 
 
 def test_loader_order_does_not_depend_on_threads_and_takes_paths(sources):
     """Paths in a Mix are opened as Datasets; 1 or 3 reader threads give the same batches."""
-    from gdsload.loader import DataLoader
+    from gdsload.loader.dataloader import DataLoader
 
     kw = dict(weights=[0.5, 0.5], samples_per_epoch=40, shuffle=True, seed=6, copy=True)
     mix = Mix([str(sources["a"].dst), str(sources["b"].dst)], weights=[0.5, 0.5], samples_per_epoch=40)

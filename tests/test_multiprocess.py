@@ -21,7 +21,7 @@ from mpkit import METHODS, assert_no_new_children, assert_same, child_pids, nump
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.decode.image import ImageTransform
 from gdsload.errors import FormatError, GdsloadError
-from gdsload.loader import DataLoader, Dataset
+from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_image_folder, make_npy_folder
 
 pytestmark = [pytest.mark.dali, pytest.mark.skipif(sys.platform != "linux", reason="fork and /proc")]

@@ -72,7 +72,7 @@ def test_test_extra_installs_what_the_suite_needs():
 
 def test_a_numpy_output_loader_does_not_import_torch(tmp_path):
     """Only a process that imported torch can have a torch.distributed group, so the loader does not
-    import torch (over a second) to look for one (`gdsload.distributed`)."""
+    import torch (over a second) to look for one (`gdsload.host.dist`)."""
     from gdsload.cli import main
     from gdsload.sampledata import make_npy_folder
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gdsload.errors import GdsloadError
-from gdsload.plan import STATE_VERSION, Plan, PlanError, StateError, epoch_order
+from gdsload.plan.plan import STATE_VERSION, Plan, PlanError, StateError, epoch_order
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

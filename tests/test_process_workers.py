@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fieldsample as fs
-from gdsload.loader import DataLoader
+from gdsload.loader.dataloader import DataLoader
 
 FIELDS = ("txt", "json", "cls", "tokens.npy", "emb.npy", "__key__")
 
@@ -127,7 +127,7 @@ def test_sigterm_of_the_parent_leaves_no_worker_process(path, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import multiprocessing, sys, time
         import fieldsample as fs
-        from gdsload.loader import DataLoader
+        from gdsload.loader.dataloader import DataLoader
 
         if __name__ == "__main__":
             lo = DataLoader({str(path)!r}, batch_size=2, num_workers=2, device="cpu", output="numpy",
@@ -180,7 +180,7 @@ def test_clip_style_example_runs_tiny(tmp_path):
 
 
 def test_a_killed_worker_fails_the_loop_instead_of_hanging(path):
-    from gdsload.workers import WorkerDied
+    from gdsload.frontend.workers import WorkerDied
 
     before = set(threading.enumerate())
     others = set(multiprocessing.active_children())  # an earlier test's child may still be exiting
@@ -203,7 +203,7 @@ def test_a_worker_killed_while_idle_fails_the_next_submit():
     """Before: a worker killed between tasks went unnoticed while the other one kept answering
     (death was looked for only when no result came for a while), so the loop went on with half
     its workers, or ended without a word. Now the next submit raises WorkerDied."""
-    from gdsload.workers import WorkerDied, WorkerPool
+    from gdsload.frontend.workers import WorkerDied, WorkerPool
 
     pool = WorkerPool(abs, 2)
     try:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gdsload.errors import GdsloadError
-from gdsload.ring import ALIGN, Ring, RingClosed, RingError, RingTimeout, SlotSpec
+from gdsload.ring.ring import ALIGN, Ring, RingClosed, RingError, RingTimeout, SlotSpec
 
 SPEC = SlotSpec({"x": ((4,), "int64"), "bytes": ((5000,), "uint8")})
 

@@ -420,10 +420,10 @@ RUNNERS = {"gdsload": run_gdsload, "gdsload_noverify": run_gdsload, "torch": run
 
 # Imports each contestant needs, done before the clock and the CPU counter start: the benchmark
 # compares loading, not library import times (which a training job pays once).
-PRELOAD = {"gdsload": ["torch", "nvidia.dali", "gdsload.loader", "gdsload.decode.image", "gdsload.ring",
-                       "gdsload.io.posix", "gdsload.plan"],
-           "gdsload_noverify": ["torch", "nvidia.dali", "gdsload.loader", "gdsload.ring",
-                                "gdsload.io.posix", "gdsload.plan"],
+PRELOAD = {"gdsload": ["torch", "nvidia.dali", "gdsload.loader.dataloader", "gdsload.decode.image", "gdsload.ring.ring",
+                       "gdsload.io.posix", "gdsload.plan.plan"],
+           "gdsload_noverify": ["torch", "nvidia.dali", "gdsload.loader.dataloader", "gdsload.ring.ring",
+                                "gdsload.io.posix", "gdsload.plan.plan"],
            "torch": ["torch", "webdataset", "PIL.Image"],
            "spdl": ["spdl.io", "spdl.pipeline", "spdl.io.lib._libspdl"],
            "dali": ["nvidia.dali"], "dali_torch": ["torch", "nvidia.dali", "nvidia.dali.plugin.pytorch"],

@@ -6,7 +6,7 @@ samples go to which shard, in which order) is fixed before any shard is written,
 alone, so the output is byte-identical for any number of workers, and an interrupted conversion
 can resume shard by shard.
 
-SRC and DST may be local paths or fsspec URLs (`sources` lists, `gdsload.format.store` writes).
+SRC and DST may be local paths or fsspec URLs (`sources` lists, `gdsload.io.store` writes).
 
 Crash safety: shards are published only when complete (a temporary name and a rename locally, one
 upload to the final name at a URL); each finished shard leaves a record in
@@ -52,9 +52,9 @@ from gdsload.convert.sources import Listing, Ref, Sample, SourceFormat, list_sou
 from gdsload.errors import DestinationError, FormatError, InputError
 from gdsload.format import manifest as mf
 from gdsload.format.manifest import field_kind
-from gdsload.format.store import LOCK, Store, is_remote, local_path, open_store, url_to_fs
+from gdsload.io.store import LOCK, Store, is_remote, load_manifest, local_path, open_store, save_manifest, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
-from gdsload.format.writer import ShardWriter, make_manifest, shard_name
+from gdsload.convert.shards import ShardWriter, make_manifest, shard_name
 
 STATE_DIR = ".gdsload-convert"
 PLAN = "plan.json"
@@ -202,7 +202,7 @@ def _pool_unit(dst: str, name: str, samples: list[Sample], validate: bool) -> di
 
 def remove_temporaries(dst: Store, name: str) -> None:
     """Remove this process's temporary files of shard unit `name` (`.NAME.*.tmp-PID`, see
-    `gdsload.format.store`). Unwinding an interrupted unit removes the files it was writing,
+    `gdsload.io.store`). Unwinding an interrupted unit removes the files it was writing,
     except one opened in the instant before its writer object existed: this removes that one."""
     prefix, suffix = f".{name}.", f".tmp-{os.getpid()}"
     for folder in ("", f"{STATE_DIR}/done"):
@@ -350,7 +350,7 @@ def finished_dataset(dst: Store, src: str, opts: ConvertOptions, fp: str) -> dic
     A finished dataset from another run, or one with files missing, is refused."""
     if not opts.resume or opts.overwrite or not dst.exists(mf.MANIFEST):
         return None
-    manifest = mf.load(dst)
+    manifest = load_manifest(dst)
     made = manifest.get("created") or {}
     if made.get("fingerprint") != fp:
         raise DestinationError(
@@ -676,7 +676,7 @@ def _finish(store: Store, src: str, listing: Listing, names: list[str], opts: Co
             "seconds": round(time.perf_counter() - t0, 3),
         },
     )
-    mf.save(store, manifest)
+    save_manifest(store, manifest)
     store.remove_tree(STATE_DIR)
     return manifest
 

@@ -11,7 +11,7 @@ Failure handling: a task whose worker or node dies, or that raises `OSError`, is
 (`MAX_RETRIES`); a shard is published only when complete and the manifest is written last, so
 a lost task leaves at most a hidden `.NAME.tar.tmp-PID` file in a local DST, removed once every
 unit has finished (or by `--resume`), and at a URL an unfinished upload that never appears as an
-object (`gdsload.format.store`). A unit that still fails raises `GdsloadError`; the done records
+object (`gdsload.io.store`). A unit that still fails raises `GdsloadError`; the done records
 of finished shards stay, and `--resume` continues.
 
 Where things run: tasks read inputs and write DST by the path or URL the driver was given. With
@@ -38,7 +38,7 @@ from typing import Any
 from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, write_shard
 from gdsload.convert.sources import Sample
 from gdsload.errors import GdsloadError, InputError, require
-from gdsload.format.store import Store, is_remote, open_store
+from gdsload.io.store import Store, is_remote, open_store
 from gdsload.io import is_url
 
 MAX_RETRIES = 3  # retries after the first attempt, per shard unit

@@ -48,7 +48,7 @@ from gdsload.errors import FormatError, InputError
 from gdsload.format import npy
 from gdsload.format.index import check_key, split_name
 from gdsload.format.manifest import IMAGE_EXTS
-from gdsload.format.store import is_remote, local_path, url_to_fs
+from gdsload.io.store import is_remote, local_path, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 
 SourceFormat = Literal["imagefolder", "files", "tar", "npy"]

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gdsload.errors import DecodeError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.decode.imagesize import image_size
 from gdsload.errors import GdsloadError, require
 
@@ -60,18 +61,6 @@ def _disown_inherited_pipelines() -> None:
 
 
 os.register_at_fork(after_in_child=_disown_inherited_pipelines)
-
-
-class DecodeError(GdsloadError):
-    """An image could not be decoded; the message names its shard and key.
-
-    `reason` is the message without its `remedy` (how to skip such samples), so that the feed
-    server can word the remedy in protocol terms instead of Python arguments."""
-
-    def __init__(self, reason: str, *, remedy: str = ""):
-        super().__init__(f"{reason}; {remedy}" if remedy else reason)
-        self.reason = reason
-        self.remedy = remedy
 
 
 def dali_reason(exc: BaseException, limit: int = 1000) -> str:

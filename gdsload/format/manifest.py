@@ -22,11 +22,9 @@ Layout (version 1)::
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, TypedDict
 
 from gdsload.errors import FormatError
-from gdsload.format.store import Store, open_store
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -62,26 +60,9 @@ def field_kind(ext: str) -> str:
     return _KINDS.get(last, "bytes")
 
 
-def save(root: str | Path | Store, manifest: dict[str, Any]) -> None:
-    """Write `root/manifest.json` (a local path, an fsspec URL or a `Store`); see `store` for how
-    it becomes visible. Conversion calls this last."""
-    open_store(root).write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-
-
-def load(root: str | Path | Store) -> dict[str, Any]:
-    """Read and check the manifest of the dataset at `root` (a local path, an fsspec URL or a
-    `Store`)."""
-    store = open_store(root)
-    try:
-        text = store.read(MANIFEST).decode()
-    except FileNotFoundError:
-        hint = ""
-        if store.exists(".gdsload-convert"):
-            hint = " (a conversion into it was interrupted; re-run gdsload convert with --resume)"
-        elif not store.exists():
-            hint = " (the folder does not exist)"
-        raise FormatError(f"{store.root}: no {MANIFEST}, so this is not a complete gdsload dataset{hint}") from None
-    return parse(text, name=store.where(MANIFEST))
+def dumps(manifest: dict[str, Any]) -> bytes:
+    """The bytes of `manifest.json` (what `gdsload.io.store.save_manifest` writes)."""
+    return (json.dumps(manifest, indent=1) + "\n").encode()
 
 
 def parse(text: str, *, name: str) -> dict[str, Any]:

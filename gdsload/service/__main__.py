@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from gdsload.cli import run
-from gdsload.service.cli import configure_serve_parser
+from gdsload.cli.serve import configure_serve_parser
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ What is shared between consumers of one dataset (thread-safe):
 * the opened `gdsload.Dataset`: manifest, shard indexes (loaded once, on first use), the shard
   file descriptors used for index and header reads, the dataset id;
 * the per-field upper bounds of sample sizes, used to check requests against `max_batch_bytes`;
-* the epoch order: `gdsload.plan` caches the last few (dataset, seed, epoch) orders, so N ranks of
+* the epoch order: `gdsload.plan.plan` caches the last few (dataset, seed, epoch) orders, so N ranks of
   one job compute the permutation once;
 * the page cache: every stream reads the same shard files, so one job's ranks, which read
   disjoint samples of the same few open shards (the shuffle window), hit the same cached pages.
@@ -17,7 +17,7 @@ Per stream: a `DataLoader` with its reader threads, I/O backend and ring (bounde
 `workers * prefetch` batches), and its DALI pipeline when decoding.
 
 A root may also be the URL of one dataset (`s3://bucket/train`): its name is the URL's last part,
-and it is read through the node's shard cache (`gdsload.format.cache`, `cache_dir` and
+and it is read through the node's shard cache (`gdsload.io.cache`, `cache_dir` and
 `cache_limit` as for `gdsload.Dataset`; `cache_dir=False` reads byte ranges), shared by every
 stream and by any other process using the same folder.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from gdsload.errors import GdsloadError
 from gdsload.format.manifest import MANIFEST
-from gdsload.loader import Dataset
+from gdsload.loader.dataloader import Dataset
 from gdsload.service.status import BadRequest, UnknownDataset, shown
 
 
@@ -52,7 +52,7 @@ class _Entry:
 
 def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path | str]:
     """Name -> folder (or URL) of every dataset below `roots` (see the module docstring)."""
-    from gdsload.format.store import is_remote
+    from gdsload.io.store import is_remote
 
     found: dict[str, Path | str] = {}
 
@@ -85,7 +85,7 @@ def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path | s
 
 def _stamp(path: Path | str) -> tuple:
     if isinstance(path, str):  # a URL: the object's ETag (or modification time) and size
-        from gdsload.format.store import FsspecStore
+        from gdsload.io.store import FsspecStore
 
         store = FsspecStore(path)
         info = store.fs.info(store._fresh(MANIFEST))  # FileNotFoundError: an OSError, as below

@@ -14,7 +14,7 @@ server whose copy of the data is corrupt (DATA_LOSS) is not asked again; each ot
 once. The retry budget is time: `retry_timeout_s` (default 120 s, enough for a server restart)
 without a batch, optionally also `max_retries` attempts; the error it ends with says how to resume.
 `state_dict()` / `load_state_dict()` are the local loader's (same format, checked by
-`gdsload.plan.Plan`), so a state saved by either loader resumes in the other.
+`gdsload.plan.plan.Plan`), so a state saved by either loader resumes in the other.
 
 Lifetime: the receiver thread holds the connection state (`_Link`) and its own queue, never the
 loader nor the epoch iterator, and the loader refers to its epoch weakly. A loader or iterator
@@ -29,7 +29,7 @@ Deadlines: unary calls have `deadline_s`; a stream has `stream_deadline_s` as it
 (it is then resumed like a broken one) and is cancelled and resumed when no message arrives for
 `deadline_s`.
 
-Processes: a loader pickles to its configuration and cursor (`gdsload.forksafe`): channels,
+Processes: a loader pickles to its configuration and cursor (`gdsload.host.forksafe`): channels,
 credentials, locks and the receiver thread are made afresh in the process that iterates it, and
 a forked child finds the parent's by a pid check and leaves them alone. So a loader built (and
 used) in a parent works in `torch.utils.data.DataLoader` workers under fork, spawn and
@@ -50,19 +50,19 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gdsload.distributed import dist_rank_world
+from gdsload.host.dist import dist_rank_world
 from gdsload.errors import GdsloadError, require
-from gdsload.forksafe import ProcessLocal
+from gdsload.host.forksafe import ProcessLocal
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 import grpc
 
-from gdsload.fields import parse_columns
-from gdsload.mapping import MapStage
-from gdsload.output import as_output, default_output, torch_or_none
-from gdsload.mix import Mix
-from gdsload.plan import PlanCursor
+from gdsload.frontend.fields import parse_columns
+from gdsload.frontend.usercode import MapStage
+from gdsload.frontend.output import as_output, default_output, torch_or_none
+from gdsload.dataset.mix import Mix
+from gdsload.plan.plan import PlanCursor
 from gdsload.service import mixwire, status, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
@@ -225,7 +225,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.transform = transform
         self._spec = wire.transform_to_spec(transform) if decode else None
         self.tuple_fields = list(fields) if fields is not None else None
-        # map / collate_fn run here on the client, in the consumer's thread (gdsload.mapping)
+        # map / collate_fn run here on the client, in the consumer's thread (gdsload.frontend.usercode)
         self._stage = MapStage.create(map, collate_fn, "thread")
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
         self.on_error = on_error
@@ -272,9 +272,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     # -- plan, from the server's manifest ---------------------------------------------------------
     @property
     def plan(self):
-        """The `gdsload.plan.Plan` of this rank (asks the server for the dataset on first use)."""
+        """The `gdsload.plan.plan.Plan` of this rank (asks the server for the dataset on first use)."""
         if self._plan is None and isinstance(self.dataset, Mix):
-            from gdsload.mix import MixPlan
+            from gdsload.plan.mix import MixPlan
 
             def info(name: str) -> pb.DatasetInfo:
                 return self._unary("ListDatasets", pb.ListDatasetsRequest(name=name)).datasets[0]
@@ -286,7 +286,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
                 shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last,
             )
         if self._plan is None:
-            from gdsload.plan import Plan
+            from gdsload.plan.plan import Plan
 
             info = self.dataset_info()
             if self._request_fields:
@@ -319,7 +319,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     def load_state_dict(self, state: Any) -> None:
         """As `DataLoader.load_state_dict`; an epoch the feed cannot carry (BatchRequest.epoch is
         a uint64) is refused here as a `StateError`, not later by protobuf."""
-        from gdsload.plan import StateError
+        from gdsload.plan.plan import StateError
 
         epoch, position = self.plan.resume(state)
         if epoch >= 1 << 64:

@@ -14,7 +14,8 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from gdsload.errors import GdsloadError
-from gdsload.mix import Mix, MixSpec
+from gdsload.dataset.mix import Mix
+from gdsload.plan.mix import MixSpec
 from gdsload.service.status import BadRequest, DatasetChanged
 from gdsload.v1 import feed_pb2 as pb
 

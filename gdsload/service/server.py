@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-import gdsload
+from gdsload._version import __version__
 from gdsload.decode.image import DecodeError
 from gdsload.errors import FormatError, GdsloadError, require
 
@@ -48,7 +48,7 @@ require("grpc_health", extra="serve", purpose="the feed server's health service"
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gdsload.loader import DataLoader
+from gdsload.loader.dataloader import DataLoader
 from gdsload.service import mixwire, wire
 from gdsload.service.auth import TokenInterceptor
 from gdsload.service.catalog import Catalog
@@ -178,7 +178,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         with self._lock:
             active, reserved = self._active, self._reserved
         return pb.ServerInfo(
-            version=gdsload.__version__, protocol_version=PROTOCOL_VERSION,
+            version=__version__, protocol_version=PROTOCOL_VERSION,
             max_message_bytes=L.max_message_bytes, max_batch_size=L.max_batch_size,
             max_batch_bytes=L.max_batch_bytes, max_image_side=L.max_image_side,
             max_streams=L.max_streams, active_streams=active, decode_available=_decode_available(),

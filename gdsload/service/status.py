@@ -30,57 +30,12 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+from gdsload.errors import DecodeError, ServiceError, UnknownDataset, BadRequest, OverLimit, DatasetChanged, Unavailable, Unauthenticated, RemoteError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.errors import FormatError, GdsloadError, MissingDependencyError, StorageError, require
 
 require("grpc", extra="serve", purpose="the remote feed (gdsload serve, RemoteLoader)")
 
 import grpc
-
-
-class ServiceError(GdsloadError):
-    """An error the feed server reports on purpose; subclasses pick the status code."""
-
-
-class UnknownDataset(ServiceError):
-    """No dataset of that name below the server's roots."""
-
-
-class BadRequest(ServiceError):
-    """The request is malformed (a missing name, an unknown field, a bad transform)."""
-
-
-class OverLimit(ServiceError):
-    """The request is valid but over one of the server's `Limits`."""
-
-
-class DatasetChanged(ServiceError):
-    """The client planned with another version of the dataset than the server has now."""
-
-
-class Unavailable(ServiceError):
-    """The server cannot take the call now (at capacity, shutting down); retry later or elsewhere."""
-
-
-class Unauthenticated(ServiceError):
-    """Missing or wrong bearer token."""
-
-
-class RemoteError(GdsloadError):
-    """A feed call failed; `code` is the gRPC status code name, `address` the server."""
-
-    def __init__(self, message: str, *, code: str, address: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.address = address
-
-    def __reduce__(self):
-        # keyword-only arguments: the default (positional args) cannot rebuild it when it travels
-        # from a worker process (a Pool task, a torch DataLoader worker) to its parent
-        return _remote_error, (type(self), self.args[0], self.code, self.address)
-
-
-def _remote_error(cls: type[RemoteError], message: str, code: str, address: str | None) -> RemoteError:
-    return cls(message, code=code, address=address)
 
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -112,8 +67,6 @@ is corrupt; another server's may be intact), never the same server again for tha
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message for an exception raised while serving a call."""
-    from gdsload.decode.image import DecodeError
-
     if isinstance(exc, DecodeError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
     if isinstance(exc, StorageError):

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from gdsload.errors import ProtocolError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.decode.image import ImageTransform
-from gdsload.fields import BytesColumn, to_wire
+from gdsload.frontend.fields import BytesColumn, to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
 from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
@@ -146,10 +147,6 @@ def body_nbytes(batch: Mapping[str, Any]) -> int:
 
 
 # -- client: chunks -> batch ---------------------------------------------------------------------
-class ProtocolError(Exception):
-    """The server sent chunks that do not form a batch (a bug or a broken stream)."""
-
-
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:

@@ -23,7 +23,7 @@ import pytest
 import gdsload
 from gdsload.cli import main
 from gdsload.errors import DestinationError
-from gdsload.format.store import LOCK, LocalStore
+from gdsload.io.store import LOCK, LocalStore
 
 OPTS = ["--shard-size", "64KB", "--workers", "1", "-q"]
 

@@ -26,7 +26,7 @@ import pytest
 
 import gdsload
 from gdsload.cli import main
-from gdsload.format import store as store_mod
+from gdsload.io import store as store_mod
 
 OPTS = ["--shard-size", "64KB", "-q"]
 

@@ -3,7 +3,7 @@ server (moto on loopback, the session fixture `s3` in tests/conftest.py).
 
 Covers the fsspec side of `gdsload/convert/sources.py` (listing an image folder, a folder or brace
 pattern of tars, an `.npy` folder with labels; nested folders in local walk order),
-`gdsload/format/store.py` (writing shards, indexes, records and the manifest to s3://) and the
+`gdsload/io/store.py` (writing shards, indexes, records and the manifest to s3://) and the
 destination handling of `engine.convert` there: the same bytes as a local conversion of the same
 files, refusal of an existing dataset, `--resume` after an interrupted run, `verify` and reads of
 the result through fsspec, and clear errors for a missing bucket or a missing fsspec plugin.
@@ -22,7 +22,7 @@ import pytest
 from gdsload.cli import main
 from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, write_shard
 from gdsload.errors import GdsloadError
-from gdsload.format.reader import open_dataset
+from gdsload.dataset.sharded import open_dataset
 
 OPTS = ["--shard-size", "32KB", "--workers", "2", "--validate", "-q"]
 

@@ -25,8 +25,8 @@ from gdsload.errors import FormatError
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex
 from gdsload.format.labels import parse_label
-from gdsload.format.reader import open_dataset
-from gdsload.format.writer import DatasetWriter
+from gdsload.dataset.sharded import open_dataset
+from gdsload.convert.shards import DatasetWriter
 
 
 def _npy(a: np.ndarray) -> bytes:

@@ -15,10 +15,10 @@ import pytest
 
 from gdsload.cli import main
 from gdsload.errors import FormatError, StorageError
-from gdsload.format import manifest as mf
-from gdsload.format.reader import ShardedDataset, open_dataset
+from gdsload.io.store import load_manifest, save_manifest
+from gdsload.dataset.sharded import ShardedDataset, open_dataset
 from gdsload.format.tar import ALIGN
-from gdsload.format.writer import DatasetWriter, ShardWriter, make_manifest, shard_name
+from gdsload.convert.shards import DatasetWriter, ShardWriter, make_manifest, shard_name
 
 NUM_SHARDS = 3
 PER_SHARD = 4
@@ -47,7 +47,7 @@ def _make(root: Path) -> Path:
             w.add(_key(i), _fields(i))
         entries.append(w.close())
     m = make_manifest(entries, {"jpg": "image", "cls": "label", "bin": "bytes"}, classes=["a", "b", "c"])
-    mf.save(root, m)
+    save_manifest(root, m)
     return root
 
 
@@ -314,18 +314,18 @@ def test_manifest_bad(ds_path: Path, text: str, match: str) -> None:
 
 
 def test_manifest_num_samples_mismatch(ds_path: Path) -> None:
-    m = mf.load(ds_path)
+    m = load_manifest(ds_path)
     m["num_samples"] += 1
-    mf.save(ds_path, m)
+    save_manifest(ds_path, m)
     with pytest.raises(FormatError, match="num_samples"):
         open_dataset(ds_path)
 
 
 def test_manifest_sample_count_disagrees_with_index(ds_path: Path) -> None:
-    m = mf.load(ds_path)
+    m = load_manifest(ds_path)
     m["shards"][0]["samples"] += 1
     m["shards"][1]["samples"] -= 1
-    mf.save(ds_path, m)
+    save_manifest(ds_path, m)
     with open_dataset(ds_path) as ds:
         with pytest.raises(FormatError, match="shard-000000.idx.*manifest says 5"):
             ds.sample(0)

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from gdsload.errors import DestinationError, FormatError
 from gdsload.format import npy
-from gdsload.format.reader import open_dataset
+from gdsload.dataset.sharded import open_dataset
 from gdsload.format.tar import ALIGN
-from gdsload.format.writer import DatasetWriter
+from gdsload.convert.shards import DatasetWriter
 
 KEY_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"
 EXTS = ["jpg", "cls", "bin", "json", "npy"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gdsload.cli import main
-from gdsload.format.reader import open_dataset
-from gdsload.format.writer import DatasetWriter
+from gdsload.dataset.sharded import open_dataset
+from gdsload.convert.shards import DatasetWriter
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_a_clean_dataset_has_nothing_unlisted(ds: Path) -> None:
 
 
 def test_stray_objects_at_an_s3_url_fail_verify(ds: Path, s3, capsys) -> None:
-    """At a URL there is no writer lock (see `gdsload.format.store`), so verify is what catches a
+    """At a URL there is no writer lock (see `gdsload.io.store`), so verify is what catches a
     race there: the same check through fsspec, against a local S3 server."""
     s3.mkdir("gdsload-unlisted")
     s3.put(str(ds), "gdsload-unlisted/ds", recursive=True)

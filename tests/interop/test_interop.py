@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gdsload.cli import main
-from gdsload.format.reader import ShardedDataset, open_dataset
+from gdsload.dataset.sharded import ShardedDataset, open_dataset
 from gdsload.format.tar import ALIGN
 
 CLASSES = ["cat", "dog", "fish"]
@@ -333,7 +333,7 @@ LONG_KEYS = ["k" * 120 + f"_{i}" for i in range(3)] + ["ключ_ü", "dir/" + "
 
 @pytest.fixture(scope="module")
 def long_keys(tmp_path_factory) -> ShardedDataset:
-    from gdsload.format.writer import DatasetWriter
+    from gdsload.convert.shards import DatasetWriter
 
     root = tmp_path_factory.mktemp("longkeys") / "ds"
     with DatasetWriter(root) as w:

@@ -53,7 +53,7 @@ def spawn_server(roots: Path, port: int, log: Path, *args: str) -> subprocess.Po
 
 
 def local_batches(path: Path, **kw) -> list[dict]:
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
 
     dl = DataLoader(Dataset(str(path)), device="cpu", output="numpy", copy=True, **kw)
     try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gdsload.format.index import ShardIndex
-from gdsload.format.writer import DatasetWriter
+from gdsload.convert.shards import DatasetWriter
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
 from gdsload.service.status import RemoteError

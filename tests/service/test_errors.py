@@ -9,7 +9,7 @@ from feedkit import health_status
 from grpc_health.v1 import health_pb2
 
 from gdsload.errors import GdsloadError
-from gdsload.plan import StateError
+from gdsload.plan.plan import StateError
 from gdsload.service.client import RemoteLoader
 from gdsload.service.config import Limits
 from gdsload.service.server import create_server

@@ -59,7 +59,7 @@ def test_serve_command_is_registered():
     except SystemExit as exc:
         pytest.fail(f"`gdsload serve root --listen 127.0.0.1:1` does not parse (exit {exc.code})")
     assert args.listen == "127.0.0.1:1" and args.roots == ["root"]
-    assert args.func.__module__ == "gdsload.service.cli", args.func
+    assert args.func.__module__ == "gdsload.cli.serve", args.func
 
 
 def test_python_dash_m_gdsload_service_help():

@@ -65,7 +65,7 @@ def reservation(roots):
 def test_the_reservation_bounds_what_the_stream_allocates(roots, reservation):
     """The same loader the server runs for REQ (workers 2, prefetch 2), built locally: its ring
     is within the reservation."""
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
 
     dl = DataLoader(Dataset(str(roots / "feats")), batch_size=32, num_workers=2, prefetch_factor=2,
                     device="cpu", output="numpy", copy=False)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from feedkit import assert_same_batches, free_port, spawn_server
 
-from gdsload.loader import DataLoader, Dataset
-from gdsload.mix import Mix
-from gdsload.plan import StateError
+from gdsload.loader.dataloader import DataLoader, Dataset
+from gdsload.dataset.mix import Mix
+from gdsload.plan.plan import StateError
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
 from gdsload.service.status import RemoteError

@@ -1,6 +1,6 @@
 """The "Epoch order" section of feed.proto is enough to reproduce an epoch without gdsload or
 NumPy: this file implements it from that text alone, in plain Python integers (no NumPy random,
-no gdsload.plan), and compares with `gdsload.plan.epoch_order` and with the server's batches."""
+no gdsload.plan.plan), and compares with `gdsload.plan.plan.epoch_order` and with the server's batches."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def spec_order(shard_sizes: list[int], seed: int, epoch: int, shuffle: bool, win
     ([50, 49, 51, 60, 40, 30], 2**70, 9, 16),
 ])
 def test_the_documented_algorithm_is_the_plan(sizes, seed, epoch, window):
-    from gdsload.plan import epoch_order
+    from gdsload.plan.plan import epoch_order
 
     want = epoch_order(sizes, seed=seed, epoch=epoch, shuffle=True, window=window).tolist()
     assert spec_order(sizes, seed, epoch, True, window) == want
@@ -120,7 +120,7 @@ def test_the_documented_order_is_what_the_server_streams(server):
     """Keys of a shuffled 3-rank epoch from the server == the documented order mapped to keys."""
     import grpc
 
-    from gdsload.loader import Dataset
+    from gdsload.loader.dataloader import Dataset
     from gdsload.v1 import feed_pb2 as pb
     from gdsload.v1 import feed_pb2_grpc as pb_grpc
 

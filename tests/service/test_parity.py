@@ -50,7 +50,7 @@ def test_tensors_torch_output_and_fields_tuple(server, roots):
 
 def test_state_is_shared_with_the_local_loader(server, roots):
     """A state saved by the local loader mid-epoch resumes remotely (and vice versa)."""
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
 
     _, address = server
     kw = dict(batch_size=8, shuffle=True, seed=11, decode=False)

@@ -301,7 +301,7 @@ def test_a_huge_dataset_name_is_cut_in_the_message(server):
 
 
 def test_an_epoch_the_wire_cannot_carry_is_a_state_error(server):
-    from gdsload.plan import StateError
+    from gdsload.plan.plan import StateError
     from gdsload.service.client import RemoteLoader
 
     _, address = server

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Literal
 
 from gdsload.errors import FormatError, GdsloadError
-from gdsload.format.reader import ShardedDataset
-from gdsload.forksafe import ProcessLocal
-from gdsload.loadcheck import VerifyMode, check_mode
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.host.forksafe import ProcessLocal
+from gdsload.dataset.verify import VerifyMode, check_mode
 from gdsload.sizes import SizeError, parse_size
 
 
@@ -18,10 +18,10 @@ class Dataset(ProcessLocal):
     """A converted dataset, opened by path (or fsspec URL). Reads only the manifest until used.
 
     `verify`: what a loader checks while reading it, "fast" (default: shard sizes, CRC32 of the
-    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.loadcheck`.
+    members staged in host memory), "full" (also `.npy` tensors) or None; see `gdsload.dataset.verify`.
 
     A dataset at a URL (s3://, gs://, http(s)://) is read through a local shard cache
-    (`gdsload.format.cache`): whole shards are fetched ahead of the plan and evicted by it.
+    (`gdsload.io.cache`): whole shards are fetched ahead of the plan and evicted by it.
     `cache_dir=None` uses `$XDG_CACHE_HOME/gdsload/shards` (else `~/.cache/gdsload/shards`);
     `cache_dir=False` reads byte ranges from the store instead. `cache_limit` (bytes, or a size
     such as "50GB", "200GiB") bounds the folder. A local dataset has no cache.
@@ -36,7 +36,7 @@ class Dataset(ProcessLocal):
     def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
                  cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
                  cache_limit: int | str = "50GB"):
-        from gdsload.format.store import is_remote
+        from gdsload.io.store import is_remote
 
         self.path = str(path)
         self.verify = check_mode(verify)
@@ -47,7 +47,7 @@ class Dataset(ProcessLocal):
         if cache_dir is False or not is_remote(self.path):
             self.cache_dir: str | None = None
         elif cache_dir is None:
-            from gdsload.format.cache import default_cache_dir
+            from gdsload.io.cache import default_cache_dir
 
             self.cache_dir = str(default_cache_dir())
         else:

@@ -1,6 +1,6 @@
 """Shard writer: samples in, an aligned tar plus its two indexes out.
 
-The root is a local folder or an fsspec URL (`gdsload.format.store`). A shard is hashed while it
+The root is a local folder or an fsspec URL (`gdsload.io.store`). A shard is hashed while it
 is written (SHA-256, no second read) and published as `NAME.tar` only after both index files are
 in place: locally it is written as `.NAME.tar.tmp-PID`, fsynced and renamed; at a URL its upload
 completes then. `abort()` (or an exception inside `with`) drops it, so a shard under its final
@@ -29,7 +29,7 @@ from gdsload.format import npy
 from gdsload.format.crc import crc32
 from gdsload.format.index import ShardIndex, check_key
 from gdsload.format.labels import parse_label
-from gdsload.format.store import Store, open_store
+from gdsload.io.store import Store, open_store, save_manifest
 from gdsload.format.tar import end_of_archive, write_member
 
 
@@ -168,7 +168,7 @@ def make_manifest(
     classes: list[str] | None = None,
     created: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    from gdsload import __version__
+    from gdsload._version import __version__
 
     fortran: dict[str, int] = {}
     for s in shards:
@@ -233,7 +233,7 @@ class DatasetWriter:
             self.shards.append(self._cur.close())
             self._cur = None
         m = make_manifest(self.shards, self.fields, classes=self.classes, created={"source_format": "api"})
-        mf.save(self.root, m)
+        save_manifest(self.root, m)
         return m
 
     def __enter__(self) -> "DatasetWriter":

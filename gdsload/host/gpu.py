@@ -23,7 +23,7 @@ Streams and events (`CopyStreams`, one per loader), for a slot in device memory:
 The consumer's current stream is torch's (`torch.cuda.current_stream(device)`) for torch output,
 CuPy's for CuPy output.
 
-CuPy is imported on first use; `import gdsload.device` needs the standard library only.
+CuPy is imported on first use; `import gdsload.host.gpu` needs the standard library only.
 """
 
 from __future__ import annotations

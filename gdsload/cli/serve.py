@@ -2,7 +2,7 @@
 
 On SIGTERM/SIGINT: health turns NOT_SERVING, open streams end at a batch boundary (clients resume
 elsewhere or after the restart), the server stops within `--grace` seconds, exit status 0. Logs are
-JSON lines on stderr. `gdsload/cli.py` registers the command with `add_serve_parser`.
+JSON lines on stderr. `gdsload/cli/__init__.py` registers the command with `add_serve_parser`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("roots", nargs="+", metavar="ROOT", help="folders holding datasets, or URLs of datasets")
     s.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="shard cache for URL roots (default: ~/.cache/gdsload/shards; 'none': read ranges)")
-    from gdsload.cli import parse_size
+    from gdsload.sizes import argparse_size as parse_size
 
     s.add_argument("--cache-limit", metavar="SIZE", type=parse_size, default="50GB",
                    help="shard cache size limit (default 50GB)")
@@ -65,7 +65,7 @@ def warm_up() -> None:
     that the server reports SERVING only once it can answer promptly."""
     import importlib.util
 
-    import gdsload.loader  # noqa: F401
+    import gdsload.loader.dataloader  # noqa: F401
 
     if importlib.util.find_spec("torch") is not None:
         import torch  # noqa: F401
@@ -90,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise GdsloadError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
     max_memory = None
     if args.max_memory is not None:
-        from gdsload.cli import parse_size
+        from gdsload.sizes import argparse_size as parse_size
 
         try:
             max_memory = parse_size(args.max_memory)

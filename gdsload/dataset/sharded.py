@@ -29,7 +29,7 @@ from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
 from gdsload.format.labels import parse_label
-from gdsload.format.store import FsspecStore, is_remote, local_path, open_store
+from gdsload.io.store import FsspecStore, is_remote, load_manifest, local_path, open_store
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
 
@@ -40,7 +40,7 @@ class ShardedDataset:
         self.root = str(root).rstrip("/") if is_remote(str(root)) else str(local_path(root))
         self._store = open_store(self.root)
         self._fs = self._store.fs if isinstance(self._store, FsspecStore) else None
-        self.manifest = mf.load(self._store)
+        self.manifest = load_manifest(self._store)
         self.shards: list[mf.ShardEntry] = self.manifest["shards"]
         self._starts = np.concatenate([[0], np.cumsum([s["samples"] for s in self.shards])]).tolist()
         self._indexes: dict[int, ShardIndex] = {}

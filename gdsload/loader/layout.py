@@ -1,7 +1,7 @@
 """Batch layout: what each field of a loader becomes, and the ring slot that holds one batch.
 
 `plan_fields` decides, once per loader, each field's kind (image, tensor, ragged, label, bytes,
-text, json: the table is `gdsload.fields`), the largest member it may stage (from the manifest,
+text, json: the table is `gdsload.frontend.fields`), the largest member it may stage (from the manifest,
 else the index) and, for a `.npy` field, its dtype and shape (probed on the first sample that has
 it; every dataset of a `Mix` must agree). `slot_fields` turns those into the ring's `SlotSpec`
 fields: batch tensors (`.npy` rows, decoded images, labels) where the batch is consumed, and in
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gdsload import fields as _fieldkinds
-from gdsload.batchread import STAGE_ALIGN, round_up
+from gdsload.frontend import fields as _fieldkinds
+from gdsload.loader.gather import STAGE_ALIGN, round_up
 from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
-from gdsload.mix import Mix
+from gdsload.dataset.mix import Mix
 
 
 @dataclass

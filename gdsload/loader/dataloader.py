@@ -1,33 +1,33 @@
 """`gdsload.DataLoader`: plan -> I/O -> decode -> ring -> training loop.
 
 Read in this order: this module (options, set-up on first iteration, `iter()`, `stats()`,
-`close()`); `gdsload.layout` (what each field becomes, the slot one batch needs);
-`gdsload.epoch` (one pass: producer threads and the consumer's `next()`); `gdsload.fill`
-(filling one slot). `gdsload.Dataset` is in `gdsload.dataset`.
+`close()`); `gdsload.loader.layout` (what each field becomes, the slot one batch needs);
+`gdsload.loader.epoch` (one pass: producer threads and the consumer's `next()`); `gdsload.loader.fill`
+(filling one slot). `gdsload.Dataset` is in `gdsload.dataset.dataset`.
 
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
-plans the batch's reads with NumPy over the shard indexes (`gdsload.batchread`; no tar scan, no
+plans the batch's reads with NumPy over the shard indexes (`gdsload.loader.gather`; no tar scan, no
 Python object per member), and issues one coalesced read table per destination
 (`gdsload.io.table`): `.npy` array data goes straight into the batch tensor in the ring slot (device
 memory through KvikIO on a GPU host), encoded images and other small fields into the
 slot's staging buffer (pinned host memory on a GPU host). Images are then decoded and transformed
 by DALI into the slot's image tensor; labels are copied from the index's label column (parsed
-from the `.cls` members for older indexes). What is checked on the way is `gdsload.loadcheck`.
+from the `.cls` members for older indexes). What is checked on the way is `gdsload.dataset.verify`.
 The consumer gets views of the slot.
 
 Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
 that the slot is refilled. Pass `copy=True` to get tensors you may keep.
 
-On a GPU (`device="cuda"` or `"cuda:N"`; which GPU: `gdsload.device`), every batch tensor lives in
+On a GPU (`device="cuda"` or `"cuda:N"`; which GPU: `gdsload.host.gpu`), every batch tensor lives in
 the device ring: `.npy` rows (read by KvikIO straight into it, or by POSIX into pinned memory and
 copied), decoded images (DALI "mixed" output copied device to device) and labels (parsed on the
 host, copied without blocking). All copies run on the loader's private stream; a ready event
 orders the consumer's stream after them, and a release fence recorded on the consumer's stream
-when it moves on is waited for before the slot is written again (`gdsload.device`). Encoded bytes
+when it moves on is waited for before the slot is written again (`gdsload.host.gpu`). Encoded bytes
 and labels are read on the host by POSIX (one `preadv` per coalesced group), never through KvikIO
 member by member.
 
-Order and resumption come from `gdsload.plan`: the order of an epoch depends only on (dataset,
+Order and resumption come from `gdsload.plan.plan`: the order of an epoch depends only on (dataset,
 seed, epoch); `state_dict()` records the global position, and `load_state_dict()` resumes the
 exact remaining order, also on another world size with the same global batch. After a full epoch
 the loader moves to the next epoch by itself; `set_epoch(n)` sets it explicitly (as with
@@ -41,17 +41,17 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from gdsload import fields as _fieldkinds
-from gdsload.dataset import Dataset
-from gdsload.distributed import dist_rank_world
-from gdsload.epoch import Epoch
+from gdsload.frontend import fields as _fieldkinds
+from gdsload.dataset.dataset import Dataset
+from gdsload.host.dist import dist_rank_world
+from gdsload.loader.epoch import Epoch
 from gdsload.errors import GdsloadError
-from gdsload.forksafe import ProcessLocal
-from gdsload.layout import FieldPlan, plan_fields, slot_fields, tensor_headers_needed
-from gdsload.mapping import MapStage
-from gdsload.mix import Mix
-from gdsload.output import default_output, torch_or_none
-from gdsload.plan import PlanCursor
+from gdsload.host.forksafe import ProcessLocal
+from gdsload.loader.layout import FieldPlan, plan_fields, slot_fields, tensor_headers_needed
+from gdsload.frontend.usercode import MapStage
+from gdsload.dataset.mix import Mix
+from gdsload.frontend.output import default_output, torch_or_none
+from gdsload.plan.plan import PlanCursor
 
 __all__ = ["DataLoader", "Dataset"]
 
@@ -66,20 +66,20 @@ class DataLoader(ProcessLocal, PlanCursor):
     of the one being consumed: the ring has `prefetch_factor + 1` slots; unlike PyTorch it is not
     per worker, since workers are threads filling one shared ring; default 2, or 1 when images are
     decoded (below); `"auto"` for either: sized while it runs, within stated bounds, see
-    `gdsload.autotune`), `pin_memory` (pinned staging on a
+    `gdsload.loader.autotune`), `pin_memory` (pinned staging on a
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
     GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
-    GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.device`), `transform` (an `ImageTransform`, or None for the default training transform;
+    GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.host.gpu`), `transform` (an `ImageTransform`, or None for the default training transform;
     `decode=False` returns encoded bytes), `fields` (which fields, in which order; the batch is then
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
     `output` ("torch" when torch is installed, else "numpy"), `decode_threads` (DALI's worker
-    threads; default: one more than the cores, see `__init__`). User code (`gdsload.mapping`):
+    threads; default: one more than the cores, see `__init__`). User code (`gdsload.frontend.usercode`):
     `map(sample_dict) -> sample_dict` after decoding, `collate_fn(list_of_samples) -> batch` instead
     of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
     run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
-    `gdsload.fields`.
+    `gdsload.frontend.fields`.
 
     Why one batch ahead when images are decoded: every batch is decoded by the loader's one DALI
     pipeline, which has all the cores, so a second batch ahead adds no decoding, only a slot of
@@ -124,10 +124,10 @@ class DataLoader(ProcessLocal, PlanCursor):
         collate_fn: Any = None,
         worker_mode: Literal["thread", "process"] = "thread",
     ):
-        from gdsload.mix import MixPlan
-        from gdsload.plan import Plan
+        from gdsload.plan.mix import MixPlan
+        from gdsload.plan.plan import Plan
 
-        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.mix)
+        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.plan.mix)
             self.dataset = dataset.open(Dataset)
             if fields is not None:
                 self.dataset = self.dataset.with_fields([f for f in fields if f not in _META_FIELDS])
@@ -139,7 +139,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
             map, collate_fn, worker_mode)
         self.worker_mode = worker_mode
-        from gdsload import autotune
+        from gdsload.loader import autotune
 
         self._auto = {"prefetch": prefetch_factor == "auto", "workers": num_workers == "auto"}
         if self._auto["workers"]:  # reads block in the kernel: threads beyond the cores help
@@ -168,7 +168,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         self.on_error = on_error
         self.copy = copy
         self.io_name = io
-        from gdsload.device import parse_device
+        from gdsload.host.gpu import parse_device
 
         self.output = default_output(output)
         self.device, self._device_index = parse_device(device or self._default_device(self.output))
@@ -198,16 +198,16 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._backend = None
         self._cache = None  # a ShardCache for a dataset at a URL with a cache folder
         self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
-        self._streams = None  # gdsload.device.CopyStreams, with a device ring
+        self._streams = None  # gdsload.host.gpu.CopyStreams, with a device ring
         self._host_backend = None  # POSIX for host-arena reads, beside a device backend
         self._stats: dict[str, Any] = {}  # stats() after close
-        self._progress = None  # gdsload.epoch.Progress of the pass that handed out the last batch
+        self._progress = None  # gdsload.loader.epoch.Progress of the pass that handed out the last batch
         # weak: an epoch its consumer dropped (a `break`, an exception) is collected, which
         # closes it and ends its threads (see `Epoch._produce`)
         self._active_ref: Any = None
         self._decoder = None
-        self._planner = None  # gdsload.batchread.BatchPlanner, made in `_setup`
-        self._staging_pool = None  # gdsload.batchread.StagingPool, with `_own_staging`
+        self._planner = None  # gdsload.loader.gather.BatchPlanner, made in `_setup`
+        self._staging_pool = None  # gdsload.loader.gather.StagingPool, with `_own_staging`
         self._cuda_lost = False  # forked from a parent in which this loader used CUDA
 
     def _enter_process(self) -> None:
@@ -261,18 +261,18 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._plan_reads()
         want_device = self.device == "cuda"
         if want_device:
-            from gdsload.device import resolve_ordinal
+            from gdsload.host.gpu import resolve_ordinal
 
             self.device_ordinal = resolve_ordinal(self._device_index)
         self._open_io(want_device)
         self._make_ring(want_device)
 
     def _plan_reads(self) -> None:
-        from gdsload.batchread import BatchPlanner
-        from gdsload.loadcheck import check_dataset
+        from gdsload.loader.gather import BatchPlanner
+        from gdsload.dataset.verify import check_dataset
 
         ds = self.dataset.shards
-        # what is verified (`gdsload.loadcheck`) is each dataset's own setting, also in a Mix
+        # what is verified (`gdsload.dataset.verify`) is each dataset's own setting, also in a Mix
         parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
         notes = [check_dataset(d.shards, d.verify) for d in parts]
         self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
@@ -296,7 +296,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         kw = {"device_id": self.device_ordinal} if io == "kvikio" and want_device else {}
         self._backend = open_backend(io, threads=max(2, self.num_workers), **kw)
         if cache_dir is not None:
-            from gdsload.format.cache import ShardCache
+            from gdsload.io.cache import ShardCache
 
             ref = weakref.ref(self)
 
@@ -310,10 +310,10 @@ class DataLoader(ProcessLocal, PlanCursor):
             self._cache.check_limit(self.plan.window)
 
     def _make_ring(self, want_device: bool) -> None:
-        from gdsload.batchread import StagingPool
+        from gdsload.loader.gather import StagingPool
         from gdsload.io import open_backend
-        from gdsload.memory import available_device_bytes, available_host_bytes, check_fits
-        from gdsload.ring import Ring, SlotSpec
+        from gdsload.host.memory import available_device_bytes, available_host_bytes, check_fits
+        from gdsload.ring.ring import Ring, SlotSpec
 
         direct = want_device and getattr(self._backend, "device_capable", False)
         # Nothing decoded, host memory: a planned batch's staged members (bytes, text, json,
@@ -342,7 +342,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
                        available_host_bytes(), where="host", hint=hint)
         if on_device:  # two arenas: device (batch tensors) and pinned host (staging)
-            from gdsload.device import CopyStreams
+            from gdsload.host.gpu import CopyStreams
 
             self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
                               host_spec=SlotSpec(fields=host))
@@ -421,7 +421,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             "device": self.device,
             "skipped": p.skipped,
             "verify": self._verify_note,
-            "prefetch_factor": self.prefetch_factor,  # now: "auto" may have grown it (gdsload.autotune)
+            "prefetch_factor": self.prefetch_factor,  # now: "auto" may have grown it (gdsload.loader.autotune)
             "num_workers": self.num_workers,
             "auto": ",".join(k for k, v in self._auto.items() if v) or None,
         }

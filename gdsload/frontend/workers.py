@@ -31,18 +31,11 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from gdsload.errors import PoolClosed, WorkerDied  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.errors import GdsloadError
 
 _POLL_S = 0.5  # how often an idle worker checks that its parent lives, and the collector its workers
 _JOIN_S = 5.0  # how long close() waits for a worker before terminating it
-
-
-class PoolClosed(GdsloadError):
-    """The pool was closed while a task was pending."""
-
-
-class WorkerDied(GdsloadError):
-    """A worker process ended without being asked (killed, out of memory, a crash in C code)."""
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -2,10 +2,10 @@
 
 `Epoch` starts `num_workers` producer threads. Each claims the next batch number, waits for its
 ring slot (`Ring.acquire`: at most `prefetch_factor` batches ahead of the one in use), fills it
-(`gdsload.fill`) and publishes it; a failure is published in its place and raised to the
+(`gdsload.loader.fill`) and publishes it; a failure is published in its place and raised to the
 consumer in order. `__next__` releases the previous batch's slot, waits for the next in plan
 order, hands out views of it (`_make_batch`) and counts it (`Progress`, what `stats()` reports).
-With `"auto"` settings it asks `gdsload.autotune` whether to add a slot or a reader.
+With `"auto"` settings it asks `gdsload.loader.autotune` whether to add a slot or a reader.
 
 The epoch holds the loader; its threads hold the epoch only weakly while they wait, so an epoch
 the training loop dropped (a `break`) is collected, and closing it ends the threads.
@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gdsload import fields as _fieldkinds
-from gdsload.batchread import distinct
-from gdsload.fill import UNSET, BatchInfo, SlotFill
-from gdsload.mapping import host_copy
-from gdsload.output import as_output
-from gdsload.turns import DecodeTurns
+from gdsload.frontend import fields as _fieldkinds
+from gdsload.loader.gather import distinct
+from gdsload.loader.fill import UNSET, BatchInfo, SlotFill
+from gdsload.frontend.usercode import host_copy
+from gdsload.frontend.output import as_output
+from gdsload.loader.decoding import DecodeTurns
 
 if TYPE_CHECKING:
-    from gdsload.loader import DataLoader
+    from gdsload.loader.dataloader import DataLoader
 
 
 @dataclass
@@ -101,13 +101,13 @@ class Epoch(SlotFill):
         # The thread holds its epoch only while claiming and filling, never while blocked in
         # `acquire`: an epoch its consumer dropped is then collected, `__del__` closes the ring,
         # and the blocked `acquire` raises RingClosed.
-        from gdsload.ring import RingClosed
+        from gdsload.ring.ring import RingClosed
 
         first = ref()
         ordinal = first.loader.device_ordinal if first is not None else None
         first = None
         if ordinal is not None:  # the current device is per thread; new threads start on GPU 0
-            from gdsload.device import use_device
+            from gdsload.host.gpu import use_device
 
             use_device(ordinal)
         while True:
@@ -188,8 +188,8 @@ class Epoch(SlotFill):
         return batch
 
     def _tune(self, action: str) -> None:
-        """Carry out a `gdsload.autotune` decision: one more ring slot, or one more reader."""
-        from gdsload import autotune
+        """Carry out a `gdsload.loader.autotune` decision: one more ring slot, or one more reader."""
+        from gdsload.loader import autotune
 
         L, tuner = self.loader, self.loader._tuner
         if action == "worker":
@@ -199,7 +199,7 @@ class Epoch(SlotFill):
             t.start()
             L.num_workers = tuner.workers = tuner.workers + 1
             return
-        from gdsload.memory import available_device_bytes, available_host_bytes
+        from gdsload.host.memory import available_device_bytes, available_host_bytes
 
         ring = self.ring
         ok = autotune.fits(ring.host_nbytes_per_slot + (0 if ring.host_spec else ring.nbytes_per_slot),

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gdsload.errors import DestinationError, MissingDependencyError, require
+from gdsload.errors import DestinationError, FormatError, MissingDependencyError, require
 from gdsload.io import is_url
 
 
@@ -371,3 +371,29 @@ def open_store(root: str | os.PathLike[str] | Store) -> Store:
     if isinstance(root, Store):
         return root
     return FsspecStore(str(root)) if is_remote(str(root)) else LocalStore(root)
+
+
+def save_manifest(root: str | os.PathLike[str] | Store, manifest: dict[str, Any]) -> None:
+    """Write `root/manifest.json` (a local path, an fsspec URL or a `Store`); see `Store.write`
+    for how it becomes visible. Conversion calls this last."""
+    from gdsload.format import manifest as mf
+
+    open_store(root).write(mf.MANIFEST, mf.dumps(manifest))
+
+
+def load_manifest(root: str | os.PathLike[str] | Store) -> dict[str, Any]:
+    """Read and check the manifest of the dataset at `root` (a local path, an fsspec URL or a
+    `Store`)."""
+    from gdsload.format import manifest as mf
+
+    store = open_store(root)
+    try:
+        text = store.read(mf.MANIFEST).decode()
+    except FileNotFoundError:
+        hint = ""
+        if store.exists(".gdsload-convert"):
+            hint = " (a conversion into it was interrupted; re-run gdsload convert with --resume)"
+        elif not store.exists():
+            hint = " (the folder does not exist)"
+        raise FormatError(f"{store.root}: no {mf.MANIFEST}, so this is not a complete gdsload dataset{hint}") from None
+    return mf.parse(text, name=store.where(mf.MANIFEST))

@@ -79,7 +79,8 @@ from typing import Any, TypedDict, cast
 
 import numpy as np
 
-from gdsload.errors import GdsloadError, require
+from gdsload.errors import RingError, RingClosed, RingTimeout  # noqa: F401 (re-exported: defined in errors.py)
+from gdsload.errors import require
 
 ALIGN = 4096  # bytes; O_DIRECT and the GDS fast path want 4 KiB-aligned buffers
 
@@ -93,18 +94,6 @@ __all__ = [
     "Slot",
     "SlotSpec",
 ]
-
-
-class RingError(GdsloadError):
-    """The ring protocol was misused: a seq out of order or twice, a slot not held, a bad spec."""
-
-
-class RingClosed(RingError):
-    """The ring was closed; producers and the consumer should stop."""
-
-
-class RingTimeout(RingError, TimeoutError):
-    """A blocking ring call ran out of time (`timeout` seconds; 0 means do not block)."""
 
 
 def _round_up(nbytes: int, align: int = ALIGN) -> int:

@@ -2,7 +2,7 @@
 
 Why: reading byte ranges from an object store costs one request (10-50 ms) per sample, so latency,
 not bandwidth, sets the speed. A whole shard is one request at the store's bandwidth. The loader's
-order is a pure function known in advance (`gdsload.plan`), so this cache is told the shards every
+order is a pure function known in advance (`gdsload.plan.plan`), so this cache is told the shards every
 batch of the epoch needs (`start_epoch`) and fetches them before they are needed, and when it needs
 room it evicts the shard needed furthest in the future, or one not needed again this epoch
 (Belady's rule, exact here because the future is known). Cached shards are plain local files: the
@@ -49,9 +49,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gdsload.errors import CacheFullError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.errors import CorruptDataError, GdsloadError, StorageError
 from gdsload.format import manifest as mf
-from gdsload.format.store import url_to_fs
+from gdsload.io.store import url_to_fs
 
 _NEVER = float("inf")
 _SPACE_LOCK = ".space.lock"
@@ -62,10 +63,6 @@ def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/gdsload/shards`, else `~/.cache/gdsload/shards`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "gdsload" / "shards"
-
-
-class CacheFullError(GdsloadError):
-    """The cache limit cannot hold the shards the loader needs at once."""
 
 
 def _human(n: int) -> str:

@@ -20,12 +20,7 @@ from pathlib import Path
 from gdsload import sizes
 from gdsload.errors import GdsloadError
 
-def parse_size(text: str) -> int:
-    """A size argument (`512MB`, `1GiB`; rules in `gdsload.sizes`) for argparse."""
-    try:
-        return sizes.parse_size(text)
-    except sizes.SizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+parse_size = sizes.argparse_size  # a size argument (`512MB`, `1GiB`; rules in `gdsload.sizes`)
 
 
 def _human(n: float) -> str:
@@ -104,7 +99,7 @@ def _convert(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from gdsload.format.reader import open_dataset
+    from gdsload.dataset.sharded import open_dataset
 
     with open_dataset(a.dataset) as ds:
         m = ds.manifest
@@ -150,7 +145,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from gdsload.format.reader import open_dataset
+    from gdsload.dataset.sharded import open_dataset
 
     with open_dataset(a.dataset) as ds:
         bad = ds.verify(hashes=not a.no_hash)
@@ -193,7 +188,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import json as _json
 
     from gdsload.bench.harness import format_table, run_suite
-    from gdsload.format.reader import open_dataset
+    from gdsload.dataset.sharded import open_dataset
 
     with open_dataset(a.dataset) as ds:
         kind = "image" if "image" in ds.fields.values() else "tensor"
@@ -277,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_doctor)
 
-    from gdsload.service.cli import add_serve_parser  # stdlib-only at import; grpc on first use
+    from gdsload.cli.serve import add_serve_parser  # stdlib-only at import; grpc on first use
 
     add_serve_parser(sub)
     return p

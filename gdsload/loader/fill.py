@@ -1,9 +1,9 @@
-"""Filling one ring slot with one batch: the producer's half of `gdsload.epoch.Epoch`.
+"""Filling one ring slot with one batch: the producer's half of `gdsload.loader.epoch.Epoch`.
 
-`_fill` plans the batch's reads with NumPy (`gdsload.batchread`) and, when it can, goes through
+`_fill` plans the batch's reads with NumPy (`gdsload.loader.gather`) and, when it can, goes through
 `_fill_planned`: one coalesced read table per destination arena, CRC32s checked per contiguous
 run, labels from the index, bytes fields as one `BytesColumn`, images decoded by the loader's one
-DALI pipeline in plan order (`gdsload.turns`). Batches it cannot plan (`.npy` headers to read)
+DALI pipeline in plan order (`gdsload.loader.decoding`). Batches it cannot plan (`.npy` headers to read)
 go member by member through `_fill_members`. Both end in `_finish_fill`, which records what the
 consumer needs in a `BatchInfo` and runs the user's `map`/`collate_fn`.
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from gdsload import fields as _fieldkinds
-from gdsload.batchread import distinct
+from gdsload.frontend import fields as _fieldkinds
+from gdsload.loader.gather import distinct
 from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
-from gdsload.mix import Mix
+from gdsload.dataset.mix import Mix
 
 
 class _Unset:
@@ -50,10 +50,10 @@ class BatchInfo:
 
 
 class SlotFill:
-    """The producer's methods of `gdsload.epoch.Epoch` (see the module docstring)."""
+    """The producer's methods of `gdsload.loader.epoch.Epoch` (see the module docstring)."""
 
     def _decode(self, turn: int, encoded: list, names: list[str], dst):
-        """Decode with the loader's one DALI pipeline, in turn order (`gdsload.turns`).
+        """Decode with the loader's one DALI pipeline, in turn order (`gdsload.loader.decoding`).
 
         One pipeline with all cores as DALI threads beats one per producer: the batch the
         consumer needs next gets every core (time to first batch), and memory is paid once.
@@ -66,7 +66,7 @@ class SlotFill:
     def _fill(self, slot, seq: int, ids: np.ndarray) -> None:
         """Read (and decode) batch `seq` into `slot`.
 
-        Planned with array operations (`gdsload.batchread`); batches it does not plan (`.npy`
+        Planned with array operations (`gdsload.loader.gather`); batches it does not plan (`.npy`
         headers to read) go member by member (`_fill_members`)."""
         planner = self.loader._planner
         with self._cpu:  # members packed in a batch-owned buffer: CRC-checked in one call
@@ -76,7 +76,7 @@ class SlotFill:
         return self._fill_planned(slot, seq, ids, reads)
 
     def _fill_planned(self, slot, seq: int, ids: np.ndarray, reads) -> None:
-        from gdsload.batchread import check_crcs
+        from gdsload.loader.gather import check_crcs
         from gdsload.io.table import ExtentTable, read_table
 
         L = self.loader
@@ -142,7 +142,7 @@ class SlotFill:
     def _host_values(self, reads, staging, info: BatchInfo, to_host: bool, bufs) -> None:
         """The planned batch's labels, host copies of `.npy` rows to the device, and per-sample
         values of list fields (bytes, text, json, ragged)."""
-        from gdsload.loadcheck import label
+        from gdsload.dataset.verify import label
 
         L = self.loader
         streams = L._streams
@@ -174,7 +174,7 @@ class SlotFill:
     def _fill_members(self, slot, seq: int, ids: np.ndarray) -> None:
         """`_fill` one member at a time: `.npy` headers read and checked per sample."""
         from gdsload.io import Extent
-        from gdsload.loadcheck import BatchChecks, label
+        from gdsload.dataset.verify import BatchChecks, label
 
         L = self.loader
         ds = L.dataset.shards
@@ -297,7 +297,7 @@ class SlotFill:
                      kepts: dict[str, list[int]]) -> None:
         """What both fill paths end with: rows of several image fields aligned to the samples all
         of them kept, the kept rows and the ready event in the batch's `BatchInfo`, then `map` /
-        `collate_fn` (gdsload.mapping) on host copies of the batch."""
+        `collate_fn` (gdsload.frontend.usercode) on host copies of the batch."""
         if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
             for name, kf in kepts.items():
                 rows = [kf.index(k) for k in keep]

@@ -45,7 +45,7 @@ from gdsload.decode.raw import TensorField
 from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 from gdsload.format.crc import crc32
 from gdsload.format.labels import parse_label
-from gdsload.format.reader import ShardedDataset
+from gdsload.dataset.sharded import ShardedDataset
 
 VerifyMode = Optional[Literal["fast", "full"]]
 VERIFY_MODES = (None, "fast", "full")

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gdsload.ring import RingClosed
+from gdsload.ring.ring import RingClosed
 
 
 class DecodeTurns:

@@ -1,7 +1,7 @@
 """The user-code stage: `map(sample) -> sample` per sample, then `collate_fn(samples) -> batch`.
 
 Meaning as in PyTorch and webdataset: `map` runs on each decoded sample (a dict: every field of
-the table in `gdsload.fields`, as NumPy arrays / str / objects / bytes, plus "__key__" and, in a
+the table in `gdsload.frontend.fields`, as NumPy arrays / str / objects / bytes, plus "__key__" and, in a
 mix, "__source__"; with `fields=[...]`, only those fields are read and the batch is not made a
 tuple: it is what the collate makes); `collate_fn` receives the list of (mapped) samples of one batch, in plan
 order, and its result is the batch, returned as it is. Without `collate_fn`, `default_collate`
@@ -16,7 +16,7 @@ zero-copy.
 
 Where it runs: `worker_mode="thread"` (default) in the loader's producer threads, so `map` must be
 thread-safe and pure-Python work is held to one core by the GIL; `worker_mode="process"` in
-`num_workers` spawned processes (`gdsload.workers`): a batch's columns are pickled to a worker,
+`num_workers` spawned processes (`gdsload.frontend.workers`): a batch's columns are pickled to a worker,
 which maps and collates there and pickles the batch back. Both keep the plan order, resume,
 rank slicing and `on_error` (corrupt images are dropped before the stage).
 
@@ -151,7 +151,7 @@ class MapRun:
         self.stage = stage
         self.pool = None
         if stage.worker_mode == "process":
-            from gdsload.workers import WorkerPool
+            from gdsload.frontend.workers import WorkerPool
 
             self.pool = WorkerPool(stage.fn, workers, name="gdsload-map")
 
@@ -161,8 +161,8 @@ class MapRun:
         if self.pool is None:
             out = self.stage.fn((columns, names))
         else:
-            from gdsload.ring import RingClosed
-            from gdsload.workers import PoolClosed
+            from gdsload.ring.ring import RingClosed
+            from gdsload.frontend.workers import PoolClosed
 
             try:
                 out = self.pool.submit((columns, names)).result()

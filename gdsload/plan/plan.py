@@ -59,8 +59,8 @@ Invariants
    positions read before and after a resume are complementary: with ``drop_last=True`` the epoch is
    read exactly once in total; with ``drop_last=False`` every sample is read at least once (only
    the padding, whose size depends on the world size, can differ).
-6. Mixing (`gdsload.mix`, `gdsload.Mix`): a weighted mix of datasets is a plan over the
-   datasets' shards one after another whose epoch order is `gdsload.mix.mix_order` instead of
+6. Mixing (`gdsload.plan.mix`, `gdsload.Mix`): a weighted mix of datasets is a plan over the
+   datasets' shards one after another whose epoch order is `gdsload.plan.mix.mix_order` instead of
    `epoch_order`: each dataset contributes its weight's share of an epoch (default size: the sum
    of the datasets; or ``samples_per_epoch``; or fixed per dataset with ``repeat``/``samples``),
    drawn from its own epochs (no repeat within one; its own shuffle) and interleaved per sample
@@ -79,7 +79,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from gdsload.errors import GdsloadError
+from gdsload.errors import PlanError, StateError  # noqa: F401 (re-exported: defined in errors.py)
 
 __all__ = [
     "STATE_VERSION",
@@ -94,14 +94,6 @@ STATE_VERSION = 1
 """Version of the `PlanState` layout; a state of another version is refused."""
 
 _DOMAIN = 0x706C616E  # "plan": keeps this stream apart from other users of the same seed
-
-
-class PlanError(GdsloadError, ValueError):
-    """An argument of the plan is invalid (a batch size of 0, a rank outside the world, ...)."""
-
-
-class StateError(PlanError):
-    """A saved loader state is malformed or does not belong to this plan."""
 
 
 class PlanState(TypedDict):
@@ -469,7 +461,7 @@ class Plan:
         return epoch, position
 
     def _check_mix(self, state: Mapping[str, Any]) -> None:
-        """Refuse a state of a mix (`gdsload.mix.MixPlan` checks the mix instead)."""
+        """Refuse a state of a mix (`gdsload.plan.mix.MixPlan` checks the mix instead)."""
         if "mix" in state:
             mix = state["mix"] if isinstance(state["mix"], Mapping) else {}
             names = [d.get("name") for d in mix.get("datasets", ()) if isinstance(d, Mapping)]

@@ -1,0 +1,202 @@
+"""The package's layer rules (README "Module map", shared/DESIGN.md "Layout"), enforced.
+
+Every `import` and `from ... import` of a `gdsload` module anywhere in a file counts, also the
+function-local ones (that is where the heavy and the backward imports hide). Two rules:
+
+1. A package imports only from the layers the table allows (`ALLOWED`).
+2. No import cycle between modules of `gdsload/` (package `__init__` files that only re-export
+   lazily are nodes like any other module).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "gdsload"
+
+# unit -> layer; a unit is a top-level module or package of gdsload (or a module of service/)
+LAYER = {
+    "errors": 0, "sizes": 0, "_version": 0, "host": 0,
+    "format": 1, "plan": 1, "ring": 1, "io": 1, "decode": 1,
+    "dataset": 2,
+    "frontend": 3,
+    "loader": 4,
+    "service": 5, "convert": 5,
+    "cli": 6, "doctor": 6, "demo": 6, "sampledata": 6, "bench": 6, "__main__": 6,
+    "v1": 5,  # generated gRPC code, part of the service
+}
+# what each layer-1 package may import beside layer 0 (they are peers, not a stack)
+PEERS = {
+    "format": set(),
+    "plan": set(),
+    "ring": set(),
+    "io": {"format"},          # the store reads and writes the manifest's bytes
+    "decode": {"format"},      # the .npy header
+    "convert": {"format", "io", "decode"},
+}
+# packages only some others may import
+ONLY_BY = {"v1": {"service"}}
+# the RemoteLoader half of the service needs no DALI, no I/O backends and no local pipeline
+CLIENT_SIDE = {"service.client", "service.link", "service.receiver", "service.stripe"}
+# files exempt by name: the package's public face (lazy), and `python -m gdsload.service`, a shim
+EXEMPT = {"gdsload", "gdsload.service.__main__"}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Every gdsload module `path` imports, at any depth of its code."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from gdsload.x import y`: y may be a module of package x
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n == "gdsload" or n.startswith("gdsload."))
+    return out
+
+
+def unit(mod: str) -> str:
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return ""
+    if parts[1] == "service" and len(parts) > 2:
+        return f"service.{parts[2]}"
+    return parts[1]
+
+
+def package(u: str) -> str:
+    return u.split(".")[0]
+
+
+def violation(src: str, dst: str) -> str | None:
+    """Why `src` may not import `dst` (None: it may)."""
+    a, b = package(unit(src)), package(unit(dst))
+    if src in EXEMPT or (dst == "gdsload" and LAYER[a] == 6):
+        return None
+    if dst == "gdsload":
+        return f"{src} imports the package root (import the module itself)"
+    if b in ONLY_BY:
+        return None if a in ONLY_BY[b] or a == b else f"{src} imports {dst}: only {sorted(ONLY_BY[b])} may"
+    if a == b:
+        if unit(src) in CLIENT_SIDE and unit(dst) == "service.server":
+            return f"{src} (RemoteLoader side) imports the server"
+        return None
+    la, lb = LAYER[a], LAYER[b]
+    if unit(src) in CLIENT_SIDE and b in ("loader", "io", "convert"):
+        return f"{src} (RemoteLoader side) imports {dst}: the client needs no local pipeline or I/O"
+    if lb == 0:
+        return None if b != "host" or a != "errors" else f"{src} imports {dst}"
+    if a in PEERS:
+        return None if b in PEERS[a] else f"{src} (layer {la}, {a}) imports {dst} ({b}); allowed: layer 0 and {sorted(PEERS[a])}"
+    if lb > la or (lb == la and la < 6):
+        return f"{src} (layer {la}, {a}) imports {dst} (layer {lb}, {b})"
+    return None
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: {d for d in imports_of(p, known) if d in known and d != m} for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(g):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(g[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(g[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_every_unit_has_a_layer():
+    missing = sorted({package(unit(m)) for m in modules()} - set(LAYER) - {""})
+    assert not missing, f"add {missing} to the layer table (tests/test_layers.py and the README module map)"
+
+
+def test_no_forbidden_import():
+    bad = [why for src, dsts in sorted(graph().items()) for dst in sorted(dsts) if (why := violation(src, dst))]
+    assert not bad, "imports the layer table forbids:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    found = cycles(graph())
+    assert not found, "import cycles inside gdsload/:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("src, dst", [
+    ("gdsload.format.tar", "gdsload.io.store"),          # format knows no storage
+    ("gdsload.plan.plan", "gdsload.dataset.dataset"),     # the plan is pure
+    ("gdsload.service.server", "gdsload.cli.serve"),      # the service never imports the CLI
+    ("gdsload.service.client", "gdsload.loader.dataloader"),
+    ("gdsload.dataset.dataset", "gdsload.loader.fill"),
+    ("gdsload.ring.ring", "gdsload.frontend.fields"),
+])
+def test_a_planted_forbidden_import_fails(tmp_path, src, dst):
+    """The checker is not vacuous: each of these imports, planted, is reported."""
+    assert violation(src, dst) is not None
+    # and end to end: the same import written into a copy of the source file is found
+    path = modules()[src]
+    planted = tmp_path / path.name
+    planted.write_text(path.read_text() + f"\n\ndef _planted():\n    import {dst}  # noqa\n")
+    assert dst in imports_of(planted, set(modules()))
+
+
+def test_a_planted_cycle_is_found():
+    g = graph()
+    g["gdsload.format.tar"] = set(g["gdsload.format.tar"]) | {"gdsload.format.index"}
+    g["gdsload.format.index"] = set(g["gdsload.format.index"]) | {"gdsload.format.tar"}
+    assert ["gdsload.format.index", "gdsload.format.tar"] in cycles(g)
