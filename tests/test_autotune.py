@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gdsload.loader.epoch import Epoch
+from gdsload.loader.fill import SlotFiller
 from gdsload.loader import autotune
 from gdsload.errors import GdsloadError
 from gdsload.convert.shards import DatasetWriter
@@ -94,21 +94,21 @@ def small(tmp_path_factory):
 
 def _run(root, step_s, monkeypatch=None, slow_every=0, **kw):
     if slow_every:
-        fill = Epoch._fill
+        fill = SlotFiller.fill
 
         def bursty(self, slot, seq, ids):  # every n-th batch is slow (a cold shard, say)
             if seq % slow_every == slow_every - 1:
                 time.sleep(0.03)
             return fill(self, slot, seq, ids)
 
-        monkeypatch.setattr(Epoch, "_fill", bursty)
+        monkeypatch.setattr(SlotFiller, "fill", bursty)
     dl = DataLoader(str(root), batch_size=4, device="cpu", output="numpy", decode=False, **kw)
     keys = []
     for b in dl:
         keys += b["__key__"]
         time.sleep(step_s)
     st = dl.stats()
-    slots = dl._ring.num_slots
+    slots = dl._resources.ring.num_slots
     dl.close()
     return keys, st, slots
 

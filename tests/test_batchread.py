@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from gdsload.loader.epoch import Epoch
+from gdsload.loader.fill import SlotFiller
 from gdsload.errors import CorruptDataError, FormatError
 from gdsload.format.index import ShardIndex
 from gdsload.convert.shards import DatasetWriter
@@ -57,7 +57,7 @@ def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch
             np.testing.assert_array_equal(b["npy"][k], x)
             assert b["cls"][k] == label and b["bin"][k] == blob
     assert sum(len(b["__key__"]) for b in planned) == 90
-    monkeypatch.setattr(Epoch, "_fill", Epoch._fill_members)
+    monkeypatch.setattr(SlotFiller, "fill", SlotFiller._fill_members)
     members = _epoch(root)
     assert [b["__key__"] for b in planned] == [b["__key__"] for b in members]
     for a, b in zip(planned, members):
@@ -118,15 +118,16 @@ def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
     batch's own and checks them with one `crc32` call (the members' CRCs combined): one call per
     member gave the GIL up and back once per member, which convoyed with the other readers. A
     changed byte still fails the run and is then named member by member."""
-    import gdsload.loader.gather as br
+    import gdsload.dataset.verify as br
+    from gdsload.loader.gather import STAGE_ALIGN
 
     if br.crc32_combine is None:
         pytest.skip("no isal: CRC32s are checked member by member")
     root, src = mixed
     dl = DataLoader(str(root), batch_size=16, device="cpu", output="numpy", decode=False, fields=["__key__", "bin"])
     dl._setup()
-    assert dl._own_staging
-    planner = dl._planner
+    assert dl._layout.own_staging
+    planner = dl._layout.planner
     ids = np.arange(16)
     reads = planner.plan(ids, packed=True)
     pos, nb = reads.staged["bin"][:2]
@@ -142,7 +143,7 @@ def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
     with pytest.raises(CorruptDataError, match=rf":{reads.keys[5]}: field 'bin' differs .* \(1 such members"):
         br.check_crcs(reads, staging)
     aligned = planner.plan(ids)
-    assert (aligned.staged["bin"][0] % br.STAGE_ALIGN == 0).all()
+    assert (aligned.staged["bin"][0] % STAGE_ALIGN == 0).all()
     dl.close()
 
 
@@ -152,7 +153,7 @@ def test_staging_buffers_are_reused_only_when_nothing_points_into_them(mixed):
     buffer out of the pool (never overwritten); a dropped batch's buffer is taken again."""
     import gc
 
-    from gdsload.loader.gather import StagingPool
+    from gdsload.ring.staging import StagingPool
 
     pool = StagingPool(keep=2)
     a = pool.take(1000)
@@ -236,14 +237,14 @@ def test_start_up_loads_only_the_indexes_it_reads(mixed, tmp_path, monkeypatch):
     dl = DataLoader(str(root), batch_size=4, device="cpu", output="numpy", decode=False)
     first = next(iter(dl))
     assert len(set(loaded)) == 1 and first["__key__"] == ["k000", "k001", "k002", "k003"]
-    staging = dl._ring.spec.fields["__staging__"]
+    staging = dl._resources.ring.spec.fields["__staging__"]
     dl.close()
     loaded.clear()
     old = _strip_manifest(root, tmp_path)
     dl = DataLoader(str(old), batch_size=4, device="cpu", output="numpy", decode=False)
     again = next(iter(dl))
     assert len(set(loaded)) == n_shards  # the old way: every index, for the sizes
-    assert dl._ring.spec.fields["__staging__"] == staging
+    assert dl._resources.ring.spec.fields["__staging__"] == staging
     assert again["bin"] == first["bin"]
     dl.close()
 

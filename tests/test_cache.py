@@ -403,3 +403,20 @@ def test_readers_waiting_for_room_hold_no_pins(remote, tmp_path):
         cache.release(3)
     finally:
         cache.close()
+
+
+def test_a_mix_reads_each_url_part_through_its_own_cache(remote, tmp_path):
+    """A Mix holding a dataset at a URL (and a local one) caches that part's shards whole: same
+    batches as the local copies, every remote shard fetched once, the local part read in place."""
+    from gdsload import Mix
+
+    local, url = remote
+    want, _ = _batches(Mix([Dataset(str(local)), Dataset(str(local))], names=["a", "b"]), epochs=(0,))
+    got, stats = _batches(Mix([Dataset(url, cache_dir=tmp_path / "c"), Dataset(str(local))], names=["a", "b"]),
+                          epochs=(0,))
+    assert got == want
+    assert stats["io_path"] == "posix"  # cached parts are local files: no range requests
+    n = len(ShardedDataset(local).shards)
+    assert stats["cache"]["fetches"] == n and stats["cache"]["folder"] == str(tmp_path / "c")
+    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) and _folder_bytes(tmp_path / "c") == sum(
+        s.stat().st_size for s in local.glob("*.tar"))

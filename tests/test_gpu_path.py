@@ -396,7 +396,7 @@ def test_gds_registers_the_device_arena(monkeypatch, npy_big):
     gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
     loader = DataLoader(str(npy_big), batch_size=4, device="cuda", output="numpy")
     next(iter(loader))
-    assert [a.nbytes for a in gpu.kvikio.registered] == [loader._ring._arena.nbytes]
+    assert [a.nbytes for a in gpu.kvikio.registered] == [loader._resources.ring._arena.nbytes]
 
 
 def test_kvikio_backend_counts_paths_by_size_and_memory(monkeypatch, tmp_path):
@@ -439,7 +439,7 @@ def test_host_arena_reads_go_through_posix_not_kvikio(monkeypatch, jpegs, cpu_re
             assert int(host(b["cls"])[i]) == cpu_reference[k][1]
     assert [e for e in gpu.log_calls("kvikio_pread") if not e[5]] == []  # no host-buffer KvikIO reads
     assert loader.stats()["host_io_path"] == "posix"
-    assert loader._host_backend.stats()["reads"] <= 12  # coalesced groups, not 24 members
+    assert loader._resources.host_backend.stats()["reads"] <= 12  # coalesced groups, not 24 members
 
 
 # -- audit 1 #10 / audit 2 #2: no GPU -> host -> GPU bounce -----------------------------------------

@@ -299,7 +299,7 @@ def test_batch_size_larger_than_the_dataset_sizes_the_ring_from_the_epoch(mixed)
     assert len(batches) == 1 and sorted(batches[0]["__key__"]) == [f"k{i}" for i in range(8)]
     assert batches[0]["npy"].shape == (8, 30, 40)
     assert loader.stats()["ring_slots"] == 3
-    assert loader._ring.nbytes_total < 1 << 20  # 3 slots of 8 rows, not of 10**9
+    assert loader._resources.ring.nbytes_total < 1 << 20  # 3 slots of 8 rows, not of 10**9
     loader.close()
 
 
@@ -308,7 +308,7 @@ def test_batch_size_is_capped_per_rank(mixed):
                         output="numpy", decode=False)
     keys = [k for b in loader for k in b["__key__"]]
     assert len(keys) == 3  # ceil(8 / 3) samples for this rank, one batch of 3 rows
-    assert loader._ring.spec.fields["npy"][0] == (3, 30, 40)
+    assert loader._resources.ring.spec.fields["npy"][0] == (3, 30, 40)
     loader.close()
 
 

@@ -153,7 +153,7 @@ def test_pickle_carries_configuration_and_cursor_only(loaders, images):
     assert len(blob) < 20_000  # no ring, arena or pipeline inside
     copy = pickle.loads(blob)
     assert copy.state_dict() == used.state_dict() and copy.state_dict()["position"] == TAKEN * BATCH
-    assert copy._ring is None and copy._active is None  # built on first iteration, in this process
+    assert copy._resources is None and copy.cursor.live() is None  # built on first iteration, in this process
     rest = list(copy)
     want = list(it)
     assert len(rest) == len(want)

@@ -35,7 +35,8 @@ class ConcatShards:
         for n in counts:
             self._starts.append(self._starts[-1] + n)
         self.fields = {f: self.parts[0].fields[f] for f in fields}
-        # a URL root picks the fsspec backend, which also reads local paths
+        # a URL root: the fsspec backend, which also reads local paths (the loader decides with
+        # `gdsload.dataset.source.storage_root`, which knows the parts' caches)
         self.root = next((p.root for p in self.parts if is_remote(p.root)), self.parts[0].root)
 
     def __len__(self) -> int:
@@ -58,6 +59,14 @@ class ConcatShards:
     def shard_path(self, shard: int, which: str = "name") -> str:
         p, s = self._where[shard]
         return self.parts[p].shard_path(s, which)
+
+    def load_indexes(self, shards: Any, threads: int = 4) -> list[Any]:
+        """Start loading the indexes of `shards` (global numbers), each by the part holding it."""
+        by_part: dict[int, list[int]] = {}
+        for shard in shards:
+            p, s = self._where[int(shard)]
+            by_part.setdefault(p, []).append(s)
+        return [f for p, local in by_part.items() for f in self.parts[p].load_indexes(local, threads)]
 
     def read_extent(self, shard: int, offset: int, nbytes: int) -> bytes:
         p, s = self._where[shard]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
+from pathlib import PurePosixPath
 from typing import Literal
 
 from gdsload.errors import FormatError, GdsloadError
@@ -98,9 +99,29 @@ class Dataset(ProcessLocal):
     def __repr__(self) -> str:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
 
-    def _with_fields(self, fields: Sequence[str]) -> "Dataset":
+    # -- the Source interface (gdsload.dataset.source) -------------------------------------------
+    @property
+    def parts(self) -> list["Dataset"]:
+        return [self]
+
+    @property
+    def names(self) -> list[str]:
+        return [PurePosixPath(self.path.rstrip("/")).name or self.path]
+
+    def select(self, fields: Sequence[str]) -> "Dataset":
+        """This dataset reading `fields` only (each must be in it)."""
         return Dataset(self.path, fields=fields, verify=self.verify, cache_dir=self.cache_dir or False,
                        cache_limit=self.cache_limit)
+
+    def sources_of(self, ids) -> None:
+        return None  # one dataset: batches have no "__source__"
+
+    def make_plan(self, **plan_args):
+        """The `gdsload.plan.plan.Plan` of this dataset with the loader's order options."""
+        from gdsload.plan.plan import Plan
+
+        return Plan(dataset_id=self.dataset_id, shard_sizes=self.shard_sizes, **plan_args)
+
 
 def parse_limit(limit: int | str) -> int:
     """`cache_limit` in bytes: an int, or a size string as the CLI takes (`50GB`, `1.5GiB`)."""

@@ -177,6 +177,19 @@ class Mix(ProcessLocal):
         ds = self._opened()
         return [f for f in ds[0].fields if all(f in d.fields for d in ds[1:])]
 
+    @property
+    def parts(self) -> list[Any]:
+        return self._opened()
+
+    def make_plan(self, **plan_args: Any) -> Any:
+        """The `gdsload.plan.mix.MixPlan` of this mix with the loader's order options."""
+        from gdsload.plan.mix import MixPlan
+
+        return MixPlan(dataset_id=self.dataset_id, shard_sizes=self.shard_sizes, mix=self.spec, **plan_args)
+
+    def select(self, fields: Sequence[str]) -> Mix:
+        return self.with_fields(fields)
+
     def with_fields(self, fields: Sequence[str]) -> Mix:
         """This mix reading `fields` only; each must be in every dataset."""
         fields = list(fields)

@@ -295,6 +295,25 @@ class Backend(Protocol):
         """
         ...
 
+    def read_table(self, table: Any, out: Any) -> Future[int]:
+        """Read a whole `gdsload.io.table.ExtentTable` into `out` (a batch in one call); the
+        default plans it with `read`, POSIX reads it with `preadv` per coalesced run."""
+        ...
+
+    def register(self, buf: Any) -> bool:
+        """Register device memory the backend will read into (cuFile buffer registration);
+        True when registered. Backends without registration return False."""
+        ...
+
+    def order_on(self, stream: int) -> None:
+        """Order device reads on CUDA stream `stream` (a raw handle) instead of the legacy
+        stream; a no-op where reads are synchronous or host-only."""
+        ...
+
+    def forget(self, path: str) -> None:
+        """Close whatever is open on `path` (an evicted cache file), so its space is freed."""
+        ...
+
     def stats(self) -> dict[str, int]:
         """Counters since construction: `reads`, `bytes_read`, `bytes_transferred` (see ReadStats)."""
         ...
@@ -326,6 +345,25 @@ class PooledBackend:
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
+
+    # the protocol's optional capabilities: no-ops unless a backend has them
+    def read_table(self, table: Any, out: Any) -> Future[int]:
+        """A table as extents through `read` (which checks them); POSIX overrides this."""
+        if not len(table):
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        extents, outs = table.extents()
+        return self.read(extents, out, outs)
+
+    def register(self, buf: Any) -> bool:
+        return False
+
+    def order_on(self, stream: int) -> None:
+        pass
+
+    def forget(self, path: str) -> None:
+        pass
 
     def _check_open(self) -> None:
         """Raise if closed; call with `self._lock` held."""

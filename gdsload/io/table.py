@@ -95,13 +95,4 @@ def group_table(table: ExtentTable, *, max_gap: int) -> tuple[np.ndarray, np.nda
 
 def read_table(backend: Any, table: ExtentTable, out: Any) -> Future[int]:
     """Read `table` into `out` with `backend`; a future of the payload bytes delivered."""
-    own = getattr(backend, "read_table", None)
-    if own is not None:
-        return own(table, out)
-    if not len(table):
-        done: Future[int] = Future()
-        done.set_result(0)
-        return done
-    check_table(table, out)
-    extents, outs = table.extents()
-    return backend.read(extents, out, outs)
+    return backend.read_table(table, out)

@@ -1,9 +1,20 @@
 """`gdsload.DataLoader`: plan -> I/O -> decode -> ring -> training loop.
 
-Read in this order: this module (options, set-up on first iteration, `iter()`, `stats()`,
-`close()`); `gdsload.loader.layout` (what each field becomes, the slot one batch needs);
-`gdsload.loader.epoch` (one pass: producer threads and the consumer's `next()`); `gdsload.loader.fill`
-(filling one slot). `gdsload.Dataset` is in `gdsload.dataset.dataset`.
+Reading order (one batch, from `iter(loader)` to the training loop), all in `gdsload/loader/`:
+1. `dataloader` (this module): the options (`gdsload.frontend.options.LoaderOptions`), the source
+   (`gdsload.dataset.source`: a `Dataset` or a `Mix`, one interface), the plan and the cursor
+   (`gdsload.frontend.cursor`); on first iteration it builds the stages below; `stats()`, `close()`.
+2. `layout`: `BatchLayout`, what each field becomes and the ring slot one batch needs.
+3. `resources`: `Resources`, the I/O backends, shard caches, ring, GPU streams, staging pool and
+   the image decoder, sized from the layout; autotune (`autotune`) grows them.
+4. `epoch`: `Epoch`, one pass: reader threads and the consumer's `next()`.
+5. `fill`: `SlotFiller`, one batch into one slot: `gather` plans its reads with NumPy over the
+   shard indexes, `gdsload.io.table` reads them, `gdsload.dataset.verify` checks them.
+6. `decoding`: `OrderedDecoder`, the one DALI pipeline in batch order (`gdsload.decode.image`).
+7. `assemble`: `BatchAssembler`, a slot as the batch handed out (`gdsload.frontend.output`).
+8. `stats`: `Progress` and the per-stage times of `stats()["stages"]`.
+No stage writes the loader's state: each is given its collaborators, and only the epoch moves the
+cursor.
 
 Per batch, a producer thread (`num_workers` of them) takes the batch's sample ids from the plan,
 plans the batch's reads with NumPy over the shard indexes (`gdsload.loader.gather`; no tar scan, no
@@ -31,31 +42,28 @@ Order and resumption come from `gdsload.plan.plan`: the order of an epoch depend
 seed, epoch); `state_dict()` records the global position, and `load_state_dict()` resumes the
 exact remaining order, also on another world size with the same global batch. After a full epoch
 the loader moves to the next epoch by itself; `set_epoch(n)` sets it explicitly (as with
-`DistributedSampler`).
+`DistributedSampler`; while a pass is live it applies to the next `iter()`, see
+`gdsload.frontend.cursor`).
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from gdsload.frontend import fields as _fieldkinds
 from gdsload.dataset.dataset import Dataset
-from gdsload.host.dist import dist_rank_world
-from gdsload.loader.epoch import Epoch
-from gdsload.errors import GdsloadError
-from gdsload.host.forksafe import ProcessLocal
-from gdsload.loader.layout import FieldPlan, plan_fields, slot_fields, tensor_headers_needed
-from gdsload.frontend.usercode import MapStage
 from gdsload.dataset.mix import Mix
-from gdsload.frontend.output import default_output, torch_or_none
-from gdsload.plan.plan import PlanCursor
+from gdsload.dataset.source import open_source
+from gdsload.errors import GdsloadError
+from gdsload.frontend import fields as _fieldkinds
+from gdsload.frontend.cursor import Cursor, PlanCursor
+from gdsload.frontend.options import LoaderOptions, check_workers
+from gdsload.frontend.usercode import MapStage
+from gdsload.host.forksafe import ProcessLocal
+from gdsload.loader.epoch import Epoch
 
 __all__ = ["DataLoader", "Dataset"]
-
-_META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
 
 
 class DataLoader(ProcessLocal, PlanCursor):
@@ -93,9 +101,7 @@ class DataLoader(ProcessLocal, PlanCursor):
     those afresh on first iteration and continues where the loader stood.
     """
 
-    _PROCESS_LOCAL = ("_ring", "_backend", "_host_backend", "_streams", "device_ordinal", "_decoder", "_active_ref",
-                      "_staging_pool",
-                      "_fields", "_stats", "_progress", "_cuda_lost", "_planner", "_cache")
+    _PROCESS_LOCAL = ("_layout", "_resources", "_progress", "_stats", "_cuda_lost")
 
     def __init__(
         self,
@@ -124,18 +130,13 @@ class DataLoader(ProcessLocal, PlanCursor):
         collate_fn: Any = None,
         worker_mode: Literal["thread", "process"] = "thread",
     ):
-        from gdsload.plan.mix import MixPlan
-        from gdsload.plan.plan import Plan
-
-        if isinstance(dataset, Mix):  # a Mix reads like one Dataset (gdsload.plan.mix)
-            self.dataset = dataset.open(Dataset)
-            if fields is not None:
-                self.dataset = self.dataset.with_fields([f for f in fields if f not in _META_FIELDS])
-        else:
-            self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
-            if fields is not None:
-                self.dataset = self.dataset._with_fields([f for f in fields if f != "__key__"])
-        self.tuple_fields = list(fields) if fields is not None else None
+        self.options = opts = LoaderOptions.create(
+            remote=False, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
+            world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform,
+            fields=fields, on_error=on_error, output=output, device=device, copy=copy)
+        self.dataset = open_source(dataset)
+        if opts.read_fields is not None:
+            self.dataset = self.dataset.select(opts.read_fields)
         self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
             map, collate_fn, worker_mode)
         self.worker_mode = worker_mode
@@ -149,73 +150,61 @@ class DataLoader(ProcessLocal, PlanCursor):
         elif prefetch_factor is None:  # one batch ahead of the one in use when DALI decodes (above)
             prefetch_factor = 1 if decode and any(
                 _fieldkinds.loader_kind(f, decode=True) == "image" for f in self.dataset.fields) else 2
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise GdsloadError(f"num_workers must be >= 1 (reader threads) or 'auto', got {num_workers!r}")
-        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise GdsloadError(f"prefetch_factor must be >= 1 or 'auto', got {prefetch_factor!r}")
+        check_workers(num_workers, prefetch_factor)
         self._tuner = autotune.Tuner(self._auto["prefetch"], self._auto["workers"], prefetch_factor,
                                      num_workers, autotune.max_workers()) if any(self._auto.values()) else None
-        dist = dist_rank_world()
-        if rank is None:
-            rank = dist[0] if dist else 0
-        if world_size is None:
-            world_size = dist[1] if dist else 1
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
+        self._num_workers = num_workers  # as configured; `Resources` holds the live values
+        self._prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
-        self.decode = decode
-        self.on_error = on_error
-        self.copy = copy
         self.io_name = io
-        from gdsload.host.gpu import parse_device
-
-        self.output = default_output(output)
-        self.device, self._device_index = parse_device(device or self._default_device(self.output))
         # one DALI thread more than the cores: the synchronous runs leave cores idle at their
         # barriers and while a run's output is copied into the slot, and a spare thread fills
         # them (tier T, 2 cores, batch 64, photos: 2,211-2,275 img/s against 1,743-1,919 with 2
         # threads, 3 interleaved rounds; DALI's own pipeline measured the same with 2 or 3)
         self.decode_threads = decode_threads or (os.cpu_count() or 1) + 1
-        if transform is None and decode:
-            from gdsload.decode.image import ImageTransform
-
-            transform = ImageTransform()
-        self.transform = transform
-        mixed = {"mix": self.dataset.spec} if isinstance(self.dataset, Mix) else {}
-        self.plan = (MixPlan if mixed else Plan)(
-            dataset_id=self.dataset.dataset_id, shard_sizes=self.dataset.shard_sizes,
-            batch_size=batch_size, world_size=world_size, rank=rank, seed=seed, shuffle=shuffle,
-            window=shuffle_window, drop_last=drop_last, **mixed,
-        )
-        self._epoch = 0
-        self._position = 0
+        self.plan = self.dataset.make_plan(**opts.plan_args())
+        self.cursor = Cursor()
         self._start_process()
 
+    # the options, as attributes (read-only views of `self.options`)
+    batch_size = property(lambda self: self.options.batch_size)
+    decode = property(lambda self: self.options.decode)
+    transform = property(lambda self: self.options.transform)
+    on_error = property(lambda self: self.options.on_error)
+    copy = property(lambda self: self.options.copy)
+    output = property(lambda self: self.options.output)
+    device = property(lambda self: self.options.device)
+    tuple_fields = property(lambda self: self.options.tuple_fields)
+
+    @property
+    def num_workers(self) -> int:
+        """Reader threads now (`"auto"` may have added some)."""
+        return self._resources.num_workers if self._resources is not None else self._num_workers
+
+    @property
+    def prefetch_factor(self) -> int:
+        """Batches filled ahead now (`"auto"` may have grown the ring)."""
+        return self._resources.prefetch if self._resources is not None else self._prefetch_factor
+
+    @property
+    def device_ordinal(self) -> int | None:
+        """The GPU, resolved on first iteration (None on the CPU)."""
+        return self._resources.device_ordinal if self._resources is not None else None
+
     def _init_process_local(self) -> None:
-        self._fields: list[FieldPlan] | None = None
-        self._ring = None
-        self._backend = None
-        self._cache = None  # a ShardCache for a dataset at a URL with a cache folder
-        self.device_ordinal: int | None = None  # the GPU, resolved once in `_setup`
-        self._streams = None  # gdsload.host.gpu.CopyStreams, with a device ring
-        self._host_backend = None  # POSIX for host-arena reads, beside a device backend
+        self._layout = None  # BatchLayout, decided on first iteration
+        self._resources = None  # Resources: backends, cache, ring, streams, decoder (per process)
+        self._progress = None  # the Progress of the pass that handed out the last batch
         self._stats: dict[str, Any] = {}  # stats() after close
-        self._progress = None  # gdsload.loader.epoch.Progress of the pass that handed out the last batch
-        # weak: an epoch its consumer dropped (a `break`, an exception) is collected, which
-        # closes it and ends its threads (see `Epoch._produce`)
-        self._active_ref: Any = None
-        self._decoder = None
-        self._planner = None  # gdsload.loader.gather.BatchPlanner, made in `_setup`
-        self._staging_pool = None  # gdsload.loader.gather.StagingPool, with `_own_staging`
         self._cuda_lost = False  # forked from a parent in which this loader used CUDA
 
     def _enter_process(self) -> None:
         """Start afresh in a forked child; CUDA state does not survive a fork, so a loader that
         had CUDA memory or a GPU decoder in the parent is refused there with a clear error."""
         inherited = self._check_process()
-        if inherited is not None:
-            ring, decoder = inherited["_ring"], inherited["_decoder"]
+        if inherited is not None and inherited["_resources"] is not None:
+            res = inherited["_resources"]
+            ring, decoder = res.ring, res._decoder
             self._cuda_lost = (ring is not None and (ring.device != "cpu" or ring.pinned
                                                      or getattr(ring, "host_pinned", False))) or (
                 decoder is not None and decoder.device == "mixed")
@@ -228,169 +217,51 @@ class DataLoader(ProcessLocal, PlanCursor):
             )
 
     # -- torch-like surface --------------------------------------------------------------------
-    # len(), set_epoch(), epoch, state_dict(), load_state_dict(): from PlanCursor
+    # len(), set_epoch(), epoch, state_dict(), load_state_dict(): PlanCursor, over `self.cursor`
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
-    @staticmethod
-    def _default_device(output: str | None) -> str:
-        """"cuda" when a device exists *and* the loader can use it; else "cpu", with a warning
-        when a device exists (a CPU-only torch build, or no CuPy, on a GPU host)."""
-        from gdsload.io import cuda_device_count
-
-        if cuda_device_count() < 1:
-            return "cpu"
-        why = None
-        try:
-            import cupy  # noqa: F401
-        except Exception as exc:
-            why = f"CuPy does not import ({type(exc).__name__}: {exc})"
-        torch = torch_or_none() if output == "torch" else None
-        if why is None and torch is not None and not torch.cuda.is_available():
-            why = f"torch {torch.__version__} has no CUDA (torch.cuda.is_available() is False)"
-        if why is None:
-            return "cuda"
-        import warnings
-
-        warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
-                      f"device='cuda' to insist)", RuntimeWarning, stacklevel=3)
-        return "cpu"
-
     def _setup(self) -> None:
-        """On first iteration: what to read and check (`_plan_reads`), the I/O backends and shard
-        cache (`_open_io`), then the ring sized for one batch (`_make_ring`)."""
-        self._plan_reads()
-        want_device = self.device == "cuda"
-        if want_device:
-            from gdsload.host.gpu import resolve_ordinal
+        """On first iteration: the batch layout, then the resources sized for it."""
+        from gdsload.loader.layout import BatchLayout
+        from gdsload.loader.resources import Resources
 
-            self.device_ordinal = resolve_ordinal(self._device_index)
-        self._open_io(want_device)
-        self._make_ring(want_device)
-
-    def _plan_reads(self) -> None:
-        from gdsload.loader.gather import BatchPlanner
-        from gdsload.dataset.verify import check_dataset
-
-        ds = self.dataset.shards
-        # what is verified (`gdsload.dataset.verify`) is each dataset's own setting, also in a Mix
-        parts = self.dataset.datasets if isinstance(self.dataset, Mix) else [self.dataset]
-        notes = [check_dataset(d.shards, d.verify) for d in parts]
-        self._verify_note = notes[0] if len(set(notes)) == 1 else "; ".join(
-            f"{name}: {note}" for name, note in zip(self.dataset.names, notes))
-        self._shard_verify = [d.verify for d in parts for _ in d.shards.shards]  # per global shard
-        # rows per slot: a batch never holds more than one rank's samples of an epoch
-        self._rows = max(1, min(self.batch_size, -(-self.plan.num_samples // self.plan.world_size)))
-        self._tensor_headers = tensor_headers_needed(ds, self._shard_verify)
-        self._fields = fplans = plan_fields(self.dataset, decode=self.decode)
-        self._planner = None if self._tensor_headers else BatchPlanner(
-            ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans],
-            crc_shards=[mode is not None for mode in self._shard_verify])
-
-    def _open_io(self, want_device: bool) -> None:
-        from gdsload.io import choose_backend, open_backend
-
-        ds = self.dataset.shards
-        cache_dir = getattr(self.dataset, "cache_dir", None)  # a Mix has none: it reads ranges
-        where = cache_dir if cache_dir is not None else ds.root  # cached shards are local files
-        io = self.io_name if self.io_name != "auto" else choose_backend(where, device=want_device)
-        kw = {"device_id": self.device_ordinal} if io == "kvikio" and want_device else {}
-        self._backend = open_backend(io, threads=max(2, self.num_workers), **kw)
-        if cache_dir is not None:
-            from gdsload.io.cache import ShardCache
-
-            ref = weakref.ref(self)
-
-            def forget(path: str) -> None:  # backends close their fd: an evicted file frees its space
-                loader = ref()
-                for b in (loader._backend, loader._host_backend) if loader is not None else ():
-                    if b is not None and hasattr(b, "forget"):
-                        b.forget(path)
-
-            self._cache = ShardCache(ds.root, ds.shards, cache_dir, self.dataset.cache_limit, on_release=forget)
-            self._cache.check_limit(self.plan.window)
-
-    def _make_ring(self, want_device: bool) -> None:
-        from gdsload.loader.gather import StagingPool
-        from gdsload.io import open_backend
-        from gdsload.host.memory import available_device_bytes, available_host_bytes, check_fits
-        from gdsload.ring.ring import Ring, SlotSpec
-
-        direct = want_device and getattr(self._backend, "device_capable", False)
-        # Nothing decoded, host memory: a planned batch's staged members (bytes, text, json,
-        # label text) are read into a buffer of the batch's own, which its BytesColumns keep
-        # (no copy out of the ring); see `SlotFill._fill_planned`.
-        self._own_staging = self._planner is not None and not want_device and not any(
-            fp.kind == "image" for fp in self._fields)
-        self._staging_pool = StagingPool(keep=self.num_workers + 2) if self._own_staging else None
-        spec, host = slot_fields(self._fields, self._rows, self.transform, on_device=want_device,
-                                 direct=direct, tensor_headers=self._tensor_headers)
-        slots = self.prefetch_factor + 1
-        pin = self.pin_memory and want_device
-        hint = (f"lower batch_size ({self.batch_size}) or prefetch_factor ({self.prefetch_factor}: "
-                f"{slots} slots)")
-        on_device = bool(want_device and spec)
-        if on_device:
-            import cupy
-
-            with cupy.cuda.Device(self.device_ordinal):  # the loader's GPU, not the current one
-                device_free = available_device_bytes()
-            check_fits("the prefetch ring's device arena", slots * SlotSpec(fields=spec).nbytes,
-                       device_free, where="GPU", hint=hint)
-            check_fits("the prefetch ring's pinned arena", slots * SlotSpec(fields=host).nbytes,
-                       available_host_bytes(), where="host", hint=hint)
-        else:
-            check_fits("the prefetch ring", slots * SlotSpec(fields={**spec, **host}).nbytes,
-                       available_host_bytes(), where="host", hint=hint)
-        if on_device:  # two arenas: device (batch tensors) and pinned host (staging)
-            from gdsload.host.gpu import CopyStreams
-
-            self._ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
-                              host_spec=SlotSpec(fields=host))
-            self._streams = CopyStreams(self.device_ordinal, consumer=self.output)
-            if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
-                self._host_backend = open_backend("posix", threads=max(2, self.num_workers))
-                register = getattr(self._backend, "register", None)
-                if register is not None:
-                    register(self._ring.arena)
-                order_on = getattr(self._backend, "order_on", None)
-                if order_on is not None:  # reads on the private stream, not behind the training stream
-                    order_on(self._streams.stream.ptr)
-        else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
-            self._ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
+        opts, plan = self.options, self.plan
+        on_device = opts.device == "cuda"
+        self._layout = layout = BatchLayout.build(
+            self.dataset, batch_size=opts.batch_size, samples_per_rank=-(-plan.num_samples // plan.world_size),
+            decode=opts.decode, transform=opts.transform, on_device=on_device)
+        self._resources = Resources.open(
+            self.dataset, layout, device=opts.device, device_index=opts.device_index, io=self.io_name,
+            num_workers=self._num_workers, prefetch=self._prefetch_factor, pin_memory=self.pin_memory,
+            decode_threads=self.decode_threads, seed=plan.seed, on_error=opts.on_error, window=plan.window,
+            output=opts.output)
 
     # -- iteration -------------------------------------------------------------------------------
-    @property
-    def _active(self) -> Epoch | None:
-        return self._active_ref() if self._active_ref is not None else None
-
     def __iter__(self) -> Iterator[Any]:
         self._enter_process()
-        active = self._active
+        active = self.cursor.live()
         if active is not None:
             active.close()
-        if self._fields is None:
+        if self._resources is None:
             self._setup()
-        ep = Epoch(self, self._epoch, self._position)
-        self._active_ref = weakref.ref(ep)
+        from gdsload.loader.assemble import BatchAssembler
+
+        res, opts = self._resources, self.options
+        device = f"cuda:{res.device_ordinal}" if opts.device == "cuda" else "cpu"
+        assembler = BatchAssembler(self._layout.fields, output=opts.output, device=device, copy=opts.copy,
+                                   tuple_fields=opts.tuple_fields)
+        ep = Epoch(plan=self.plan, cursor=self.cursor, resources=res, layout=self._layout, source=self.dataset,
+                   assembler=assembler, stage=self._stage, tuner=self._tuner, restart=self.__iter__)
+        self._progress = ep.progress
         return ep
 
-    def _get_decoder(self):
-        """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs."""
-        if self._decoder is None:
-            from gdsload.decode.image import ImageDecoder
-
-            self._decoder = ImageDecoder(self.transform, batch_size=self._rows,
-                                         device="mixed" if self.device == "cuda" else "cpu",
-                                         threads=self.decode_threads, seed=self.plan.seed,
-                                         on_error=self.on_error, device_id=self.device_ordinal or 0)
-        return self._decoder
-
     def stats(self) -> dict[str, Any]:
-        """samples/s, bytes/s, data stall (seconds and fraction), ring occupancy, I/O and decode;
-        "cache" with a shard cache (read here, not per batch: its lock is the readers')."""
-        out = self._stats_now() if self._ring is not None else dict(self._stats)
-        if self._cache is not None:
-            out["cache"] = self._cache.stats()
+        """samples/s, bytes/s, data stall (seconds and fraction), ring occupancy, I/O and decode,
+        per-stage times ("stages"); "cache" with a shard cache (read here, not per batch: its lock
+        is the readers')."""
+        out = self._stats_now() if self._resources is not None else dict(self._stats)
+        if self._resources is not None and self._resources.cache is not None:
+            out["cache"] = self._resources.cache.stats()
         return out
 
     def _stats_now(self) -> dict[str, Any]:
@@ -398,8 +269,9 @@ class DataLoader(ProcessLocal, PlanCursor):
         p = self._progress
         if p is None:
             return {}
+        res, layout, opts = self._resources, self._layout, self.options
         el = max(p.t_last - p.t0, 1e-9)
-        rs = self._ring.stats()
+        rs = res.ring.stats()
         wait = rs["wait_s"] - p.wait0
         return {
             "epoch": p.epoch,
@@ -412,40 +284,31 @@ class DataLoader(ProcessLocal, PlanCursor):
             "wait_fraction": wait / el,
             "ring_slots": rs["slots"],
             "ring_occupancy": rs.get("mean_occupancy", rs.get("occupancy")),
-            "io_path": self._backend.name if self._backend else None,
-            "host_io_path": self._host_backend.name if self._host_backend else None,
-            "ring_device": self._ring.device,
-            "kvikio_error": _kvikio_error() if self.device == "cuda" else None,
-            "decode_device": ("mixed" if self.device == "cuda" else "cpu") if any(
-                fp.kind == "image" for fp in self._fields) else None,
-            "device": self.device,
+            **res.io_paths(),
+            "ring_device": res.ring.device,
+            "kvikio_error": _kvikio_error() if opts.device == "cuda" else None,
+            "decode_device": res.decode_device if layout.n_images else None,
+            "device": opts.device,
             "skipped": p.skipped,
-            "verify": self._verify_note,
-            "prefetch_factor": self.prefetch_factor,  # now: "auto" may have grown it (gdsload.loader.autotune)
-            "num_workers": self.num_workers,
+            "verify": layout.verify_note,
+            "prefetch_factor": res.prefetch,  # now: "auto" may have grown it (gdsload.loader.autotune)
+            "num_workers": res.num_workers,
             "auto": ",".join(k for k, v in self._auto.items() if v) or None,
+            "stages": p.stages.report(p.batches) if p.stages is not None else None,
         }
 
     def close(self) -> None:
         self._check_process()
-        active = self._active
+        active = self.cursor.live()
         if active is not None:
             active.close()
-        if self._ring is not None:  # what stats() reports after close
+        if self._resources is not None:  # what stats() reports after close
             self._stats = self._stats_now()
-        if self._cache is not None:
-            self._stats["cache"] = self._cache.stats()
-            self._cache.close()
-            self._cache = None
-        for backend in (self._backend, self._host_backend):
-            if backend is not None:
-                backend.close()
-        self._backend = self._host_backend = None
-        if self._streams is not None:  # copies still queued must not land in freed ring memory
-            self._streams.synchronize()
-        self._streams = None
-        self._ring = None
-        self._fields = None
+            cache_stats = self._resources.close()
+            if cache_stats is not None:
+                self._stats["cache"] = cache_stats
+        self._resources = None
+        self._layout = None
 
     def __del__(self) -> None:
         try:

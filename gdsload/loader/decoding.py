@@ -12,10 +12,12 @@ between its decodes gives up the turns it did not take (`skip_batch`), so later 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from gdsload.ring.ring import RingClosed
+from gdsload.errors import RingClosed
 
 
 class DecodeTurns:
@@ -54,3 +56,33 @@ class DecodeTurns:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+
+
+class OrderedDecoder:
+    """The loader's one image decoder (`Resources.decoder`, one DALI pipeline) run in batch order.
+
+    One pipeline with all cores as DALI threads beats one per reader: the batch the consumer needs
+    next gets every core (time to first batch), and its memory is paid once. The decoded run is
+    copied out inside the turn, since the next run reuses DALI's buffers."""
+
+    def __init__(self, resources: Any, per_batch: int, times: Any = None):
+        self.resources = resources
+        self.turns = DecodeTurns(per_batch)
+        self.times = times
+
+    def decode(self, turn: int, encoded: list, names: list[str], dst: Any) -> list[int]:
+        """Decode `encoded` into `dst` as turn `turn`; the rows kept (corrupt ones skipped)."""
+        with self.turns.take(turn):
+            t0 = time.perf_counter()
+            streams = self.resources.streams
+            kept = self.resources.decoder.decode_into(
+                encoded, names, dst, stream=streams.stream_handle if streams else None)
+            if self.times is not None:
+                self.times.add("decode", time.perf_counter() - t0)
+            return kept
+
+    def skip_batch(self, seq: int) -> None:
+        self.turns.skip_batch(seq)
+
+    def close(self) -> None:
+        self.turns.close()

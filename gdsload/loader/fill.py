@@ -1,96 +1,88 @@
-"""Filling one ring slot with one batch: the producer's half of `gdsload.loader.epoch.Epoch`.
+"""Filling one ring slot with one batch: `SlotFiller.fill(slot, seq, ids)`, run by a reader thread.
 
-`_fill` plans the batch's reads with NumPy (`gdsload.loader.gather`) and, when it can, goes through
+`fill` plans the batch's reads with NumPy (`gdsload.loader.gather`) and, when it can, goes through
 `_fill_planned`: one coalesced read table per destination arena, CRC32s checked per contiguous
 run, labels from the index, bytes fields as one `BytesColumn`, images decoded by the loader's one
-DALI pipeline in plan order (`gdsload.loader.decoding`). Batches it cannot plan (`.npy` headers to read)
-go member by member through `_fill_members`. Both end in `_finish_fill`, which records what the
-consumer needs in a `BatchInfo` and runs the user's `map`/`collate_fn`.
+DALI pipeline in plan order (`gdsload.loader.decoding`). Batches it cannot plan (`.npy` headers to
+read) go member by member through `_fill_members`. Both end in `_finish_fill`, which records what
+the consumer needs in a `BatchInfo` (`gdsload.loader.assemble`) and runs the user's
+`map`/`collate_fn`.
 
-A mixin, not a class of its own, so that an epoch reads as one object: it uses the epoch's
-`loader`, `ring` layout (`_layout`, `_host_layout`), decode turns and `_cpu` lock.
+A filler is given everything it uses: the loader's `Resources` (backends, cache, ring, streams,
+staging pool), the `BatchLayout`, the source (a mix's "__source__"), the pass's `OrderedDecoder`,
+`BatchAssembler`, user-code run and `StageTimes`. It writes nothing but the slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import threading
+import time
 from typing import Any
 
 import numpy as np
 
-from gdsload.frontend import fields as _fieldkinds
-from gdsload.loader.gather import distinct
 from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
-from gdsload.dataset.mix import Mix
+from gdsload.frontend import fields as _fieldkinds
+from gdsload.loader.assemble import BatchInfo
+from gdsload.loader.gather import distinct
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
+class SlotFiller:
+    """Fills ring slots for one pass (see the module docstring)."""
 
-
-UNSET: Any = _Unset()
-
-
-@dataclass(slots=True)
-class BatchInfo:
-    """What the producer knows of the batch in a slot, for the consumer (`slot.meta["batch"]`)."""
-
-    keys: Sequence[str]  # per sample, in batch order
-    n: int  # samples read (rows filled, before corrupt images are dropped)
-    nbytes: int  # bytes read
-    extra: dict[str, Any] = field(default_factory=dict)  # list-like fields: bytes, text, json, ragged
-    sources: list[str] | None = None  # a Mix: the dataset of each sample
-    keep: list[int] | None = None  # rows kept when corrupt images were skipped (None: all)
-    skipped: int = 0  # samples skipped (corrupt or over the pixel limit)
-    ready: Any = None  # device ring: the event after which the batch's copies are done
-    mapped: Any = UNSET  # the output of `map` / `collate_fn`, when the loader has them
-
-
-class SlotFill:
-    """The producer's methods of `gdsload.loader.epoch.Epoch` (see the module docstring)."""
+    def __init__(self, resources: Any, layout: Any, source: Any, decoder: Any, assembler: Any, stage: Any,
+                 times: Any):
+        self.res = resources
+        self.layout = layout
+        self.source = source
+        self.decoder = decoder  # gdsload.loader.decoding.OrderedDecoder
+        self.assembler = assembler  # gdsload.loader.assemble.BatchAssembler
+        self.stage = stage  # the pass's map/collate_fn run, or None
+        self.times = times  # gdsload.loader.stats.StageTimes
+        self.n_images = layout.n_images
+        ring = resources.ring
+        self._layout = {name: off for name, (off, _) in ring.spec.layout().items()}
+        hs = ring.host_spec
+        self._host_layout = {name: off for name, (off, _) in hs.layout().items()} if hs else None
+        # Held by a reader for the Python-heavy parts of a batch (planning, per-sample values,
+        # CRC32s member by member), never across its reads or decodes: readers that interleave
+        # those parts convoy on the GIL (a thread back from a GIL-free `crc32` call waits up to the
+        # 5 ms switch interval for one busy in Python), which measured at half the samples/s of
+        # one reader on 2 cores; serialised, one reader's CPU part overlaps the others' reads.
+        self._cpu = threading.Lock()
 
     def _decode(self, turn: int, encoded: list, names: list[str], dst):
-        """Decode with the loader's one DALI pipeline, in turn order (`gdsload.loader.decoding`).
+        return self.decoder.decode(turn, encoded, names, dst)
 
-        One pipeline with all cores as DALI threads beats one per producer: the batch the
-        consumer needs next gets every core (time to first batch), and memory is paid once.
-        """
-        with self.turns.take(turn):  # copied out inside the turn: the next run reuses DALI's buffers
-            streams = self.loader._streams
-            return self.loader._get_decoder().decode_into(
-                encoded, names, dst, stream=streams.stream_handle if streams else None)
-
-    def _fill(self, slot, seq: int, ids: np.ndarray) -> None:
+    def fill(self, slot, seq: int, ids: np.ndarray) -> None:
         """Read (and decode) batch `seq` into `slot`.
 
         Planned with array operations (`gdsload.loader.gather`); batches it does not plan (`.npy`
         headers to read) go member by member (`_fill_members`)."""
-        planner = self.loader._planner
+        planner = self.layout.planner
         with self._cpu:  # members packed in a batch-owned buffer: CRC-checked in one call
-            reads = planner.plan(ids, packed=self.loader._own_staging) if planner is not None else None
+            reads = planner.plan(ids, packed=self.layout.own_staging) if planner is not None else None
         if reads is None:
             return self._fill_members(slot, seq, ids)
         return self._fill_planned(slot, seq, ids, reads)
 
     def _fill_planned(self, slot, seq: int, ids: np.ndarray, reads) -> None:
-        from gdsload.loader.gather import check_crcs
+        from gdsload.dataset.verify import check_crcs
         from gdsload.io.table import ExtentTable, read_table
 
-        L = self.loader
+        R = self.res
         bufs = slot.buffers
-        own = L._own_staging  # staged members into the batch's own buffer, not the ring's
-        staging = L._staging_pool.take(int(reads.staged_pos[-1] + reads.staged_nbytes[-1]) if len(reads.staged_pos)
+        own = self.layout.own_staging  # staged members into the batch's own buffer, not the ring's
+        staging = R.staging_pool.take(int(reads.staged_pos[-1] + reads.staged_nbytes[-1]) if len(reads.staged_pos)
                                        else 0) if own else bufs["__staging__"]
         slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
         layout, hl = self._layout, self._host_layout
-        to_host = hl is not None and L._host_backend is None
-        paths = L._planner.paths
+        to_host = hl is not None and R.host_backend is None
+        paths = self.layout.planner.paths
         local = None
-        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
-            local = L._cache.acquire(seq, distinct(reads.shard))
+        if R.cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            local = R.cache.acquire(seq, distinct(reads.shard))
             paths = list(paths)
             for s, path in local.items():
                 paths[s] = path
@@ -104,38 +96,42 @@ class SlotFill:
                   reads.staged_pos + (0 if own else (hl if hl is not None else layout)["__staging__"]))
         # one table per destination arena: a host ring reads the whole batch in one call
         if own:
-            jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
-                    (L._backend, ExtentTable.concat(paths, [staged]), staging)]
+            jobs = [(R.backend, ExtentTable.concat(paths, rows), slot.flat),
+                    (R.backend, ExtentTable.concat(paths, [staged]), staging)]
         elif hl is None:
-            jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.flat)]
+            jobs = [(R.backend, ExtentTable.concat(paths, rows + [staged]), slot.flat)]
         elif to_host:
-            jobs = [(L._backend, ExtentTable.concat(paths, rows + [staged]), slot.host_flat)]
+            jobs = [(R.backend, ExtentTable.concat(paths, rows + [staged]), slot.host_flat)]
         else:  # KvikIO into the device arena, encoded bytes and labels via POSIX into pinned memory
-            jobs = [(L._backend, ExtentTable.concat(paths, rows), slot.flat),
-                    (L._host_backend, ExtentTable.concat(paths, [staged]), slot.host_flat)]
+            jobs = [(R.backend, ExtentTable.concat(paths, rows), slot.flat),
+                    (R.host_backend, ExtentTable.concat(paths, [staged]), slot.host_flat)]
+        t0 = time.perf_counter()
         nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
+        self.times.add("read", time.perf_counter() - t0)
         if local is not None:  # read: unpin now, not after the decode turn (as `_fill_members`)
-            L._cache.release(seq)
+            R.cache.release(seq)
         names = reads.names
-        info = BatchInfo(keys=reads.keys, n=n, nbytes=nbytes)
-        if isinstance(L.dataset, Mix):
-            info.sources = L.dataset.sources_of(ids)
+        info = BatchInfo(keys=reads.keys, n=n, nbytes=nbytes, sources=self.source.sources_of(ids))
         keep = None
         kepts: dict[str, list[int]] = {}
         if own:  # packed members: a few crc32 calls, each giving the GIL up once
+            t0 = time.perf_counter()
             check_crcs(reads, staging)
+            self.times.add("check", time.perf_counter() - t0)
         with self._cpu:  # per-sample values (and CRC32s member by member); images decode after, in their turn
             if not own:
+                t0 = time.perf_counter()
                 check_crcs(reads, staging)
+                self.times.add("check", time.perf_counter() - t0)
             self._host_values(reads, staging, info, to_host, bufs)
-        for fp in L._fields:
+        for fp in self.layout.fields:
             if fp.kind == "image":
                 pos, nb, _ = reads.staged[fp.name]
                 encoded = [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())]
                 turn = seq * self.n_images + len(kepts)
                 kept = kepts[fp.name] = self._decode(turn, encoded, names, bufs[fp.name])
                 if len(kept) < n:
-                    keep = kept if keep is None else [k for k in keep if k in set(kept)]
+                    keep = kept if keep is None else _both(keep, kept)
                 info.skipped += n - len(kept)
         self._finish_fill(slot, info, bufs, names, n, keep, kepts)
 
@@ -144,11 +140,10 @@ class SlotFill:
         values of list fields (bytes, text, json, ragged)."""
         from gdsload.dataset.verify import label
 
-        L = self.loader
-        streams = L._streams
+        streams = self.res.streams
         names = reads.names
         n = reads.n
-        for fp in L._fields:
+        for fp in self.layout.fields:
             if fp.kind == "label":
                 dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
                 col = reads.labels.get(fp.name)
@@ -165,7 +160,7 @@ class SlotFill:
             elif fp.kind == "bytes":  # one object for the batch; bytes made when asked (fields.py)
                 pos, nb, _ = reads.staged[fp.name]
                 col = _fieldkinds.BytesColumn(staging, pos, nb)
-                info.extra[fp.name] = col if L._own_staging else col.copy()  # not a view of the ring
+                info.extra[fp.name] = col if self.layout.own_staging else col.copy()  # not a view of the ring
             elif fp.kind in _fieldkinds.LIST_KINDS:
                 pos, nb, _ = reads.staged[fp.name]
                 info.extra[fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + k], names[i])
@@ -176,8 +171,9 @@ class SlotFill:
         from gdsload.io import Extent
         from gdsload.dataset.verify import BatchChecks, label
 
-        L = self.loader
-        ds = L.dataset.shards
+        R = self.res
+        fields = self.layout.fields
+        ds = self.source.shards
         bufs = slot.buffers
         staging = bufs["__staging__"]
         slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
@@ -185,17 +181,17 @@ class SlotFill:
         direct: dict[str, tuple[list, list]] = {}
         staged: list[Extent] = []
         staged_off: list[int] = []
-        spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in L._fields}
-        labels: dict[str, list[Any]] = {fp.name: [] for fp in L._fields if fp.kind == "label"}
+        spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in fields}
+        labels: dict[str, list[Any]] = {fp.name: [] for fp in fields if fp.kind == "label"}
         checks = BatchChecks()
-        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in L._fields)  # labels come from the index
+        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in fields)  # labels come from the index
         # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
-        to_host = self._host_layout is not None and L._host_backend is None
+        to_host = self._host_layout is not None and R.host_backend is None
         cursor = 0
         local = None
-        if L._cache is not None:  # whole shards in the local cache, pinned until the batch is read
-            ends = np.cumsum(L.dataset.shard_sizes)
-            local = L._cache.acquire(seq, distinct(np.searchsorted(ends, ids, side="right")))
+        if R.cache is not None:  # whole shards in the local cache, pinned until the batch is read
+            ends = np.cumsum(self.source.shard_sizes)
+            local = R.cache.acquire(seq, distinct(np.searchsorted(ends, ids, side="right")))
         for i, gid in enumerate(ids.tolist()):
             s, j = ds.locate(gid)
             idx = ds.index(s)
@@ -204,11 +200,11 @@ class SlotFill:
             where = f"{ds.shards[s]['name']}:{key}"
             names.append(where)
             members = {e: (o, n) for e, o, n in idx.members(j)}
-            mode = L._shard_verify[s]
+            mode = self.layout.shard_verify[s]
             crcs = (dict(zip(members, idx.crcs(j)))
                     if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
-            path = local[s] if local is not None else ds.shard_path(s)
-            for fp in L._fields:
+            path = local[s] if local is not None and s in local else ds.shard_path(s)
+            for fp in fields:
                 m = members.get(fp.name)
                 if m is None:
                     raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
@@ -248,28 +244,30 @@ class SlotFill:
             outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
             extents += staged
             outs += [hl["__staging__"] + o for o in staged_off]
-            reads = [L._backend.read(extents, slot.host_flat, outs)] if extents else []
+            reads = [R.backend.read(extents, slot.host_flat, outs)] if extents else []
         else:
             outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
             if hl is None:
                 extents += staged
                 outs += [layout["__staging__"] + o for o in staged_off]
                 staged = []
-            reads = [L._backend.read(extents, slot.flat, outs)] if extents else []
+            reads = [R.backend.read(extents, slot.flat, outs)] if extents else []
             if staged:  # device ring: encoded bytes and labels via POSIX into the pinned host arena
                 base = hl["__staging__"]
-                reads.append(L._host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+                reads.append(R.host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
+        t0 = time.perf_counter()
         nbytes = sum(f.result() for f in reads)
+        t1 = time.perf_counter()
+        self.times.add("read", t1 - t0)
         if local is not None:  # read: unpin now, not after the decode turn (which waits on
-            L._cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
+            R.cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
         checks.run()
-        streams = L._streams
-        info = BatchInfo(keys=keys, n=len(ids), nbytes=nbytes)
-        if isinstance(L.dataset, Mix):
-            info.sources = L.dataset.sources_of(ids)
+        self.times.add("check", time.perf_counter() - t1)
+        streams = R.streams
+        info = BatchInfo(keys=keys, n=len(ids), nbytes=nbytes, sources=self.source.sources_of(ids))
         keep = None
         kepts: dict[str, list[int]] = {}
-        for fp in L._fields:
+        for fp in fields:
             sp = spans[fp.name]
             if fp.kind == "label":
                 vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
@@ -289,7 +287,7 @@ class SlotFill:
                 turn = seq * self.n_images + len(kepts)
                 kept = kepts[fp.name] = self._decode(turn, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
                 if len(kept) < len(sp):
-                    keep = kept if keep is None else [k for k in keep if k in set(kept)]
+                    keep = kept if keep is None else _both(keep, kept)
                 info.skipped += len(sp) - len(kept)
         self._finish_fill(slot, info, bufs, names, len(ids), keep, kepts)
 
@@ -305,7 +303,7 @@ class SlotFill:
             info.skipped = n - len(keep)
         if keep is not None:  # corrupt images skipped: compact the other fields to match
             info.keep = keep
-        streams = self.loader._streams
+        streams = self.res.streams
         if streams:
             info.ready = streams.ready()
         slot.meta["batch"] = info
@@ -313,5 +311,13 @@ class SlotFill:
             if info.ready is not None:  # device ring: the private stream's copies first
                 info.ready.synchronize()
             kept_names = names if keep is None else [names[k] for k in keep]
-            info.mapped = self.stage.run(self._make_batch(slot, host=True), kept_names,
-                                                 lambda a: self._convert(a, copy=False))
+            t0 = time.perf_counter()
+            info.mapped = self.stage.run(self.assembler.make(slot, host=True), kept_names,
+                                         lambda a: self.assembler.convert(a, copy=False))
+            self.times.add("map", time.perf_counter() - t0)
+
+
+def _both(keep: list[int], kept: list[int]) -> list[int]:
+    """The rows in `keep` that `kept` has too (several image fields, each skipping its corrupt ones)."""
+    also = set(kept)
+    return [k for k in keep if k in also]

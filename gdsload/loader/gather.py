@@ -14,7 +14,7 @@ batch is planned with NumPy over the shard indexes:
 
 What comes out (`BatchReads`) is arrays plus one key list: the loader turns it into
 `gdsload.io.table.ExtentTable`s (coalesced and read with array operations) and, once the bytes
-have landed, `check_crcs` compares the staged members' CRC32s against the index in one pass.
+have landed, `gdsload.dataset.verify.check_crcs` compares the staged members' CRC32s against the index in one pass.
 
 Not planned here (`plan` returns None, and the loader reads the batch member by member, as
 before): `.npy` members whose headers must be read (`verify="full"`, indexes from before C order
@@ -23,17 +23,14 @@ was guaranteed) and `.npy` payloads under 4 KiB (their header length varies).
 
 from __future__ import annotations
 
-import ctypes
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gdsload.errors import CorruptDataError, FormatError
-from gdsload.format.crc import crc32, crc32_combine
+from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
 
 STAGE_ALIGN = 64  # bytes: staged members start on cache lines (DALI and zlib read them there)
@@ -47,47 +44,6 @@ def distinct(shards: np.ndarray) -> list[int]:
     """The shard numbers in `shards`, ascending. Not `np.unique`: NumPy 2 imports `numpy.ma` on
     its first call (~11 ms, inside a fresh loader's first batch)."""
     return np.flatnonzero(np.bincount(shards)).tolist() if len(shards) else []
-
-
-class StagingPool:
-    """Buffers for the packed members of batches that decode nothing (`plan(..., packed=True)`),
-    which the batch's `BytesColumn`s own; a buffer comes back here when the last array or view
-    of it is gone (a ctypes owner per batch, watched by `weakref.finalize`), never earlier.
-
-    Why: a fresh multi-MB buffer per batch goes to and from the OS (glibc serves it with `mmap`
-    or trims it from the heap) and its pages are touched for the first time again; reusing them
-    gave ~10 % more samples/s in tier R (30,000 photos, batch 64, 6 interleaved pairs of fresh
-    processes on the 2-core VM). At most `keep` free buffers are kept (the largest), so a job
-    that held many batches at once does not keep their memory after it let them go.
-
-    Buffers are NumPy allocations of at least 4 MiB, not `bytearray`s: NumPy asks the kernel for
-    transparent huge pages from 4 MiB up (`madvise(MADV_HUGEPAGE)`), so a new buffer costs a
-    few 2 MiB page faults instead of one per 4 KiB page, and it is not zero-filled first. Filling
-    a new 2.8 MB buffer took a median 0.6 ms against 1.4 ms (5 fresh processes each, 2-core VM;
-    one of the five took 4.7 ms, the kernel compacting memory for a huge page)."""
-
-    def __init__(self, keep: int = 4):
-        self.keep = keep
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        if not nbytes:  # nothing staged (a .npy dataset whose labels are in the index): no buffer
-            return np.zeros(0, np.uint8)
-        with self._lock:  # the smallest free buffer that fits (by position: arrays compare by value)
-            fits = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
-            buf = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
-        if buf is None:  # headroom: the next batch may be a bit bigger
-            buf = np.empty(max(nbytes + nbytes // 4, 4 << 20), np.uint8)
-        owner = (ctypes.c_char * nbytes).from_buffer(buf)
-        weakref.finalize(owner, self._give_back, buf).atexit = False
-        return np.frombuffer(owner, np.uint8)
-
-    def _give_back(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-            if len(self._free) > self.keep:  # drop the smallest
-                self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
 
 class ShardColumns:
@@ -264,41 +220,3 @@ class BatchPlanner:
         return BatchReads(B, shard, keys, names, tensors, staged,
                           {k: v for k, v in labels.items() if from_index[k].any()},
                           sfile, soff, pos, nb, crcs)
-
-
-def check_crcs(reads: BatchReads, staging: np.ndarray) -> None:
-    """CRC32 of every staged member to check against the index (`gdsload.format.crc`).
-
-    Members that follow each other in `staging` with no byte between them (the dense layout of
-    `plan(..., packed=True)`) are checked as one run: one `crc32` call over the run against the
-    members' CRCs combined (`crc32_combine`). Per member, `crc32` gives the GIL up and takes it
-    back once per call past 5 KiB, and with other reader threads busy in Python each take-back
-    waits for them: measured on 2 cores at 35 KB per member, that cost a third of the R tier's
-    samples/s. A run that differs is checked member by member, to name the culprit."""
-    if reads.crc is None:
-        return
-    pos, nb, expected, smp, fields = reads.crc
-    mv = memoryview(staging)
-    if crc32_combine is not None and len(pos) > 1:
-        cut = np.flatnonzero(pos[1:] != pos[:-1] + nb[:-1]) + 1
-        P, N, E = pos.tolist(), nb.tolist(), expected.tolist()
-        ok = True
-        for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(P)]):
-            want = E[a]
-            for k in range(a + 1, b):
-                want = crc32_combine(want, E[k], N[k])
-            if crc32(mv[P[a] : P[b - 1] + N[b - 1]]) != want:
-                ok = False
-                break
-        if ok:
-            return
-    got = np.fromiter((crc32(mv[a : a + n]) for a, n in zip(pos.tolist(), nb.tolist())),
-                      np.int64, len(pos))
-    bad = got != expected
-    if bad.any():
-        k = int(np.argmax(bad))
-        raise CorruptDataError(
-            f"{reads.names[int(smp[k])]}: field {fields[k]!r} differs from what was converted (CRC32 "
-            f"{int(got[k]):08x}, the index says {int(expected[k]):08x}): the shard changed on disk; "
-            f"run gdsload verify ({int(bad.sum())} such members in this batch)"
-        )

@@ -20,7 +20,6 @@ from gdsload.loader.gather import STAGE_ALIGN, round_up
 from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
-from gdsload.dataset.mix import Mix
 
 
 @dataclass
@@ -57,7 +56,7 @@ def _max_nbytes(ds: Any, name: str) -> int:
 
 
 def plan_fields(dataset: Any, *, decode: bool) -> list[FieldPlan]:
-    """The fields a loader over `dataset` (a `gdsload.Dataset`, or an opened `Mix`) reads."""
+    """The fields a loader over `dataset` (a `gdsload.dataset.source.Source`) reads."""
     ds = dataset.shards
     plans = []
     for name in dataset.fields:
@@ -68,18 +67,18 @@ def plan_fields(dataset: Any, *, decode: bool) -> list[FieldPlan]:
         if kind == "tensor":
             fp.tensor = _probe(ds, name)
         plans.append(fp)
-    if isinstance(dataset, Mix):  # one batch tensor per field across its datasets
-        _check_mix_tensors(dataset, plans)
+    if len(dataset.parts) > 1:  # a mix: one batch tensor per field across its datasets
+        _check_part_tensors(dataset, plans)
     return plans
 
 
-def _check_mix_tensors(mix: Mix, plans: list[FieldPlan]) -> None:
+def _check_part_tensors(mix: Any, plans: list[FieldPlan]) -> None:
     """A tensor field of a mix has one dtype and shape in every dataset (one batch tensor); the
     layout is probed on each dataset's first sample of the field, as for one dataset."""
     for fp in plans:
         if fp.kind != "tensor":
             continue
-        for name, d in zip(mix.names, mix.datasets):
+        for name, d in zip(mix.names, mix.parts):
             t = _probe(d.shards, fp.name)
             if (t.dtype, t.shape) != (fp.tensor.dtype, fp.tensor.shape):
                 raise FormatError(
@@ -127,3 +126,67 @@ def slot_fields(plans: Sequence[FieldPlan], rows: int, transform: Any, *, on_dev
             staging += rows * round_up(max(ALIGN, fp.tensor.header_nbytes))
     host["__staging__"] = ((max(staging, STAGE_ALIGN),), "uint8")
     return spec, host
+
+
+@dataclass
+class BatchLayout:
+    """Everything fixed about one loader's batches, decided once before its first batch: the
+    fields (`FieldPlan`s), rows per slot, what is verified per shard, whether `.npy` headers are
+    read, the batch planner, and the ring slot (`slot_fields`) that holds a batch.
+
+    `own_staging`: nothing is decoded and batches stay in host memory, so a planned batch's
+    staged members (bytes, text, json, label text) go into a buffer the batch owns (its
+    `BytesColumn`s keep it) instead of the ring slot's staging area."""
+
+    fields: list[FieldPlan]
+    rows: int
+    shard_verify: list[Any]  # per global shard: its dataset's `verify` mode
+    verify_note: str
+    tensor_headers: bool
+    planner: Any  # gdsload.loader.gather.BatchPlanner, or None: batches go member by member
+    own_staging: bool
+    transform: Any
+
+    @classmethod
+    def build(cls, source: Any, *, batch_size: int, samples_per_rank: int, decode: bool, transform: Any,
+              on_device: bool) -> "BatchLayout":
+        from gdsload.dataset.verify import check_dataset
+        from gdsload.loader.gather import BatchPlanner
+
+        parts = source.parts  # what is verified is each dataset's own setting, also in a Mix
+        notes = [check_dataset(d.shards, d.verify) for d in parts]
+        note = notes[0] if len(set(notes)) == 1 else "; ".join(
+            f"{name}: {n}" for name, n in zip(source.names, notes))
+        shard_verify = [d.verify for d in parts for _ in d.shards.shards]
+        ds = source.shards
+        headers = tensor_headers_needed(ds, shard_verify)
+        fplans = plan_fields(source, decode=decode)
+        planner = None if headers else BatchPlanner(
+            ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans],
+            crc_shards=[mode is not None for mode in shard_verify])
+        # rows per slot: a batch never holds more than one rank's samples of an epoch
+        rows = max(1, min(batch_size, samples_per_rank))
+        own = planner is not None and not on_device and not any(fp.kind == "image" for fp in fplans)
+        return cls(fields=fplans, rows=rows, shard_verify=shard_verify, verify_note=note,
+                   tensor_headers=headers, planner=planner, own_staging=own, transform=transform)
+
+    @property
+    def n_images(self) -> int:
+        """Image fields: decode turns per batch."""
+        return sum(fp.kind == "image" for fp in self.fields)
+
+    def slot_fields(self, *, on_device: bool, direct: bool) -> tuple[Spec, Spec]:
+        """(batch fields, host fields) of one ring slot; see `slot_fields`."""
+        return slot_fields(self.fields, self.rows, self.transform, on_device=on_device, direct=direct,
+                           tensor_headers=self.tensor_headers)
+
+    def slot_nbytes(self, *, on_device: bool = False, direct: bool = False) -> tuple[int, int]:
+        """(device bytes, host bytes) of one slot; on the host only: (0, all of it). The one slot
+        size computation: the loader's memory check, autotune's growth and the feed server's
+        memory estimate use it."""
+        from gdsload.ring.ring import SlotSpec
+
+        spec, host = self.slot_fields(on_device=on_device, direct=direct)
+        if on_device and spec:
+            return SlotSpec(fields=spec).nbytes, SlotSpec(fields=host).nbytes
+        return 0, SlotSpec(fields={**spec, **host}).nbytes

@@ -469,32 +469,3 @@ class Plan:
                 f"the state is from a mix of datasets {names}, this loader reads one dataset "
                 f"({self.dataset_id!r}); resume it with the same gdsload.Mix"
             )
-
-
-class PlanCursor:
-    """The torch-like epoch/state surface shared by the local and the remote loader.
-
-    A host class sets `self.plan` (a `Plan`), `self._epoch` and `self._position` (global samples
-    consumed in that epoch, a multiple of the global batch).
-    """
-
-    plan: Plan
-    _epoch: int
-    _position: int
-
-    def __len__(self) -> int:
-        return self.plan.num_batches(self._epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            self._epoch, self._position = epoch, 0
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.plan.state(self._epoch, self._position))
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._epoch, self._position = self.plan.resume(state)

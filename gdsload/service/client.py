@@ -62,7 +62,7 @@ from gdsload.frontend.fields import parse_columns
 from gdsload.frontend.usercode import MapStage
 from gdsload.frontend.output import as_output, default_output, torch_or_none
 from gdsload.dataset.mix import Mix
-from gdsload.plan.plan import PlanCursor
+from gdsload.frontend.cursor import PlanCursor
 from gdsload.service import mixwire, status, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem

@@ -60,8 +60,11 @@ def test_posix_read_table_writes_exactly_the_rows(files):
 def test_fallback_through_read_matches(files):
     paths, data = files
 
-    class ExtentOnly:  # a backend with `read` only (as KvikIO and fsspec)
+    from gdsload.io.base import PooledBackend
+
+    class ExtentOnly(PooledBackend):  # a backend with its own `read` only (as KvikIO and fsspec)
         def __init__(self, inner):
+            super().__init__(1)
             self.inner = inner
 
         def read(self, extents, out, outs):

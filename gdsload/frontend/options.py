@@ -1,0 +1,175 @@
+"""`LoaderOptions`: the options `DataLoader`, `RemoteLoader` and the feed server share, validated once.
+
+Both loaders take the same batch, order and output options (`batch_size` ... `copy` below) and
+build one `LoaderOptions` from them; the feed server maps a `BatchRequest` to the same object
+(`gdsload.service.request`). An invalid option is a `ConfigError` (a `GdsloadError` and a
+`ValueError`) naming the option, whichever loader was given it. Order options (`batch_size`,
+`seed`, `shuffle_window`, ranks) are checked again by the plan, with `PlanError`, a `ValueError` too.
+
+One difference is on purpose, and only here: the default **device**.
+- `DataLoader` (`remote=False`): "cuda" when this host can put batches on a GPU (a CUDA device,
+  CuPy, and for torch output a CUDA build of torch), else "cpu" (with a warning when a GPU is
+  present but unusable). Takes "cpu", "cuda" or "cuda:N" (a torch.device too).
+- `RemoteLoader` (`remote=True`): batches arrive in host memory and are copied to the GPU by torch,
+  so "cuda" needs torch output and the default is "cuda" exactly when torch output has a CUDA
+  torch. Takes "cpu" or "cuda".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gdsload.errors import ConfigError, GdsloadError
+
+ON_ERROR = ("raise", "skip")
+OUTPUTS = ("torch", "numpy")
+META_FIELDS = ("__key__", "__source__")  # per-sample names in a batch, not read from shards
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    rank: int
+    world_size: int
+    shuffle_window: int
+    decode: bool
+    transform: Any  # an ImageTransform (decode=True), else None
+    fields: tuple[str, ...] | None  # as asked (then batches are tuples), meta fields included
+    on_error: str
+    output: str  # "torch" | "numpy"
+    device: str  # "cpu" | "cuda"
+    device_index: int | None  # "cuda:N": N
+    copy: bool
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        remote: bool,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle_window: int = 4,
+        decode: bool = True,
+        transform: Any = None,
+        fields: Sequence[str] | None = None,
+        on_error: str = "raise",
+        output: str | None = None,
+        device: Any = None,
+        copy: bool = False,
+    ) -> LoaderOptions:
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("decode", decode), ("copy", copy)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        for name, value, least in (("batch_size", batch_size, 1), ("seed", seed, 0),
+                                   ("shuffle_window", shuffle_window, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+        if on_error not in ON_ERROR:
+            raise ConfigError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        if output is not None and output not in OUTPUTS:
+            raise ConfigError(f"output must be 'torch', 'numpy' or None (torch where it imports), not {output!r}")
+        if fields is not None:
+            if isinstance(fields, (str, bytes)) or not all(isinstance(f, str) and f for f in fields):
+                raise ConfigError(f"fields must be a list of field names such as ['jpg', 'cls'], got {fields!r}")
+            fields = tuple(fields)
+        if decode and transform is None:
+            from gdsload.decode.image import ImageTransform
+
+            transform = ImageTransform()
+        elif not decode:
+            transform = None
+        elif not callable(getattr(transform, "output_shape", None)):
+            raise ConfigError(f"transform must be a gdsload.ImageTransform, got {transform!r}")
+        from gdsload.frontend.output import default_output
+        from gdsload.host.dist import dist_rank_world
+
+        output = default_output(output)
+        dist = dist_rank_world()
+        if rank is None:
+            rank = dist[0] if dist else 0
+        if world_size is None:
+            world_size = dist[1] if dist else 1
+        kind, index = (_remote_device if remote else _local_device)(device, output)
+        return cls(batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
+                   world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform,
+                   fields=fields, on_error=on_error, output=output, device=kind, device_index=index, copy=copy)
+
+    @property
+    def read_fields(self) -> list[str] | None:
+        """The fields read from shards (the asked ones without "__key__"/"__source__"), or None: all."""
+        return None if self.fields is None else [f for f in self.fields if f not in META_FIELDS]
+
+    @property
+    def tuple_fields(self) -> list[str] | None:
+        return list(self.fields) if self.fields is not None else None
+
+    def plan_args(self) -> dict[str, Any]:
+        """The keyword arguments of `Plan`/`MixPlan` these options fix."""
+        return dict(batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
+                    shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last)
+
+
+def check_workers(num_workers: Any, prefetch_factor: Any) -> None:
+    """`DataLoader`'s reader settings: ints >= 1 (or "auto", resolved by the caller first)."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ConfigError(f"num_workers must be >= 1 (reader threads) or 'auto', got {num_workers!r}")
+    if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+        raise ConfigError(f"prefetch_factor must be >= 1 or 'auto', got {prefetch_factor!r}")
+
+
+def _local_device(device: Any, output: str) -> tuple[str, int | None]:
+    from gdsload.host.gpu import parse_device
+
+    try:
+        return parse_device(device if device is not None else default_local_device(output))
+    except ConfigError:
+        raise
+    except GdsloadError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _remote_device(device: Any, output: str) -> tuple[str, int | None]:
+    if device is None:
+        from gdsload.frontend.output import torch_or_none
+
+        torch = torch_or_none() if output == "torch" else None
+        device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") or (device == "cuda" and output != "torch"):
+        raise ConfigError(f"device must be 'cpu', or 'cuda' with torch output, not {device!r}")
+    return device, None
+
+
+def default_local_device(output: str | None) -> str:
+    """"cuda" when a device exists *and* the loader can use it; else "cpu", with a warning when a
+    device exists (a CPU-only torch build, or no CuPy, on a GPU host)."""
+    from gdsload.io import cuda_device_count
+
+    if cuda_device_count() < 1:
+        return "cpu"
+    why = None
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:
+        why = f"CuPy does not import ({type(exc).__name__}: {exc})"
+    if why is None and output == "torch":
+        from gdsload.frontend.output import torch_or_none
+
+        torch = torch_or_none()
+        if torch is not None and not torch.cuda.is_available():
+            why = f"torch {torch.__version__} has no CUDA (torch.cuda.is_available() is False)"
+    if why is None:
+        return "cuda"
+    import warnings
+
+    warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
+                  f"device='cuda' to insist)", RuntimeWarning, stacklevel=4)
+    return "cpu"

@@ -1,0 +1,169 @@
+"""What one loader holds in its process: I/O backends, the shard cache, the ring, GPU streams, the
+staging pool, the image decoder, and the reader settings autotune may change.
+
+`Resources.open(source, layout, ...)` builds them before the first batch, in this order: the GPU
+(`device_ordinal`), the backend for the source's storage (`gdsload.io.choose_backend` on
+`gdsload.dataset.source.storage_root`) and the parts' shard caches, then the ring sized for one
+batch (`BatchLayout.slot_nbytes`), refused up front when it does not fit in free memory. With a
+device ring and a backend that writes device memory (KvikIO), a POSIX backend reads the host arena
+beside it, and KvikIO registers the device arena and orders its reads on the loader's stream.
+
+`num_workers` and `prefetch` are the live reader settings: `"auto"` grows them here (`add_slot`,
+`add_worker`), never on the `DataLoader` itself. The decoder (one DALI pipeline) is built on first
+use and kept across epochs. `close()` releases everything; stats come from `io_paths()`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from gdsload.loader.layout import BatchLayout
+
+
+class Resources:
+    def __init__(self) -> None:
+        self.backend: Any = None
+        self.host_backend: Any = None  # POSIX for host-arena reads, beside a device backend
+        self.cache: Any = None  # gdsload.dataset.source.PartCaches, when a part is cached
+        self.ring: Any = None
+        self.streams: Any = None  # gdsload.host.gpu.CopyStreams, with a device ring
+        self.staging_pool: Any = None  # gdsload.ring.staging.StagingPool, with `own_staging`
+        self.device_ordinal: int | None = None
+        self.num_workers = 1
+        self.prefetch = 1
+        self._decoder: Any = None
+        self._decoder_args: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, source: Any, layout: BatchLayout, *, device: str, device_index: int | None, io: str,
+             num_workers: int, prefetch: int, pin_memory: bool, decode_threads: int, seed: int,
+             on_error: str, window: int, output: str) -> "Resources":
+        from gdsload.dataset.source import PartCaches, storage_root
+        from gdsload.io import choose_backend, open_backend
+
+        r = cls()
+        r.num_workers, r.prefetch = num_workers, prefetch
+        want_device = device == "cuda"
+        if want_device:
+            from gdsload.host.gpu import resolve_ordinal
+
+            r.device_ordinal = resolve_ordinal(device_index)
+        name = io if io != "auto" else choose_backend(storage_root(source), device=want_device)
+        kw = {"device_id": r.device_ordinal} if name == "kvikio" and want_device else {}
+        r.backend = open_backend(name, threads=max(2, num_workers), **kw)
+        ref = weakref.ref(r)
+
+        def forget(path: str) -> None:  # backends close their fd: an evicted file frees its space
+            res = ref()
+            for b in (res.backend, res.host_backend) if res is not None else ():
+                if b is not None:
+                    b.forget(path)
+
+        caches = PartCaches(source, on_release=forget)
+        if caches:
+            r.cache = caches
+            caches.check_limit(window)
+        r._make_ring(layout, want_device, pin_memory, output)
+        r._decoder_args = dict(transform=layout.transform, batch_size=layout.rows,
+                               device="mixed" if want_device else "cpu", threads=decode_threads, seed=seed,
+                               on_error=on_error, device_id=r.device_ordinal or 0)
+        return r
+
+    def _make_ring(self, layout: BatchLayout, want_device: bool, pin_memory: bool, output: str) -> None:
+        from gdsload.host.memory import available_device_bytes, available_host_bytes, check_fits
+        from gdsload.io import open_backend
+        from gdsload.ring.ring import Ring, SlotSpec
+        from gdsload.ring.staging import StagingPool
+
+        direct = want_device and self.backend.device_capable
+        self.staging_pool = StagingPool(keep=self.num_workers + 2) if layout.own_staging else None
+        spec, host = layout.slot_fields(on_device=want_device, direct=direct)
+        slots = self.prefetch + 1
+        pin = pin_memory and want_device
+        hint = f"lower batch_size ({layout.rows}) or prefetch_factor ({self.prefetch}: {slots} slots)"
+        on_device = bool(want_device and spec)
+        dev_nb, host_nb = layout.slot_nbytes(on_device=on_device, direct=direct)
+        if on_device:
+            import cupy
+
+            with cupy.cuda.Device(self.device_ordinal):  # the loader's GPU, not the current one
+                device_free = available_device_bytes()
+            check_fits("the prefetch ring's device arena", slots * dev_nb, device_free, where="GPU", hint=hint)
+            check_fits("the prefetch ring's pinned arena", slots * host_nb, available_host_bytes(),
+                       where="host", hint=hint)
+            from gdsload.host.gpu import CopyStreams
+
+            # two arenas: device (batch tensors) and pinned host (staging)
+            self.ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
+                             host_spec=SlotSpec(fields=host))
+            self.streams = CopyStreams(self.device_ordinal, consumer=output)
+            if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
+                self.host_backend = open_backend("posix", threads=max(2, self.num_workers))
+                self.backend.register(self.ring.arena)
+                # reads on the private stream, not behind the training stream
+                self.backend.order_on(self.streams.stream.ptr)
+        else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
+            check_fits("the prefetch ring", slots * host_nb, available_host_bytes(), where="host", hint=hint)
+            self.ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
+
+    # -- what the readers use ------------------------------------------------------------------------
+    @property
+    def decoder(self) -> Any:
+        """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs."""
+        if self._decoder is None:
+            from gdsload.decode.image import ImageDecoder
+
+            self._decoder = ImageDecoder(**self._decoder_args)
+        return self._decoder
+
+    @property
+    def decode_device(self) -> str:
+        return self._decoder_args.get("device", "cpu")
+
+    # -- autotune ---------------------------------------------------------------------------------
+    def add_worker(self) -> None:
+        self.num_workers += 1
+
+    def add_slot(self) -> bool:
+        """One more ring slot if memory allows (`gdsload.loader.autotune.fits`); False: it does not."""
+        from gdsload.host.memory import available_device_bytes, available_host_bytes
+        from gdsload.loader import autotune
+
+        ring = self.ring
+        ok = autotune.fits(ring.host_nbytes_per_slot + (0 if ring.host_spec else ring.nbytes_per_slot),
+                           available_host_bytes())
+        if ring.host_spec is not None:  # a device ring: its batch tensors are on the GPU
+            import cupy
+
+            with cupy.cuda.Device(self.device_ordinal):
+                ok = ok and autotune.fits(ring.nbytes_per_slot, available_device_bytes())
+        if not ok:
+            return False
+        ring.grow(1)
+        if self.host_backend is not None:  # KvikIO reads into the new device arena
+            self.backend.register(ring.arenas[-1])
+        self.prefetch += 1
+        return True
+
+    # -- stats and lifecycle ------------------------------------------------------------------------
+    def io_paths(self) -> dict[str, Any]:
+        return {"io_path": self.backend.name if self.backend else None,
+                "host_io_path": self.host_backend.name if self.host_backend else None}
+
+    def close(self) -> dict[str, Any] | None:
+        """Release everything; returns the cache's last stats (None without a cache)."""
+        cache_stats = None
+        if self.cache is not None:
+            cache_stats = self.cache.stats()
+            self.cache.close()
+            self.cache = None
+        for backend in (self.backend, self.host_backend):
+            if backend is not None:
+                backend.close()
+        self.backend = self.host_backend = None
+        if self.streams is not None:  # copies still queued must not land in freed ring memory
+            self.streams.synchronize()
+        self.streams = None
+        self.ring = None
+        return cache_stats

@@ -1,0 +1,48 @@
+"""The loader's counters: one pass's `Progress` and the per-stage wall times of `stats()["stages"]`.
+
+`StageTimes` sums the wall seconds spent in each stage over the threads that did it: `read`
+(the batch's reads, issue to completion), `check` (CRC32s, headers), `decode` (inside DALI's turn,
+the copy out of DALI included), `map` (`map`/`collate_fn`), `copy` (host-to-device copies queued,
+and the consumer's owned copies with `copy=True`), `wait` (the consumer waiting for a batch).
+Reader stages overlap each other and the consumer, so the figures say where the time goes, not
+how long a batch took; `per_batch` divides each by the batches handed out.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+STAGES = ("read", "check", "decode", "map", "copy", "wait")
+
+
+class StageTimes:
+    def __init__(self, stages: tuple[str, ...] = STAGES):
+        self._lock = threading.Lock()
+        self._s = dict.fromkeys(stages, 0.0)
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self._s[stage] += seconds
+
+    def report(self, batches: int) -> dict[str, Any]:
+        with self._lock:
+            total = dict(self._s)
+        return {"total_s": total, "per_batch_s": {k: v / batches for k, v in total.items()} if batches else
+                {k: 0.0 for k in total}, "batches": batches}
+
+
+@dataclass
+class Progress:
+    """One pass's counters, kept by its consumer per batch; `DataLoader.stats()` reports them."""
+
+    epoch: int
+    t0: float  # when the pass started
+    wait0: float  # the ring's total consumer wait then
+    batches: int = 0
+    samples: int = 0  # delivered (corrupt ones skipped are not)
+    skipped: int = 0
+    bytes_read: int = 0
+    t_last: float = 0.0  # when the last batch was handed out
+    stages: StageTimes | None = None

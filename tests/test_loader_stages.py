@@ -1,0 +1,91 @@
+"""The loader as composed stages (issue "One layout a newcomer can walk"): one options object and
+error type for both loaders, the cursor rules of `set_epoch` during a live pass, per-stage times
+in `stats()`, and autotune changing the loader's resources, not its configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from gdsload.errors import ConfigError, GdsloadError
+from gdsload.loader.dataloader import DataLoader
+from gdsload.sampledata import make_npy_folder
+
+
+@pytest.fixture(scope="module")
+def feats(tmp_path_factory):
+    from gdsload.convert.engine import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("stages")
+    make_npy_folder(root / "src", num_samples=40, shape=(4,), dtype="float32", seed=1)
+    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=40_000))
+    return str(root / "ds")
+
+
+def keys(loader):
+    return [k for b in loader for k in b["__key__"]]
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"output": "nonsense"}, "output"),
+    ({"on_error": "ignore"}, "on_error"),  # an .npy dataset: no DALI is ever built to check it
+    ({"device": "gpu"}, "device"),
+    ({"num_workers": 0}, "num_workers"),
+    ({"shuffle": "yes"}, "shuffle"),
+    ({"fields": "npy"}, "fields"),
+    ({"batch_size": 0}, "batch_size"),
+])
+def test_invalid_options_raise_one_error_type_naming_the_option(feats, kw, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        DataLoader(feats, device="cpu", **{"output": "numpy", **kw}) if "device" not in kw else \
+            DataLoader(feats, output="numpy", **kw)
+    assert isinstance(err.value, ValueError) and isinstance(err.value, GdsloadError)
+
+
+def test_set_epoch_during_a_live_pass_applies_to_the_next_iter(feats):
+    dl = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy")
+    full0 = keys(DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy"))
+    ref = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy")
+    ref.set_epoch(5)
+    full5 = keys(ref)
+    it = iter(dl)
+    got = list(next(it)["__key__"]) + list(next(it)["__key__"])
+    dl.set_epoch(5)  # the live pass keeps epoch 0 and its cursor
+    got += next(it)["__key__"]
+    state = dl.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 12)  # what the loop consumed
+    assert got == full0[:12]
+    # resuming that state continues epoch 0 exactly
+    other = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy")
+    other.load_state_dict(state)
+    assert keys(other) == full0[12:]
+    # the next iter() starts epoch 5 from its beginning (the break-then-set_epoch pattern)
+    assert keys(dl) == full5 and dl.epoch == 6
+
+
+def test_a_drained_pass_moves_on_and_set_epoch_after_it_applies_at_once(feats):
+    dl = DataLoader(feats, batch_size=4, device="cpu", output="numpy")
+    keys(dl)
+    assert dl.epoch == 1 and dl.state_dict()["position"] == 0
+    dl.set_epoch(7)
+    assert dl.state_dict()["epoch"] == 7
+
+
+def test_stats_report_per_stage_times(feats):
+    dl = DataLoader(feats, batch_size=4, device="cpu", output="numpy", map=lambda s: s)
+    n = sum(1 for _ in dl)
+    st = dl.stats()["stages"]
+    assert st["batches"] == n == 10
+    assert set(st["total_s"]) == {"read", "check", "decode", "map", "copy", "wait"}
+    assert st["total_s"]["read"] > 0 and st["total_s"]["map"] > 0 and st["total_s"]["decode"] == 0
+    assert st["per_batch_s"]["read"] == pytest.approx(st["total_s"]["read"] / n)
+
+
+def test_autotune_grows_the_resources_not_the_configuration(feats):
+    dl = DataLoader(feats, batch_size=4, device="cpu", output="numpy", num_workers="auto")
+    it = iter(dl)
+    next(it)
+    res = dl._resources
+    res.add_worker()
+    assert dl.num_workers == res.num_workers == dl._num_workers + 1  # the live value, read from Resources
+    assert dl.stats()["num_workers"] == res.num_workers
+    dl.close()
