@@ -94,6 +94,9 @@ def convert(tree: Path, src: Path, dst: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="git revision of the earlier gdsload")
+    ap.add_argument("--head", default=None,
+                    help="git revision to run as head (default: this checkout); --head REV --base REV is "
+                         "an A/A run, which shows the noise of the same code in two trees")
     ap.add_argument("--workdir", default="/tmp/tree-compare")
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=2000, help=".npy rows for tier N")
@@ -113,7 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
         base.mkdir()
         archive = subprocess.run(["git", "-C", str(REPO), "archive", a.base], check=True, capture_output=True).stdout
         subprocess.run(["tar", "xf", "-", "-C", str(base)], input=archive, check=True)
-    trees = {"base": base, "head": REPO}
+    head = REPO
+    if a.head:
+        head = work / f"head-{a.head}"
+        if not head.exists():
+            head.mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", a.head], check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "xf", "-", "-C", str(head)], input=archive, check=True)
+    trees = {"base": base, "head": head}
     images, rows = work / "images", work / "rows"
     if not images.exists():
         make_image_folder(images, num_images=a.images, num_classes=10, seed=1)
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         convert(tree, rows, work / f"{name}-npy")
         sets[name] = {"R": (work / f"{name}-jpg", "jpg"), "T": (work / f"{name}-jpg", "jpg"),
                       "N": (work / f"{name}-npy", "npy")}
-    results: dict = {"base": a.base, "batch_size": a.batch_size, "rounds": a.rounds, "tiers": {},
+    results: dict = {"base": a.base, "head": a.head or "checkout", "batch_size": a.batch_size, "rounds": a.rounds, "tiers": {},
                      "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
     for tier in a.tiers.split(","):
         runs: dict[str, list[dict]] = {"base": [], "head": []}
