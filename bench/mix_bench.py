@@ -9,7 +9,7 @@ contestant the median samples/s and bytes/s, and `ratio_mix_over_single` (median
 rounds, paired by round); 1.0 means mixing is free.
 
     python bench/mix_bench.py --workdir /tmp/mbench --samples 4000 --rounds 5 --out bench/results/mix-cpu2.json
-    python bench/mix_bench.py --tiny      # smoke run; tests/test_mix.py runs it
+    python bench/mix_bench.py --tiny      # smoke run; tests/dataset/test_mix.py runs it
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_the_reservation_bounds_what_the_stream_allocates(roots, reservation):
                     device="cpu", output="numpy", copy=False)
     try:
         next(iter(dl))
-        ring = dl._ring.stats()["nbytes_total"]
+        ring = dl._resources.ring.stats()["nbytes_total"]
     finally:
         dl.close()
     assert ring <= reservation <= 2 * ring + STREAM_OVERHEAD_BYTES + 2 * 64 * 1024, (ring, reservation)

@@ -492,7 +492,7 @@ def test_mix_bench_tiny(tmp_path):
     """bench/mix_bench.py runs (speed is never asserted; the lead measures it)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "mix_bench.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "mix_bench.py"
     spec = importlib.util.spec_from_file_location("mix_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -508,7 +508,7 @@ def test_mix_is_plan_layer_and_needs_numpy_only():
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1] / "gdsload"
+    root = Path(__file__).resolve().parents[2] / "gdsload"
     for path in (root / "plan" / "mix.py",):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdsload"):

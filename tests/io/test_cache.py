@@ -35,7 +35,7 @@ from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
 
 BUCKET = "gdsload-cache-test"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _upload(s3, local: Path, name: str) -> str:

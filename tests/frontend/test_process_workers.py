@@ -137,7 +137,7 @@ def test_sigterm_of_the_parent_leaves_no_worker_process(path, tmp_path):
                     print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
                 time.sleep(0.5)
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
     try:
         line = proc.stdout.readline()
@@ -167,8 +167,8 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.dali
 def test_clip_style_example_runs_tiny(tmp_path):
-    example = Path(__file__).parents[1] / "examples" / "train_clip_style.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]),
+    example = Path(__file__).parents[2] / "examples" / "train_clip_style.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), *sys.path]),
                TMPDIR=str(tmp_path))
     out = subprocess.run([sys.executable, str(example), "--tiny"], capture_output=True, text=True, env=env,
                          timeout=300)

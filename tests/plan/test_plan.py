@@ -426,7 +426,7 @@ def test_state_error_is_a_gdsload_error():
 def test_plan_module_imports_only_numpy_and_stdlib():
     import sys
 
-    source = Path(__file__).resolve().parents[1] / "gdsload" / "plan.py"
+    source = Path(__file__).resolve().parents[2] / "gdsload" / "plan" / "plan.py"
     tree = ast.parse(source.read_text())
     roots = set()
     for node in ast.walk(tree):

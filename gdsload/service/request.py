@@ -1,0 +1,69 @@
+"""`BatchRequest` <-> `LoaderOptions`: the one mapping between the feed's request and the options
+both loaders share (`gdsload.frontend.options`).
+
+`to_request` is what `RemoteLoader` sends for its options, plan and cursor; `to_options` is what
+the server reads back, validated with the same rules as a local `DataLoader`'s options (an
+invalid value is a `BadRequest`, INVALID_ARGUMENT, naming the request field). The server's own
+settings (reader threads, prefetch, decode threads, device "cpu", NumPy output, no copies) are not
+the client's to choose and are not in the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gdsload.errors import BadRequest, ConfigError
+from gdsload.frontend.options import LoaderOptions
+from gdsload.v1 import feed_pb2 as pb
+
+PAYLOADS = {pb.PAYLOAD_UNSPECIFIED: "raw", pb.PAYLOAD_RAW: "raw", pb.PAYLOAD_DECODED: "decoded"}
+ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_ERROR_SKIP: "skip"}
+
+
+def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch: int, position: int,
+               transform_spec: Any, max_chunk_bytes: int, max_batches: int) -> pb.BatchRequest:
+    """The request for `plan`'s batches from `position` of `epoch` (`mix`: a `pb.MixSpec` or None)."""
+    return pb.BatchRequest(
+        dataset="" if mix is not None else dataset, dataset_id=plan.dataset_id, mix=mix, seed=plan.seed,
+        epoch=epoch, shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
+        batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size, start_position=position,
+        payload=pb.PAYLOAD_DECODED if opts.decode else pb.PAYLOAD_RAW, transform=transform_spec,
+        fields=opts.read_fields or [], on_error=pb.ON_ERROR_SKIP if opts.on_error == "skip" else pb.ON_ERROR_RAISE,
+        max_chunk_bytes=max_chunk_bytes, max_batches=max_batches,
+    )
+
+
+def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
+    """The loader options of a request, checked as a local loader's are. The request's `fields`
+    select the served dataset's fields (the catalog does that); the server's batches are dicts."""
+    from gdsload.service import wire
+
+    if req.payload not in PAYLOADS:
+        raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
+    if req.on_error not in ON_ERROR:
+        raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
+    decode = PAYLOADS[req.payload] == "decoded"
+    if not decode and req.HasField("transform"):
+        raise BadRequest("BatchRequest.transform is set but payload is PAYLOAD_RAW (samples as "
+                         "stored): send payload = PAYLOAD_DECODED to decode on the server, or no "
+                         "transform")
+    transform = None
+    if decode:
+        transform = (wire.spec_to_transform(req.transform, max_side=max_image_side)
+                     if req.HasField("transform") else wire.ImageTransform())
+    try:
+        return LoaderOptions.create(
+            remote=False, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
+            seed=req.seed, rank=req.rank, world_size=req.world_size or 1,
+            shuffle_window=req.shuffle_window or 4, decode=decode, transform=transform,
+            on_error=ON_ERROR[req.on_error], output="numpy", device="cpu", copy=False)
+    except ConfigError as exc:
+        raise BadRequest(f"BatchRequest: {exc}") from None
+
+
+def loader_kwargs(opts: LoaderOptions) -> dict[str, Any]:
+    """`DataLoader` keyword arguments for `opts` (the shared options only)."""
+    return dict(batch_size=opts.batch_size, shuffle=opts.shuffle, drop_last=opts.drop_last, seed=opts.seed,
+                rank=opts.rank, world_size=opts.world_size, shuffle_window=opts.shuffle_window,
+                decode=opts.decode, transform=opts.transform, on_error=opts.on_error, output=opts.output,
+                device=opts.device, copy=opts.copy)
