@@ -623,10 +623,9 @@ def test_kvikio_backend_without_device_id_reads_from_threads_with_a_context(monk
     out = cupy.empty(16384, np.uint8)
     stream = cupy.cuda.Stream(non_blocking=True)
     with KvikioBackend(threads=8) as b:
-        assert b.device_id == 0
         b.order_on(stream.ptr)
         b.read([Extent(str(path), 0, 8192), Extent(str(path), 8192, 8192)], out, [8192, 0]).result()
-        assert b.read_modes == {"kvikio-compat/sync-fallback": 2}
+        assert b.device_id == 0 and b.read_modes == {"kvikio-compat/sync-fallback": 2}
     np.testing.assert_array_equal(out.get(), np.frombuffer((bytes(range(256)) * 32) * 2, np.uint8)[
         np.r_[8192:16384, 0:8192]])
 
@@ -765,7 +764,7 @@ def test_verify_full_on_a_device_ring_does_not_wait_for_training(monkeypatch, np
     b = next(it)
     _wait_full(it, held=1)
     assert training == [] and loader.stats()["verify"]
-    private = loader._streams.stream
+    private = loader._resources.streams.stream
     for i, k in enumerate(b["__key__"]):
         np.testing.assert_array_equal(b["npy"].get(stream=private)[i], arrays[k])
     it.close()
