@@ -188,6 +188,30 @@ def test_gpu_bench_steps_run_against_the_fakes(monkeypatch, tmp_path):
     assert rows["device_path"]["status"] == "FAIL" and "io=posix" in rows["device_path"]["figure"]
 
 
+def test_resnet50_step_runs_its_loop_against_the_fakes(monkeypatch, tmp_path):
+    """The training-step loop and its stall figure, with a tiny model on the CPU (the device run
+    uses ResNet-50 and the torch DataLoader baseline)."""
+    import torch
+
+    import gpu_bench
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True, kvikio=False)
+    gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, device=None, non_blocking=False: self)
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: __import__("contextlib").nullcontext())  # bf16 on CUDA
+    monkeypatch.setitem(sys.modules, "nvidia.dali", __import__("nvidia.dali").dali)
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--workdir", str(tmp_path / "w"), "--samples", "8", "--images", "8",
+            "--model", "tiny", "--train-steps", "2", "--train-batch", "4", "--image-size", "32",
+            "--baseline", "none", "--steps", "data,resnet50"]
+    assert gpu_bench.main(args) == 0
+    rows = {r["step"]: r for r in json.loads((out / "gpu-check.json").read_text())["rows"]}
+    detail = json.loads((out / "gpu-check.json").read_text())["details"]["resnet50"]
+    assert rows["resnet50"]["status"] == "INFO" and rows["resnet50"]["figure"].startswith("stall ")
+    assert detail["gdsload"]["steps"] == 2 and 0 <= detail["gdsload"]["stall"] <= 1
+
+
 def _cpu_burner(self):
     """gpu_bench's burner on the CPU (the fakes have no CUDA matrix products): it counts."""
     while not self.stop.is_set():
