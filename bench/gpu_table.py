@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
         have = {row["step"] for row in r.data["rows"]}
         for step in (argv[3].split(",") if len(argv) == 4 and argv[3] else []):
             if step not in have:
-                r.add(step, "FAIL", "NOT EXERCISED: no result (crashed or never ran)")
+                r.add(step, "FAIL", "NOT EXERCISED (crashed or never ran)")
         print(r.table())
         if r.failed:
             print(f"FAILED: {', '.join(r.failed)}")
