@@ -15,7 +15,7 @@ audits disagreed on this; the wheel is what gets installed).
     python3 bench/gpu_wheels.py check      # every requirement carried or on the image?
     python3 bench/gpu_wheels.py split      # DALI's JPEG wheels -> .dali1/ .dali2/ ... (<= 58 MiB each;
                                            # the "lazy" ones in gpu_wheels.json stay behind)
-    python3 bench/gpu_wheels.py receive .daliN   # on the device: append part N to /tmp/dali-parts
+    python3 bench/gpu_wheels.py receive .daliN   # on the device: append part N to .dali-parts/
     python3 bench/gpu_wheels.py assemble   # on the device: join, check sha256, unpack /tmp/dali-whl
 
 One device call carries at most 64 MiB (working tree included), so the ~260 MB of DALI, nvImageCodec,
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = Path(__file__).resolve().parent / "gpu_wheels.json"
 PART_BYTES = 58 * 2**20  # a part + .whl/ (4 MiB) + the tree (2 MiB) <= 64 MiB per call
-PARTS_DIR = Path("/tmp/dali-parts")
+PARTS_DIR = ROOT / ".dali-parts"  # git-ignored, in the tree: kept between calls on a warm machine
 DALI_WHEELS = Path("/tmp/dali-whl")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
