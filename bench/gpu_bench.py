@@ -4,19 +4,33 @@ Steps (each appends a row to `OUT/gpu-check.json` as soon as it ends; see bench/
   data          make a raw-tensor dataset (uint8[3, 224, 224] rows, 150,528 bytes) and a JPEG
                 dataset, before anything touches CUDA (conversion forks worker processes)
   device_path   `DataLoader(device="cuda")` over the tensors: FAIL unless `stats()["io_path"]`
-                is a KvikIO path and `ring_device` is a GPU, or if a value differs from the source
+                is a KvikIO path and `ring_device` is a GPU, or if a value differs from the source;
+                the figure says how KvikIO ran the reads (`io_read_modes`: cufile-async, or the
+                synchronous fallback that still waits for the legacy stream)
   kvikio_rows   per-row reads as the loader issues them (one `raw_read_async` per row on a
                 private stream into a device batch buffer at row offsets) vs POSIX into pinned
                 memory + one host-to-device copy per batch, and vs one `pread` per row (KvikIO's
                 default, which synchronises the legacy stream first); KvikIO's gds_threshold,
-                compat mode and cuFile's GDS view reported
-  raw_tier      gdsload into CUDA tensors vs torch DataLoader(pin_memory) + .cuda(), values checked
+                compat mode, cuFile's GDS view and the read modes reported. FAIL unless the
+                three agree byte for byte and device reads were made
+  raw_tier      gdsload into CUDA tensors vs torch DataLoader(pin_memory) + .cuda(): the first
+                batches checked against the source files, the io path checked; the pinned
+                host-to-device copy bandwidth of the same GPU reported beside it
+  ring_safety   the tensors again while another thread keeps the legacy stream busy with matrix
+                products and the consumer reads on a side stream and keeps GPU clones: every row
+                equal to its source, and the burner proven to have run during the epoch
   mixed_vs_cpu  the eval transform decoded by DALI "mixed" vs the CPU decode of the same JPEGs:
-                FAIL when an image's mean absolute difference exceeds `--tolerance` (0..255 units)
-  mixed_busy    the same while another thread keeps the default stream busy with matrix
-                products and the consumer reads every batch on a side stream and keeps GPU
-                clones (this is where a missing ready event or release fence shows)
-A step that raises is a FAIL row with its traceback in the JSON. Exit status 1 on any FAIL.
+                FAIL when an image's mean absolute difference exceeds `--tolerance` (0..255 units;
+                nvJPEG and libjpeg-turbo round differently, so this is a tolerance, not equality)
+  mixed_busy    the same with the legacy stream busy and a side-stream consumer: bit for bit equal
+                to mixed_vs_cpu's GPU output (the eval transform is deterministic), within the
+                tolerance of the CPU decode, and the burner proven to have run
+  resnet50      a ResNet-50 training step (bf16 autocast, SGD) fed by gdsload "mixed" decoding:
+                img/s and data stall (time in next() / step time), vs the same steps on a
+                torch DataLoader over the same JPEGs (PIL decode, 16 workers)
+DALI steps SKIP only when DALI was not carried (no GDSLOAD_DALI_CARRIED=1, which gpu_check.sh
+--part 2 sets); a carried DALI that does not import is a FAIL. A step that raises is a FAIL row
+with its traceback in the JSON. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -57,6 +71,11 @@ def _source_rows(a) -> dict[str, np.ndarray]:
     return {p.stem: p for p in (Path(a.workdir) / "npy").glob("*.npy")}
 
 
+def _modes(st: dict) -> str:
+    modes = st.get("io_read_modes") or {}
+    return ",".join(f"{k}={v}" for k, v in sorted(modes.items())) or "no KvikIO reads"
+
+
 def step_device_path(a) -> tuple:
     import gdsload
 
@@ -75,7 +94,7 @@ def step_device_path(a) -> tuple:
     dl.close()
     io, ring = str(st.get("io_path")), str(st.get("ring_device"))
     ok = io.startswith("kvikio") and ring.startswith("cuda") and on_gpu and not bad and n == a.samples
-    return ("PASS" if ok else "FAIL"), f"io={io} ring={ring}", None, {
+    return ("PASS" if ok else "FAIL"), f"io={io} ring={ring} {_modes(st)}", None, {
         "stats": st, "wrong_keys": bad[:10], "samples": n, "tensors_on_gpu": on_gpu}
 
 
@@ -112,7 +131,9 @@ def step_kvikio_rows(a) -> tuple:
     pinned = np.frombuffer(cupy.cuda.alloc_pinned_memory(B * nb), np.uint8, B * nb)
     stream = cupy.cuda.Stream(non_blocking=True)
     reads = cupy.cuda.Stream(non_blocking=True)
-    kv, kvp, px = KvikioBackend(threads=8), KvikioBackend(threads=8), PosixBackend(threads=8)
+    dev_id = int(cupy.cuda.runtime.getDevice())  # issuing threads bind this device's context (audit 3 C1)
+    kv, kvp = KvikioBackend(threads=8, device_id=dev_id), KvikioBackend(threads=8, device_id=dev_id)
+    px = PosixBackend(threads=8)
     kv.order_on(reads.ptr)  # as the loader reads (its private copy stream)
     dev3 = cupy.empty(B * nb, dtype=cupy.uint8)
     rates: dict[str, list[float]] = {"kvikio": [], "kvikio_pread": [], "posix_h2d": []}
@@ -145,11 +166,30 @@ def step_kvikio_rows(a) -> tuple:
               "kvikio": getattr(kvikio, "__version__", "?"), "gds_threshold": kv.gds_threshold,
               "compat_mode_preferred": bool(kvikio.defaults.is_compat_mode_preferred()),
               "gds_active": gds_active(kvikio), "path_bytes": dict(kv.path_bytes),
-              "pread_path_bytes": dict(kvp.path_bytes), "equal": equal}
+              "pread_path_bytes": dict(kvp.path_bytes), "equal": equal, "read_modes": dict(kv.read_modes),
+              "pread_read_modes": dict(kvp.read_modes)}
     kv.close(), kvp.close(), px.close()
     ratio = statistics.median(k / p for k, p in zip(rates["kvikio"], rates["posix_h2d"]))
-    figure = f"{statistics.median(rates['kvikio']):.2f} GB/s {kv.name}"
-    return ("PASS" if equal else "FAIL"), figure, ratio, detail
+    modes = ",".join(f"{k}={v}" for k, v in sorted(kv.read_modes.items()))
+    figure = f"{statistics.median(rates['kvikio']):.2f} GB/s {modes}"
+    exercised = any(k.endswith(("/cufile-async", "/sync-fallback")) for k in kv.read_modes)
+    return ("PASS" if equal and exercised else "FAIL"), figure, ratio, detail
+
+
+def _h2d_gbps(nbytes: int, rounds: int = 3) -> float:
+    """Pinned host-to-device copy bandwidth of this GPU (one buffer of `nbytes`, best of rounds)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = 0.0
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def step_raw_tier(a) -> tuple:
@@ -160,29 +200,124 @@ def step_raw_tier(a) -> tuple:
 
     shards = Path(a.workdir) / "npy-shards"
     tars = sorted(str(p) for p in shards.glob("*.tar"))
+    src = _source_rows(a)
+    checked: dict = {"bad": [], "rows": 0}
+    stats: dict = {}
 
-    def ours() -> float:
+    def ours() -> tuple[float, float]:
         dl = gdsload.DataLoader(str(shards), batch_size=a.batch_size, device="cuda", num_workers=4)
-        t, nbytes = time.perf_counter(), 0
+        c0, t, nbytes, i = time.process_time(), time.perf_counter(), 0, 0
         for b in dl:
-            nbytes += b["npy"].numel()
+            x = b["npy"]
+            if i < 2:  # values: the first batches against the source files (outside no clock: cheap)
+                host = x.cpu().numpy()
+                checked["bad"] += [k for j, k in enumerate(b["__key__"]) if not np.array_equal(host[j], np.load(src[k]))]
+                checked["rows"] += len(b["__key__"])
+                checked["on_gpu"] = bool(x.is_cuda)
+            nbytes += x.numel()
+            i += 1
         torch.cuda.synchronize()
+        el, cpu = time.perf_counter() - t, time.process_time() - c0
+        stats.update(dl.stats())
         dl.close()
-        return nbytes / (time.perf_counter() - t) / 1e9
+        return nbytes / el / 1e9, cpu / (nbytes / 1e9)
 
-    def theirs() -> float:
+    def theirs() -> tuple[float, float]:
         ds = wds.WebDataset(tars, shardshuffle=False, empty_check=False).decode().to_tuple("npy", "cls")
-        dl = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, num_workers=min(8, os.cpu_count() or 8),
+        dl = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, num_workers=min(16, os.cpu_count() or 16),
                                          pin_memory=True)
-        t, nbytes = time.perf_counter(), 0
+        c0, t, nbytes = time.process_time(), time.perf_counter(), 0
         for x, _ in dl:
             nbytes += x.cuda(non_blocking=True).numel()
         torch.cuda.synchronize()
-        return nbytes / (time.perf_counter() - t) / 1e9
+        el, cpu = time.perf_counter() - t, time.process_time() - c0  # the main process's CPU only
+        return nbytes / el / 1e9, cpu / (nbytes / 1e9)
 
     pairs = [(ours(), theirs()) for _ in range(a.rounds)]
-    ratio = statistics.median(o / t for o, t in pairs)
-    return "INFO", f"{statistics.median(o for o, _ in pairs):.2f} GB/s into CUDA", ratio, {"gbps": pairs}
+    ratio = statistics.median(o[0] / t[0] for o, t in pairs)
+    h2d = _h2d_gbps(a.batch_size * int(np.prod(ROW_SHAPE)))
+    gbps = statistics.median(o[0] for o, _ in pairs)
+    io, ring = str(stats.get("io_path")), str(stats.get("ring_device"))
+    ok = (not checked["bad"] and checked["rows"] > 0 and checked.get("on_gpu") and io.startswith("kvikio")
+          and ring.startswith("cuda"))
+    return ("INFO" if ok else "FAIL"), f"{gbps:.2f} GB/s {io}, {gbps / h2d:.2f}x pinned H2D", ratio, {
+        "gbps": [[o[0], t[0]] for o, t in pairs], "cpu_s_per_gb": [[o[1], t[1]] for o, t in pairs],
+        "pinned_h2d_gbps": h2d, "rows_checked": checked["rows"], "wrong_keys": checked["bad"][:10],
+        "io_read_modes": stats.get("io_read_modes"), "io_path": io, "ring_device": ring}
+
+
+class _Burner:
+    """Matrix products on the legacy default stream from another thread, for as long as the block
+    runs; `proof()` says whether they really ran while the consumer read (audit 3 E3)."""
+
+    def __init__(self, size: int):
+        self.size, self.products, self.error = size, 0, None
+        self.stop = threading.Event()
+        self.seen: list[int] = []  # products done when the consumer saw its first and last batch
+
+    def _run(self):
+        import torch
+
+        try:
+            x = torch.randn(self.size, self.size, device="cuda", dtype=torch.bfloat16)
+            while not self.stop.is_set():
+                for _ in range(8):
+                    x = torch.tanh(x @ x)
+                torch.cuda.current_stream().synchronize()  # bounded queue, never empty for long
+                self.products += 8
+            torch.cuda.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - an OOM here must not pass as a busy run
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._run, name="default-stream-burner", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while self.products == 0 and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first products done: the GPU is busy before the first batch
+        return self
+
+    def mark(self):
+        self.seen.append(self.products if self.thread.is_alive() else -1)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+    def proof(self) -> tuple[bool, dict]:
+        # alive (-1: dead) and with products done at the first and at the last batch, and still
+        # producing after the first one
+        ok = (self.error is None and bool(self.seen) and min(self.seen) > 0 and self.products > self.seen[0])
+        return ok, {"burner_products": self.products, "burner_at_first_last_batch": self.seen[:1] + self.seen[-1:],
+                    "burner_error": self.error}
+
+
+def step_ring_safety(a) -> tuple:
+    import torch
+
+    import gdsload
+
+    src = _source_rows(a)
+    dl = gdsload.DataLoader(str(Path(a.workdir) / "npy-shards"), batch_size=a.batch_size, device="cuda",
+                            num_workers=4, shuffle=True)
+    kept = []
+    side = torch.cuda.Stream()
+    with _Burner(a.burn_size) as burner, torch.cuda.stream(side):
+        for b in dl:
+            burner.mark()
+            kept.append((list(b["__key__"]), b["npy"].clone()))  # on the side stream, read at the end
+    torch.cuda.synchronize()
+    bad, n = [], 0
+    for keys, x in kept:
+        host = x.cpu().numpy()
+        bad += [k for i, k in enumerate(keys) if not np.array_equal(host[i], np.load(src[k]))]
+        n += len(keys)
+    busy, proof = burner.proof()
+    st = dl.stats()
+    dl.close()
+    ok = busy and not bad and n == a.samples
+    return ("PASS" if ok else "FAIL"), f"{n - len(bad)}/{a.samples} rows equal, {_modes(st)}", None, {
+        **proof, "wrong_keys": bad[:10], "rows": n, "stats": st}
 
 
 def _eval_transform():
@@ -191,7 +326,7 @@ def _eval_transform():
     return ImageTransform(train=False, size=224, resize=256, mean=None, std=None, dtype="uint8", layout="NCHW")
 
 
-def _decode_all(a, device: str, busy: bool = False) -> tuple[dict, float, dict]:
+def _decode_all(a, device: str, busy: bool = False, burner=None) -> tuple[dict, float, dict]:
     import gdsload
 
     dl = gdsload.DataLoader(str(Path(a.workdir) / "jpg-shards"), batch_size=64, device=device,
@@ -209,6 +344,8 @@ def _decode_all(a, device: str, busy: bool = False) -> tuple[dict, float, dict]:
         kept = []
         with torch.cuda.stream(side) if side is not None else _null():
             for b in dl:  # GPU clones queued on the consumer's stream, read only at the end
+                if burner is not None:
+                    burner.mark()
                 kept.append((list(b["__key__"]), b["jpg"].clone()))
         torch.cuda.synchronize()
         for keys, x in kept:
@@ -241,14 +378,25 @@ def _compare(a, ref: dict, got: dict) -> tuple[str, str, dict]:
 _REFERENCE: dict = {}
 
 
-def step_mixed_vs_cpu(a) -> tuple:
+def _dali() -> tuple | None:
+    """None when DALI imports; else the row: SKIP when it was not carried, FAIL when it was."""
     try:
         import nvidia.dali  # noqa: F401
-    except ImportError:
-        return "SKIP", "DALI not installed (carry it: bench/README.md)", None, {}
+    except Exception as exc:  # a carried DALI missing gast/astunparse/makefun: ModuleNotFoundError
+        if os.environ.get("GDSLOAD_DALI_CARRIED") == "1":
+            return "FAIL", f"DALI carried but does not import: {type(exc).__name__}: {exc}", None, {
+                "traceback": traceback.format_exc()[-4000:]}
+        return "SKIP", "DALI NOT EXERCISED: not carried (gpu_check.sh --part 2)", None, {}
+    return None
+
+
+def step_mixed_vs_cpu(a) -> tuple:
+    if (row := _dali()) is not None:
+        return row
     ref, cpu_rate, _ = _decode_all(a, "cpu")
     _REFERENCE["ref"] = ref
     got, gpu_rate, st = _decode_all(a, "cuda")
+    _REFERENCE["gpu"] = got
     status, figure, detail = _compare(a, ref, got)
     if st.get("decode_device") != "mixed" or not str(st.get("ring_device")).startswith("cuda"):
         status = "FAIL"
@@ -256,35 +404,115 @@ def step_mixed_vs_cpu(a) -> tuple:
 
 
 def step_mixed_busy(a) -> tuple:
-    if "ref" not in _REFERENCE:
-        return "SKIP", "needs mixed_vs_cpu", None, {}
+    if (row := _dali()) is not None:
+        return row
+    if "gpu" not in _REFERENCE:
+        return "FAIL", "NOT EXERCISED: needs mixed_vs_cpu's output first", None, {}
+    with _Burner(a.burn_size) as burner:
+        got, rate, st = _decode_all(a, "cuda", busy=True, burner=burner)
+    busy, proof = burner.proof()
+    status, figure, detail = _compare(a, _REFERENCE["ref"], got)
+    idle = _REFERENCE["gpu"]
+    differ = sorted(k for k in idle if k not in got or not np.array_equal(got[k], idle[k]))
+    if differ or not busy or len(got) != len(idle):
+        status = "FAIL"
+    figure = f"{len(idle) - len(differ)}/{len(idle)} bit-equal to idle; {figure}"
+    return status, figure, None, {**detail, **proof, "differ_from_idle": differ[:10], "stats": st,
+                                  "images_per_s": rate}
+
+
+def step_resnet50(a) -> tuple:
+    """Data stall of a training step fed by gdsload (mixed decode) vs torch's DataLoader."""
+    if (row := _dali()) is not None:
+        return row
     import torch
 
-    stop = threading.Event()
-    products = [0]
+    import gdsload
+    from gdsload.decode.image import ImageTransform
 
-    def burn():  # matrix products on this thread's default stream, the legacy one
-        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        while not stop.is_set():
-            for _ in range(8):
-                x = torch.tanh(x @ x)
-            products[0] += 8
-            torch.cuda.current_stream().synchronize()  # keep the queue bounded, never empty for long
+    model = _model(a.model).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def train(batches) -> dict:
+        it = iter(batches)
+        wait = step = 0.0
+        n = steps = 0
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while steps < a.train_steps:
+            t = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(batches)
+                continue
+            torch.cuda.synchronize()  # the batch is on the GPU: the wait is data, not compute
+            t1 = time.perf_counter()
+            wait += t1 - t
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_fn(model(x.cuda(non_blocking=True).float().contiguous(memory_format=torch.channels_last)),
+                               y.cuda(non_blocking=True).long() % 1000)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+            step += time.perf_counter() - t1
+            n += len(y)
+            steps += 1
+        el = time.perf_counter() - t0
+        return {"images_per_s": n / el, "stall": wait / el, "steps": steps, "compute_s": step}
 
-    burner = threading.Thread(target=burn, name="default-stream-burner", daemon=True)
-    burner.start()
-    try:
-        got, rate, st = _decode_all(a, "cuda", busy=True)
-    finally:
-        stop.set()
-        burner.join(timeout=60)
-    status, figure, detail = _compare(a, _REFERENCE["ref"], got)
-    return status, figure, None, {**detail, "stats": st, "matmuls": products[0], "images_per_s": rate}
+    tf = ImageTransform(train=True, size=a.image_size, dtype="float16", layout="NCHW")  # ImageNet mean/std
+    dl = gdsload.DataLoader(str(Path(a.workdir) / "jpg-shards"), batch_size=a.train_batch, device="cuda",
+                            transform=tf, num_workers=4, fields=["jpg", "cls"])
+    ours = train(dl)
+    st = dl.stats()
+    dl.close()
+    theirs = train(_torch_jpeg_loader(a)) if a.baseline == "torch" else None
+    ok = ours["steps"] == a.train_steps and st.get("decode_device") == "mixed"
+    ratio = ours["images_per_s"] / theirs["images_per_s"] if theirs else None
+    return ("INFO" if ok else "FAIL"), f"stall {ours['stall']:.1%}, {ours['images_per_s']:.0f} img/s", \
+        ratio, {"gdsload": ours, "torch": theirs, "stats": st}
+
+
+def _model(name: str):
+    import torch
+
+    if name == "tiny":  # the CPU tests: the same loop, no torchvision
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=4), torch.nn.AdaptiveAvgPool2d(1),
+                                   torch.nn.Flatten(), torch.nn.Linear(8, 1000))
+    import torchvision
+
+    return torchvision.models.resnet50()
+
+
+def _torch_jpeg_loader(a):
+    """torch DataLoader over the same JPEG folder: PIL decode, random resized crop, 16 workers."""
+    import torch
+
+    files = sorted((Path(a.workdir) / "jpg").rglob("*.jpg"))
+    classes = sorted({p.parent.name for p in files})
+
+    class Jpegs(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(files)
+
+        def __getitem__(self, i):
+            from PIL import Image
+
+            img = Image.open(files[i]).convert("RGB").resize((a.image_size, a.image_size))
+            x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+            return x, classes.index(files[i].parent.name)
+
+    return torch.utils.data.DataLoader(Jpegs(), batch_size=a.train_batch, shuffle=True,
+                                       num_workers=min(16, os.cpu_count() or 16), pin_memory=True,
+                                       persistent_workers=True)
 
 
 STEPS = {"data": step_data, "device_path": step_device_path, "kvikio_rows": step_kvikio_rows,
-         "raw_tier": step_raw_tier, "mixed_vs_cpu": step_mixed_vs_cpu, "mixed_busy": step_mixed_busy}
+         "raw_tier": step_raw_tier, "ring_safety": step_ring_safety, "mixed_vs_cpu": step_mixed_vs_cpu,
+         "mixed_busy": step_mixed_busy, "resnet50": step_resnet50}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--tolerance", type=float, default=3.0, help="mean |GPU - CPU| per image, 0..255 units")
+    ap.add_argument("--burn-size", type=int, default=8192, help="matrix size of the busy-GPU burner")
+    ap.add_argument("--model", default="resnet50", choices=["resnet50", "tiny"])
+    ap.add_argument("--train-steps", type=int, default=40)
+    ap.add_argument("--train-batch", type=int, default=128)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--baseline", default="torch", choices=["torch", "none"], help="resnet50's comparison")
     ap.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of " + ",".join(STEPS))
     a = ap.parse_args(argv)
     report = Report(a.out)

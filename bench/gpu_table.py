@@ -6,7 +6,12 @@ FAIL, SKIP or INFO (a measurement with nothing to assert). Used by bench/gpu_che
 shell and by bench/gpu_bench.py:
 
     python3 bench/gpu_table.py add OUT STEP STATUS FIGURE [RATIO [SECONDS]]
-    python3 bench/gpu_table.py print OUT        # exits 1 if any step FAILed
+    python3 bench/gpu_table.py print OUT [--expect a,b,c]   # exits 1 if any step FAILed
+                                                          # or an expected step has no row
+
+`--expect` names the steps that must have run: a step with no row (its process crashed before
+writing it, or never reached it) gets a FAIL row "NOT EXERCISED", so a native crash after some
+PASS rows cannot end in a passing table.
 """
 
 from __future__ import annotations
@@ -73,8 +78,12 @@ def main(argv: list[str]) -> int:
         seconds = float(argv[6]) if len(argv) > 6 and argv[6] else None
         Report(argv[1]).add(argv[2], argv[3], argv[4], ratio, seconds)
         return 0
-    if len(argv) == 2 and argv[0] == "print":
+    if len(argv) in (2, 4) and argv[0] == "print" and (len(argv) == 2 or argv[2] == "--expect"):
         r = Report(argv[1])
+        have = {row["step"] for row in r.data["rows"]}
+        for step in (argv[3].split(",") if len(argv) == 4 and argv[3] else []):
+            if step not in have:
+                r.add(step, "FAIL", "NOT EXERCISED (crashed or never ran)")
         print(r.table())
         if r.failed:
             print(f"FAILED: {', '.join(r.failed)}")

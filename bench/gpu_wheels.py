@@ -13,8 +13,9 @@ audits disagreed on this; the wheel is what gets installed).
     python3 bench/gpu_wheels.py download   # pip download the pins into .whl/ and .whl-dali/
     python3 bench/gpu_wheels.py record     # rewrite bench/gpu_wheels.json from those wheels
     python3 bench/gpu_wheels.py check      # every requirement carried or on the image?
-    python3 bench/gpu_wheels.py split      # DALI's wheels -> .dali1/ .dali2/ ... (<= 60 MiB each)
-    python3 bench/gpu_wheels.py receive .daliN   # on the device: append part N to /tmp/dali-parts
+    python3 bench/gpu_wheels.py split      # DALI's JPEG wheels -> .dali1/ .dali2/ ... (<= 58 MiB each;
+                                           # the "lazy" ones in gpu_wheels.json stay behind)
+    python3 bench/gpu_wheels.py receive .daliN   # on the device: append part N to .dali-parts/
     python3 bench/gpu_wheels.py assemble   # on the device: join, check sha256, unpack /tmp/dali-whl
 
 One device call carries at most 64 MiB (working tree included), so the ~260 MB of DALI, nvImageCodec,
@@ -35,8 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = Path(__file__).resolve().parent / "gpu_wheels.json"
-PART_BYTES = 60 * 2**20
-PARTS_DIR = Path("/tmp/dali-parts")
+PART_BYTES = 58 * 2**20  # a part + .whl/ (4 MiB) + the tree (2 MiB) <= 64 MiB per call
+PARTS_DIR = ROOT / ".dali-parts"  # git-ignored, in the tree: kept between calls on a warm machine
 DALI_WHEELS = Path("/tmp/dali-whl")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
@@ -70,6 +71,7 @@ def closure_problems(spec: dict, groups: tuple[str, ...] = ("carry", "dali"),
     from packaging.requirements import Requirement
 
     pins = {n: v for g in groups for n, v in spec[g]["pins"].items()}
+    lazy = {n for g in groups for n in spec[g].get("lazy", {})}  # left behind on purpose
     requires = {n: r for g in groups for n, r in spec[g]["requires"].items()}
     image = {normalise(n) for n in spec["image"]}
     problems = []
@@ -88,6 +90,8 @@ def closure_problems(spec: dict, groups: tuple[str, ...] = ("carry", "dali"),
             if req.marker is None and extra:
                 continue  # already checked without the extra
             target = normalise(req.name)
+            if target in lazy:
+                continue
             if target in pins:
                 if not req.specifier.contains(pins[target], prereleases=True):
                     problems.append(f"{name} needs {line}, carried: {target}=={pins[target]}")
@@ -95,6 +99,11 @@ def closure_problems(spec: dict, groups: tuple[str, ...] = ("carry", "dali"),
             elif target not in image:
                 problems.append(f"{name} needs {line}: neither carried nor on the image")
     return problems
+
+
+def wheel_name(path: Path) -> str:
+    """The normalised project name of a wheel file (`nvidia_nvjpeg-13.3...whl` -> nvidia-nvjpeg)."""
+    return normalise(path.name.split("-")[0])
 
 
 def load_spec() -> dict:
@@ -126,7 +135,8 @@ def cmd_record() -> None:
 
 def cmd_split() -> None:
     """Tar DALI's wheels (stored, no compression: wheels are zips) and cut it into .daliN/ parts."""
-    src = sorted((ROOT / ".whl-dali").glob("*.whl"))
+    lazy = set(load_spec()["dali"].get("lazy", {}))
+    src = sorted(p for p in (ROOT / ".whl-dali").glob("*.whl") if wheel_name(p) not in lazy)
     if not src:
         raise SystemExit("no wheels in .whl-dali/ (run: python3 bench/gpu_wheels.py download)")
     for old in ROOT.glob(".dali[0-9]*"):

@@ -21,6 +21,20 @@ The model (`FakeGPU`):
   ordered against it. KvikIO's device reads first drain the device's legacy stream (its compat
   copies run on a blocking stream, its GDS path calls `StreamSynchronize(nullptr)`): that is what
   made the missing release fence invisible to consumers on the default stream.
+- A host thread has no current CUDA *context* until it binds one (a device set, an allocation,
+  a stream or event made, a copy issued): KvikIO's synchronous fallback of `raw_read_async` calls
+  the driver with no context of its own, so in a thread that bound none it fails as the driver
+  does (`CUDA_ERROR_INVALID_CONTEXT`; audit 3 F2).
+- `raw_read_async` is `cuFileReadAsync`, ordered on the given stream only, when compat mode is
+  not preferred and a cuFile config file exists (`CUFILE_ENV_PATH_JSON`, `/etc/cufile.json`;
+  `install(kvikio=dict(config_file=True))` sets the variable); otherwise it is KvikIO's
+  synchronous fallback: the stream is synchronised, then the legacy stream, then the read runs
+  (audit 3 F1). Sizes over the buffer raise ValueError, as `_lib/arr.pyx` does (F4).
+- CuPy fancy indexing (`a[list]`) is a gather kernel on the current stream, deferred like the rest.
+- DALI's `copy_to_external` reads its stream only from a `ctypes.c_void_p` (`.value`); anything
+  else is the legacy stream (backend_impl.cc `ctypes_void_ptr`, F3). `as_tensor()` refuses a
+  TensorList that is not dense (the fake's never are); `shape()` works.
+- torch's `.to("cuda", non_blocking=True)` is a copy deferred on torch's current stream.
 - Every call of interest is appended to `FakeGPU.log` as a tuple.
 """
 
@@ -54,6 +68,13 @@ class FakeGPU:
     # -- per-thread state -------------------------------------------------------------------
     def current(self) -> int:
         return getattr(self.tls, "device", 0)
+
+    def bind(self) -> None:
+        """A runtime call in this thread: the primary context becomes current (module docstring)."""
+        self.tls.bound = True
+
+    def has_context(self) -> bool:
+        return hasattr(self.tls, "device") or getattr(self.tls, "bound", False)
 
     def set_current(self, device: int) -> None:
         if not 0 <= device < self.devices:
@@ -153,6 +174,7 @@ class FakeEvent:
         self.stream: FakeStream | None = None
         self.mark = 0
         self.device_id = gpu.current()
+        gpu.bind()
 
     def record(self, stream=None):
         stream = stream if stream is not None else self.gpu.current_stream()
@@ -247,6 +269,24 @@ class FakeArray(np.ndarray):
             gpu.current_stream(self._device_id).enqueue(
                 lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, staged), "setitem from host")
 
+    def __getitem__(self, key):
+        fancy = isinstance(key, (list, np.ndarray)) and not isinstance(key, FakeArray) or (
+            isinstance(key, tuple) and any(isinstance(k, (list, np.ndarray)) for k in key))
+        if not fancy or self._gpu is None:
+            return np.ndarray.__getitem__(self, key)
+        gpu = self._gpu
+        shape = np.ndarray.__getitem__(self.view(np.ndarray), key).shape  # shape only; values later
+        out = np.empty(shape, self.dtype).view(FakeArray)
+        np.ndarray.fill(out, 0xAB if self.dtype.kind in "ui" else np.nan)  # what a late read sees
+        out._device_id = self._device_id
+        gpu.keepalive.append(out)
+
+        def op(out=out, src=self, key=key):
+            np.copyto(out.view(np.ndarray), np.ndarray.__getitem__(src.view(np.ndarray), key))
+
+        gpu.current_stream(self._device_id).enqueue(op, "gather")
+        return out
+
     def get(self, stream=None) -> np.ndarray:
         (stream or self._gpu.current_stream(self._device_id)).synchronize()
         return np.array(self.view(np.ndarray))
@@ -279,6 +319,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
     cupy.__version__ = "14.2.0-fake"
 
     def empty(shape, dtype=np.float32):
+        gpu.bind()
         a = np.empty(shape, dtype=dtype).view(FakeArray)
         a._device_id = gpu.current()
         gpu.log.append(("alloc", gpu.current(), a.nbytes))
@@ -321,6 +362,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
     runtime.memGetInfo = lambda: (gpu.log.append(("memGetInfo", gpu.current())) or (80 << 30, 141 << 30))
 
     def memcpy_async(dst, src, size, kind, stream):
+        gpu.bind()
         s = gpu.stream_for(stream)
         gpu.log.append(("memcpyAsync", s.ptr, size, kind, threading.current_thread().name))
         s.enqueue(lambda: ctypes.memmove(dst, src, size), f"memcpy {size}")
@@ -330,6 +372,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
 
 
 def _new_stream(gpu: FakeGPU, non_blocking: bool) -> FakeStream:
+    gpu.bind()
     s = FakeStream(gpu, gpu.current(), non_blocking=non_blocking)
     gpu.log.append(("stream_create", s.ptr, s.device_id, non_blocking))
     return s
@@ -389,27 +432,49 @@ def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: gpu.synchronize_all())
     orig_to = torch.Tensor.to
 
-    def to(self, *args, **kw):  # `.to("cuda")`: torch's memcpy_and_sync unless non_blocking
-        dev = args[0] if args else kw.get("device")
+    def to(self, *args, **kw):  # `.to("cuda")`: a copy on torch's current stream, then a host
+        dev = args[0] if args else kw.get("device")  # sync unless non_blocking
         if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda"):
             non_blocking = bool(kw.get("non_blocking", False))
-            gpu.log.append(("torch_to_cuda", non_blocking, threading.current_thread().name))
+            stream = gpu.torch_stream()
+            gpu.bind()
+            gpu.log.append(("torch_to_cuda", non_blocking, threading.current_thread().name, stream.ptr))
+            out = torch.full_like(self, 0xAB if not self.is_floating_point() else float("nan"))
+            gpu.keepalive.append(out.numpy())  # device memory: `is_cuda` below says so
+            src = self.clone()
+            stream.enqueue(lambda: out.copy_(src), "torch .to(cuda)")
             if not non_blocking:
-                gpu.torch_stream().synchronize()
-            return self.clone()
+                stream.synchronize()
+            return out
         return orig_to(self, *args, **kw)
 
+    def record_stream(self, s):
+        gpu.log.append(("record_stream", self.data_ptr(), s.cuda_stream))
+
     monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda stream_ptr, device=None: FakeTorchStream(
+        gpu.stream_for(int(stream_ptr), None if device is None else int(str(device).rpartition(":")[2] or 0))),
+        raising=False)
     # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
                         raising=False)
+
+
+def cufile_config_present() -> bool:
+    """What KvikIO 26.10's `config_path()` finds (config.cpp): `CUFILE_ENV_PATH_JSON`, else
+    `/etc/cufile.json`."""
+    import os
+
+    return bool(os.environ.get("CUFILE_ENV_PATH_JSON")) or os.path.exists("/etc/cufile.json")
 
 
 def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
                 threshold: int = 16 * 1024) -> types.ModuleType:
     """The KvikIO 26.10 surface the backend uses. `pread` into device memory drains the device's
     legacy stream first and then writes synchronously (module docstring); `raw_read_async` is
-    ordered on the stream it is given."""
+    ordered on the stream it is given only when KvikIO would call `cuFileReadAsync` (no compat
+    mode, a cuFile config file), else synchronous and behind the legacy stream."""
     settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
     kvikio = types.ModuleType("kvikio")
     defaults = types.ModuleType("kvikio.defaults")
@@ -429,16 +494,25 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
     driver.get = lambda key: {"is_gds_available": gds}[key]
     driver.libcufile_version = lambda: (1, 15)
 
+    kvikio.open_files = {}  # path -> CuFile handles open on it
+
+    def check_size(buf, size):  # _lib/arr.pyx parse_buffer_argument
+        if size > buf.nbytes:
+            raise ValueError("Size is greater than the size of the buffer")
+
     class CuFile:
         def __init__(self, path, flags="r"):
             import os
 
             self._fd = os.open(path, os.O_RDONLY)
+            self.path = str(path)
+            kvikio.open_files[self.path] = kvikio.open_files.get(self.path, 0) + 1
 
         def pread(self, buf, size=None, file_offset=0, task_size=None):
             import os
 
             size = buf.nbytes if size is None else size
+            check_size(buf, size)
             on_device = hasattr(buf, "__cuda_array_interface__")
             gpu.log.append(("kvikio_pread", file_offset, size, getattr(buf, "_device_id", None),
                             gpu.current(), on_device, threading.current_thread().name))
@@ -454,14 +528,25 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             `check_bytes_done()` synchronises that stream and returns the bytes read."""
             import os
 
-            size = buf.nbytes - dev_offset if size is None else size
+            size = buf.nbytes if size is None else size
             if not hasattr(buf, "__cuda_array_interface__"):
                 raise ValueError("raw_read_async reads into device memory only")
+            check_size(buf, size)
             stream = gpu.stream_for(raw_stream, buf._device_id)
+            is_async = not compat and cufile_config_present()
             gpu.log.append(("kvikio_read_async", file_offset, size, raw_stream, buf._device_id, gpu.current(),
                             threading.current_thread().name))
+            gpu.log.append(("kvikio_read_how", "cufile-async" if is_async else "sync-fallback", dev_offset,
+                            any(r is buf for r in kvikio.registered)))
+            if not gpu.has_context():  # the driver call, with no context bound in this thread
+                raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: invalid device context")
             target = memoryview(buf.view(np.ndarray).reshape(-1).view(np.uint8))[dev_offset:dev_offset + size]
             got: list[int] = []
+            if not is_async:  # StreamSynchronize(stream), then read() behind the legacy stream
+                stream.synchronize()
+                gpu.null[buf._device_id].synchronize()
+                got.append(os.preadv(self._fd, [target], file_offset))
+                return types.SimpleNamespace(check_bytes_done=lambda: got[0])
             stream.enqueue(lambda: got.append(os.preadv(self._fd, [target], file_offset)), "kvikio_read_async")
 
             def check_bytes_done() -> int:
@@ -474,6 +559,9 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             import os
 
             os.close(self._fd)
+            kvikio.open_files[self.path] -= 1
+            if not kvikio.open_files[self.path]:
+                del kvikio.open_files[self.path]
 
     kvikio.CuFile = CuFile
     kvikio.memory_register = lambda buf: kvikio.registered.append(buf)
@@ -484,7 +572,9 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
 def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_cuda: bool = False) -> FakeGPU:
     """Install fake `cupy` (and `kvikio`, and torch's CUDA calls) for one test; returns the GPU.
 
-    `kvikio=False` leaves KvikIO absent; a dict passes options to `make_kvikio`. The driver probe
+    `kvikio=False` leaves KvikIO absent; a dict passes options to `make_kvikio`, and
+    `config_file=True` in it makes KvikIO find a cuFile config file (default: none, as on the H200
+    machine: `raw_read_async` is then synchronous). The driver probe
     (`gdsload.io.cuda_device_count`) reports `devices`.
     """
     import gdsload.io as gio
@@ -495,7 +585,12 @@ def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_
     monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.runtime", cupy.cuda.runtime)
     if kvikio is not False:
-        kv = make_kvikio(gpu, **(kvikio if isinstance(kvikio, dict) else {}))
+        opts = dict(kvikio) if isinstance(kvikio, dict) else {}
+        if opts.pop("config_file", False):  # KvikIO finds a cuFile config: raw_read_async is async
+            monkeypatch.setenv("CUFILE_ENV_PATH_JSON", "/etc/gdsload-fake-cufile.json")
+        else:
+            monkeypatch.delenv("CUFILE_ENV_PATH_JSON", raising=False)
+        kv = make_kvikio(gpu, **opts)
         gpu.kvikio = kv
         for name, mod in (("kvikio", kv), ("kvikio.defaults", kv.defaults), ("kvikio.cufile_driver", kv.cufile_driver)):
             monkeypatch.setitem(sys.modules, name, mod)
@@ -543,11 +638,20 @@ class FakeTensorListGPU:
     def __len__(self):
         return self._n
 
+    dense = False  # a "mixed" decoder's output list is not promised to be one dense tensor
+
+    def shape(self):
+        return [list(self._buf.shape[1:])] * self._n
+
     def as_tensor(self):
+        if not self.dense:
+            raise RuntimeError("[DALI] TensorListGPU.as_tensor: the list is not dense (its samples are "
+                               "not one contiguous buffer); use copy_to_external")
         return FakeTensorGPU(self._buf[: self._n])
 
     def copy_to_external(self, ptr, cuda_stream=None, non_blocking=False, use_copy_kernel=False):
-        raw = getattr(cuda_stream, "value", cuda_stream) or 0
+        # DALI's ctypes_void_ptr: `.value` of a ctypes.c_void_p; anything else is nullptr (F3)
+        raw = (cuda_stream.value or 0) if isinstance(cuda_stream, ctypes.c_void_p) else 0
         stream = self.gpu.stream_for(raw, self.device_id)
         src = self._buf[: self._n]
         nbytes, address = src.nbytes, ptr.value

@@ -193,21 +193,28 @@ def test_kvikio_issuing_threads_read_on_the_loaders_gpu(monkeypatch, npy):
                                 for _, _, _, stream, buf_dev, cur, _ in device_reads)
 
 
-def test_kvikio_device_reads_do_not_wait_for_the_training_stream(monkeypatch, npy_big):
+@pytest.mark.parametrize("config_file", [True, False], ids=["cufile-config", "no-config"])
+def test_kvikio_device_reads_wait_for_the_training_stream_only_without_a_cufile_config(monkeypatch, npy_big,
+                                                                                       config_file):
     """Before (audit 1 #7, audit 2 #6): every device read was `CuFile.pread`, which synchronises
-    the legacy default stream first, so the ring filled only once the training step queued there
-    had finished. Now the reads are ordered on the loader's private stream."""
-    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
+    the legacy default stream first. `raw_read_async` avoids that only where KvikIO really calls
+    `cuFileReadAsync`: a cuFile config file and no compat mode. Without a config file (the H200
+    machine: pip cuFile, no /etc/cufile.json) it is a synchronous read behind the legacy stream
+    (audit 3 F1; the old fake made every raw_read_async stream-ordered), and
+    `stats()["io_read_modes"]` says so."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=config_file))
     training: list[str] = []
     gpu.null[0].enqueue(lambda: training.append("ran"), "a training step queued on the default stream")
     loader = DataLoader(str(npy_big), batch_size=2, device="cuda", output="numpy", prefetch_factor=3)
     it = iter(loader)
     first = next(it)
     _wait_full(it, held=1)  # every read the ring has room for was issued and finished
-    assert training == [], "a read waited for the training stream"
+    assert training == ([] if config_file else ["ran"])
     private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
     reads = gpu.log_calls("kvikio_read_async")
-    assert len(private) == 1 and len(reads) >= 4 and {stream for _, _, _, stream, _, _, _ in reads} == private
+    read_streams = {stream for _, _, _, stream, _, _, _ in reads}
+    # each issuing thread reads on a stream of its own, which waited for the private stream (C6a)
+    assert len(reads) >= 4 and read_streams < private and len(read_streams) >= 1
     assert not [e for e in gpu.log_calls("kvikio_pread") if e[5]]  # no device read through pread
     src = npy_big.parent / "src"
     seen = []
@@ -216,7 +223,10 @@ def test_kvikio_device_reads_do_not_wait_for_the_training_stream(monkeypatch, np
             np.testing.assert_array_equal(host(b["npy"])[i], np.load(src / f"{k}.npy"))
             seen.append(k)
     assert sorted(seen) == sorted(p.stem for p in src.glob("*.npy")) and len(seen) == 8
-    assert loader.stats()["io_path"] == "kvikio-gds"
+    st = loader.stats()
+    assert st["io_path"] == "kvikio-gds"
+    how = "cufile-async" if config_file else "sync-fallback"
+    assert st["io_read_modes"] == {f"kvikio-gds/{how}": 8}  # one read per 16 KiB row
 
 
 # -- audit 1 #4 / audit 2 #4: which GPU ----------------------------------------------------------------
@@ -573,3 +583,215 @@ def test_an_early_break_then_a_new_pass_delivers_right_values(monkeypatch, npy):
             assert y[i] == labels[k]
             n += 1
     assert n == 20  # the rest of the epoch after the first batch
+
+
+# -- audit 3 (../shared/reviews/gpu_audit_3.md): fakes that fail like the real APIs, and C1-C7 ------
+def _no_context_thread(fn):
+    """Run `fn` in a fresh thread (no CUDA context bound, as for KvikIO's issuing threads); its
+    result or exception."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(20)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_kvikio_backend_without_device_id_reads_from_threads_with_a_context(monkeypatch, tmp_path):
+    """C1 / F2: `KvikioBackend(threads=8)` (gpu_bench's kvikio_rows did this) gave its issuing
+    threads no device, so no CUDA context, and KvikIO's synchronous fallback of raw_read_async
+    (no cuFile config) failed with CUDA_ERROR_INVALID_CONTEXT. The fake failed nothing: every
+    thread "had device 0". Now the constructing thread's device is used."""
+    from gdsload.io import Extent
+    from gdsload.io.kvikio_backend import KvikioBackend
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=False))
+    cupy = __import__("sys").modules["cupy"]
+    buf = cupy.empty(8, np.uint8)
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_CONTEXT"):  # the fake, as the driver
+        _no_context_thread(lambda: gpu.kvikio.CuFile(__file__).raw_read_async(buf, 0, 8, 0).check_bytes_done())
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    out = cupy.empty(16384, np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with KvikioBackend(threads=8) as b:
+        b.order_on(stream.ptr)
+        b.read([Extent(str(path), 0, 8192), Extent(str(path), 8192, 8192)], out, [8192, 0]).result()
+        assert b.device_id == 0 and b.read_modes == {"kvikio-compat/sync-fallback": 2}
+    np.testing.assert_array_equal(out.get(), np.frombuffer((bytes(range(256)) * 32) * 2, np.uint8)[
+        np.r_[8192:16384, 0:8192]])
+
+
+def test_kvikio_backend_reports_a_bad_size_as_a_storage_error(monkeypatch, tmp_path):
+    """F4: real KvikIO raises ValueError for a size over the buffer (`_lib/arr.pyx`); the old fake
+    read short, and the backend let ValueError through unnamed."""
+    from gdsload.errors import StorageError
+    from gdsload.io import Extent
+    from gdsload.io.base import coalesce
+    from gdsload.io.kvikio_backend import KvikioBackend
+
+    gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
+    cupy = __import__("sys").modules["cupy"]
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with KvikioBackend() as b:
+        b.order_on(stream.ptr)
+        (group,) = coalesce([Extent(str(path), 0, 8192)], [0], max_gap=0, contiguous_out=True)
+        with pytest.raises(StorageError, match=r"Size is greater than the size of the buffer.*|.*'f'"):
+            b._read_group(group, cupy.empty(4096, np.uint8))  # a destination 4 KiB short
+
+
+def test_kvikio_backend_closes_evicted_cache_shards(monkeypatch, tmp_path, npy):
+    """C2: KvikioBackend had no forget(): every shard the cache evicted stayed open through its
+    CuFile (two fds and a cuFile handle), and its disk space was not freed."""
+    from gdsload.dataset import Dataset
+
+    ds, arrays, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
+    shards = sorted(Path(ds).glob("*.tar"))
+    assert len(shards) >= 3
+    limit = 2 * max(p.stat().st_size for p in shards) + 1
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    for p in Path(ds).iterdir():  # a remote dataset (the cache serves remote shards only)
+        mem.pipe(f"/gpu_c2/{p.name}", p.read_bytes())
+    loader = DataLoader(Dataset("memory://gpu_c2", cache_dir=tmp_path / "cache", cache_limit=limit),
+                        batch_size=4, device="cuda", output="numpy", num_workers=1, prefetch_factor=1,
+                        shuffle_window=1)
+    seen = 0
+    for b in loader:
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(host(b["npy"])[i], arrays[k])
+            seen += 1
+        cached_open = [p for p in gpu.kvikio.open_files if p.startswith(str(tmp_path / "cache"))]
+        assert len(cached_open) <= 2, cached_open  # before: every shard read so far
+    assert seen == 24 and loader.stats()["io_path"].startswith("kvikio")
+    cached = list((tmp_path / "cache").rglob("*.tar"))  # the shards the cache holds now
+    assert sum(p.stat().st_size for p in cached) <= limit
+
+
+def test_map_on_a_gpu_loader_is_ordered_for_a_side_stream_consumer(monkeypatch, npy):
+    """C3: `map`'s host copies were `.get()` on the legacy stream (each batch waited for training)
+    and its outputs went `.to("cuda", non_blocking=True)` on the producer's legacy stream, after
+    the ready event: a consumer on a side stream read them before they landed."""
+    import torch
+
+    ds, arrays, labels = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True, kvikio=dict(gds=True, config_file=True))
+    training: list[str] = []
+    gpu.null[0].enqueue(lambda: training.append("ran"), "a training step queued on the default stream")
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", prefetch_factor=1, num_workers=2,
+                        map=_double_npy)
+    snaps = []
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for b in loader:
+            keys, x = list(b["__key__"]), b["npy"]
+            s.stream.enqueue(lambda keys=keys, x=x: snaps.append((keys, x.clone())), "consumer kernel")
+        s.synchronize()
+    assert training == [], "a mapped batch waited for the training stream"
+    assert sum(len(k) for k, _ in snaps) == 24
+    for keys, x in snaps:
+        for i, k in enumerate(keys):
+            np.testing.assert_array_equal(x[i].numpy(), arrays[k].astype(np.int16) * 2, err_msg=k)
+    to_cuda = gpu.log_calls("torch_to_cuda")
+    private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
+    assert to_cuda and all(e[3] in private for e in to_cuda)  # on the private stream
+    assert gpu.log_calls("record_stream")  # the consumer's stream owns the mapped tensors
+
+
+def _double_npy(sample: dict) -> dict:
+    return {**sample, "npy": sample["npy"].astype(np.int16) * 2}
+
+
+def test_two_image_fields_a_corrupt_image_and_a_side_stream_consumer(monkeypatch, tmp_path):
+    """C4: with a skipped image, (a) the rows of several image fields were compacted by a CuPy
+    kernel on the producer's legacy stream, after the ready event; (b) labels were gathered
+    (`arr[keep]`) on the consumer thread's CuPy stream (legacy) while the ready wait went on
+    torch's side stream. A side-stream consumer read both before they were written."""
+    import torch
+
+    import fieldsample as fs
+    from gdsload.decode.image import ImageTransform
+
+    ref = fs.make_two_image_source(tmp_path / "src", bad_jpg="s002", bad_png="s005")
+    fs.convert_source(tmp_path / "src", tmp_path / "ds")
+    gpu = gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True, kvikio=False)
+    gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    loader = DataLoader(str(tmp_path / "ds"), batch_size=4, device="cuda", on_error="skip", num_workers=2,
+                        prefetch_factor=1, transform=ImageTransform(**fs.EVAL))
+    snaps = []
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for b in loader:
+            keys = list(b["__key__"])
+            x, d, y = b["jpg"], b["depth.png"], b["cls"]
+            s.stream.enqueue(lambda keys=keys, x=x, d=d, y=y: snaps.append(
+                (keys, x.clone(), d.clone(), y.clone())), "consumer kernel")
+        s.synchronize()
+    got = []
+    for keys, x, d, y in snaps:
+        for i, k in enumerate(keys):
+            got.append(k)
+            assert int(y[i]) == int(k[1:]), k
+            assert np.array_equal(d[i].numpy()[..., 0], ref[k]["depth.png"][:, 4:44]), k
+            assert np.abs(x[i].numpy().astype(int) - ref[k]["jpg"][:, 4:44].astype(int)).mean() < 3, k
+    assert got == [k for k in sorted(ref) if k not in ("s002", "s005")]
+
+
+def test_verify_full_on_a_device_ring_does_not_wait_for_training(monkeypatch, npy):
+    """C5: verify="full" CRCs of device rows were `.get()` on the legacy stream, so every batch
+    waited for the training kernels queued there."""
+    from gdsload.dataset import Dataset
+
+    ds, arrays, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
+    training: list[str] = []
+    gpu.null[0].enqueue(lambda: training.append("ran"), "a training step queued on the default stream")
+    loader = DataLoader(Dataset(str(ds), verify="full"), batch_size=4, device="cuda", output="numpy",
+                        prefetch_factor=1)
+    it = iter(loader)
+    b = next(it)
+    _wait_full(it, held=1)
+    assert training == [] and loader.stats()["verify"]
+    private = loader._resources.streams.stream
+    for i, k in enumerate(b["__key__"]):
+        np.testing.assert_array_equal(b["npy"].get(stream=private)[i], arrays[k])
+    it.close()
+
+
+def test_import_kvikio_wraps_a_library_not_found_error(monkeypatch, tmp_path):
+    """C7: cuda.pathfinder's DynamicLibNotFoundError (a RuntimeError) from KvikIO's import escaped
+    raw from `io="kvikio"`; now it is the MissingDependencyError with the hint and the reason."""
+    from gdsload.io.kvikio_backend import import_kvikio
+
+    pkg = tmp_path / "site" / "kvikio"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("class DynamicLibNotFoundError(RuntimeError):\n    pass\n"
+                                     "raise DynamicLibNotFoundError('Failure finding \"libcufile.so\"')\n")
+    monkeypatch.delitem(__import__("sys").modules, "kvikio", raising=False)
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    with pytest.raises(MissingDependencyError, match=r"libcufile\.so.*pip install"):
+        import_kvikio()
+
+
+def test_reads_into_a_registered_arena_address_it_by_base_and_offset(monkeypatch, npy_big):
+    """C6b: cuFile expects registered memory as (registered base, offset); the row's own address
+    as the base made every read an unregistered one (cuFile's bounce buffers)."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
+    loader = DataLoader(str(npy_big), batch_size=4, device="cuda", output="numpy")
+    for _ in loader:
+        pass
+    hows = gpu.log_calls("kvikio_read_how")
+    assert hows and all(registered for _, _, _, registered in hows)
+    assert len({off for _, _, off, _ in hows}) > 1  # rows at their offsets in the arena

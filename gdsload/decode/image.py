@@ -318,7 +318,8 @@ class ImageDecoder:
         if on_device != (self.device == "mixed"):
             raise ValueError(f"a {'device' if on_device else 'host'} slot cannot take the output of "
                              f"{self.device!r} decoding")
-        shape = tuple(out.as_tensor().shape())
+        shapes = out.shape()  # per sample; as_tensor() would refuse a non-contiguous TensorList
+        shape = (len(out), *shapes[0]) if shapes and all(tuple(x) == tuple(shapes[0]) for x in shapes) else None
         if on_device:
             cai = target.__cuda_array_interface__
             contiguous = cai.get("strides") is None

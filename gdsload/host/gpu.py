@@ -21,13 +21,21 @@ Streams and events (`CopyStreams`, one per loader), for a slot in device memory:
     before writing anything, because KvikIO/cuFile writes are not stream-ordered. Without it a
     consumer on a side stream (torch.cuda.Stream, CUDA graphs) could read the next batch's data.
 The consumer's current stream is torch's (`torch.cuda.current_stream(device)`) for torch output,
-CuPy's for CuPy output.
+CuPy's for CuPy output. Work a producer enqueues itself (the compaction of rows when images were
+skipped, a `map`/`collate_fn` batch's device-to-host and host-to-device copies, a
+`verify="full"` CRC's device-to-host copy) runs under `CopyStreams.producing()`, on the private
+stream before the ready event, never on the legacy stream (audit 3 C3-C5).
+Limit: the ready wait and the release fence go on the stream that is current when `next()` is
+called. `for b in loader: with torch.cuda.stream(s): ...` makes `s` current only after `next()`,
+so `s` gets neither: enter the stream around the whole loop (`with torch.cuda.stream(s): for b in
+loader: ...`), or call `s.wait_stream(torch.cuda.current_stream())` at the top of each step.
 
 CuPy is imported on first use; `import gdsload.host.gpu` needs the standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -155,6 +163,37 @@ class CopyStreams:
             event = self.cupy.cuda.Event(disable_timing=True)
             event.record(self.stream)
         return event
+
+    @contextlib.contextmanager
+    def producing(self):
+        """The private stream as the calling thread's current stream for CuPy and (torch output)
+        torch, on the loader's device: what a producer enqueues inside runs there, before the batch's
+        ready event (module docstring)."""
+        torch = _torch_cuda() if self.consumer == "torch" else None
+        with self.cupy.cuda.Device(self.ordinal), self.stream:
+            if torch is None:
+                yield
+            else:
+                with torch.cuda.stream(torch.cuda.ExternalStream(self.stream.ptr, device=f"cuda:{self.ordinal}")):
+                    yield
+
+    def record_consumer(self, batch: Any) -> None:
+        """`record_stream` every torch CUDA tensor of a mapped batch on the consumer's current stream:
+        they were allocated on the private stream (`producing()`), and torch's caching allocator
+        must not hand their memory to the next batch while the consumer's kernels still read it."""
+        torch = _torch_cuda() if self.consumer == "torch" else None
+        if torch is None:
+            return
+        stream = torch.cuda.current_stream(self.ordinal)
+        todo = [batch]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, dict):
+                todo += x.values()
+            elif isinstance(x, (list, tuple)):
+                todo += [v for v in x if isinstance(v, (dict, list, tuple, torch.Tensor))]
+            elif isinstance(x, torch.Tensor) and x.is_cuda:
+                x.record_stream(stream)
 
     def consumer_stream(self) -> Any:
         """The calling thread's current stream on the loader's device, as a CuPy stream."""

@@ -40,19 +40,40 @@ KvikIO 26.10 imports without a GPU but refuses every read when libcuda.so.1 is a
 Streams: `CuFile.pread` into device memory synchronises the legacy default stream first
 (file_handle.cpp `StreamSynchronize(nullptr)`; `sync_default_stream` is not exposed in Python),
 so a read waits for every kernel a training loop has queued there and the ring fills only while
-the GPU idles. `order_on(stream)` (the loader passes its private copy stream) makes device reads
-stream-ordered instead: one `CuFile.raw_read_async(buf, stream, size, offset)` per group
-(`cuFileReadAsync` on that stream; where KvikIO prefers compat mode for async I/O it reads through
-its POSIX path after synchronising that stream), then `check_bytes_done()`, which synchronises
-that stream only, in the issuing thread. These reads take no small-read shortcut, so their path
-is "kvikio-gds" with GDS and "kvikio-compat" without. Host buffers, and a backend without
-`order_on`, use `pread` as above.
+the GPU idles. `order_on(stream)` (the loader passes its private copy stream) asks for
+stream-ordered device reads instead: one `CuFile.raw_read_async(buf, s, size, offset, dev_offset)`
+per group, then `check_bytes_done()` (which synchronises `s`) in the issuing thread. What KvikIO
+26.10 really does with it (file_handle.cpp `FileHandle::read_async`, audit 3 F1):
+  - "cufile-async": `cuFileReadAsync` on `s`, ordered on that stream and on no other. KvikIO takes
+    this branch only when compat mode is not preferred AND a cuFile configuration file exists
+    (`CUFILE_ENV_PATH_JSON`, else `/etc/cufile.json`; compat_mode_manager.cpp
+    `is_compat_mode_preferred_for_async = compat || config_path().empty()`);
+  - "sync-fallback": otherwise it synchronises `s` and runs a *synchronous* `read()`, which still
+    waits for the legacy stream (compat: its bounce copy runs on a blocking per-thread stream;
+    cuFile: `sync_default_stream=true`, `StreamSynchronize(nullptr)`). So on a host with pip cuFile
+    and no config file (the H200 test machine) device reads still queue behind the training
+    kernels on the legacy stream; gdsload cannot change that from Python.
+`read_modes` (and the loader's `stats()["io_read_modes"]`) counts reads per "path/how": how is
+"cufile-async", "sync-fallback" or "pread" (the module docstring's paths). Each issuing thread
+has its own non-blocking stream, which first waits for the work queued on the private stream:
+with one shared stream every `check_bytes_done()` would synchronise all threads' reads and
+cuFileReadAsync calls would run one after another (audit 3 C6a). A read into a registered arena
+passes the arena as `devPtr_base` and the row's offset in it as `devPtr_offset`, as cuFile
+expects for registered memory (C6b). Not handled (C6c, GDS hosts only): two arenas inside one
+CuPy pool chunk; KvikIO's `memory_register` registers the whole allocation, so the second
+registration fails (reads then go through cuFile's bounce buffers) and the first arena's
+deregistration unregisters the chunk for both.
+These reads take no small-read shortcut, so their path is "kvikio-gds" with GDS and
+"kvikio-compat" without. Host buffers, and a backend without `order_on`, use `pread` as above.
 
 Threads: KvikIO splits large reads over its own thread pool (`threads` sets its size, which is
 process-wide state of KvikIO: setting it waits for running tasks and rebuilds the pool, so it is
 set only when it differs); this backend issues groups from a small pool of its own, because reads
-below KvikIO's `gds_threshold` run synchronously in the issuing thread. With `device_id`, each
-issuing thread makes that GPU its current device first (the current device is per thread).
+below KvikIO's `gds_threshold` run synchronously in the issuing thread. Each issuing thread makes
+`device_id` its current device first (the current device is per thread); without `device_id`
+the constructing thread's current device is used. KvikIO's synchronous fallback calls the driver
+with no context of its own, and a fresh thread has no current context until a runtime call binds
+one: without this every such read fails with CUDA_ERROR_INVALID_CONTEXT (audit 3 C1).
 """
 
 from __future__ import annotations
@@ -70,12 +91,13 @@ INSTALL_HINT = "pip install 'gdsload[cuda12]' (or 'gdsload[cuda13]' on a CUDA 13
 
 
 def import_kvikio() -> Any:
-    """`import kvikio`, or `MissingDependencyError` with the install hint."""
+    """`import kvikio`, or `MissingDependencyError` with the install hint and the reason."""
     try:
         import kvikio
         import kvikio.cufile_driver
         import kvikio.defaults
-    except (ImportError, OSError) as exc:  # OSError: a native library (librapids_logger.so) missing
+    except Exception as exc:  # ImportError; OSError: a native library (librapids_logger.so) missing;
+        # cuda.pathfinder's DynamicLibNotFoundError (a RuntimeError) from load_library() (audit 3 C7)
         raise MissingDependencyError(
             "the 'kvikio' I/O backend (GPUDirect Storage) needs the Python module 'kvikio', which "
             f"is not installed or does not load ({exc}); install it with: {INSTALL_HINT}"
@@ -93,10 +115,39 @@ def gds_active(kvikio: Any) -> bool:
         return False
 
 
+def cufile_config_path() -> str:
+    """The cuFile configuration file KvikIO 26.10 finds (config.cpp `config_path`, audit 3 F1):
+    `CUFILE_ENV_PATH_JSON` when set, else `/etc/cufile.json` when it exists, else "" (none)."""
+    env = os.environ.get("CUFILE_ENV_PATH_JSON")
+    if env:
+        return env
+    return "/etc/cufile.json" if os.path.exists("/etc/cufile.json") else ""
+
+
+def async_reads_are_async(kvikio: Any) -> bool:
+    """Whether `CuFile.raw_read_async` really calls `cuFileReadAsync` (module docstring): compat
+    mode not preferred and a cuFile configuration file present."""
+    try:
+        compat = bool(kvikio.defaults.is_compat_mode_preferred())
+    except Exception:
+        compat = True
+    return not compat and bool(cufile_config_path())
+
+
 def _setting(kvikio: Any, key: str) -> Any:
     """`kvikio.defaults.get(key)` (KvikIO 26.x), or None where the setting cannot be read."""
     try:
         return kvikio.defaults.get(key)
+    except Exception:
+        return None
+
+
+def _current_device() -> int | None:
+    """The calling thread's current CUDA device through CuPy, or None without CuPy."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDevice())
     except Exception:
         return None
 
@@ -126,7 +177,13 @@ class KvikioBackend(PooledBackend):
         threshold = _setting(self._kvikio, "gds_threshold")
         self.gds_threshold = int(threshold) if isinstance(threshold, int) else 16 * 1024
         self.issue_threads = issue_threads
+        if device_id is None:  # the constructing thread's device: every issuing thread binds a context
+            device_id = _current_device()
         self.device_id = device_id
+        self._async = async_reads_are_async(self._kvikio)
+        self.read_modes: dict[str, int] = {}  # "path/how" -> reads (module docstring)
+        self._tls = threading.local()
+        self._thread_streams: list[Any] = []  # kept alive while this backend lives
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (CuFile, file size in bytes)
         self.path_bytes: dict[str, int] = {}  # read path (module docstring) -> bytes read that way
         self._registered: list[Any] = []
@@ -138,6 +195,40 @@ class KvikioBackend(PooledBackend):
             import cupy
 
             cupy.cuda.Device(self.device_id).use()
+
+    def forget(self, path: str) -> None:
+        """Close the CuFile of `path` (reopened on the next read): the shard cache calls this
+        before it evicts a file, which would otherwise keep its fds, its cuFile handle and its disk
+        space (audit 3 C2). The caller guarantees no read of `path` is in flight."""
+        with self._lock:
+            entry = self._files.pop(path, None)
+        if entry is not None:
+            entry[0].close()
+
+    def _read_stream(self) -> int:
+        """This issuing thread's own stream (module docstring), made to wait for the work queued
+        so far on the private stream; its raw handle."""
+        import cupy
+
+        mine = getattr(self._tls, "stream", None)
+        if mine is None:
+            mine = self._tls.stream = cupy.cuda.Stream(non_blocking=True)
+            with self._path_lock:
+                self._thread_streams.append(mine)
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.ExternalStream(self._stream, self.device_id if self.device_id is not None else -1))
+        mine.wait_event(event)
+        return mine.ptr
+
+    def _base(self, view: Any) -> tuple[Any, int]:
+        """(buffer, offset) for `raw_read_async`: a registered arena holding `view` and the view's
+        offset in it, as cuFile wants registered memory addressed; else (view, 0)."""
+        ptr = view.__cuda_array_interface__["data"][0]
+        for buf in self._registered:
+            base = buf.__cuda_array_interface__["data"][0]
+            if base <= ptr and ptr + view.nbytes <= base + buf.nbytes:
+                return buf, ptr - base
+        return view, 0
 
     def _path(self, nbytes: int, on_device: bool) -> str:
         if not on_device:
@@ -192,6 +283,7 @@ class KvikioBackend(PooledBackend):
         for buf in self._registered:
             self._kvikio.memory_deregister(buf)
         self._registered.clear()
+        self._thread_streams.clear()  # every read on them was waited for (check_bytes_done)
 
     # -- internals ---------------------------------------------------------------------------
     def _file(self, path: str) -> tuple[Any, int]:
@@ -215,12 +307,16 @@ class KvikioBackend(PooledBackend):
         first = group.pieces[0].out_offset
         view = out[first : first + group.nbytes]  # contiguous: coalesce(contiguous_out=True)
         on_device = hasattr(out, "__cuda_array_interface__")
+        how = "pread"
         try:
             if on_device and self._stream is not None:
-                got = handle.raw_read_async(view, self._stream, group.nbytes, group.offset).check_bytes_done()
+                how = "cufile-async" if self._async else "sync-fallback"
+                buf, dev_offset = self._base(view)
+                got = handle.raw_read_async(buf, self._read_stream(), group.nbytes, group.offset,
+                                            dev_offset).check_bytes_done()
             else:
                 got = handle.pread(view, group.nbytes, group.offset).get()
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:  # ValueError: a size over the buffer (arr.pyx)
             raise StorageError(
                 f"KvikIO read of {group.path!r} bytes {group.offset}..{group.end} failed: {exc}"
             ) from exc
@@ -229,6 +325,8 @@ class KvikioBackend(PooledBackend):
         path = self._path(group.nbytes, on_device)
         with self._path_lock:
             self.path_bytes[path] = self.path_bytes.get(path, 0) + got
+            mode = f"{path}/{how}"
+            self.read_modes[mode] = self.read_modes.get(mode, 0) + 1
         if got < group.nbytes:
             piece = next(p for p in group.pieces if p.offset + p.nbytes > group.offset + got)
             raise short_read(group.path, piece.offset, piece.nbytes,

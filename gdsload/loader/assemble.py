@@ -47,13 +47,14 @@ class BatchInfo:
 
 class BatchAssembler:
     def __init__(self, fields: Sequence[Any], *, output: str, device: str, copy: bool,
-                 tuple_fields: list[str] | None, times: Any = None):
+                 tuple_fields: list[str] | None, times: Any = None, resources: Any = None):
         self.fields = list(fields)  # FieldPlans
         self.output = output
         self.device = device  # "cpu" or "cuda:N"
         self.copy = copy
         self.tuple_fields = tuple_fields
         self.times = times
+        self.resources = resources  # its `streams` (a device ring): the consumer's gathers run there
 
     def convert(self, arr: Any, *, copy: bool) -> Any:
         """A slot view as the output type, on the loader's device (zero copy where it is there)."""
@@ -84,11 +85,18 @@ class BatchAssembler:
                 continue
             arr = slot.buffers[fp.name]
             if keep is not None and fp.kind != "image":
-                view = arr[np.asarray(keep, dtype=np.intp)] if not hasattr(arr, "__cuda_array_interface__") else arr[keep]
+                streams = getattr(self.resources, "streams", None)
+                if not hasattr(arr, "__cuda_array_interface__"):
+                    view = arr[np.asarray(keep, dtype=np.intp)]
+                elif host or streams is None:  # the producer: under CopyStreams.producing()
+                    view = arr[keep]
+                else:  # a CuPy gather: on the consumer's stream, which waited for the batch (C4)
+                    with streams.consumer_stream():
+                        view = arr[keep]
             else:
                 view = arr[: len(keep) if keep is not None else n]
-            out[fp.name] = host_copy(view) if host else self.convert(
-                view, copy=self.copy or keep is not None and fp.kind != "image")
+            # rows gathered by `keep` are fresh memory already: no second copy
+            out[fp.name] = host_copy(view) if host else self.convert(view, copy=self.copy)
         keys = info.keys
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
         if info.sources is not None:

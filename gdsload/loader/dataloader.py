@@ -249,7 +249,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         res, opts = self._resources, self.options
         device = f"cuda:{res.device_ordinal}" if opts.device == "cuda" else "cpu"
         assembler = BatchAssembler(self._layout.fields, output=opts.output, device=device, copy=opts.copy,
-                                   tuple_fields=opts.tuple_fields)
+                                   tuple_fields=opts.tuple_fields, resources=res)
         ep = Epoch(plan=self.plan, cursor=self.cursor, resources=res, layout=self._layout, source=self.dataset,
                    assembler=assembler, stage=self._stage, tuner=self._tuner, restart=self.__iter__)
         self._progress = ep.progress

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.errors import RingClosed
+from gdsload.loader.assemble import UNSET
 from gdsload.loader.decoding import OrderedDecoder
 from gdsload.loader.fill import SlotFiller
 from gdsload.loader.gather import distinct
@@ -168,6 +169,8 @@ class Epoch:
             if action is not None:
                 self._tune(action)
         batch = self.assembler.make(slot)
+        if streams is not None and slot.meta["batch"].mapped is not UNSET:  # map's tensors: the consumer's now
+            streams.record_consumer(batch)
         self.position += self.G
         self.cursor.advance(self, self.epoch, self.position)
         info = slot.meta["batch"]

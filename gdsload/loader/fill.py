@@ -15,6 +15,7 @@ staging pool), the `BatchLayout`, the source (a mix's "__source__"), the pass's 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -261,9 +262,10 @@ class SlotFiller:
         self.times.add("read", t1 - t0)
         if local is not None:  # read: unpin now, not after the decode turn (which waits on
             R.cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
-        checks.run()
-        self.times.add("check", time.perf_counter() - t1)
         streams = R.streams
+        with streams.producing() if streams else contextlib.nullcontext():  # CRCs of device rows:
+            checks.run()  # their device-to-host copy on the private stream, not behind training (C5)
+        self.times.add("check", time.perf_counter() - t1)
         info = BatchInfo(keys=keys, n=len(ids), nbytes=nbytes, sources=self.source.sources_of(ids))
         keep = None
         kepts: dict[str, list[int]] = {}
@@ -296,25 +298,26 @@ class SlotFiller:
         """What both fill paths end with: rows of several image fields aligned to the samples all
         of them kept, the kept rows and the ready event in the batch's `BatchInfo`, then `map` /
         `collate_fn` (gdsload.frontend.usercode) on host copies of the batch."""
-        if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
-            for name, kf in kepts.items():
-                rows = [kf.index(k) for k in keep]
-                bufs[name][: len(rows)] = bufs[name][rows]
-            info.skipped = n - len(keep)
-        if keep is not None:  # corrupt images skipped: compact the other fields to match
-            info.keep = keep
         streams = self.res.streams
-        if streams:
-            info.ready = streams.ready()
-        slot.meta["batch"] = info
-        if self.stage is not None:
-            if info.ready is not None:  # device ring: the private stream's copies first
-                info.ready.synchronize()
-            kept_names = names if keep is None else [names[k] for k in keep]
-            t0 = time.perf_counter()
-            info.mapped = self.stage.run(self.assembler.make(slot, host=True), kept_names,
-                                         lambda a: self.assembler.convert(a, copy=False))
-            self.times.add("map", time.perf_counter() - t0)
+        # a device ring: the producer's own GPU work (row compaction, map's copies) goes on the
+        # private stream, before the ready event (gdsload.host.gpu, audit 3 C3/C4)
+        with streams.producing() if streams else contextlib.nullcontext():
+            if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
+                for name, kf in kepts.items():
+                    rows = [kf.index(k) for k in keep]
+                    bufs[name][: len(rows)] = bufs[name][rows]
+                info.skipped = n - len(keep)
+            if keep is not None:  # corrupt images skipped: compact the other fields to match
+                info.keep = keep
+            slot.meta["batch"] = info
+            if self.stage is not None:  # host copies: `.get()` on the private stream, after its copies
+                kept_names = names if keep is None else [names[k] for k in keep]
+                t0 = time.perf_counter()
+                info.mapped = self.stage.run(self.assembler.make(slot, host=True), kept_names,
+                                             lambda a: self.assembler.convert(a, copy=False))
+                self.times.add("map", time.perf_counter() - t0)
+            if streams:
+                info.ready = streams.ready()
 
 
 def _both(keep: list[int], kept: list[int]) -> list[int]:

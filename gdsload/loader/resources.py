@@ -149,7 +149,9 @@ class Resources:
     # -- stats and lifecycle ------------------------------------------------------------------------
     def io_paths(self) -> dict[str, Any]:
         return {"io_path": self.backend.name if self.backend else None,
-                "host_io_path": self.host_backend.name if self.host_backend else None}
+                "host_io_path": self.host_backend.name if self.host_backend else None,
+                # KvikIO: reads per "path/how", e.g. "kvikio-compat/sync-fallback" (gdsload.io.kvikio_backend)
+                "io_read_modes": dict(getattr(self.backend, "read_modes", None) or {}) or None}
 
     def close(self) -> dict[str, Any] | None:
         """Release everything; returns the cache's last stats (None without a cache)."""
