@@ -28,7 +28,7 @@ DALI_WHL=${GDSLOAD_DALI_WHEELS:-/tmp/dali-whl}
 WHL=${GDSLOAD_WHL_DIR:-.whl}
 PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-75}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-$([[ $PART == 1 ]] && echo 150 || echo 100)}
-GPU_TESTS=(tests/test_gpu_path.py tests/test_ring.py tests/test_loader.py tests/io/test_conformance.py)
+GPU_TESTS=(tests/test_gpu_path.py tests/ring/test_ring.py tests/loader/test_dataloader.py tests/io/test_conformance.py)
 STEPS1=data,device_path,kvikio_rows,raw_tier,ring_safety
 STEPS2=data,mixed_vs_cpu,mixed_busy,resnet50
 export PYTHONUNBUFFERED=1

@@ -293,7 +293,7 @@ def test_a_carried_dali_that_does_not_import_fails_the_check(tmp_path):
 def test_the_gpu_test_files_collect_the_gpu_tests():
     """What gpu_check.sh's pytest step selects (by file and marker), collected here: the device
     run must not find 'no tests' or a collection error."""
-    files = ["tests/test_gpu_path.py", "tests/test_ring.py", "tests/test_loader.py", "tests/io/test_conformance.py"]
+    files = ["tests/test_gpu_path.py", "tests/ring/test_ring.py", "tests/loader/test_dataloader.py", "tests/io/test_conformance.py"]
     assert all(f in SCRIPT.read_text() for f in files)
     assert '-m "gpu or gds"' in SCRIPT.read_text()
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
