@@ -23,6 +23,8 @@ _LAZY = {
     "ImageTransform": "gdsload.decode.image",
     "Mix": "gdsload.dataset.mix",
     "RemoteLoader": "gdsload.service.client",
+    "ShardWriter": "gdsload.convert.writer",
+    "write": "gdsload.convert.writer",
 }
 
 
@@ -41,6 +43,8 @@ __all__ = [
     "ImageTransform",
     "Mix",
     "RemoteLoader",
+    "ShardWriter",
+    "write",
     "DestinationError",
     "FormatError",
     "GdsloadError",

@@ -54,7 +54,7 @@ from gdsload.format import manifest as mf
 from gdsload.format.manifest import field_kind
 from gdsload.io.store import LOCK, Store, is_remote, load_manifest, local_path, open_store, save_manifest, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
-from gdsload.convert.shards import ShardWriter, make_manifest, shard_name
+from gdsload.convert.shards import ShardFile, make_manifest, shard_name
 
 STATE_DIR = ".gdsload-convert"
 PLAN = "plan.json"
@@ -253,7 +253,7 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
     fields: dict[str, str] = {}
     pending = [0, 0]
     store = open_store(dst)
-    w = ShardWriter(store, name)
+    w = ShardFile(store, name)
     try:
         for s in samples:
             try:

@@ -45,8 +45,9 @@ def prepare_payload(ext: str, payload: bytes | memoryview) -> tuple[bytes | memo
     return payload, False
 
 
-class ShardWriter:
-    """Write one shard `root/NAME.tar` with `NAME.idx` and `NAME.dali.idx`."""
+class ShardFile:
+    """Write one shard `root/NAME.tar` with `NAME.idx` and `NAME.dali.idx` (the unit every dataset
+    writer is built from; the public whole-dataset writer is `gdsload.ShardWriter`)."""
 
     def __init__(self, root: str | Path | Store, name: str):
         self.store = open_store(root)
@@ -61,7 +62,7 @@ class ShardWriter:
         self._keys: set[str] = set()
         self._sink = _Tee(self)
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> "ShardFile":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -153,7 +154,7 @@ class ShardWriter:
 class _Tee:
     """File-like `write` that goes through the shard writer's hashing and offset accounting."""
 
-    def __init__(self, w: ShardWriter):
+    def __init__(self, w: ShardFile):
         self._w = w
 
     def write(self, data: bytes | memoryview) -> int:
@@ -195,8 +196,8 @@ def make_manifest(
 class DatasetWriter:
     """Stream samples into shards rolled at `shard_size` bytes; `close()` writes the manifest.
 
-    The single-process counterpart of `webdataset.ShardWriter` for library use; the CLI's
-    `convert` plans shards up front instead, so it can write them in parallel.
+    A minimal single-process writer kept for tests and internal tools; the public writer, with
+    resume, appends and worker processes, is `gdsload.ShardWriter` (`gdsload.convert.writer`).
     """
 
     def __init__(self, root: str | Path, *, shard_size: int = 1 << 30, prefix: str = "shard",
@@ -212,7 +213,7 @@ class DatasetWriter:
         self.classes = classes
         self.shards: list[mf.ShardEntry] = []
         self.fields: dict[str, str] = {}
-        self._cur: ShardWriter | None = None
+        self._cur: ShardFile | None = None
         self._keys: set[str] = set()
 
     def write(self, key: str, fields: Mapping[str, bytes | memoryview]) -> None:
@@ -222,7 +223,7 @@ class DatasetWriter:
         if key in self._keys:
             raise FormatError(f"duplicate sample key {key!r}: keys must be unique across the dataset")
         if self._cur is None:
-            self._cur = ShardWriter(self.root, shard_name(self.prefix, len(self.shards)))
+            self._cur = ShardFile(self.root, shard_name(self.prefix, len(self.shards)))
         self._cur.add(key, fields)
         self._keys.add(key)
         for ext in fields:

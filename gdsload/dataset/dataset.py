@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import PurePosixPath
@@ -29,21 +28,31 @@ class Dataset(ProcessLocal):
 
     Pickles to its path, fields, `verify` and cache settings; a copy in another process (or a
     forked child) opens the dataset again on first use and refuses it if its content changed in
-    between.
+    between. Appends (`gdsload.ShardWriter(append=True)`) are not a change there: the copy keeps
+    reading the version this Dataset opened (its first shards, which an append never rewrites).
+
+    `version`: open the dataset as it was at that manifest version (1: as first written), e.g.
+    to finish an epoch whose state was saved before an append; default: the newest.
     """
 
     _PROCESS_LOCAL = ("_shards",)
 
     def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
                  cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
-                 cache_limit: int | str = "50GB"):
+                 cache_limit: int | str = "50GB", version: int | None = None):
         from gdsload.io.store import is_remote
 
         self.path = str(path)
         self.verify = check_mode(verify)
         self._start_process()
-        self._shards = ShardedDataset(path)
+        self._shards = ShardedDataset(path, version=version)
         self._id = self._content_id(self._shards)
+        # every version this one extends: (its dataset id, its samples), for `Plan.earlier`
+        from gdsload.format import manifest as mf
+
+        self.version = mf.versions(self._shards.manifest)[-1]["version"]
+        self.earlier = tuple((mf.dataset_id(self._shards.shards[: v["shards"]]), v["num_samples"])
+                             for v in mf.versions(self._shards.manifest)[:-1])
         self.cache_limit = parse_limit(cache_limit)
         if cache_dir is False or not is_remote(self.path):
             self.cache_dir: str | None = None
@@ -68,7 +77,7 @@ class Dataset(ProcessLocal):
         """The open dataset of this process (its file descriptors and lock are per process)."""
         self._check_process()
         if self._shards is None:
-            shards = ShardedDataset(self.path)
+            shards = ShardedDataset(self.path, version=self.version)
             if self._content_id(shards) != self._id:
                 raise FormatError(
                     f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "
@@ -79,10 +88,9 @@ class Dataset(ProcessLocal):
 
     @staticmethod
     def _content_id(shards: ShardedDataset) -> str:
-        h = hashlib.sha256()
-        for s in shards.shards:
-            h.update(s["sha256"].encode())
-        return h.hexdigest()[:16]
+        from gdsload.format.manifest import dataset_id
+
+        return dataset_id(shards.shards)
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -111,7 +119,7 @@ class Dataset(ProcessLocal):
     def select(self, fields: Sequence[str]) -> "Dataset":
         """This dataset reading `fields` only (each must be in it)."""
         return Dataset(self.path, fields=fields, verify=self.verify, cache_dir=self.cache_dir or False,
-                       cache_limit=self.cache_limit)
+                       cache_limit=self.cache_limit, version=self.version)
 
     def sources_of(self, ids) -> None:
         return None  # one dataset: batches have no "__source__"
@@ -120,7 +128,7 @@ class Dataset(ProcessLocal):
         """The `gdsload.plan.plan.Plan` of this dataset with the loader's order options."""
         from gdsload.plan.plan import Plan
 
-        return Plan(dataset_id=self.dataset_id, shard_sizes=self.shard_sizes, **plan_args)
+        return Plan(dataset_id=self.dataset_id, shard_sizes=self.shard_sizes, earlier=self.earlier, **plan_args)
 
 
 def parse_limit(limit: int | str) -> int:

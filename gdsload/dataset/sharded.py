@@ -36,11 +36,15 @@ from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 class ShardedDataset:
     """A converted dataset: `len()`, `sample(i)`, `iter_samples()`, `verify()`."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], *, version: int | None = None):
+        """`version`: read the dataset as it was at that manifest version (its first shards; see
+        `gdsload.format.manifest.at_version`); default: the newest."""
         self.root = str(root).rstrip("/") if is_remote(str(root)) else str(local_path(root))
         self._store = open_store(self.root)
         self._fs = self._store.fs if isinstance(self._store, FsspecStore) else None
         self.manifest = load_manifest(self._store)
+        if version is not None:
+            self.manifest = mf.at_version(self.manifest, version)
         self.shards: list[mf.ShardEntry] = self.manifest["shards"]
         self._starts = np.concatenate([[0], np.cumsum([s["samples"] for s in self.shards])]).tolist()
         self._indexes: dict[int, ShardIndex] = {}

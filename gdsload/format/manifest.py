@@ -16,7 +16,13 @@ Layout (version 1)::
      "fields": {"jpg": "image", "cls": "label"},
      "classes": ["n01440764", ...] or null,
      "created": {"by": "gdsload 0.1.0", "at": "2026-12-02T11:00:00Z", "source": "...",
-                 "source_format": "imagefolder", "options": {...}, "rejected": 0}}
+                 "source_format": "imagefolder", "options": {...}, "rejected": 0},
+     "versions": [{"version": 1, "shards": 12, "num_samples": 9000, "at": "..."}, ...]}
+
+Appends (`gdsload convert --append`, `gdsload.ShardWriter(append=True)`) add shards at the end
+and a `versions` entry; shards already listed are never rewritten and class names are only ever
+added at the end, so version K of a dataset is exactly its first `versions[K-1]["shards"]` shards
+(`at_version`). A manifest without `versions` has one version: all its shards.
 """
 
 from __future__ import annotations
@@ -50,6 +56,43 @@ class ShardEntry(_ShardEntryRequired, total=False):
     min_nbytes: dict[str, int]  # field -> its smallest (equal to max: one size, a fixed-shape .npy)
     member_crc: bool  # the shard's index holds CRC32s
     npy_c_order: bool  # the shard's index vouches every .npy payload is C-ordered
+
+
+def dataset_id(shards: list[ShardEntry]) -> str:
+    """The identity of a dataset's content, for loader states: a hash of its shards' SHA-256s in
+    order. An append gives a new id; version K's id is that of its first shards."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in shards:
+        h.update(s["sha256"].encode())
+    return h.hexdigest()[:16]
+
+
+def versions(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The dataset's versions, oldest first: `{"version", "shards", "num_samples", ...}`."""
+    listed = manifest.get("versions")
+    if listed:
+        return list(listed)
+    return [{"version": 1, "shards": len(manifest["shards"]), "num_samples": manifest["num_samples"],
+             "at": (manifest.get("created") or {}).get("at")}]
+
+
+def at_version(manifest: dict[str, Any], version: int) -> dict[str, Any]:
+    """The manifest as it was at `version` (1 = as first written): its first shards only."""
+    known = versions(manifest)
+    match = [v for v in known if v["version"] == version]
+    if not match:
+        raise FormatError(f"the dataset has no version {version!r} (versions: "
+                          f"{', '.join(str(v['version']) for v in known)})")
+    v = match[0]
+    shards = manifest["shards"][: v["shards"]]
+    out = dict(manifest, shards=shards, num_samples=sum(s["samples"] for s in shards),
+               num_bytes=sum(s["bytes"] for s in shards))
+    out["versions"] = [x for x in known if x["version"] <= version]
+    if manifest.get("classes") is not None and v.get("classes") is not None:
+        out["classes"] = manifest["classes"][: v["classes"]]
+    return out
 
 
 def field_kind(ext: str) -> str:
@@ -95,4 +138,9 @@ def parse(text: str, *, name: str) -> dict[str, Any]:
                                   f"counts within the shard's {s['bytes']} bytes")
     if sum(s["samples"] for s in shards) != m.get("num_samples"):
         raise FormatError(f"{name}: num_samples does not equal the sum over shards")
+    for v in m.get("versions") or []:
+        k = v.get("shards") if isinstance(v, dict) else None
+        if not isinstance(k, int) or not 0 < k <= len(shards) or \
+                v.get("num_samples") != sum(s["samples"] for s in shards[:k]):
+            raise FormatError(f"{name}: version entry {v!r} does not match the shard list")
     return m

@@ -246,7 +246,9 @@ class Plan:
 
     `dataset_id` names the dataset (the loader passes a hash of the manifest's shard hashes); it
     is stored in states so that a state is never applied to another dataset. `batch_size` is per
-    rank; the global batch is ``batch_size * world_size``.
+    rank; the global batch is ``batch_size * world_size``. `earlier`: `(dataset_id, num_samples)`
+    of the versions this dataset was appended to, so that a state saved on one of them is refused
+    as such ("the dataset has changed: N samples appended").
     """
 
     dataset_id: str
@@ -258,6 +260,7 @@ class Plan:
     shuffle: bool = False
     window: int = 4
     drop_last: bool = False
+    earlier: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset_id, str) or not self.dataset_id:
@@ -420,6 +423,15 @@ class Plan:
             raise StateError(
                 f"state field 'dataset' must be a string, got {dataset!r} "
                 f"({type(dataset).__name__})"
+            )
+        appended_to = dict(self.earlier).get(dataset)
+        if appended_to is not None:
+            raise StateError(
+                f"the dataset has changed: {self.num_samples - appended_to} samples appended since "
+                f"this state was saved (it is from the version with {appended_to} samples, id "
+                f"{dataset!r}); the order of an epoch depends on every sample, so start a new "
+                f"epoch from a fresh state, or finish this one on the old version: "
+                f"gdsload.Dataset(path, version=K) (`gdsload inspect` lists the versions)"
             )
         if dataset != self.dataset_id:
             saved_id, current_id = _shorten(dataset, self.dataset_id)

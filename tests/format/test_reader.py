@@ -18,7 +18,7 @@ from gdsload.errors import FormatError, StorageError
 from gdsload.io.store import load_manifest, save_manifest
 from gdsload.dataset.sharded import ShardedDataset, open_dataset
 from gdsload.format.tar import ALIGN
-from gdsload.convert.shards import DatasetWriter, ShardWriter, make_manifest, shard_name
+from gdsload.convert.shards import DatasetWriter, ShardFile, make_manifest, shard_name
 
 NUM_SHARDS = 3
 PER_SHARD = 4
@@ -41,7 +41,7 @@ def _make(root: Path) -> Path:
     root.mkdir(parents=True)
     entries = []
     for s in range(NUM_SHARDS):
-        w = ShardWriter(root, shard_name("shard", s))
+        w = ShardFile(root, shard_name("shard", s))
         for j in range(PER_SHARD):
             i = s * PER_SHARD + j
             w.add(_key(i), _fields(i))
