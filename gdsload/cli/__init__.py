@@ -61,12 +61,12 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def _convert(a: argparse.Namespace) -> int:
-    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.convert.engine import ConvertOptions
 
     opts = ConvertOptions(
         shard_size=a.shard_size, workers=a.workers, shuffle=a.shuffle, seed=a.seed,
         validate=a.validate, resume=a.resume, overwrite=a.overwrite, format=a.format,
-        labels=a.labels, prefix=a.prefix, progress=not a.quiet,
+        labels=a.labels, prefix=a.prefix, progress=not a.quiet, columns=a.columns, append=a.append,
     )
     if a.engine == "ray":
         from gdsload.convert.ray_engine import convert_ray
@@ -75,13 +75,15 @@ def _convert(a: argparse.Namespace) -> int:
     elif a.ray_address:
         raise GdsloadError(f"--ray-address {a.ray_address} applies to --engine ray only (engine is {a.engine!r})")
     else:
-        r = convert(a.src, a.dst, opts)
+        from gdsload.convert.route import convert_any
+
+        r = convert_any(a.src, a.dst, opts)
     if r.get("complete"):
         print(f"{a.dst}: already complete ({r['samples']} samples in {r['shards']} shards, made from the "
               f"same inputs and options); nothing to resume")
         return 0
     print(
-        f"converted {r['samples']} samples into {r['shards']} shards ({_human(r['bytes'])}) in "
+        f"{'appended' if r.get('appended') else 'converted'} {r['samples']} samples into {r['shards']} shards ({_human(r['bytes'])}) in "
         f"{r['seconds']:.1f} s: {r['samples_per_s']:.0f} samples/s, {r['mb_per_s']:.1f} MB/s, "
         f"{r['workers']} worker(s)"
         + (f"; {r['resumed_shards']} shards kept from the interrupted run" if r["resumed_shards"] else "")
@@ -209,11 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="convert a dataset into aligned WebDataset shards",
                        description="Convert an image folder (CLASS/IMAGE), a folder of KEY.EXT files, "
-                       "WebDataset tars (file, folder or brace pattern) or a folder of .npy files.")
+                       "WebDataset tars (file, folder or brace pattern), a folder of .npy files, a Parquet file "
+                       "or folder, or a HuggingFace datasets save_to_disk folder.")
     c.add_argument("src", help="source folder, .tar file, or pattern like 'train-{000000..000099}.tar'; "
                    "a local path or an fsspec URL (s3://bucket/train)")
     c.add_argument("dst", help="destination folder or fsspec URL (new or empty, unless --resume/--overwrite)")
-    c.add_argument("--format", choices=["imagefolder", "files", "tar", "npy"], help="source layout (default: detected)")
+    c.add_argument("--format", choices=["imagefolder", "files", "tar", "npy", "parquet", "arrow"],
+                   help="source layout (default: detected); arrow: a datasets save_to_disk folder")
+    c.add_argument("--columns", metavar="COL:FIELD,...",
+                   help="Parquet/Arrow: which columns become which fields, e.g. image:jpg,label:cls,caption:txt "
+                   "(id:__key__ for the keys; default: detected)")
+    c.add_argument("--append", action="store_true",
+                   help="add the samples to the dataset in DST as a new version (its shards are kept as they are)")
     c.add_argument("--shard-size", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",
                    help="target shard size, e.g. 512MB, 1GiB (default 1GiB)")
     c.add_argument("--workers", type=int, default=None, help="parallel writers (default: all cores)")

@@ -76,6 +76,8 @@ class ConvertOptions:
     labels: str | None = None
     prefix: str = "shard"
     progress: bool = True
+    columns: str | None = None  # Parquet/Arrow inputs: "image:jpg,label:cls" (`columnar`)
+    append: bool = False  # add to the dataset at DST as a new version (`route`, `writer`)
 
     def output_affecting(self) -> dict[str, Any]:
         d = asdict(self)

@@ -51,7 +51,7 @@ from gdsload.format.manifest import IMAGE_EXTS
 from gdsload.io.store import is_remote, local_path, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 
-SourceFormat = Literal["imagefolder", "files", "tar", "npy"]
+SourceFormat = Literal["imagefolder", "files", "tar", "npy", "parquet", "arrow"]  # the last two: `columnar`
 
 MAX_PAX_NBYTES = 1 << 20  # a PAX or GNU long-name header bigger than this is refused as hostile
 

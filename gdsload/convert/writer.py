@@ -9,7 +9,8 @@ crash-safe resume, rejects with reasons in `rejected.jsonl`.
 Samples are dicts: `"__key__"` (a str, unique in the dataset) and fields named by extension
 (`jpg`, `cls`, `caption.txt`, `emb.npy`). Values: bytes as they are; str as UTF-8; an int as a
 decimal label (`.cls`); a NumPy array (or a list of numbers for a `.npy` field) as an aligned
-`.npy`; dicts, lists, floats, bools and None as JSON. Other keys starting with `__` are ignored.
+`.npy`; dicts, lists, floats, bools and None as JSON. Other keys starting with `__` are ignored;
+in `write`, a sample `{"__key__": k, "__reject__": "why"}` is left out and recorded as a reject.
 
 Order and determinism: samples are written in the order given (`write`: input order, then the
 order `fn` yields them), and shards are cut over that order when the next sample would take the
@@ -562,6 +563,10 @@ def _produce(fn: Callable[[Any], Iterable[Mapping[str, Any]]], item: Any, i: int
     if isinstance(result, Mapping):
         result = [result]
     for j, sample in enumerate(result):
+        if isinstance(sample, Mapping) and "__reject__" in sample:
+            yield "reject", {"source": f"input {i} ({_short(item)})", "key": str(sample.get("__key__", "")),
+                             "reason": str(sample["__reject__"])}
+            continue
         try:
             key, payloads = encode_sample(sample)
             if validate:
