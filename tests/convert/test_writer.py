@@ -1,0 +1,211 @@
+"""`gdsload.ShardWriter` and `gdsload.write(fn, inputs, dst, workers)`: round trip of every value
+type, output bytes independent of the worker count, kill and resume, collisions, rejects."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gdsload
+from gdsload.convert.writer import WriteFnError
+from gdsload.errors import DestinationError, FormatError, InputError
+from gdsload.format.reader import open_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def jpeg(i: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((16, 16, 3), i % 256, np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def sample_of(i: int) -> dict:
+    """Every value type the writer takes, including a big aligned tensor and a Fortran array."""
+    rng = np.random.default_rng(i)
+    return {
+        "__key__": f"s{i:05d}",
+        "jpg": jpeg(i),
+        "cls": i % 3,
+        "txt": f"caption {i} ünïcode",
+        "emb.npy": rng.standard_normal((3, 5)).astype(np.float32),
+        "big.npy": np.asfortranarray(rng.integers(0, 100, (40, 60), dtype=np.int32)),
+        "json": {"i": i, "tags": ["a", "b"], "score": 0.5},
+        "raw.bin": bytearray(b"\x00\x01" * (i + 1)),
+        "meta.json": [i, None, True],
+    }
+
+
+def test_round_trip_every_field_type(tmp_path):
+    src = [sample_of(i) for i in range(12)]
+    with gdsload.ShardWriter(tmp_path / "ds", shard_size="40KB", classes=["a", "b", "c"]) as w:
+        for s in src:
+            w.write(s)
+    m = w.manifest
+    assert len(m["shards"]) > 1 and m["num_samples"] == 12 and m["classes"] == ["a", "b", "c"]
+    assert m["fields"] == {"big.npy": "tensor", "cls": "label", "emb.npy": "tensor", "jpg": "image",
+                           "json": "json", "meta.json": "json", "raw.bin": "bytes", "txt": "text"}
+    ds = open_dataset(tmp_path / "ds")
+    assert ds.verify() == {}
+    for i, s in enumerate(src):
+        got = ds.sample(i)
+        assert got["__key__"] == s["__key__"]
+        assert got["jpg"] == s["jpg"]
+        assert int(got["cls"]) == s["cls"]
+        assert got["txt"].decode() == s["txt"]
+        for f in ("emb.npy", "big.npy"):
+            arr = np.load(io.BytesIO(got[f]))
+            assert arr.dtype == s[f].dtype and np.array_equal(arr, s[f]) and arr.flags.c_contiguous
+        assert json.loads(got["json"]) == s["json"] and json.loads(got["meta.json"]) == s["meta.json"]
+        assert got["raw.bin"] == bytes(s["raw.bin"])
+    # tensors of 4 KiB or more have their data 4 KiB-aligned in the tar
+    assert ds.alignment()["aligned"] == ds.alignment()["payloads_4k_or_more"] > 0
+
+
+def test_values_that_cannot_be_stored_are_refused(tmp_path):
+    with pytest.raises(FormatError, match="__key__"), gdsload.ShardWriter(tmp_path / "a") as w:
+        w.write({"jpg": b"x"})
+    with pytest.raises(FormatError, match="name the field NAME.npy"), gdsload.ShardWriter(tmp_path / "b") as w:
+        w.write({"__key__": "k", "data": np.zeros(3)})
+    with pytest.raises(FormatError, match="type object"), gdsload.ShardWriter(tmp_path / "c") as w:
+        w.write({"__key__": "k", "x": object()})
+    with pytest.raises(FormatError, match="not a decimal integer"), gdsload.ShardWriter(tmp_path / "d") as w:
+        w.write({"__key__": "k", "cls": "cat"})
+    for d in "abcd":  # nothing that looks like a dataset is left
+        assert not (tmp_path / d / "manifest.json").exists()
+        assert not [n for n in os.listdir(tmp_path / d) if n.endswith(".tar")]
+
+
+def gen(i: int):
+    """Zero to three samples per input (filtering is free); sizes vary so shards cut unevenly."""
+    for j in range(i % 4):
+        yield {"__key__": f"in{i:03d}_{j}", "bin": bytes([i % 256, j]) * (500 + 37 * i), "cls": j}
+
+
+def shard_files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != "manifest.json"}
+
+
+def stable(m: dict) -> dict:
+    m = json.loads(json.dumps(m))
+    m["created"].pop("at")
+    return m
+
+
+def test_same_bytes_for_1_and_4_workers(tmp_path):
+    m1 = gdsload.write(gen, range(60), tmp_path / "w1", shard_size="24KB", progress=False)
+    m4 = gdsload.write(gen, range(60), tmp_path / "w4", shard_size="24KB", workers=4, progress=False)
+    assert m1["num_samples"] == sum(i % 4 for i in range(60)) and len(m1["shards"]) > 3
+    assert shard_files(tmp_path / "w1") == shard_files(tmp_path / "w4")
+    assert stable(m1) == stable(m4)
+    keys = [k for i in range(len(m1["shards"])) for k in open_dataset(tmp_path / "w1").index(i).keys()]
+    assert keys == [f"in{i:03d}_{j}" for i in range(60) for j in range(i % 4)]  # input order
+
+
+def test_key_collision_names_both_inputs_and_leaves_nothing(tmp_path):
+    def fn(i):
+        return {"__key__": "same" if i in (3, 7) else f"k{i}", "bin": b"x" * 100}
+
+    with pytest.raises(InputError, match=r"duplicate sample key 'same': input 3 \(3\) and input 7 \(7\)"):
+        gdsload.write(fn, range(10), tmp_path / "ds", workers=2, progress=False)
+    assert not [n for n in os.listdir(tmp_path / "ds") if not n.startswith(".gdsload.lock")]
+
+
+def test_error_in_fn_names_the_input_and_keeps_finished_shards(tmp_path):
+    def fn(i):
+        if i == 40:
+            raise ValueError("broken record")
+        yield {"__key__": f"k{i}", "bin": os.urandom(3000)}
+
+    with pytest.raises(WriteFnError, match="input 40: ValueError: broken record"):
+        gdsload.write(fn, range(50), tmp_path / "ds", shard_size="20KB", workers=2, progress=False)
+    assert (tmp_path / "ds" / ".gdsload-convert").is_dir() and not (tmp_path / "ds" / "manifest.json").exists()
+    with pytest.raises(DestinationError, match="interrupted conversion; pass resume=True"):
+        gdsload.write(fn, range(50), tmp_path / "ds", progress=False)
+
+
+def test_rejects_are_recorded_with_reasons(tmp_path):
+    def fn(i):
+        if i == 2:
+            return {"__key__": "bad-label", "cls": "not a number"}
+        if i == 4:
+            return {"__key__": "gone", "__reject__": "source row was deleted"}
+        return {"__key__": f"k{i}", "cls": i}
+
+    m = gdsload.write(fn, range(6), tmp_path / "ds", progress=False)
+    assert m["num_samples"] == 4 and m["created"]["rejected"] == 2
+    rejects = [json.loads(line) for line in (tmp_path / "ds" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["source"]) for r in rejects] == [("bad-label", "input 2 (2)"), ("gone", "input 4 (4)")]
+    assert "not a decimal integer" in rejects[0]["reason"] and rejects[1]["reason"] == "source row was deleted"
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import gdsload
+
+    def fn(i):
+        if i == int(os.environ.get("KILL_AT", "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-shard: the current shard is half written
+        for j in range(2):
+            yield {"__key__": f"k{i:03d}_{j}", "bin": bytes([i, j]) * 1500, "cls": j}
+
+    gdsload.write(fn, range(40), sys.argv[1], shard_size="30KB", resume=len(sys.argv) > 2, progress=False)
+""")
+
+
+def test_killed_mid_shard_then_resume_gives_the_same_dataset(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ref = subprocess.run([sys.executable, str(script), str(tmp_path / "ref")], env=env, timeout=60)
+    assert ref.returncode == 0
+    killed = subprocess.run([sys.executable, str(script), str(tmp_path / "ds")], timeout=60,
+                            env={**env, "KILL_AT": "27"})
+    assert killed.returncode == -signal.SIGKILL
+    dst = tmp_path / "ds"
+    assert not (dst / "manifest.json").exists()
+    done = sorted(os.listdir(dst / ".gdsload-convert" / "done"))
+    assert len(done) >= 2  # finished shards were recorded before the kill
+    assert any(n.startswith(".") and ".tmp-" in n for n in os.listdir(dst))  # the half-written shard
+    first_kept = (dst / "shard-000000.tar").stat().st_mtime_ns
+    resumed = subprocess.run([sys.executable, str(script), str(dst), "resume"], env=env, timeout=60)
+    assert resumed.returncode == 0
+    assert (dst / "shard-000000.tar").stat().st_mtime_ns == first_kept  # kept, not rewritten
+    assert shard_files(dst) == shard_files(tmp_path / "ref")
+    assert open_dataset(dst).verify() == {}
+
+
+def test_shardwriter_resume_skips_what_was_written(tmp_path):
+    samples = [{"__key__": f"k{i}", "bin": os.urandom(2500)} for i in range(30)]
+    w = gdsload.ShardWriter(tmp_path / "ds", shard_size="20KB")
+    for s in samples[:20]:
+        w.write(s)
+    w._stack.close()  # the process "dies": lock released, nothing finished
+    kept = sorted(n for n in os.listdir(tmp_path / "ds" / ".gdsload-convert" / "done"))
+    assert kept
+    with gdsload.ShardWriter(tmp_path / "ds", shard_size="20KB", resume=True) as w2:
+        for s in samples:
+            w2.write(s)
+    ds = open_dataset(tmp_path / "ds")
+    assert [ds.sample(i)["__key__"] for i in range(len(ds))] == [s["__key__"] for s in samples]
+    assert all(ds.sample(i)["bin"] == samples[i]["bin"] for i in range(30))
+    with pytest.raises(DestinationError, match="already holds a dataset"):
+        gdsload.ShardWriter(tmp_path / "ds")
+
+
+def test_import_gdsload_exports_the_writer_lazily():
+    code = ("import sys, gdsload; assert 'gdsload.convert.writer' not in sys.modules; "
+            "assert gdsload.ShardWriter.__module__ == 'gdsload.convert.writer'; "
+            "assert callable(gdsload.write); assert 'pyarrow' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
