@@ -581,6 +581,10 @@ def _produce(fn: Callable[[Any], Iterable[Mapping[str, Any]]], item: Any, i: int
 
 
 def _short(item: Any, limit: int = 80) -> str:
+    """An input, for messages: its `source` where it has one (a listed file), else its repr."""
+    source = getattr(item, "source", None)
+    if isinstance(source, str):
+        return source
     text = repr(item)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
