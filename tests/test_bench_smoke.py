@@ -24,6 +24,17 @@ def test_convert_bench_tiny(tmp_path):
     assert (tmp_path / "r.json").is_file()
 
 
+def test_writer_bench_tiny(tmp_path):
+    pytest.importorskip("webdataset")
+    pytest.importorskip("pyarrow")
+    # litdata is not a test dependency (it pulls torchvision); the lead's runs include it
+    r = _load("writer_bench").main(["--tiny", "--contestants", "gdsload,webdataset", "--workdir", str(tmp_path),
+                                    "--out", str(tmp_path / "r.json")])
+    assert r["source"]["rows"] == 200 and r["workers"] == 2
+    assert r["ratio_vs_better_baseline"]["median"] > 0 and r["gdsload"]["cpu_s_per_gb"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["bench"] == "writer"
+
+
 @pytest.mark.dali
 def test_loader_bench_tiny(tmp_path):
     pytest.importorskip("webdataset")
