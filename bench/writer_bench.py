@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     counts = {}
     if "gdsload" in names:
-        from gdsload.format.reader import open_dataset
+        from gdsload.dataset.sharded import open_dataset
 
         counts["gdsload"] = len(open_dataset(work / "out-gdsload"))
     if "litdata" in names:

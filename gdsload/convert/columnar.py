@@ -40,7 +40,7 @@ import numpy as np
 from gdsload.convert.sources import _tree, read_range
 from gdsload.errors import InputError, require
 from gdsload.format import manifest as mf
-from gdsload.format.store import is_remote, url_to_fs
+from gdsload.io.store import is_remote, url_to_fs
 
 BATCH_NBYTES = 16 << 20  # rows per read: about this many bytes of data
 BUFFER_NBYTES = 1 << 20  # the Parquet reader's stream buffer

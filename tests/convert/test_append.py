@@ -14,8 +14,8 @@ import pytest
 import gdsload
 from gdsload.cli import main
 from gdsload.errors import DestinationError, InputError
-from gdsload.format.reader import open_dataset
-from gdsload.plan import StateError
+from gdsload.dataset.sharded import open_dataset
+from gdsload.errors import StateError
 
 
 def samples(start: int, n: int, *, dtype=np.float32, shape=(4,)):

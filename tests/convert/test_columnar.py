@@ -24,7 +24,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from gdsload.cli import main  # noqa: E402
-from gdsload.format.reader import open_dataset  # noqa: E402
+from gdsload.dataset.sharded import open_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ["cat", "dog", "fox"]

@@ -18,7 +18,7 @@ import pytest
 import gdsload
 from gdsload.convert.writer import WriteFnError
 from gdsload.errors import DestinationError, FormatError, InputError
-from gdsload.format.reader import open_dataset
+from gdsload.dataset.sharded import open_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
