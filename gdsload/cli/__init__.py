@@ -114,6 +114,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
             "classes": len(ds.classes) if ds.classes else None,
             "alignment": ds.alignment(),
             "created": m.get("created", {}),
+            "versions": m.get("versions"),  # after appends: one entry per version (Dataset(version=K))
         }
         if "cls" in ds.fields:
             hist = ds.class_histogram()
@@ -135,6 +136,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if c:
         print(f"created   {c.get('at', '?')} by {c.get('by', '?')} from {c.get('source_format', '?')} "
               f"{c.get('source', '')} ({c.get('rejected', 0)} rejected)")
+    for v in info["versions"] or []:
+        print(f"version   {v['version']}: {v['num_samples']} samples in {v['shards']} shards, {v.get('at', '?')}"
+              + (f" (+{v['appended']} appended from {v.get('source', v.get('source_format', '?'))})"
+                 if v.get("appended") else ""))
     hist = info.get("class_histogram")
     if hist:
         print(f"classes   {len(hist)}")

@@ -202,6 +202,9 @@ def _is_media_struct(t: Any) -> bool:
 def _list_value_type(t: Any) -> Any | None:
     """The numeric value type of a (nested) list type, or None."""
     pa = _pa()
+    is_list = lambda t: pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)  # noqa: E731
+    if not is_list(t):
+        return None
     while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         t = t.value_type
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):

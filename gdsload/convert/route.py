@@ -86,13 +86,14 @@ def summary(manifest: dict[str, Any], t0: float, workers: int) -> dict[str, Any]
     """What `engine.convert` returns, for a dataset written by `write` (on an append: the new
     version's samples, shards and bytes)."""
     seconds = time.perf_counter() - t0
-    last = (manifest.get("versions") or [{}])[-1]
-    new = manifest["shards"][len(manifest["shards"]) - (last["shards"] - (manifest["versions"][-2]["shards"]))
-                             if len(manifest.get("versions") or []) > 1 else 0:]
+    history = manifest.get("versions") or []
+    last = history[-1] if history else {}
+    new = manifest["shards"][history[-2]["shards"] if len(history) > 1 else 0:]
     n = sum(s["samples"] for s in new)
     nbytes = sum(s["bytes"] for s in new)
     return {"manifest": manifest, "complete": False, "samples": n,
-            "rejected": manifest.get("created", {}).get("rejected", 0), "shards": len(new), "bytes": nbytes,
+            "rejected": last.get("rejected", manifest.get("created", {}).get("rejected", 0)),
+            "shards": len(new), "bytes": nbytes,
             "seconds": seconds, "samples_per_s": n / seconds if seconds else 0.0,
             "mb_per_s": nbytes / 1e6 / seconds if seconds else 0.0, "resumed_shards": 0, "workers": workers,
             "appended": len(manifest.get("versions") or []) > 1}

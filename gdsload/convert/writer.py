@@ -507,6 +507,7 @@ class ShardWriter:
         version = {"version": history[-1]["version"] + 1, "shards": len(shards),
                    "num_samples": base["num_samples"] + added,
                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "appended": added,
+                   "rejected": fp["rejected"],
                    **({"classes": len(self.classes)} if self.classes is not None else {}),
                    **{k: v for k, v in self._created.items() if k in ("source", "source_format")}}
         created = dict(base.get("created") or {})

@@ -202,3 +202,33 @@ def test_a_row_group_larger_than_the_memory_bound_is_streamed(tmp_path):
     assert 1 << 20 < peak < 12 << 20, f"Arrow peak {peak / 2**20:.1f} MiB reading a {row_group / 2**20:.0f} MiB row group"
     ds = open_dataset(tmp_path / "ds")
     assert len(ds) == n and len(ds.shards) >= 4 and ds.verify(hashes=False) == {}
+
+
+def wav() -> bytes:
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(b"\0\1" * 400)
+    return buf.getvalue()
+
+
+def test_detection_of_audio_structs_plain_binary_and_json(tmp_path):
+    features = {"audio": {"_type": "Audio"}, "speaker_id": {"dtype": "int64", "_type": "Value"}}
+    schema = pa.schema([("audio", IMAGE), ("thumb", pa.binary()), ("speaker_id", pa.int64()),
+                        ("text", pa.string()), ("notes", pa.string())],
+                       metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    t = pa.table({"audio": [{"bytes": wav(), "path": "a.wav"}] * 3, "thumb": [jpeg(1, "PNG")] * 3,
+                  "speaker_id": [7, 8, 9], "text": ["a", "b", "c"], "notes": ["x", "y", "z"]}, schema=schema)
+    pq.write_table(t, tmp_path / "speech.parquet")
+    assert convert(tmp_path / "speech.parquet", tmp_path / "ds") == 0
+    ds = open_dataset(tmp_path / "ds")
+    # the audio struct by its HF type and bytes, binary by its bytes, a non-label integer as JSON,
+    # two string columns named COLUMN.txt
+    assert ds.fields == {"wav": "bytes", "png": "image", "json": "json", "text.txt": "text", "notes.txt": "text"}
+    s = ds.sample(2)
+    assert s["wav"] == wav() and s["png"] == jpeg(1, "PNG") and json.loads(s["json"]) == 9
+    assert s["notes.txt"] == b"z" and ds.classes is None
