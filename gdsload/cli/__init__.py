@@ -69,7 +69,12 @@ def _convert(a: argparse.Namespace) -> int:
         labels=a.labels, prefix=a.prefix, progress=not a.quiet, columns=a.columns, append=a.append,
     )
     if a.engine == "ray":
+        from gdsload.convert.columnar import is_columnar
         from gdsload.convert.ray_engine import convert_ray
+
+        if a.append or a.columns or a.format in ("parquet", "arrow") or (not a.format and is_columnar(a.src)):
+            raise GdsloadError("--engine ray converts file sources into a new dataset; Parquet/Arrow inputs and "
+                               "--append run with the local engine")
 
         r = convert_ray(a.src, a.dst, opts, address=a.ray_address)
     elif a.ray_address:

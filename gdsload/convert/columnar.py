@@ -95,10 +95,16 @@ def is_columnar(src: str) -> str | None:
     root = tree.norm(src)
     if tree.kind(root) != "dir":
         return None
-    names = {n for n, is_dir, _ in tree.children(root)}
+    children = tree.children(root)
+    names = {n for n, _, _ in children}
     if "dataset_dict.json" in names or ("state.json" in names and any(n.endswith(".arrow") for n in names)):
         return "arrow"
-    if any(f.rel.endswith((".parquet", ".pq")) for f in tree.walk(root)):
+    # Parquet files at the top, or in `data/` (the HuggingFace hub's layout); not a walk of the
+    # whole tree, which for an image folder would list every image twice
+    if any(n.endswith((".parquet", ".pq")) for n, is_dir, _ in children if not is_dir):
+        return "parquet"
+    if any(n == "data" and is_dir for n, is_dir, _ in children) and \
+            any(n.endswith((".parquet", ".pq")) for n, _, _ in tree.children(tree.join(root, "data"))):
         return "parquet"
     return None
 

@@ -83,6 +83,9 @@ class ConvertOptions:
         d = asdict(self)
         for k in ("workers", "resume", "overwrite", "progress"):
             d.pop(k)
+        for k in ("columns", "append"):  # newer options: absent when unused, as in older fingerprints
+            if not d[k]:
+                d.pop(k)
         return d
 
 
