@@ -732,6 +732,7 @@ def write(fn: Callable[[Any], Iterable[Mapping[str, Any]] | Mapping[str, Any] | 
             for i in range(start, len(inputs)):
                 stream = pool.items(i) if pool is not None else _produce(fn, inputs[i], i, validate)
                 j = 0
+                where = f"input {i} ({_short(inputs[i])})"  # once per input, not per sample
                 try:
                     for kind, item in stream:  # j counts what fn yielded: samples and rejects
                         if i == start and j < skip:
@@ -743,7 +744,7 @@ def write(fn: Callable[[Any], Iterable[Mapping[str, Any]] | Mapping[str, Any] | 
                             j += 1
                             continue
                         key, payloads = item
-                        writer.add(key, payloads, where=f"input {i} ({_short(inputs[i])})", reject=True)
+                        writer.add(key, payloads, where=where, reject=True)
                         j += 1
                 except (GdsloadError, KeyboardInterrupt):
                     raise

@@ -6,8 +6,10 @@ buffer. The padding is a PAX extended header (`comment=` record, which every rea
 before the member; GNU tar, Python's tarfile, webdataset and DALI's `readers.webdataset` read such
 shards unchanged. Smaller payloads get a plain ustar header and no padding.
 
-Headers are built with Python's `tarfile.TarInfo`; only the PAX record bytes are formatted here.
-Output is deterministic: fixed mtime, uid/gid 0, mode 0644, no user or group names, so the same
+Headers are the bytes Python's `tarfile.TarInfo.tobuf(USTAR_FORMAT)` gives (3.11+: no device
+numbers for regular files), formatted here directly (`ustar_header`, about 10x faster than
+building a `TarInfo` per member: the header was a third of the writer's time per sample); a test
+checks them against `tarfile`. Output is deterministic: fixed mtime, uid/gid 0, mode 0644, no user or group names, so the same
 input gives the same bytes on any machine.
 """
 
@@ -48,9 +50,26 @@ def _ustar(info: tarfile.TarInfo) -> bytes:
     return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
 
 
+_USTAR_MAX_SIZE = 8**11 - 1  # what 11 octal digits hold; tarfile refuses more in USTAR format
+_MODE_IDS = b"0000644\0" + b"0000000\0" * 2  # mode 0644, uid 0, gid 0
+_MTIME_FIELD = b"%011o\0" % MTIME
+_TAIL = b"\0" * 100 + b"ustar\x0000" + b"\0" * (32 + 32 + 8 + 8 + 155 + 12)  # linkname .. padding
+
+
+def ustar_header(name: str, size: int, type_: bytes = tarfile.REGTYPE) -> bytes:
+    """The 512-byte ustar header `_ustar(_info(name, size, type_))` gives, for an ASCII `name` of
+    at most 100 bytes (longer or other names go through `_ustar`)."""
+    raw = name.encode("ascii")
+    if len(raw) > _USTAR_NAME_MAX or size > _USTAR_MAX_SIZE or size < 0:
+        return _ustar(_info(name, size, type_))
+    head = raw.ljust(100, b"\0") + _MODE_IDS + b"%011o\0" % size + _MTIME_FIELD
+    checksum = sum(head) + 8 * 32 + type_[0] + sum(_TAIL)  # the checksum field counts as spaces
+    return head + b"%06o\0 " % checksum + type_ + _TAIL
+
+
 def _pax_block(records: bytes) -> bytes:
     """A PAX extended header (header block + records padded to whole blocks)."""
-    hdr = _ustar(_info("././@PaxHeader", len(records), tarfile.XHDTYPE))
+    hdr = ustar_header("././@PaxHeader", len(records), tarfile.XHDTYPE)
     pad = -len(records) % BLOCK
     return hdr + records + b"\0" * pad
 
@@ -75,7 +94,7 @@ def member_header(name: str, size: int, offset: int, *, align: bool | None = Non
     long_name = len(raw_name) > _USTAR_NAME_MAX or not name.isascii()
     records = _pax_record("path", raw_name) if long_name else b""
     ustar_name = name if not long_name else raw_name[:_USTAR_NAME_MAX].decode("ascii", "replace")
-    main = _ustar(_info(ustar_name if name.isascii() else "long-name", size))
+    main = ustar_header(ustar_name if name.isascii() else "long-name", size)
 
     def layout(pad: int) -> bytes:
         recs = records + (_pax_record("comment", b"x" * pad) if pad else b"")
