@@ -77,7 +77,10 @@ class Dataset(ProcessLocal):
         """The open dataset of this process (its file descriptors and lock are per process)."""
         self._check_process()
         if self._shards is None:
-            shards = ShardedDataset(self.path, version=self.version)
+            try:  # the version this Dataset opened: appends since then are not seen
+                shards = ShardedDataset(self.path, version=self.version)
+            except FormatError:  # rewritten (--overwrite) with fewer versions: the check below says so
+                shards = ShardedDataset(self.path)
             if self._content_id(shards) != self._id:
                 raise FormatError(
                     f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "
