@@ -231,7 +231,7 @@ class ShardWriter:
         store = self.store
         self._base = load_manifest(store)
         base = self._base
-        if (base.get("created") or {}).get("fingerprint") == self.fingerprint and resume:
+        if mf.versions(base)[-1].get("fingerprint") == self.fingerprint and resume:
             self.manifest = base  # the last version is this very append, finished
             return
         self.fields = dict(base["fields"])
@@ -507,13 +507,11 @@ class ShardWriter:
         version = {"version": history[-1]["version"] + 1, "shards": len(shards),
                    "num_samples": base["num_samples"] + added,
                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "appended": added,
-                   "rejected": fp["rejected"],
+                   "rejected": fp["rejected"], "fingerprint": fp["fingerprint"],  # what resume=True compares
                    **({"classes": len(self.classes)} if self.classes is not None else {}),
                    **{k: v for k, v in self._created.items() if k in ("source", "source_format")}}
-        created = dict(base.get("created") or {})
-        created["fingerprint"] = fp["fingerprint"]  # of the last append: what resume=True compares
         return {**base, "num_samples": version["num_samples"], "num_bytes": sum(s["bytes"] for s in shards),
-                "shards": shards, "classes": self.classes, "created": created,
+                "shards": shards, "classes": self.classes,
                 "versions": history + [version]}
 
     def abort(self) -> None:

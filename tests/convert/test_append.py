@@ -167,3 +167,17 @@ def test_an_interrupted_append_is_resumed_or_dropped(tmp_path):
     ds = open_dataset(root)
     assert len(ds) == 42 and ds.verify() == {}
     assert not [n for n in os.listdir(root) if n.startswith(".")]
+
+
+def test_resume_of_a_finished_append_does_nothing(tmp_path):
+    root = tmp_path / "ds"
+    make(root, n=6)
+
+    def fn(i):
+        return {"__key__": f"new{i}", "x.npy": np.full((4,), i, np.float32), "cls": 0}
+
+    m1 = gdsload.write(fn, range(5), root, append=True, progress=False)
+    created = open_dataset(root).manifest["created"]
+    m2 = gdsload.write(fn, range(5), root, append=True, resume=True, progress=False)
+    assert m1 == m2 and len(m2["versions"]) == 2 and len(open_dataset(root)) == 11
+    assert open_dataset(root).manifest["created"] == created  # the first version's record is kept
