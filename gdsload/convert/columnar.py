@@ -233,7 +233,7 @@ def _sample_bytes(src: Columnar, column: str) -> bytes | None:
         for batch in _batches(src, unit, [column], 64 << 10):
             col = batch.column(0)
             if pa.types.is_struct(col.type):
-                col = col.field("bytes")
+                col = col.flatten()[col.type.get_field_index("bytes")]
             for v in col.to_pylist():
                 if v:
                     return v
@@ -403,11 +403,13 @@ class Rows:
             for c in self.columns:
                 a = cols[c.name]
                 if c.how == "media":
-                    values[c.name] = list(zip(a.field("bytes").to_pylist(), a.field("path").to_pylist()
-                                              if a.type.get_field_index("path") >= 0 else [None] * len(a),
+                    children = a.flatten()  # offsets and the struct's nulls applied
+                    paths = children[a.type.get_field_index("path")].to_pylist() \
+                        if a.type.get_field_index("path") >= 0 else [None] * len(a)
+                    values[c.name] = list(zip(binary_views(children[a.type.get_field_index("bytes")]), paths,
                                               a.is_null().to_pylist()))
-                elif c.how == "npy":
-                    values[c.name] = a.to_pylist()
+                elif c.how == "binary":
+                    values[c.name] = binary_views(a)
                 else:
                     values[c.name] = a.to_pylist()
             for r in range(batch.num_rows):
@@ -442,6 +444,20 @@ class Rows:
                     continue
                 yield sample
             row += batch.num_rows
+
+
+def binary_views(a: Any) -> list[memoryview | bytes | None]:
+    """The values of a binary Arrow array as memoryviews of its data buffer (no copies; None
+    for nulls). They keep the batch's buffer alive until written."""
+    pa = _pa()
+    if not (pa.types.is_binary(a.type) or pa.types.is_large_binary(a.type)):
+        return a.to_pylist()
+    _, offsets, data = a.buffers()[:3]
+    offs = np.frombuffer(offsets, np.int64 if pa.types.is_large_binary(a.type) else np.int32)
+    offs = offs[a.offset: a.offset + len(a) + 1].tolist()
+    view = memoryview(data) if data is not None else memoryview(b"")
+    nulls = a.is_null().to_pylist() if a.null_count else None
+    return [None if nulls and nulls[k] else view[offs[k]:offs[k + 1]] for k in range(len(a))]
 
 
 def _read_path(folder: str, path: str, column: str, row: int) -> tuple[bytes | None, str | None]:

@@ -52,7 +52,7 @@ def convert_columnar(src: str, dst: str, opts: ConvertOptions = ConvertOptions()
     workers = min(_workers(opts), len(source.units))
     m = write(rows, source.units, dst, workers=workers, shard_size=opts.shard_size, prefix=opts.prefix,
               classes=classes, append=opts.append, resume=opts.resume, overwrite=opts.overwrite,
-              validate=opts.validate, progress=opts.progress, source_format=source.kind,
+              validate=opts.validate, progress=opts.progress, source_format=source.kind, executor="thread",
               created={"source": src, "columns": {c.name: c.field for c in cols}})
     return summary(m, t0, workers)
 
@@ -77,7 +77,7 @@ def append_files(src: str, dst: str, opts: ConvertOptions = ConvertOptions()) ->
     workers = min(_workers(opts), len(listing.samples))
     m = write(_sample_dict, listing.samples, dst, workers=workers, shard_size=opts.shard_size,
               prefix=opts.prefix, classes=listing.classes, append=True, resume=opts.resume,
-              validate=opts.validate, progress=opts.progress, source_format=listing.format,
+              validate=opts.validate, progress=opts.progress, source_format=listing.format, executor="thread",
               created={"source": src})
     return summary(m, t0, workers)
 

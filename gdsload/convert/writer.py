@@ -554,8 +554,9 @@ _INPUTS: Sequence[Any] | None = None
 
 
 def _produce(fn: Callable[[Any], Iterable[Mapping[str, Any]]], item: Any, i: int,
-             validate: bool) -> Iterator[tuple[str, Any]]:
-    """`("sample", (key, payloads))` and `("reject", record)` for one input, in fn's order."""
+             validate: bool, copy: bool = False) -> Iterator[tuple[str, Any]]:
+    """`("sample", (key, payloads))` and `("reject", record)` for one input, in fn's order;
+    `copy`: payloads as `bytes` (to be pickled to another process), not memoryviews."""
     result = fn(item)
     if result is None:
         return
@@ -576,7 +577,7 @@ def _produce(fn: Callable[[Any], Iterable[Mapping[str, Any]]], item: Any, i: int
             key = sample.get("__key__", "") if isinstance(sample, Mapping) else ""
             yield "reject", {"source": f"input {i} ({_short(item)})", "key": str(key), "reason": f"invalid: {exc}"}
             continue
-        yield "sample", (key, {k: bytes(v) for k, v in payloads.items()})
+        yield "sample", (key, {k: bytes(v) for k, v in payloads.items()} if copy else payloads)
 
 
 def _short(item: Any, limit: int = 80) -> str:
@@ -589,29 +590,87 @@ def _short(item: Any, limit: int = 80) -> str:
 
 
 def _worker(w: int, workers: int, start: int, queue: Any, validate: bool, fn: Any, inputs: Any) -> None:
-    """Worker `w`: inputs `start + w, start + w + workers, ...`, each streamed to `queue` in
-    chunks, then `("end", i)`; an error in `fn` is sent as `("error", i, text)`."""
+    """Process worker `w` (see `_produce_all`)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us
     fn = fn if fn is not None else _FN
     inputs = inputs if inputs is not None else _INPUTS
+    _produce_all(w, workers, start, queue.put, validate, fn, inputs, copy=True)
+
+
+def _produce_all(w: int, workers: int, start: int, put: Callable[[Any], None], validate: bool, fn: Any,
+                 inputs: Sequence[Any], copy: bool) -> None:
+    """Worker `w`: inputs `start + w, start + w + workers, ...`, each `put` in chunks, then
+    `("end", i)`; an error in `fn` is sent as `("error", i, text)`."""
     for i in range(start + w, len(inputs), workers):
         chunk: list[tuple[str, Any]] = []
         nbytes = 0
         try:
-            for item in _produce(fn, inputs[i], i, validate):
+            for item in _produce(fn, inputs[i], i, validate, copy):
                 chunk.append(item)
                 nbytes += sum(len(p) for p in item[1][1].values()) if item[0] == "sample" else 0
                 if nbytes >= CHUNK_NBYTES or len(chunk) >= CHUNK_SAMPLES:
-                    queue.put(("chunk", i, chunk))
+                    put(("chunk", i, chunk))
                     chunk, nbytes = [], 0
+        except _StopThread:
+            return
         except BaseException as exc:  # user code: report it, the driver raises it
-            queue.put(("error", i, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            put(("error", i, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
             return
         if chunk:
-            queue.put(("chunk", i, chunk))
-        queue.put(("end", i, None))
+            put(("chunk", i, chunk))
+        put(("end", i, None))
+
+
+class _StopThread(Exception):
+    """Raised in a thread worker's `put` once the driver stopped."""
+
+
+class _Threads:
+    """The thread counterpart of `_Workers` (`executor="thread"`): the same round-robin and
+    bounded queues, no pickling, so payloads may stay memoryviews (of Arrow buffers, say)."""
+
+    def __init__(self, fn: Any, inputs: Sequence[Any], workers: int, start: int, validate: bool):
+        import queue as queue_mod
+        import threading
+
+        self.workers, self.start = workers, start
+        self.queues = [queue_mod.Queue(QUEUE_CHUNKS) for _ in range(workers)]
+        self._stopped = threading.Event()
+
+        def put_to(q: Any) -> Callable[[Any], None]:
+            def put(msg: Any) -> None:
+                while True:
+                    if self._stopped.is_set():
+                        raise _StopThread
+                    try:
+                        q.put(msg, timeout=0.2)
+                        return
+                    except queue_mod.Full:
+                        continue
+            return put
+
+        self.threads = [threading.Thread(target=_produce_all, name=f"gdsload-write-{w}", daemon=True,
+                                         args=(w, workers, start, put_to(self.queues[w]), validate, fn, inputs, False))
+                        for w in range(workers)]
+        for t in self.threads:
+            t.start()
+
+    def items(self, i: int) -> Iterator[tuple[str, Any]]:
+        q = self.queues[(i - self.start) % self.workers]
+        while True:
+            kind, j, payload = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise WriteFnError(i, payload)
+            yield from payload
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for t in self.threads:
+            t.join(10)
 
 
 class _Workers:
@@ -691,7 +750,8 @@ def write(fn: Callable[[Any], Iterable[Mapping[str, Any]] | Mapping[str, Any] | 
           dst: str | os.PathLike[str], *, workers: int = 1, shard_size: int | str = "1GiB",
           prefix: str = "shard", classes: Sequence[str] | None = None, append: bool = False,
           resume: bool = False, overwrite: bool = False, validate: bool = False, progress: bool = True,
-          source_format: str = "api", created: Mapping[str, Any] | None = None) -> dict[str, Any]:
+          executor: str = "process", source_format: str = "api",
+          created: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write the samples `fn(input)` yields for every input into a dataset at `dst`; returns the
     manifest.
 
@@ -702,11 +762,15 @@ def write(fn: Callable[[Any], Iterable[Mapping[str, Any]] | Mapping[str, Any] | 
     (or an image that does not decode, with `validate`) is left out and recorded in
     `rejected.jsonl`; a key collision is an error naming both inputs; an exception in `fn` stops
     the run (`WriteFnError`, naming the input) with finished shards kept for `resume=True`.
-    Other arguments: `ShardWriter`.
+    `executor="thread"` runs `fn` in threads of this process instead: for an `fn` whose work
+    releases the GIL (reading files, pyarrow), it saves pickling every sample to the writer, and
+    samples may hold memoryviews (written without a copy). Other arguments: `ShardWriter`.
     """
     inputs = list(inputs)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError(f"workers must be a positive int, got {workers!r}")
+    if executor not in ("process", "thread"):
+        raise InputError(f"executor must be 'process' or 'thread', got {executor!r}")
     writer = ShardWriter(dst, shard_size, prefix=prefix, classes=classes, append=append, resume=resume,
                          overwrite=overwrite, validate=False, source_format=source_format,
                          created=created, fingerprint=_fingerprint_inputs(fn, inputs) + f"|{validate}")
@@ -723,8 +787,10 @@ def write(fn: Callable[[Any], Iterable[Mapping[str, Any]] | Mapping[str, Any] | 
         from tqdm import tqdm
 
         bar = tqdm(total=len(inputs), initial=start, unit="input", desc="write", dynamic_ncols=True)
-    pool = _Workers(fn, inputs, min(workers, max(1, len(inputs) - start)), start, validate) \
-        if workers > 1 and start < len(inputs) else None
+    pool: _Workers | _Threads | None = None
+    if workers > 1 and start < len(inputs):
+        pool = (_Workers if executor == "process" else _Threads)(
+            fn, inputs, min(workers, len(inputs) - start), start, validate)
     try:
         with writer:
             for i in range(start, len(inputs)):

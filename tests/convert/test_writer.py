@@ -107,8 +107,10 @@ def test_same_bytes_for_1_and_4_workers(tmp_path):
     m1 = gdsload.write(gen, range(60), tmp_path / "w1", shard_size="24KB", progress=False)
     m4 = gdsload.write(gen, range(60), tmp_path / "w4", shard_size="24KB", workers=4, progress=False)
     assert m1["num_samples"] == sum(i % 4 for i in range(60)) and len(m1["shards"]) > 3
-    assert shard_files(tmp_path / "w1") == shard_files(tmp_path / "w4")
-    assert stable(m1) == stable(m4)
+    m4t = gdsload.write(gen, range(60), tmp_path / "w4t", shard_size="24KB", workers=4, executor="thread",
+                        progress=False)
+    assert shard_files(tmp_path / "w1") == shard_files(tmp_path / "w4") == shard_files(tmp_path / "w4t")
+    assert stable(m1) == stable(m4) == stable(m4t)
     keys = [k for i in range(len(m1["shards"])) for k in open_dataset(tmp_path / "w1").index(i).keys()]
     assert keys == [f"in{i:03d}_{j}" for i in range(60) for j in range(i % 4)]  # input order
 
@@ -128,6 +130,8 @@ def test_error_in_fn_names_the_input_and_keeps_finished_shards(tmp_path):
             raise ValueError("broken record")
         yield {"__key__": f"k{i}", "bin": os.urandom(3000)}
 
+    with pytest.raises(WriteFnError, match="input 40: ValueError: broken record"):
+        gdsload.write(fn, range(50), tmp_path / "thr", shard_size="20KB", workers=3, executor="thread", progress=False)
     with pytest.raises(WriteFnError, match="input 40: ValueError: broken record"):
         gdsload.write(fn, range(50), tmp_path / "ds", shard_size="20KB", workers=2, progress=False)
     assert (tmp_path / "ds" / ".gdsload-convert").is_dir() and not (tmp_path / "ds" / "manifest.json").exists()
