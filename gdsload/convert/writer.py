@@ -627,6 +627,14 @@ class _StopThread(Exception):
     """Raised in a thread worker's `put` once the driver stopped."""
 
 
+def _until_stopped(*args: Any) -> None:
+    """`_produce_all` in a thread, which ends quietly when the driver stops it."""
+    try:
+        _produce_all(*args)
+    except _StopThread:
+        pass
+
+
 class _Threads:
     """The thread counterpart of `_Workers` (`executor="thread"`): the same round-robin and
     bounded queues, no pickling, so payloads may stay memoryviews (of Arrow buffers, say)."""
@@ -651,7 +659,7 @@ class _Threads:
                         continue
             return put
 
-        self.threads = [threading.Thread(target=_produce_all, name=f"gdsload-write-{w}", daemon=True,
+        self.threads = [threading.Thread(target=_until_stopped, name=f"gdsload-write-{w}", daemon=True,
                                          args=(w, workers, start, put_to(self.queues[w]), validate, fn, inputs, False))
                         for w in range(workers)]
         for t in self.threads:
