@@ -32,7 +32,8 @@ fsspec URL is refused: no lock can be taken there (`gdsload.io.store`). A data e
 append (a key collision, a field that differs) removes the append's shards: nothing changes.
 
 Memory: one shard's index entries, the set of keys, and (for `write`) at most `QUEUE_CHUNKS`
-chunks of `CHUNK_NBYTES` per worker in flight.
+chunks of `CHUNK_NBYTES` per worker in flight. Workers are processes (payloads pickled to the
+writer) or, with `executor="thread"`, threads (payloads passed as they are, memoryviews too).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class ShardWriter:
     `close()` (leaving `with`) writes the manifest and returns it; an exception inside `with`
     leaves no dataset that looks complete (module docstring: resume, appends). `overwrite=True`
     replaces a gdsload dataset at `dst`. `validate=True` decodes every image (Pillow) and refuses
-    one that the loader's decoder could not decode.
+    one that the loader's decoder could not decode. Not thread-safe: one writer, one thread.
     """
 
     def __init__(self, dst: str | os.PathLike[str], shard_size: int | str = "1GiB", *, prefix: str = "shard",
