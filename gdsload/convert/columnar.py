@@ -65,7 +65,7 @@ def sniff(data: bytes | None) -> str | None:
 def _pa() -> Any:
     """pyarrow, with its `parquet` and `ipc` modules loaded (an install hint when missing)."""
     pa = require("pyarrow", extra="columnar", purpose="reading Parquet and Arrow inputs")
-    import pyarrow.ipc  # noqa: F401
+    import pyarrow.ipc
     import pyarrow.parquet  # noqa: F401
 
     return pa
@@ -208,7 +208,7 @@ def _is_media_struct(t: Any) -> bool:
 def _list_value_type(t: Any) -> Any | None:
     """The numeric value type of a (nested) list type, or None."""
     pa = _pa()
-    is_list = lambda t: pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)  # noqa: E731
+    is_list = lambda t: pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
     if not is_list(t):
         return None
     while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
@@ -373,7 +373,7 @@ class Rows:
         n = 0
         for unit, rows in zip(src.units, src.unit_rows):
             self.first_row[unit] = n
-            n += rows if rows >= 0 else 0
+            n += max(rows, 0)
         self._arrow_rows = any(r < 0 for r in src.unit_rows)
 
     def __repr__(self) -> str:  # what `write`'s resume fingerprint sees

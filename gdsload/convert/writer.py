@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import multiprocessing as mp
 import os
 import time
@@ -51,15 +50,28 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.convert.engine import PLAN, REJECTED, STATE_DIR, _clean, _ours, validate_image
+from gdsload.convert.engine import (
+    PLAN,
+    REJECTED,
+    STATE_DIR,
+    _clean,
+    _ours,
+    validate_image,
+)
+from gdsload.convert.shards import ShardFile, make_manifest, shard_name
 from gdsload.errors import DestinationError, FormatError, GdsloadError, InputError
 from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, check_key
 from gdsload.format.labels import parse_label
-from gdsload.io.store import LOCK, Store, is_remote, load_manifest, open_store, save_manifest
 from gdsload.format.tar import ALIGN, BLOCK
-from gdsload.convert.shards import ShardFile, make_manifest, shard_name
+from gdsload.io.store import (
+    LOCK,
+    is_remote,
+    load_manifest,
+    open_store,
+    save_manifest,
+)
 from gdsload.sizes import parse_size
 
 Payloads = dict[str, bytes]
@@ -535,7 +547,7 @@ class ShardWriter:
         finally:
             self._stack.close()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -669,7 +681,7 @@ class _Threads:
     def items(self, i: int) -> Iterator[tuple[str, Any]]:
         q = self.queues[(i - self.start) % self.workers]
         while True:
-            kind, j, payload = q.get()
+            kind, _, payload = q.get()
             if kind == "end":
                 return
             if kind == "error":

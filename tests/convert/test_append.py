@@ -13,9 +13,8 @@ import pytest
 
 import gdsload
 from gdsload.cli import main
-from gdsload.errors import DestinationError, InputError
 from gdsload.dataset.sharded import open_dataset
-from gdsload.errors import StateError
+from gdsload.errors import DestinationError, InputError, StateError
 
 
 def samples(start: int, n: int, *, dtype=np.float32, shape=(4,)):

@@ -17,8 +17,8 @@ import pytest
 
 import gdsload
 from gdsload.convert.writer import WriteFnError
-from gdsload.errors import DestinationError, FormatError, InputError
 from gdsload.dataset.sharded import open_dataset
+from gdsload.errors import DestinationError, FormatError, InputError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,9 +172,9 @@ def test_killed_mid_shard_then_resume_gives_the_same_dataset(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(KILL_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ref = subprocess.run([sys.executable, str(script), str(tmp_path / "ref")], env=env, timeout=60)
+    ref = subprocess.run([sys.executable, str(script), str(tmp_path / "ref")], env=env, timeout=60, check=False)
     assert ref.returncode == 0
-    killed = subprocess.run([sys.executable, str(script), str(tmp_path / "ds")], timeout=60,
+    killed = subprocess.run([sys.executable, str(script), str(tmp_path / "ds")], timeout=60, check=False,
                             env={**env, "KILL_AT": "27"})
     assert killed.returncode == -signal.SIGKILL
     dst = tmp_path / "ds"
@@ -183,7 +183,7 @@ def test_killed_mid_shard_then_resume_gives_the_same_dataset(tmp_path):
     assert len(done) >= 2  # finished shards were recorded before the kill
     assert any(n.startswith(".") and ".tmp-" in n for n in os.listdir(dst))  # the half-written shard
     first_kept = (dst / "shard-000000.tar").stat().st_mtime_ns
-    resumed = subprocess.run([sys.executable, str(script), str(dst), "resume"], env=env, timeout=60)
+    resumed = subprocess.run([sys.executable, str(script), str(dst), "resume"], env=env, timeout=60, check=False)
     assert resumed.returncode == 0
     assert (dst / "shard-000000.tar").stat().st_mtime_ns == first_kept  # kept, not rewritten
     assert shard_files(dst) == shard_files(tmp_path / "ref")
