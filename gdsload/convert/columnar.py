@@ -173,10 +173,12 @@ def open_columnar(src: str, kind: str | None = None) -> Columnar:
                             out.units.append((f.path, g, f.stamp))
                             out.unit_rows.append(rg.num_rows)
                             out.unit_row_nbytes.append(rg.total_byte_size / rg.num_rows)
-                else:
-                    schema = pa.ipc.open_stream(fh).schema
+                else:  # rows counted once, for the keys (a memory map locally: headers only)
+                    reader = pa.ipc.open_stream(pa.memory_map(f.path) if not is_remote(f.path) else fh)
+                    schema = reader.schema
+                    rows = sum(b.num_rows for b in reader)
                     out.units.append((f.path, -1, f.stamp))
-                    out.unit_rows.append(-1)
+                    out.unit_rows.append(rows)
                     out.unit_row_nbytes.append(0.0)
         except (OSError, pa.ArrowInvalid) as exc:
             raise InputError(f"{f.path}: not a readable {'Parquet' if kind == 'parquet' else 'Arrow'} file ({exc})") from exc
@@ -373,27 +375,13 @@ class Rows:
         n = 0
         for unit, rows in zip(src.units, src.unit_rows):
             self.first_row[unit] = n
-            n += max(rows, 0)
-        self._arrow_rows = any(r < 0 for r in src.unit_rows)
+            n += rows
 
     def __repr__(self) -> str:  # what `write`'s resume fingerprint sees
         return f"columnar.Rows({[(c.name, c.field, c.how) for c in self.columns]})"
 
-    def _row0(self, unit: tuple[str, int, str]) -> int:
-        if not self._arrow_rows:
-            return self.first_row[unit]
-        pa = _pa()  # Arrow files: rows counted from the streams before this one (schemas only)
-        n = 0
-        for u in self.src.units:
-            if u == unit:
-                return n
-            with _open(u[0]) as fh:
-                source = pa.memory_map(u[0]) if not is_remote(u[0]) else fh
-                n += sum(b.num_rows for b in pa.ipc.open_stream(source))
-        return n
-
     def __call__(self, unit: tuple[str, int, str]) -> Iterator[dict[str, Any]]:
-        row = self._row0(unit)
+        row = self.first_row[unit]
         names = [c.name for c in self.columns]
         folder = unit[0].rsplit("/", 1)[0] if "/" in unit[0] else "."
         key_col = next((c for c in self.columns if c.how == "key"), None)
