@@ -269,8 +269,13 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
             try:
                 if validate:
                     for ext, data in payloads.items():
-                        if field_kind(ext) == "image":
+                        kind = field_kind(ext)
+                        if kind == "image":
                             validate_image(data)
+                        elif kind in ("video", "audio"):  # every frame decoded with PyAV
+                            from gdsload.decode.media import validate as validate_media
+
+                            validate_media(data, kind)
                 w.add(s.key, payloads)
             except (FormatError, ValueError) as exc:  # a corrupt image, an invalid .npy
                 rejects.append({"source": s.source, "key": s.key, "reason": f"invalid: {exc}"})

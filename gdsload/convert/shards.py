@@ -9,7 +9,9 @@ name is always complete.
 Per member it also stores, in the index, the payload's CRC32 (`gdsload.format.crc`: zlib's polynomial) for the
 loader's load-time checks, and per label field the parsed label values as an int64 column; labels
 that are not integers and `.npy` payloads that do not parse are refused (`FormatError`) before
-anything of the sample is written. Fortran-ordered arrays are stored in C order (`npy.normalize`)
+anything of the sample is written. Video and audio members are stored unchanged and probed
+(`gdsload.decode.media.probe`: codec, size, fps, frames, ...; sample rate, channels, length), the
+metadata kept in the index's media columns; media that do not probe are refused. Fortran-ordered arrays are stored in C order (`npy.normalize`)
 and counted per field in the shard entry (`fortran_to_c`) and the manifest (`created`).
 
 Memory: one sample's payloads at a time. Not thread-safe: one writer per thread or process.
@@ -58,6 +60,7 @@ class ShardFile:
         self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
         self._crc: list[int] = []  # per member, in tar order
         self._labels: list[dict[str, int]] = []  # per sample: label field -> value
+        self._media: list[dict[str, dict]] = []  # per sample: video/audio field -> probed metadata
         self.fortran_to_c: dict[str, int] = {}  # .npy field -> payloads rewritten in C order
         self._keys: set[str] = set()
         self._sink = _Tee(self)
@@ -93,14 +96,23 @@ class ShardFile:
             raise FormatError(f"sample {key!r} has no fields")
         prepared = []
         labels: dict[str, int] = {}
+        media: dict[str, dict] = {}
         fortran: list[str] = []
         for ext, payload in fields.items():
             if not ext or "/" in ext or any(c.isspace() or not c.isprintable() for c in ext):
                 raise FormatError(f"sample {key!r}: invalid field name {ext!r} (no '/', whitespace "
                                   f"or control characters)")
             try:
-                if mf.field_kind(ext) == "label":
+                kind = mf.field_kind(ext)
+                if kind == "label":
                     labels[ext] = parse_label(payload)
+                elif kind in ("video", "audio"):  # stored unchanged; what the loader plans from
+                    from gdsload.decode.media import probe
+
+                    try:
+                        media[ext] = probe(payload, kind)
+                    except ValueError as exc:
+                        raise FormatError(str(exc)) from None
                 payload, was_fortran = prepare_payload(ext, payload)
             except FormatError as exc:
                 raise FormatError(f"sample {key!r}: field {ext!r}: {exc}") from None
@@ -116,13 +128,15 @@ class ShardFile:
         self._keys.add(key)
         self._samples.append((key, members))
         self._labels.append(labels)
+        self._media.append(media)
         for ext in fortran:
             self.fortran_to_c[ext] = self.fortran_to_c.get(ext, 0) + 1
 
     def close(self) -> mf.ShardEntry:
         """Finish the archive, write both indexes, and rename the shard into place."""
         self._write(end_of_archive())
-        index = ShardIndex.build(self._samples, crc=self._crc, labels=self._labels, npy_c_order=True)
+        index = ShardIndex.build(self._samples, crc=self._crc, labels=self._labels, npy_c_order=True,
+                                 media=self._media)
         self.store.write(f"{self.name}.idx", index.to_bytes())
         self.store.write(f"{self.name}.dali.idx", index.to_dali().encode())
         self._f.commit()

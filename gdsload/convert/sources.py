@@ -47,7 +47,7 @@ from typing import Any, BinaryIO, Literal
 from gdsload.errors import FormatError, InputError
 from gdsload.format import npy
 from gdsload.format.index import check_key, split_name
-from gdsload.format.manifest import IMAGE_EXTS
+from gdsload.format.manifest import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
 from gdsload.io.store import is_remote, local_path, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 
@@ -335,8 +335,11 @@ def list_imagefolder(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
                 stem, ext = rel, ""
             ext = ext.lower()
             reject = None
-            if ext not in IMAGE_EXTS:
-                reject = f"not an image file (extension {ext!r})" if ext else "not an image file (no extension)"
+            if ext in VIDEO_EXTS or ext in AUDIO_EXTS:  # a folder of clips or recordings per class
+                pass
+            elif ext not in IMAGE_EXTS:
+                reject = (f"not an image, video or audio file (extension {ext!r})" if ext
+                          else "not an image file (no extension)")
             elif ext not in DECODABLE_EXTS:
                 reject = f"{ext.upper()} images are not decoded by DALI (gdsload's decoder); convert them to PNG"
             if isinstance(size, str):
@@ -352,6 +355,13 @@ def list_imagefolder(tree: _LocalTree | _FsspecTree, root: str) -> Listing:
             types.add(ext)
             listing.inputs.append((path, f.stamp))
             listing.samples.append(Sample(key, ((ext, _file_ref(path, size)), ("cls", _label_ref(label)))))
+    kinds = {"video" if t in VIDEO_EXTS else "audio" if t in AUDIO_EXTS else "image" for t in types}
+    if len(kinds) > 1:
+        raise InputError(f"{root}: class folders mix {' and '.join(sorted(kinds))} files; a sample has "
+                         f"one field of one kind: convert each kind into a dataset of its own")
+    if len(types) > 1 and kinds != {"image"}:  # e.g. mp4 and webm: one field the decoders sniff
+        raise InputError(f"{root}: class folders hold {kinds.pop()} files of several types "
+                         f"({', '.join(sorted(types))}); use one container type per dataset")
     if len(types) > 1:
         listing.samples = [Sample(s.key, ((MIXED_IMAGE_FIELD, s.fields[0][1]), s.fields[1])) for s in listing.samples]
     return listing

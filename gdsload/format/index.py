@@ -13,6 +13,12 @@ with millions of members is a few array reads, never a tar scan:
 - `label_0`, `label_1`, ... (int64, n, optional): the values of the label fields that
   `meta["labels"]` lists, parsed and validated at conversion (`gdsload.format.labels`); a sample
   without that field holds 0 there (its member list says it has none)
+- `meta["media"]` (optional) and `media_0`, `media_1`, ... (float64, (n, k)): per video or audio
+  field, the metadata probed at conversion (`gdsload.decode.media.probe`), one row per sample:
+  `meta["media"][i]` is `{"field": ext, "kind": "video"|"audio", "columns": [k names],
+  "codecs": [...]}` and the `codec` column indexes `codecs`; NaN where a sample lacks the field.
+  Older readers ignore them (they load only the arrays they name), so `gdsload verify` and older
+  loaders still read such a shard; a loader without them probes the member itself.
 - `meta["npy_c_order"]` (optional, true): every `.npy` payload of the shard was parsed at
   conversion and stored in C order (`npy.normalize`), so the loader need not read its header
 
@@ -86,6 +92,26 @@ class ShardIndex:
     member_crc: np.ndarray | None = None  # None: written before CRCs were stored
     labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # label field -> int64 per sample
     npy_c_order: bool = False  # every .npy payload was checked and stored in C order
+    # media field -> ({"kind", "columns", "codecs"}, float64 (n, k)): probed metadata per sample
+    media: Mapping[str, tuple[dict, np.ndarray]] = field(default_factory=dict)
+
+    def media_info(self, ext: str, i: int) -> dict | None:
+        """The probed metadata of sample i's `ext` member (codec as its name), or None when the
+        index holds none (converted before media were probed, or the sample lacks the field)."""
+        got = self.media.get(ext)
+        if got is None:
+            return None
+        desc, table = got
+        row = table[i]
+        if np.isnan(row[0]):
+            return None
+        out: dict = {"kind": desc["kind"]}
+        for name, v in zip(desc["columns"], row.tolist()):
+            if name == "codec":
+                out["codec"] = desc["codecs"][int(v)]
+            elif v == v:  # NaN: not known
+                out[name] = int(v) if float(v).is_integer() and name not in ("fps", "duration") else v
+        return out
 
     @property
     def num_samples(self) -> int:
@@ -130,6 +156,7 @@ class ShardIndex:
         crc: Sequence[int] | None = None,
         labels: Sequence[Mapping[str, int]] | None = None,
         npy_c_order: bool = False,
+        media: Sequence[Mapping[str, dict]] | None = None,
     ) -> "ShardIndex":
         """From `[(key, [(ext, offset, size), ...]), ...]` in tar order; optionally the CRC32 of
         every member (flat, in that order) and each sample's label values `{ext: int}`."""
@@ -145,6 +172,20 @@ class ShardIndex:
         for i, values in enumerate(labels or ()):
             for ext, v in values.items():
                 columns.setdefault(ext, np.zeros(len(samples), np.int64))[i] = v
+        tables: dict[str, tuple[dict, np.ndarray]] = {}
+        for i, values in enumerate(media or ()):
+            for ext, info in values.items():
+                if ext not in tables:
+                    cols = ["codec"] + sorted(k for k in info if k not in ("codec", "kind"))
+                    tables[ext] = ({"kind": info["kind"], "columns": cols, "codecs": []},
+                                   np.full((len(samples), len(cols)), np.nan))
+                desc, table = tables[ext]
+                codec = info.get("codec", "")
+                if codec not in desc["codecs"]:
+                    desc["codecs"].append(codec)
+                for c, name in enumerate(desc["columns"]):
+                    v = desc["codecs"].index(codec) if name == "codec" else info.get(name)
+                    table[i, c] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
         return cls(
             extensions=tuple(exts),
             key_blob=np.frombuffer(b"".join(keys), np.uint8),
@@ -156,6 +197,7 @@ class ShardIndex:
             member_crc=None if crc is None else np.asarray(crc, np.uint32),
             labels=dict(sorted(columns.items())),
             npy_c_order=npy_c_order,
+            media=dict(sorted(tables.items())),
         )
 
     # -- our file ------------------------------------------------------------------------------
@@ -169,6 +211,9 @@ class ShardIndex:
             optional.update({f"label_{i}": col for i, col in enumerate(self.labels.values())})
         if self.npy_c_order:
             meta["npy_c_order"] = True
+        if self.media:
+            meta["media"] = [{"field": ext, **desc} for ext, (desc, _) in self.media.items()]
+            optional.update({f"media_{i}": t for i, (_, t) in enumerate(self.media.values())})
         buf = io.BytesIO()
         np.savez(
             buf,
@@ -207,6 +252,7 @@ class ShardIndex:
                     member_crc=z["member_crc"] if "member_crc" in z.files else None,
                     labels={e: z[f"label_{i}"] for i, e in enumerate(label_exts)},
                     npy_c_order=meta.get("npy_c_order") is True,
+                    media=_load_media(meta.get("media", []), z, name),
                 )
         except FormatError:
             raise
@@ -221,6 +267,10 @@ class ShardIndex:
 
     def _check(self, name: str) -> None:
         n = self.num_samples
+        for ext, (desc, table) in self.media.items():
+            if table.ndim != 2 or table.shape != (n, len(desc["columns"])):
+                raise FormatError(f"{name}: media columns of field {ext!r} have shape {table.shape}, "
+                                  f"expected ({n}, {len(desc['columns'])})")
         arrays = (self.key_blob, self.key_offsets, self.sample_start, self.member_ext,
                   self.member_offset, self.member_size, *self.labels.values())
         if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
@@ -277,6 +327,28 @@ class ShardIndex:
             key = self.key(i)
             lines.append(" ".join(f"{e} {o} {s} {key}.{e}" for e, o, s in self.members(i)))
         return "\n".join(lines) + "\n"
+
+
+def _load_media(entries: object, z: object, name: str) -> dict[str, tuple[dict, np.ndarray]]:
+    """The optional media tables of an index (`meta["media"]` and `media_<i>`), checked."""
+    if not isinstance(entries, list):
+        raise FormatError(f"{name}: index meta 'media' must be a list")
+    out = {}
+    for i, e in enumerate(entries):
+        ok = (isinstance(e, dict) and isinstance(e.get("field"), str) and e.get("kind") in ("video", "audio")
+              and isinstance(e.get("columns"), list) and isinstance(e.get("codecs"), list)
+              and f"media_{i}" in z.files)
+        if not ok:
+            raise FormatError(f"{name}: index meta 'media' entry {i} is malformed")
+        table = z[f"media_{i}"]
+        if table.dtype != np.float64:
+            raise FormatError(f"{name}: media_{i} is {table.dtype}, expected float64")
+        codes = table[:, 0] if table.ndim == 2 and table.shape[1] else np.zeros(0)
+        codes = codes[~np.isnan(codes)]
+        if len(codes) and (codes.min() < 0 or codes.max() >= len(e["codecs"])):
+            raise FormatError(f"{name}: media_{i} names a codec outside its table")
+        out[e["field"]] = ({k: e[k] for k in ("kind", "columns", "codecs")}, table)
+    return out
 
 
 def parse_dali_index(text: str, *, name: str = "<dali index>") -> list[list[tuple[str, int, int, str]]]:

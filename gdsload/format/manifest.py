@@ -36,6 +36,10 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "jp2"})
+# Stored unchanged; probed at conversion (the index's media columns); decoded only when a
+# VideoTransform / AudioTransform asks for the field (else a loader returns their bytes).
+VIDEO_EXTS = frozenset({"mp4", "mkv", "webm", "avi", "mov"})
+AUDIO_EXTS = frozenset({"wav", "flac", "ogg", "opus", "mp3", "m4a"})
 _KINDS = {"npy": "tensor", "cls": "label", "json": "json", "txt": "text"}
 
 
@@ -96,10 +100,14 @@ def at_version(manifest: dict[str, Any], version: int) -> dict[str, Any]:
 
 
 def field_kind(ext: str) -> str:
-    """How a field is decoded: image, tensor, label, json, text, or bytes."""
+    """How a field is decoded: image, video, audio, tensor, label, json, text, or bytes."""
     last = ext.rsplit(".", 1)[-1].lower()
     if last in IMAGE_EXTS:
         return "image"
+    if last in VIDEO_EXTS:
+        return "video"
+    if last in AUDIO_EXTS:
+        return "audio"
     return _KINDS.get(last, "bytes")
 
 
