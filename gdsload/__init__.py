@@ -25,6 +25,8 @@ _LAZY = {
     "RemoteLoader": "gdsload.service.client",
     "ShardWriter": "gdsload.convert.writer",
     "write": "gdsload.convert.writer",
+    "VideoTransform": "gdsload.decode.video",
+    "AudioTransform": "gdsload.decode.audio",
 }
 
 
@@ -41,6 +43,8 @@ __all__ = [
     "DataLoader",
     "Dataset",
     "ImageTransform",
+    "VideoTransform",
+    "AudioTransform",
     "Mix",
     "RemoteLoader",
     "ShardWriter",

@@ -45,6 +45,9 @@ class LoaderOptions:
     device: str  # "cpu" | "cuda"
     device_index: int | None  # "cuda:N": N
     copy: bool
+    # video/audio transforms: ((field or None, transform), ...); None applies to every field of
+    # the transform's kind. A media field without one comes back as bytes.
+    media: tuple = ()
 
     @classmethod
     def create(
@@ -81,14 +84,16 @@ class LoaderOptions:
             if isinstance(fields, (str, bytes)) or not all(isinstance(f, str) and f for f in fields):
                 raise ConfigError(f"fields must be a list of field names such as ['jpg', 'cls'], got {fields!r}")
             fields = tuple(fields)
+        transform, media = split_transforms(transform) if decode else (None, ())
         if decode and transform is None:
             from gdsload.decode.image import ImageTransform
 
             transform = ImageTransform()
         elif not decode:
             transform = None
-        elif not callable(getattr(transform, "output_shape", None)):
-            raise ConfigError(f"transform must be a gdsload.ImageTransform, got {transform!r}")
+        if remote and media:
+            raise ConfigError("video and audio transforms run in the local DataLoader only; the feed serves "
+                              "media fields as bytes (decode them with a local VideoTransform/AudioTransform)")
         from gdsload.frontend.output import default_output
         from gdsload.host.dist import dist_rank_world
 
@@ -101,7 +106,15 @@ class LoaderOptions:
         kind, index = (_remote_device if remote else _local_device)(device, output)
         return cls(batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
                    world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform,
-                   fields=fields, on_error=on_error, output=output, device=kind, device_index=index, copy=copy)
+                   fields=fields, on_error=on_error, output=output, device=kind, device_index=index, copy=copy,
+                   media=media)
+
+    def media_for(self, name: str, kind: str) -> Any:
+        """The VideoTransform/AudioTransform for field `name` of `kind`, or None (bytes)."""
+        for f, t in self.media:
+            if f == name:
+                return t
+        return next((t for f, t in self.media if f is None and t.kind == kind), None)
 
     @property
     def read_fields(self) -> list[str] | None:
@@ -173,3 +186,36 @@ def default_local_device(output: str | None) -> str:
     warnings.warn(f"a CUDA device is present but {why}; gdsload uses device='cpu' (pass "
                   f"device='cuda' to insist)", RuntimeWarning, stacklevel=4)
     return "cpu"
+
+
+def split_transforms(transform: Any) -> tuple[Any, tuple]:
+    """`transform=` as (the image transform or None, the media transforms): one transform, or a
+    dict field -> transform (`{"jpg": ImageTransform(), "mp4": VideoTransform()}`)."""
+    def media_kind(t: Any) -> str | None:
+        return getattr(type(t), "kind", None) if type(t).__name__ in ("VideoTransform", "AudioTransform") else None
+
+    def check_image(t: Any, where: str) -> Any:
+        if not callable(getattr(t, "output_shape", None)) or media_kind(t):
+            raise ConfigError(f"{where} must be a gdsload.ImageTransform, VideoTransform or AudioTransform, "
+                              f"got {t!r}")
+        return t
+
+    if transform is None:
+        return None, ()
+    if media_kind(transform):
+        return None, ((None, transform),)
+    if not isinstance(transform, dict):
+        return check_image(transform, "transform"), ()
+    image, media = None, []
+    for name, t in transform.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"transform={{...}} keys must be field names, got {name!r}")
+        if media_kind(t):
+            media.append((name, t))
+            continue
+        check_image(t, f"transform[{name!r}]")
+        if image is not None and t != image:
+            raise ConfigError(f"transform[{name!r}] differs from another image field's: a loader's image "
+                              f"fields share one ImageTransform")
+        image = t
+    return image, tuple(media)

@@ -83,20 +83,21 @@ class BatchAssembler:
                 vals = [vals[k] for k in keep] if keep is not None else vals
                 out[fp.name] = [self.convert(v, copy=False) for v in vals] if fp.kind == "ragged" and not host else vals
                 continue
-            arr = slot.buffers[fp.name]
-            if keep is not None and fp.kind != "image":
-                streams = getattr(self.resources, "streams", None)
-                if not hasattr(arr, "__cuda_array_interface__"):
-                    view = arr[np.asarray(keep, dtype=np.intp)]
-                elif host or streams is None:  # the producer: under CopyStreams.producing()
-                    view = arr[keep]
-                else:  # a CuPy gather: on the consumer's stream, which waited for the batch (C4)
-                    with streams.consumer_stream():
+            for name in (fp.name, fp.aux) if fp.aux is not None else (fp.name,):  # "<video>.frames", "<audio>.length"
+                arr = slot.buffers[name]
+                if keep is not None and fp.kind != "image":
+                    streams = getattr(self.resources, "streams", None)
+                    if not hasattr(arr, "__cuda_array_interface__"):
+                        view = arr[np.asarray(keep, dtype=np.intp)]
+                    elif host or streams is None:  # the producer: under CopyStreams.producing()
                         view = arr[keep]
-            else:
-                view = arr[: len(keep) if keep is not None else n]
-            # rows gathered by `keep` are fresh memory already: no second copy
-            out[fp.name] = host_copy(view) if host else self.convert(view, copy=self.copy)
+                    else:  # a CuPy gather: on the consumer's stream, which waited for the batch (C4)
+                        with streams.consumer_stream():
+                            view = arr[keep]
+                else:
+                    view = arr[: len(keep) if keep is not None else n]
+                # rows gathered by `keep` are fresh memory already: no second copy
+                out[name] = host_copy(view) if host else self.convert(view, copy=self.copy)
         keys = info.keys
         out["__key__"] = [keys[k] for k in keep] if keep is not None else list(keys)
         if info.sources is not None:

@@ -78,7 +78,9 @@ class DataLoader(ProcessLocal, PlanCursor):
     GPU host; a no-op without one). Plus: `seed`, `device` ("cpu", "cuda"; default: cuda when a
     GPU is usable: a CUDA device, CuPy, and for torch output a CUDA build of torch; "cuda:N" picks
     GPU N, "cuda" LOCAL_RANK's, else the current device, see `gdsload.host.gpu`), `transform` (an `ImageTransform`, or None for the default training transform;
-    `decode=False` returns encoded bytes), `fields` (which fields, in which order; the batch is then
+    `decode=False` returns encoded bytes; a `VideoTransform` or `AudioTransform`, or a dict field ->
+    transform for samples of several kinds: `gdsload.decode.video`, `gdsload.decode.audio`; a
+    video or audio field without one comes back as bytes), `fields` (which fields, in which order; the batch is then
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
     `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
@@ -229,7 +231,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         on_device = opts.device == "cuda"
         self._layout = layout = BatchLayout.build(
             self.dataset, batch_size=opts.batch_size, samples_per_rank=-(-plan.num_samples // plan.world_size),
-            decode=opts.decode, transform=opts.transform, on_device=on_device)
+            decode=opts.decode, transform=opts.transform, on_device=on_device, media=opts.media_for)
         self._resources = Resources.open(
             self.dataset, layout, device=opts.device, device_index=opts.device_index, io=self.io_name,
             num_workers=self._num_workers, prefetch=self._prefetch_factor, pin_memory=self.pin_memory,

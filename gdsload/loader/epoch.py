@@ -78,6 +78,7 @@ class Epoch:
             tuner.restart()
         self.stage = stage.start(resources.num_workers) if stage is not None else None
         self.filler = SlotFiller(resources, layout, source, self.decoder, assembler, self.stage, self.times)
+        self.filler.draw_key = (plan.seed, self.epoch)  # clip and crop positions: the plan's, per sample
         self.progress = Progress(self.epoch, time.perf_counter(), self.ring.stats()["wait_s"], stages=self.times)
         self.threads = [self._reader(i) for i in range(min(resources.num_workers, max(1, len(self.batches))))]
         self._closed = False

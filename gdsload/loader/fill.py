@@ -42,6 +42,7 @@ class SlotFiller:
         self.stage = stage  # the pass's map/collate_fn run, or None
         self.times = times  # gdsload.loader.stats.StageTimes
         self.n_images = layout.n_images
+        self.draw_key = (0, 0)  # (seed, epoch): media draws per sample (`gdsload.decode.media.draws`)
         ring = resources.ring
         self._layout = {name: off for name, (off, _) in ring.spec.layout().items()}
         hs = ring.host_spec
@@ -134,6 +135,12 @@ class SlotFiller:
                 if len(kept) < n:
                     keep = kept if keep is None else _both(keep, kept)
                 info.skipped += n - len(kept)
+        for fp in self.layout.media_fields:
+            pos, nb, _ = reads.staged[fp.name]
+            kept = self._media(fp, [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())], names, ids, bufs)
+            if len(kept) < n:
+                info.skipped += n - len(kept) if keep is None else len(set(keep) - set(kept))
+                keep = kept if keep is None else _both(keep, kept)
         self._finish_fill(slot, info, bufs, names, n, keep, kepts)
 
     def _host_values(self, reads, staging, info: BatchInfo, to_host: bool, bufs) -> None:
@@ -291,7 +298,36 @@ class SlotFiller:
                 if len(kept) < len(sp):
                     keep = kept if keep is None else _both(keep, kept)
                 info.skipped += len(sp) - len(kept)
+        for fp in self.layout.media_fields:
+            kept = self._media(fp, [staging[a : a + n] for a, n in spans[fp.name]], names, ids, bufs)
+            if len(kept) < len(ids):
+                info.skipped += len(ids) - len(kept) if keep is None else len(set(keep) - set(kept))
+                keep = kept if keep is None else _both(keep, kept)
         self._finish_fill(slot, info, bufs, names, len(ids), keep, kepts)
+
+    def _media(self, fp: Any, encoded: list, names: list[str], ids: np.ndarray, bufs: Any) -> list[int]:
+        """Decode a video or audio field into its rows (not compacted: skipped rows are left out
+        by the batch's `keep`), the index's probed metadata per sample, draws from the plan."""
+        from gdsload.decode import audio, video
+        from gdsload.decode.media import draws
+
+        ds = self.source.shards
+        metas = []
+        for gid in ids.tolist():
+            s, j = ds.locate(gid)
+            metas.append(ds.index(s).media_info(fp.name, j))
+        salt = video.SALT if fp.kind == "video" else audio.SALT
+        u = draws(*self.draw_key, ids, salt + 0x10000 * zlib_crc(fp.name), k=6)
+        streams = self.res.streams
+        dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
+        aux = bufs["__h_" + fp.aux] if streams else bufs[fp.aux]
+        t0 = time.perf_counter()
+        kept = self.res.media_decoder(fp).decode_into(encoded, names, metas, u, dst, aux)
+        self.times.add("decode", time.perf_counter() - t0)
+        if streams:
+            streams.to_device(bufs[fp.name][: len(ids)], dst[: len(ids)])
+            streams.to_device(bufs[fp.aux][: len(ids)], aux[: len(ids)])
+        return kept
 
     def _finish_fill(self, slot, info: BatchInfo, bufs, names: list[str], n: int, keep: list[int] | None,
                      kepts: dict[str, list[int]]) -> None:
@@ -302,7 +338,8 @@ class SlotFiller:
         # a device ring: the producer's own GPU work (row compaction, map's copies) goes on the
         # private stream, before the ready event (gdsload.host.gpu, audit 3 C3/C4)
         with streams.producing() if streams else contextlib.nullcontext():
-            if keep is not None and len(kepts) > 1:  # several image fields: keep rows all of them kept
+            if keep is not None and (len(kepts) > 1 or any(kf != keep for kf in kepts.values())):
+                # several image fields (or media skipped too): keep rows all of them kept
                 for name, kf in kepts.items():
                     rows = [kf.index(k) for k in keep]
                     bufs[name][: len(rows)] = bufs[name][rows]
@@ -318,6 +355,13 @@ class SlotFiller:
                 self.times.add("map", time.perf_counter() - t0)
             if streams:
                 info.ready = streams.ready()
+
+
+def zlib_crc(name: str) -> int:
+    """A stable small number per field name (draws of two media fields differ)."""
+    import zlib
+
+    return zlib.crc32(name.encode()) & 0xFFFF
 
 
 def _both(keep: list[int], kept: list[int]) -> list[int]:

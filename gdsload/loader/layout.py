@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gdsload.frontend import fields as _fieldkinds
 from gdsload.loader.gather import STAGE_ALIGN, round_up
 from gdsload.decode.raw import TensorField
@@ -28,6 +30,9 @@ class FieldPlan:
     kind: str  # image | tensor | ragged | label | bytes | text | json
     tensor: TensorField | None = None  # a .npy field's dtype, shape and header size
     max_nbytes: int = 0  # the field's largest member: staging room per sample
+    media: Any = None  # video/audio: its VideoTransform / AudioTransform
+    aux: str | None = None  # video/audio: "<name>.frames" / "<name>.length", a batch tensor beside it
+    media_hw: tuple[int, int] | None = None  # video with size=None: the dataset's one frame size
 
 
 def _probe(ds: Any, name: str) -> TensorField:
@@ -55,8 +60,28 @@ def _max_nbytes(ds: Any, name: str) -> int:
     return most
 
 
-def plan_fields(dataset: Any, *, decode: bool) -> list[FieldPlan]:
-    """The fields a loader over `dataset` (a `gdsload.dataset.source.Source`) reads."""
+def _frame_size(ds: Any, name: str) -> tuple[int, int]:
+    """The one (height, width) of video field `name` (VideoTransform(size=None)), from the index."""
+    sizes = set()
+    for s in range(len(ds.shards)):
+        got = ds.index(s).media.get(name)
+        if got is None:
+            raise FormatError(f"field {name!r} of {ds.shards[s]['name']} has no probed frame sizes (converted "
+                              f"before media were probed): set VideoTransform(size=...)")
+        desc, table = got
+        hw = table[:, [desc["columns"].index("height"), desc["columns"].index("width")]]
+        sizes |= {tuple(int(v) for v in r) for r in hw[~np.isnan(hw[:, 0])].tolist()}
+    if len(sizes) != 1:
+        raise FormatError(f"video field {name!r} has frames of {len(sizes)} sizes ({sorted(sizes)[:4]}...): "
+                          f"VideoTransform(size=None) needs one; set size=")
+    return sizes.pop()
+
+
+def plan_fields(dataset: Any, *, decode: bool, media: Any = None) -> list[FieldPlan]:
+    """The fields a loader over `dataset` (a `gdsload.dataset.source.Source`) reads; `media(name,
+    kind)`: the field's video/audio transform or None (`LoaderOptions.media_for`)."""
+    from gdsload.format.manifest import field_kind
+
     ds = dataset.shards
     plans = []
     for name in dataset.fields:
@@ -64,6 +89,13 @@ def plan_fields(dataset: Any, *, decode: bool) -> list[FieldPlan]:
         if kind == "tensor" and _fieldkinds.is_ragged(ds, name):
             kind = "ragged"  # shapes vary: a list of tensors, parsed per sample
         fp = FieldPlan(name, kind, max_nbytes=_max_nbytes(ds, name))
+        mk = field_kind(name)
+        t = media(name, mk) if decode and media is not None and mk in ("video", "audio") else None
+        if t is not None:
+            fp.kind, fp.media = mk, t
+            fp.aux = f"{name}.frames" if mk == "video" else f"{name}.length"
+            if mk == "video" and t.size is None:
+                fp.media_hw = _frame_size(ds, name)
         if kind == "tensor":
             fp.tensor = _probe(ds, name)
         plans.append(fp)
@@ -116,6 +148,14 @@ def slot_fields(plans: Sequence[FieldPlan], rows: int, transform: Any, *, on_dev
                 host["__h_" + fp.name] = spec[fp.name]
         elif fp.kind == "image":
             spec[fp.name] = ((rows, *transform.output_shape()), transform.dtype)
+        elif fp.kind in ("video", "audio"):  # decoded on the host, copied to a device ring
+            t = fp.media
+            aux = (t.frames_shape() if fp.kind == "video" else ())
+            spec[fp.name] = ((rows, *t.output_shape(fp.media_hw)), t.dtype)
+            spec[fp.aux] = ((rows, *aux), "int64")
+            if on_device:
+                host["__h_" + fp.name] = spec[fp.name]
+                host["__h_" + fp.aux] = spec[fp.aux]
         elif fp.kind == "label":
             (spec if on_device else host)[fp.name] = ((rows,), "int64")
             if on_device:
@@ -149,7 +189,7 @@ class BatchLayout:
 
     @classmethod
     def build(cls, source: Any, *, batch_size: int, samples_per_rank: int, decode: bool, transform: Any,
-              on_device: bool) -> "BatchLayout":
+              on_device: bool, media: Any = None) -> "BatchLayout":
         from gdsload.dataset.verify import check_dataset
         from gdsload.loader.gather import BatchPlanner
 
@@ -160,7 +200,7 @@ class BatchLayout:
         shard_verify = [d.verify for d in parts for _ in d.shards.shards]
         ds = source.shards
         headers = tensor_headers_needed(ds, shard_verify)
-        fplans = plan_fields(source, decode=decode)
+        fplans = plan_fields(source, decode=decode, media=media)
         planner = None if headers else BatchPlanner(
             ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans],
             crc_shards=[mode is not None for mode in shard_verify])
@@ -169,6 +209,11 @@ class BatchLayout:
         own = planner is not None and not on_device and not any(fp.kind == "image" for fp in fplans)
         return cls(fields=fplans, rows=rows, shard_verify=shard_verify, verify_note=note,
                    tensor_headers=headers, planner=planner, own_staging=own, transform=transform)
+
+    @property
+    def media_fields(self) -> list[FieldPlan]:
+        """Video and audio fields decoded by their transforms."""
+        return [fp for fp in self.fields if fp.media is not None]
 
     @property
     def n_images(self) -> int:

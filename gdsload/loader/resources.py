@@ -34,6 +34,7 @@ class Resources:
         self.prefetch = 1
         self._decoder: Any = None
         self._decoder_args: dict[str, Any] = {}
+        self._media: dict[str, Any] = {}  # field -> its VideoDecoder / AudioDecoder
 
     @classmethod
     def open(cls, source: Any, layout: BatchLayout, *, device: str, device_index: int | None, io: str,
@@ -108,6 +109,20 @@ class Resources:
             self.ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
 
     # -- what the readers use ------------------------------------------------------------------------
+    def media_decoder(self, fp: Any) -> Any:
+        """The VideoDecoder / AudioDecoder of media field `fp` (a FieldPlan), built on first use
+        (its DALI pipelines on its first batch); safe to call from several reader threads."""
+        dec = self._media.get(fp.name)
+        if dec is None:
+            if fp.kind == "video":
+                from gdsload.decode.video import VideoDecoder as cls
+            else:
+                from gdsload.decode.audio import AudioDecoder as cls
+            a = self._decoder_args
+            dec = self._media.setdefault(fp.name, cls(fp.media, batch_size=a["batch_size"], threads=a["threads"],
+                                                       on_error=a["on_error"]))
+        return dec
+
     @property
     def decoder(self) -> Any:
         """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs."""

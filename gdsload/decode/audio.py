@@ -1,0 +1,247 @@
+"""Audio: `AudioTransform` and the `AudioDecoder` a loader runs per batch.
+
+Decoding resamples to `sample_rate` (and downmixes with `mono=True`): DALI's `fn.decoders.audio`
+(libsndfile: WAV, FLAC, Ogg Vorbis/Opus) where it decodes the codec, PyAV (the `media` extra) for
+MP3, AAC and the rest, both as float32 in [-1, 1]. Then a fixed length of `seconds`: a longer
+waveform is cropped ("random": start drawn from the seeded plan, the same after a resume;
+"start"; "center"), a shorter one padded with zeros at the end; `"<field>.length"` holds the
+valid length (samples, or feature frames with `features="logmel"`). A recording longer than
+`max_seconds` (from the index, probed at conversion) is refused before decoding.
+
+`features="logmel"`: log-mel features (N, n_mels, 1 + samples // hop): a Hann-windowed STFT of
+`n_fft` points every `hop` samples (centred, reflect-padded, as `torch.stft(center=True)`), power
+spectrum, an HTK mel filter bank from 0 Hz to Nyquist, then `10 * log10(max(x, 1e-10))`; in NumPy,
+the same on either decoder.
+
+Threads: the DALI pipeline runs under a lock; PyAV decodes outside it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from gdsload.decode.media import DALI_AUDIO, probe
+from gdsload.errors import DecodeError, require
+
+MAX_SECONDS = 3600.0  # default limit on a recording's length
+SALT = 0x6175  # draws(...) salt of audio crops
+
+
+@dataclass(frozen=True)
+class AudioTransform:
+    """Fixed-length waveforms (N, samples) (mono; (N, channels, samples) with `mono=False`) or
+    log-mel features (N, n_mels, frames), and `"<field>.length"`; see the module docstring."""
+
+    sample_rate: int = 16000
+    seconds: float = 10.0
+    crop: Literal["random", "start", "center"] = "random"
+    mono: bool = True
+    features: Literal["logmel"] | None = None
+    n_mels: int = 80
+    n_fft: int = 400
+    hop: int = 160
+    max_seconds: float | None = MAX_SECONDS
+    channels: int = 2  # with mono=False: output channels (fewer are zero-padded, more refused)
+
+    kind = "audio"
+
+    def __post_init__(self) -> None:
+        if self.crop not in ("random", "start", "center"):
+            raise ValueError(f"AudioTransform(crop={self.crop!r}): 'random', 'start' or 'center'")
+        if self.features not in (None, "logmel"):
+            raise ValueError(f"AudioTransform(features={self.features!r}): None or 'logmel'")
+        if self.features and not self.mono:
+            raise ValueError("AudioTransform(features='logmel') needs mono=True")
+        if not (self.sample_rate > 0 and self.seconds > 0 and self.n_fft > 0 and self.hop > 0 and self.n_mels > 0):
+            raise ValueError("AudioTransform: sample_rate, seconds, n_fft, hop and n_mels must be positive")
+
+    @property
+    def samples(self) -> int:
+        return int(round(self.sample_rate * self.seconds))
+
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
+    def output_shape(self, hw: Any = None) -> tuple[int, ...]:
+        if self.features:
+            return (self.n_mels, 1 + self.samples // self.hop)
+        return (self.samples,) if self.mono else (self.channels, self.samples)
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"kind": "audio", **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+
+
+def mel_filters(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
+    """(n_mels, n_fft // 2 + 1) triangular HTK mel filters, 0 Hz to Nyquist."""
+    mel = lambda f: 2595.0 * np.log10(1.0 + f / 700.0)  # noqa: E731
+    hz = lambda m: 700.0 * (10 ** (m / 2595.0) - 1.0)  # noqa: E731
+    pts = hz(np.linspace(mel(0.0), mel(sample_rate / 2), n_mels + 2))
+    bins = np.linspace(0, sample_rate / 2, n_fft // 2 + 1)
+    lo, c, hi = pts[:-2, None], pts[1:-1, None], pts[2:, None]
+    return np.maximum(0, np.minimum((bins - lo) / (c - lo), (hi - bins) / (hi - c))).astype(np.float32)
+
+
+def logmel(x: np.ndarray, sample_rate: int, n_fft: int, hop: int, n_mels: int, fb: np.ndarray | None = None) -> np.ndarray:
+    """(n_mels, 1 + len(x) // hop) log-mel features of mono float32 `x`."""
+    pad = n_fft // 2
+    xp = np.pad(x, pad, mode="reflect") if len(x) > pad else np.pad(x, pad)
+    n = 1 + len(x) // hop
+    frames = np.lib.stride_tricks.sliding_window_view(xp, n_fft)[::hop][:n]
+    win = np.hanning(n_fft + 1)[:-1].astype(np.float32)  # periodic, as torch.hann_window
+    spec = np.abs(np.fft.rfft(frames * win, axis=1)) ** 2
+    fb = mel_filters(sample_rate, n_fft, n_mels) if fb is None else fb
+    return (10.0 * np.log10(np.maximum(fb @ spec.T.astype(np.float32), 1e-10))).astype(np.float32)
+
+
+class AudioDecoder:
+    def __init__(self, transform: AudioTransform, *, batch_size: int, threads: int = 2,
+                 on_error: Literal["raise", "skip"] = "raise"):
+        self.t = transform
+        self.batch_size = batch_size
+        self.threads = threads
+        self.on_error = on_error
+        self.skipped = 0
+        self._pipe = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._fb = mel_filters(transform.sample_rate, transform.n_fft, transform.n_mels) if transform.features else None
+
+    def _build(self) -> None:
+        require("nvidia.dali", extra="cpu", purpose="audio decoding")
+        from nvidia.dali import fn, pipeline_def, types
+
+        from gdsload.decode.image import _BUILT
+
+        t = self.t
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None,
+                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+        def pipe():
+            enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+            a, _ = fn.decoders.audio(enc, sample_rate=float(t.sample_rate), downmix=t.mono, dtype=types.FLOAT)
+            return a
+
+        self._pipe = pipe()
+        self._pipe.build()
+        _BUILT.add(self._pipe)
+        self._pid = os.getpid()
+
+    def _run(self, enc: list) -> list[np.ndarray]:
+        if self._pipe is None or self._pid != os.getpid():
+            self._build()
+        self._pipe.feed_input("enc", enc)
+        (res,) = self._pipe.run()
+        return [np.array(res[k]) for k in range(len(enc))]
+
+    def _dali_decode(self, items: list[tuple[int, np.ndarray]]) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        if not items:
+            return out
+        with self._lock:
+            try:
+                for i, a in zip([i for i, _ in items], self._run([e for _, e in items])):
+                    out[i] = a
+                return out
+            except RuntimeError:
+                self._pipe = None
+            for i, e in items:
+                try:
+                    out[i] = self._run([e])[0]
+                except RuntimeError as exc:
+                    from gdsload.decode.image import dali_reason
+
+                    self._pipe = None
+                    out[i] = ValueError(dali_reason(exc))
+        return out
+
+    def _pyav_decode(self, data: np.ndarray) -> np.ndarray:
+        """(samples,) or (samples, channels) float32 at the transform's rate."""
+        import io
+
+        import av
+
+        t = self.t
+        parts = []
+        try:
+            with av.open(io.BytesIO(data.tobytes()), "r") as c:
+                s = c.streams.audio[0]
+                layout = "mono" if t.mono else ("stereo" if s.codec_context.channels >= 2 else "mono")
+                rs = av.AudioResampler(format="flt", layout=layout, rate=t.sample_rate)
+                for f in c.decode(s):
+                    for g in rs.resample(f):
+                        parts.append(g.to_ndarray().reshape(-1, 1 if layout == "mono" else 2))
+                for g in rs.resample(None):
+                    parts.append(g.to_ndarray().reshape(-1, 1 if layout == "mono" else 2))
+        except av.FFmpegError as exc:
+            raise ValueError(f"corrupt audio: {exc}") from None
+        if not parts:
+            raise ValueError("no audio frame decodes")
+        x = np.concatenate(parts)
+        return x[:, 0] if t.mono else x
+
+    def decode_into(self, encoded: Sequence[np.ndarray], names: Sequence[str], metas: Sequence[dict | None],
+                    u: np.ndarray, dst: np.ndarray, length_dst: np.ndarray) -> list[int]:
+        """Row i's waveform (or features) into `dst[i]`, its valid length into `length_dst[i]`."""
+        t = self.t
+        bad: list[tuple[int, str]] = []
+        todo: dict[int, dict] = {}
+        for i, (e, meta) in enumerate(zip(encoded, metas)):
+            try:
+                meta = meta or probe(e, "audio")
+            except ValueError as exc:
+                bad.append((i, str(exc)))
+                continue
+            if t.max_seconds is not None and meta.get("duration", 0) > t.max_seconds:
+                bad.append((i, f"{meta['duration']:.1f} s long, over the limit of {t.max_seconds} s "
+                               f"(AudioTransform(max_seconds=...)); not decoded"))
+                continue
+            if not t.mono and meta.get("channels", 1) > t.channels:
+                bad.append((i, f"{meta['channels']} channels, more than AudioTransform(channels={t.channels})"))
+                continue
+            todo[i] = meta
+        got = self._dali_decode([(i, encoded[i]) for i, m in todo.items() if m["codec"] in DALI_AUDIO])
+        for i in todo:
+            if i not in got:
+                try:
+                    got[i] = self._pyav_decode(encoded[i])
+                except ValueError as exc:
+                    got[i] = exc
+            if isinstance(got[i], Exception):
+                bad.append((i, str(got[i])))
+        if bad and self.on_error == "raise":
+            i, why = min(bad)
+            raise DecodeError(f"cannot decode audio {names[i]} ({len(bad)} bad in this batch): {why}",
+                              remedy="pass on_error='skip' to skip and count such samples")
+        self.skipped += len(bad)
+        kept = sorted(i for i in todo if not isinstance(got[i], Exception))
+        L = t.samples
+        for i in kept:
+            x = got[i]
+            n = x.shape[0]
+            room = max(0, n - L)
+            start = {"random": int(u[i, 0] * (room + 1)), "start": 0, "center": room // 2}[t.crop]
+            start = min(start, room)
+            seg = x[start : start + L]
+            m = seg.shape[0]
+            if t.features:
+                wave = np.zeros(L, np.float32)
+                wave[:m] = seg
+                dst[i] = logmel(wave, t.sample_rate, t.n_fft, t.hop, t.n_mels, self._fb)
+                length_dst[i] = 1 + m // t.hop
+            elif t.mono:
+                dst[i, :m] = seg
+                dst[i, m:] = 0
+                length_dst[i] = m
+            else:
+                dst[i] = 0
+                seg2 = seg.reshape(m, -1)
+                dst[i, : seg2.shape[1], :m] = seg2.T
+                length_dst[i] = m
+        return kept

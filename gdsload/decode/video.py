@@ -1,0 +1,305 @@
+"""Video clips: `VideoTransform` and the `VideoDecoder` a loader runs per batch.
+
+Per sample: the clip's source frame indices (`gdsload.decode.media.clip_indices`, positions drawn
+from the seeded plan), refused before any decoding when the video's frame count or frame size is
+over the transform's limits (`max_frames`, `max_pixels`: from the index, probed at conversion).
+Decoding: DALI's `fn.decoders.video` (`device="cpu"`) for VP8, VP9 and MJPEG, which its CPU
+build decodes, with the frame list as a per-sample argument; PyAV (the `media` extra) for
+H.264, HEVC and the rest, decoding from the start of the stream to the last frame wanted
+(decode amplification: frames decoded / frames returned, in `stats`). Frames are counted in
+presentation order, as both decoders return them; indices are positions, not timestamps, so a
+variable-frame-rate video is sampled by frame count, not by time. 10-bit video comes out as
+8-bit RGB; full-range (JPEG) video is converted with its range; rotation metadata is ignored.
+
+Then one crop window per clip, the same for all its frames (train: random resized crop with
+`ImageTransform`'s scale and ratio, and a flip; eval: the short side resized, centre crop),
+resized to `size` and normalised in one DALI pipeline on the frames as a sequence ("FHWC").
+`dtype="uint8"` with `size=None` returns the decoded frames untouched (every video of the
+dataset must then have one frame size). Padding frames (index -1) are zeros in the output.
+
+Threads: the decoder may be called from several reader threads; its DALI pipelines each run
+under a lock, PyAV decodes outside it. Corrupt media follow `on_error` naming shard and key.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from gdsload.decode.media import DALI_CPU_VIDEO, clip_indices, crop_roi, probe
+from gdsload.errors import DecodeError, require
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MAX_FRAMES = 100_000  # default source-length limit: ~55 min at 30 fps
+MAX_PIXELS = 3840 * 2160  # default frame-size limit: 4K UHD
+SALT = 0x7669  # draws(...) salt of video clips
+
+
+@dataclass(frozen=True)
+class VideoTransform:
+    """Clips of `frames` decoded frames `stride` apart, `clips` per video (see the module
+    docstring for sampling, crops and limits). Batch shape (N, C, T, H, W) for `layout="NCTHW"`
+    ((N, T, H, W, C) for "NTHWC"), with a clips axis after N when `clips > 1`; the source frame
+    indices go under `"<field>.frames"` ((N, T) or (N, clips, T), -1 for padding)."""
+
+    frames: int = 16
+    stride: int = 2
+    clips: int = 1
+    sampling: Literal["random", "uniform", "center"] = "random"
+    size: int | None = 224
+    train: bool = True
+    dtype: Literal["float32", "float16", "uint8"] = "float32"
+    layout: Literal["NCTHW", "NTHWC"] = "NCTHW"
+    max_pixels: int | None = MAX_PIXELS
+    max_frames: int | None = MAX_FRAMES
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    resize: int = 256
+    flip: float = 0.5
+    mean: tuple[float, float, float] | None = IMAGENET_MEAN
+    std: tuple[float, float, float] | None = IMAGENET_STD
+
+    kind = "video"
+
+    def __post_init__(self) -> None:
+        for name in ("frames", "stride", "clips"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"VideoTransform({name}={v!r}): a positive integer is needed")
+        if self.sampling not in ("random", "uniform", "center"):
+            raise ValueError(f"VideoTransform(sampling={self.sampling!r}): 'random', 'uniform' or 'center'")
+        if self.layout not in ("NCTHW", "NTHWC"):
+            raise ValueError(f"VideoTransform(layout={self.layout!r}): 'NCTHW' or 'NTHWC'")
+        if self.dtype not in ("float32", "float16", "uint8"):
+            raise ValueError(f"VideoTransform(dtype={self.dtype!r}): 'float32', 'float16' or 'uint8'")
+        if self.size is None and self.dtype != "uint8":
+            raise ValueError("VideoTransform(size=None) returns frames untouched: it needs dtype='uint8'")
+        for name in ("max_pixels", "max_frames"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"VideoTransform({name}={v!r}): a positive integer or None")
+
+    def output_shape(self, hw: tuple[int, int] | None = None) -> tuple[int, ...]:
+        """One sample's shape; `hw`: the dataset's frame size, needed when `size` is None."""
+        h, w = (self.size, self.size) if self.size is not None else hw
+        per = (3, self.frames, h, w) if self.layout == "NCTHW" else (self.frames, h, w, 3)
+        return per if self.clips == 1 else (self.clips, *per)
+
+    def frames_shape(self) -> tuple[int, ...]:
+        return (self.frames,) if self.clips == 1 else (self.clips, self.frames)
+
+    def to_spec(self) -> dict[str, Any]:
+        """JSON form (for the gRPC feed)."""
+        return {"kind": "video", **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+
+
+class VideoDecoder:
+    """Decodes a loader's batch of one video field (`decode_into`); see the module docstring."""
+
+    def __init__(self, transform: VideoTransform, *, batch_size: int, threads: int = 2,
+                 on_error: Literal["raise", "skip"] = "raise"):
+        self.t = transform
+        self.batch_size = batch_size
+        self.threads = threads
+        self.on_error = on_error
+        self.skipped = 0
+        self.frames_decoded = 0  # decode amplification: frames_decoded / frames_returned
+        self.frames_returned = 0
+        self._dec = self._xf = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    # -- DALI pipelines (built on first use, one lock each run) ------------------------------
+    def _pipes(self) -> None:
+        if self._dec is not None and self._pid == os.getpid():
+            return
+        require("nvidia.dali", extra="cpu", purpose="video decoding")
+        from nvidia.dali import fn, pipeline_def, types
+
+        from gdsload.decode.image import _BUILT
+
+        t = self.t
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None,
+                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+        def dec():
+            enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+            idx = fn.external_source(name="idx", dtype=types.INT32, ndim=1)
+            return fn.decoders.video(enc, device="cpu", frames=idx)
+
+        @pipeline_def(batch_size=self.batch_size * t.clips, num_threads=self.threads, device_id=None,
+                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+        def xf():
+            x = fn.external_source(name="x", dtype=types.UINT8, ndim=4, layout="FHWC")
+            r0 = fn.external_source(name="r0", dtype=types.FLOAT, ndim=1)
+            r1 = fn.external_source(name="r1", dtype=types.FLOAT, ndim=1)
+            m = fn.external_source(name="m", dtype=types.INT32, ndim=0)
+            y = fn.resize(x, size=[t.size, t.size], roi_start=r0, roi_end=r1, roi_relative=True)
+            norm = t.mean is not None and t.dtype != "uint8"
+            out = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[t.dtype]
+            return fn.crop_mirror_normalize(
+                y, dtype=out, output_layout="CFHW" if t.layout == "NCTHW" else "FHWC", mirror=m,
+                mean=[255 * v for v in t.mean] if norm else [0.0],
+                std=[255 * v for v in t.std] if norm and t.std else [1.0])
+
+        self._dec, self._xf = dec(), xf() if t.size is not None else None
+        for p in (self._dec, self._xf):
+            if p is not None:
+                p.build()
+                _BUILT.add(p)
+        self._pid = os.getpid()
+
+    def _dali_decode(self, items: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[int, Any]:
+        """{row: (k, H, W, 3) uint8 or the exception} for DALI-decodable rows."""
+        out: dict[int, Any] = {}
+        if not items:
+            return out
+        with self._lock:
+            self._pipes()
+            try:
+                self._dec.feed_input("enc", [e for _, e, _ in items])
+                self._dec.feed_input("idx", [w.astype(np.int32) for _, _, w in items])
+                (res,) = self._dec.run()
+                for k, (i, _, _) in enumerate(items):
+                    out[i] = np.array(res[k])
+                return out
+            except RuntimeError:
+                self._dec = None  # DALI invalidates a pipeline after an operator error
+            for i, e, w in items:  # one by one, to name the bad ones
+                try:
+                    self._pipes()
+                    self._dec.feed_input("enc", [e])
+                    self._dec.feed_input("idx", [w.astype(np.int32)])
+                    (res,) = self._dec.run()
+                    out[i] = np.array(res[0])
+                except RuntimeError as exc:
+                    from gdsload.decode.image import dali_reason
+
+                    self._dec = None
+                    out[i] = ValueError(dali_reason(exc))
+        return out
+
+    @staticmethod
+    def _pyav_decode(data: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, int]:
+        """Frames `wanted` (sorted, unique) decoded with PyAV from the stream's start; (frames,
+        frames decoded)."""
+        import io
+
+        import av
+
+        out = []
+        last = int(wanted[-1])
+        want = set(wanted.tolist())
+        n = 0
+        try:
+            with av.open(io.BytesIO(data.tobytes()), "r") as c:
+                s = c.streams.video[0]
+                s.thread_type = "AUTO"
+                for f in c.decode(s):
+                    if n in want:
+                        out.append(f.to_ndarray(format="rgb24"))
+                    n += 1
+                    if n > last:
+                        break
+        except av.FFmpegError as exc:
+            raise ValueError(f"corrupt video after {n} frames: {exc}") from None
+        if len(out) != len(wanted):
+            raise ValueError(f"video has {n} decodable frames, frame {last} was wanted")
+        return np.stack(out), n
+
+    def decode_into(self, encoded: Sequence[np.ndarray], names: Sequence[str], metas: Sequence[dict | None],
+                    u: np.ndarray, dst: np.ndarray, frames_dst: np.ndarray) -> list[int]:
+        """Decode row i's clip(s) into `dst[i]`, their indices into `frames_dst[i]`; `metas[i]`:
+        the index's metadata (None: probed now), `u[i]`: its 6 draws. Returns the rows kept."""
+        t = self.t
+        bad: list[tuple[int, str]] = []
+        plans: dict[int, tuple[np.ndarray, np.ndarray, dict]] = {}
+        for i, (e, meta) in enumerate(zip(encoded, metas)):
+            try:
+                meta = meta or probe(e, "video")
+            except ValueError as exc:
+                bad.append((i, str(exc)))
+                continue
+            if t.max_frames is not None and meta["frames"] > t.max_frames:
+                bad.append((i, f"{meta['frames']} frames, over the limit of {t.max_frames} "
+                               f"(VideoTransform(max_frames=...)); not decoded"))
+                continue
+            if t.max_pixels is not None and meta["width"] * meta["height"] > t.max_pixels:
+                bad.append((i, f"{meta['width']} x {meta['height']} pixels, over the limit of {t.max_pixels} "
+                               f"(VideoTransform(max_pixels=...)); not decoded"))
+                continue
+            idx = clip_indices(meta["frames"], t.frames, t.stride, t.clips, t.sampling, float(u[i, 0]))
+            wanted = np.unique(idx[idx >= 0])
+            plans[i] = (idx, wanted, meta)
+        dali = [(i, encoded[i], w) for i, (_, w, m) in plans.items() if m["codec"] in DALI_CPU_VIDEO]
+        got: dict[int, Any] = self._dali_decode(dali)
+        for i, (_, w, m) in plans.items():
+            if i in got:
+                if not isinstance(got[i], Exception):
+                    self.frames_decoded += int(w[-1]) + 1 if m["codec"] != "mjpeg" else len(w)
+                continue
+            try:
+                got[i], n = self._pyav_decode(encoded[i], w)
+                self.frames_decoded += n
+            except ValueError as exc:
+                got[i] = exc
+        for i in list(plans):
+            if isinstance(got[i], Exception):
+                bad.append((i, str(got[i])))
+                del plans[i]
+        if bad and self.on_error == "raise":
+            i, why = min(bad)
+            raise DecodeError(f"cannot decode video {names[i]} ({len(bad)} bad in this batch): {why}",
+                              remedy="pass on_error='skip' to skip and count such samples")
+        self.skipped += len(bad)
+        kept = sorted(plans)
+        clips: list[tuple[int, int, np.ndarray, int]] = []  # (row, clip, frames (T', H, W, 3), T')
+        for i in kept:
+            idx, wanted, _ = plans[i]
+            frames_dst[i] = idx.reshape(frames_dst[i].shape)
+            arr = got[i]
+            for c in range(t.clips):
+                valid = idx[c][idx[c] >= 0]
+                clips.append((i, c, arr[np.searchsorted(wanted, valid)], len(valid)))
+                self.frames_returned += len(valid)
+        out_rows = dst if t.clips > 1 else dst[:, None]
+        for i in kept:
+            out_rows[i] = 0  # padding frames are zeros
+        if t.size is None:  # untouched frames
+            for i, c, fr, n in clips:
+                o = out_rows[i, c]
+                if t.layout == "NCTHW":
+                    o[:, :n] = fr.transpose(3, 0, 1, 2)
+                else:
+                    o[:n] = fr
+            return kept
+        r0, r1, mirror = [], [], []
+        for i, c, fr, _ in clips:
+            h, w = fr.shape[1:3]
+            a, b = crop_roi(h, w, t.train, t.scale, t.ratio, t.size, t.resize, u[i, 1:5])
+            r0.append(np.array(a, np.float32))
+            r1.append(np.array(b, np.float32))
+            mirror.append(np.array(int(t.train and u[i, 5] < t.flip), np.int32))
+        with self._lock:
+            self._pipes()
+            step = self.batch_size * t.clips
+            for a in range(0, len(clips), step):
+                part = slice(a, a + step)
+                self._xf.feed_input("x", [fr for _, _, fr, _ in clips[part]], layout="FHWC")
+                self._xf.feed_input("r0", r0[part])
+                self._xf.feed_input("r1", r1[part])
+                self._xf.feed_input("m", mirror[part])
+                (res,) = self._xf.run()
+                for k, (i, c, _, n) in enumerate(clips[part]):
+                    o = out_rows[i, c]
+                    if t.layout == "NCTHW":
+                        o[:, :n] = np.array(res[k])
+                    else:
+                        o[:n] = np.array(res[k])
+        return kept
