@@ -1,0 +1,286 @@
+"""Video and audio: conversion probes and rejects, clip sampling, resume, audio lengths, limits.
+
+All media are made here with PyAV (`gdsload.bench.mediagen`): frame i of a video is grey at
+brightness `level(i)`, so the mean of a returned frame says which source frame it is. H.264 goes
+through PyAV, VP9 and MJPEG through DALI's CPU video decoder; FLAC, Opus and WAV through DALI's
+audio decoder, MP3 through PyAV. Tiny clips (64 x 48, <= 30 frames), a few samples each.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+pytest.importorskip("nvidia.dali")
+
+import gdsload  # noqa: E402
+from gdsload.bench import mediagen as mg  # noqa: E402
+from gdsload.convert.shards import DatasetWriter  # noqa: E402
+from gdsload.decode.audio import AudioTransform, logmel  # noqa: E402
+from gdsload.decode.media import clip_indices, draws  # noqa: E402
+from gdsload.decode.video import VideoTransform  # noqa: E402
+from gdsload.errors import ConfigError, DecodeError  # noqa: E402
+from gdsload.format.index import ShardIndex  # noqa: E402
+
+LENGTHS = [20, 8, 30, 14, 20, 25]  # frames per video; 8 is shorter than a 4-frame clip at stride 3
+RAW = dict(size=None, dtype="uint8", layout="NTHWC")  # frames untouched: brightness readable
+
+
+def _dataset(root: Path, codec: str, lengths=LENGTHS) -> Path:
+    ext = mg.EXT[codec]
+    with DatasetWriter(root) as w:
+        for i, n in enumerate(lengths):
+            w.write(f"v{i}", {ext: mg.encode_video(codec, frames=n, gop=6), "cls": b"%d" % i})
+    return root
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("media")
+    return {c: _dataset(base / c, c) for c in ("h264", "vp9", "mjpeg")}
+
+
+def _frame_ids(clip: np.ndarray) -> list[int]:
+    """(T, H, W, C) uint8 frames -> the source frame index of each (-1 for an all-zero frame)."""
+    return [-1 if f.max() == 0 else mg.frame_of(float(f.mean())) for f in clip]
+
+
+def _mod(idx) -> list[int]:
+    """Frame indices as brightness tells them: levels repeat every 20 frames."""
+    return [-1 if i < 0 else i % 20 for i in np.asarray(idx).tolist()]
+
+
+def _batches(root: Path, ext: str, t: VideoTransform, **kw) -> list[dict]:
+    return list(gdsload.DataLoader(str(root), batch_size=3, output="numpy", transform={ext: t}, **kw))
+
+
+# -- conversion ----------------------------------------------------------------------------------
+def test_convert_probes_stores_unchanged_and_rejects_with_reasons(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    good = mg.encode_video("h264", frames=12)
+    (src / "a.mp4").write_bytes(good)
+    (src / "b.mp4").write_bytes(b"\x00not a video" * 40)
+    (src / "c.mp4").write_bytes(mg.encode_video("h264_444", frames=4))
+    (src / "d.mp4").write_bytes(good[: len(good) // 3])  # demuxes partly: --validate decodes it
+    for k in "abcd":
+        (src / f"{k}.flac").write_bytes(mg.encode_audio("flac", seconds=0.5, sample_rate=8000))
+    dst = tmp_path / "dst"
+    r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(dst), "--validate"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rejects = {j["key"]: j["reason"] for j in map(json.loads, (dst / "rejected.jsonl").read_text().splitlines())}
+    assert "unreadable media" in rejects["b"]
+    assert "yuv444p" in rejects["c"] and "NVDEC" in rejects["c"]
+    assert "d" in rejects
+    manifest = json.loads((dst / "manifest.json").read_text())
+    assert manifest["fields"] == {"flac": "audio", "mp4": "video"}
+    idx = ShardIndex.load(dst / manifest["shards"][0]["index"])
+    assert idx.keys() == ["a"]
+    v = idx.media_info("mp4", 0)
+    assert (v["codec"], v["width"], v["height"], v["frames"], v["fps"]) == ("h264", 64, 48, 12, 10.0)
+    assert v["keyint"] >= 1 and v["bits"] == 8
+    a = idx.media_info("flac", 0)
+    assert (a["codec"], a["sample_rate"], a["channels"], a["samples"]) == ("flac", 8000, 1, 4000)
+    tar = (dst / manifest["shards"][0]["name"]).read_bytes()
+    assert good in tar  # stored unchanged
+    r = subprocess.run([sys.executable, "-m", "gdsload", "verify", str(dst)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_without_a_transform_media_stay_bytes(videos) -> None:
+    b = next(iter(gdsload.DataLoader(str(videos["h264"]), batch_size=2, output="numpy")))
+    assert isinstance(b["mp4"][0], bytes) and b["mp4"][0][4:8] == b"ftyp"
+
+
+# -- clips ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["h264", "vp9", "mjpeg"])
+def test_start_stride_and_padding(videos, codec: str) -> None:
+    ext = mg.EXT[codec]
+    t = VideoTransform(frames=4, stride=3, sampling="uniform", **RAW)
+    seen = {}
+    for b in _batches(videos[codec], ext, t):
+        assert b[ext].shape[1:] == (4, 48, 64, 3) and b[ext].dtype == np.uint8
+        for key, clip, idx in zip(b["__key__"], b[ext], b[ext + ".frames"]):
+            assert _frame_ids(clip) == _mod(idx)
+            seen[key] = idx.tolist()
+    assert seen["v0"] == [0, 3, 6, 9]
+    assert seen["v1"] == [0, 3, 6, -1]  # 8 frames: the fourth is padding, zeros
+
+
+def test_center_random_and_several_clips(videos) -> None:
+    t = VideoTransform(frames=3, stride=2, sampling="center", **RAW)
+    b = {k: f.tolist() for bb in _batches(videos["vp9"], "webm", t) for k, f in zip(bb["__key__"], bb["webm.frames"])}
+    assert b["v2"] == [12, 14, 16]  # 30 frames, span 5: start (30 - 5) // 2
+    t = VideoTransform(frames=2, stride=1, clips=3, sampling="uniform", **RAW)
+    for bb in _batches(videos["h264"], "mp4", t):
+        assert bb["mp4"].shape[1:] == (3, 2, 48, 64, 3)
+        for key, clips, idx in zip(bb["__key__"], bb["mp4"], bb["mp4.frames"]):
+            n = LENGTHS[int(key[1:])]
+            assert idx[:, 0].tolist() == np.floor(np.arange(3) * (n - 2) / 2).astype(int).tolist()
+            for c in range(3):
+                assert _frame_ids(clips[c]) == _mod(idx[c])
+    t = VideoTransform(frames=2, stride=2, sampling="random", **RAW)
+    starts = set()
+    for seed in range(6):
+        for bb in _batches(videos["h264"], "mp4", t, seed=seed):
+            for clip, idx in zip(bb["mp4"], bb["mp4.frames"]):
+                assert _frame_ids(clip) == _mod(idx)
+                starts.add(int(idx[0]))
+    assert len(starts) > 3  # positions vary with the seed
+
+
+def test_resume_samples_the_same_clips(videos) -> None:
+    t = VideoTransform(frames=2, stride=2, sampling="random", size=16, train=True, dtype="float32")
+    kw = dict(batch_size=2, shuffle=True, seed=7, output="numpy", transform={"mp4": t})
+    full = list(gdsload.DataLoader(str(videos["h264"]), **kw))
+    dl = gdsload.DataLoader(str(videos["h264"]), **kw)
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    del it
+    dl2 = gdsload.DataLoader(str(videos["h264"]), **kw)
+    dl2.load_state_dict(state)
+    rest = list(dl2)
+    assert len(rest) == len(full) - 1
+    for a, b in zip(full[1:], rest):
+        assert a["__key__"] == b["__key__"]
+        np.testing.assert_array_equal(a["mp4.frames"], b["mp4.frames"])
+        np.testing.assert_array_equal(a["mp4"], b["mp4"])  # the same crop and flip too
+        assert a["mp4"].shape == (2, 3, 2, 16, 16) and np.isfinite(a["mp4"]).all()
+
+
+def test_clip_math() -> None:
+    assert clip_indices(10, 4, 3, 1, "uniform", 0.9).tolist() == [[0, 3, 6, 9]]
+    assert clip_indices(10, 4, 3, 1, "random", 0.99).tolist() == [[0, 3, 6, 9]]  # no room: start 0
+    assert clip_indices(5, 3, 3, 1, "random", 0.5).tolist() == [[0, 3, -1]]
+    assert clip_indices(100, 2, 1, 1, "random", 0.999).tolist() == [[98, 99]]
+    a = draws(1, 2, np.arange(5), 3, k=2)
+    assert a.shape == (5, 2) and ((a >= 0) & (a < 1)).all()
+    np.testing.assert_array_equal(a, draws(1, 2, np.arange(5), 3, k=2))
+    assert not np.array_equal(a, draws(1, 3, np.arange(5), 3, k=2))
+
+
+# -- limits and corrupt media --------------------------------------------------------------------
+def test_limits_refused_before_decoding_and_named(videos) -> None:
+    t = VideoTransform(frames=2, max_frames=15, **RAW)
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar:v0.*20 frames, over the limit of 15"):
+        _batches(videos["h264"], "mp4", t)
+    kept = [k for b in _batches(videos["h264"], "mp4", t, on_error="skip") for k in b["__key__"]]
+    assert kept == ["v1", "v3"]
+    with pytest.raises(DecodeError, match=r"64 x 48 pixels, over the limit of 1000"):
+        _batches(videos["vp9"], "webm", VideoTransform(frames=2, max_pixels=1000, **RAW))
+
+
+def _corrupt(root: Path, key: str, ext: str) -> None:
+    """Overwrite a member's payload in its shard (the index still points at it)."""
+    m = json.loads((root / "manifest.json").read_text())
+    idx = ShardIndex.load(root / m["shards"][0]["index"])
+    j = idx.keys().index(key)
+    off, n = next((o, n) for e, o, n in idx.members(j) if e == ext)
+    with open(root / m["shards"][0]["name"], "r+b") as f:
+        f.seek(off + 32)
+        f.write(b"\xff" * (n - 32))
+
+
+@pytest.mark.parametrize("codec", ["h264", "vp9"])
+def test_corrupt_video_named_and_skipped(tmp_path: Path, codec: str) -> None:
+    ext = mg.EXT[codec]
+    root = _dataset(tmp_path / codec, codec, lengths=[10, 10, 10])
+    _corrupt(root, "v1", ext)
+    t = VideoTransform(frames=2, **RAW)
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar:v1"):
+        list(gdsload.DataLoader(gdsload.Dataset(str(root), verify=None), batch_size=3, output="numpy",
+                                transform={ext: t}))
+    b = list(gdsload.DataLoader(gdsload.Dataset(str(root), verify=None), batch_size=3, output="numpy",
+                                transform={ext: t}, on_error="skip"))
+    assert b[0]["__key__"] == ["v0", "v2"] and b[0][ext].shape[0] == 2
+    assert b[0]["cls"].tolist() == [0, 2]
+
+
+# -- audio ---------------------------------------------------------------------------------------
+SECONDS = [1.0, 0.5, 2.0]  # per sample; each sample has all four formats
+RATES = {"flac": 8000, "opus": 48000, "mp3": 16000, "wav": 22050}  # source rates: all resampled to 16 kHz
+
+
+@pytest.fixture(scope="module")
+def audio(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("audio") / "ds"
+    with DatasetWriter(root) as w:
+        for i, sec in enumerate(SECONDS):
+            w.write(f"a{i}", {c: mg.encode_audio(c, seconds=sec, sample_rate=r) for c, r in RATES.items()}
+                    | {"ramp.wav": mg.ramp_wav(int(sec * 16000))})
+    return root
+
+
+def test_audio_length_after_resample_crop_and_pad(audio: Path) -> None:
+    t = AudioTransform(sample_rate=16000, seconds=1.0, crop="start")
+    b = next(iter(gdsload.DataLoader(str(audio), batch_size=3, output="numpy", transform={c: t for c in RATES})))
+    for c in RATES:
+        x, n = b[c], b[c + ".length"]
+        assert x.shape == (3, 16000) and x.dtype == np.float32, c
+        tol = 1200 if c in ("opus", "mp3") else 2  # encoder delay and padding of lossy codecs
+        assert abs(int(n[0]) - 16000) <= 2 and abs(int(n[1]) - 8000) <= tol and int(n[2]) == 16000, (c, n)
+        assert np.all(x[1, int(n[1]):] == 0)  # padded with zeros
+        assert 0.1 < np.abs(x[0, : int(n[0])]).max() <= 1.0  # the tone, in [-1, 1]
+
+
+def test_audio_crop_positions_from_the_plan(audio: Path) -> None:
+    def first(crop: str, seed: int = 0) -> dict[str, int]:
+        t = AudioTransform(seconds=0.25, crop=crop)
+        out = {}
+        for b in gdsload.DataLoader(str(audio), batch_size=3, output="numpy", seed=seed, fields=["ramp.wav", "__key__"],
+                                    transform={"ramp.wav": t}):
+            for k, x in zip(b[1], b[0]):
+                out[k] = int(round(float(x[0]) * 32768))  # sample i holds i (int16 -> [-1, 1))
+        return out
+
+    assert first("start") == {"a0": 0, "a1": 0, "a2": 0}
+    assert first("center") == {"a0": 6000, "a1": 2000, "a2": 14000}  # (n - 4000) // 2
+    runs = [first("random", s) for s in range(4)]
+    assert runs[0] == first("random", 0)  # the same seed, the same crops
+    assert len({r["a2"] for r in runs}) > 1
+    for r in runs:
+        assert 0 <= r["a2"] <= 32000 - 4000
+
+
+def test_logmel_features(audio: Path) -> None:
+    t = AudioTransform(seconds=1.0, crop="start", features="logmel", n_mels=40, n_fft=400, hop=160)
+    b = next(iter(gdsload.DataLoader(str(audio), batch_size=3, output="numpy", transform={"flac": t})))
+    assert b["flac"].shape == (3, 40, 101) and b["flac.length"].tolist() == [101, 51, 101]
+    torch = pytest.importorskip("torch")
+    x = np.sin(np.arange(4000) / 16000 * 2 * np.pi * 440).astype(np.float32)
+    spec = torch.stft(torch.from_numpy(x), 400, 160, window=torch.hann_window(400), center=True,
+                      pad_mode="reflect", return_complex=True).abs().pow(2).numpy()
+    from gdsload.decode.audio import mel_filters
+
+    ref = 10 * np.log10(np.maximum(mel_filters(16000, 400, 40) @ spec, 1e-10))
+    np.testing.assert_allclose(logmel(x, 16000, 400, 160, 40), ref, atol=1e-3)
+
+
+def test_audio_limit_and_config_errors(audio: Path) -> None:
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar:a0.*over the limit of 0.75 s"):
+        list(gdsload.DataLoader(str(audio), batch_size=3, output="numpy",
+                                transform={"flac": AudioTransform(max_seconds=0.75)}))
+    with pytest.raises(ConfigError, match="share one ImageTransform"):
+        gdsload.DataLoader(str(audio), transform={"a.jpg": gdsload.ImageTransform(size=8),
+                                                  "b.jpg": gdsload.ImageTransform(size=9)})
+    with pytest.raises(ValueError, match="needs dtype='uint8'"):
+        VideoTransform(size=None)
+
+
+def test_eval_crop_resize_normalise_keeps_each_frame(videos) -> None:
+    t = VideoTransform(frames=3, stride=4, sampling="uniform", size=16, train=False, resize=20, mean=None, std=None,
+                       dtype="float32")
+    for b in _batches(videos["mjpeg"], "avi", t):
+        assert b["avi"].shape[1:] == (3, 3, 16, 16) and b["avi"].dtype == np.float32  # N, C, T, H, W
+        for clip, idx in zip(b["avi"], b["avi.frames"]):
+            got = [-1 if clip[:, k].max() == 0 else mg.frame_of(float(clip[:, k].mean())) for k in range(3)]
+            assert got == _mod(idx)
