@@ -284,3 +284,12 @@ def test_eval_crop_resize_normalise_keeps_each_frame(videos) -> None:
         for clip, idx in zip(b["avi"], b["avi.frames"]):
             got = [-1 if clip[:, k].max() == 0 else mg.frame_of(float(clip[:, k].mean())) for k in range(3)]
             assert got == _mod(idx)
+
+
+def test_inspect_knows_the_kinds(videos) -> None:
+    r = subprocess.run([sys.executable, "-m", "gdsload", "inspect", str(videos["vp9"]), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    md = json.loads(r.stdout)["media"]["webm"]
+    assert md["kind"] == "video" and md["codecs"] == {"vp9": len(LENGTHS)}
+    assert md["frames"] == [8, 30] and md["width"] == [64, 64] and md["pix_fmt"] == {"yuv420p": len(LENGTHS)}

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,6 +106,42 @@ def _convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def media_summary(ds: Any) -> dict[str, Any]:
+    """Per video/audio field: codecs (with counts) and the ranges of the probed metadata, from the
+    indexes' media columns (`gdsload.format.index`); `unprobed`: members converted before probing."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    for name, kind in ds.manifest["fields"].items():
+        if kind not in ("video", "audio"):
+            continue
+        md: dict[str, Any] = {"kind": kind, "codecs": {}, "unprobed": 0}
+        for s in range(len(ds.shards)):
+            idx = ds.index(s)
+            got = idx.media.get(name)
+            has = sum(1 for j in range(idx.num_samples) if any(e == name for e, _, _ in idx.members(j)))
+            if got is None:
+                md["unprobed"] += has
+                continue
+            desc, table = got
+            rows = table[~np.isnan(table[:, 0])]
+            for c, n in zip(*np.unique(rows[:, 0].astype(int), return_counts=True)):
+                md["codecs"][desc["codecs"][c]] = md["codecs"].get(desc["codecs"][c], 0) + int(n)
+            for k, col in enumerate(desc["columns"]):
+                if col in ("codec", "full_range") or not len(rows) or np.isnan(rows[:, k]).all():
+                    continue
+                if col in desc.get("values", {}):  # text: the values seen
+                    seen = md.setdefault(col, {})
+                    for v in rows[:, k][~np.isnan(rows[:, k])].astype(int).tolist():
+                        seen[desc["values"][col][v]] = seen.get(desc["values"][col][v], 0) + 1
+                    continue
+                lo, hi = float(np.nanmin(rows[:, k])), float(np.nanmax(rows[:, k]))
+                old = md.get(col)
+                md[col] = [lo, hi] if old is None else [min(old[0], lo), max(old[1], hi)]
+        out[name] = md
+    return out
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
     from gdsload.dataset.sharded import open_dataset
 
@@ -121,6 +158,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
             "created": m.get("created", {}),
             "versions": m.get("versions"),  # after appends: one entry per version (Dataset(version=K))
         }
+        media = media_summary(ds)
+        if media:
+            info["media"] = media
         if "cls" in ds.fields:
             hist = ds.class_histogram()
             names = ds.classes or []
@@ -137,6 +177,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print("fields    " + ", ".join(f"{k} ({v})" for k, v in info["fields"].items()))
     print(f"alignment {al['aligned']}/{al['payloads_4k_or_more']} payloads of 4 KiB or more start 4096-aligned "
           f"({al['smaller_payloads']} smaller payloads need no alignment)")
+    for name, md in info.get("media", {}).items():
+        ranges = ", ".join([f"{k} {v[0]:g}..{v[1]:g}" for k, v in md.items() if isinstance(v, list)]
+                           + [f"{k} {'/'.join(v)}" for k, v in md.items() if isinstance(v, dict) and k != "codecs"])
+        codecs = ", ".join(f"{c} x{n}" for c, n in md["codecs"].items())
+        print(f"{md['kind']:<9} {name}: {codecs}; {ranges}" + (f"; {md['unprobed']} not probed" if md["unprobed"] else ""))
     c = info["created"]
     if c:
         print(f"created   {c.get('at', '?')} by {c.get('by', '?')} from {c.get('source_format', '?')} "

@@ -16,7 +16,8 @@ with millions of members is a few array reads, never a tar scan:
 - `meta["media"]` (optional) and `media_0`, `media_1`, ... (float64, (n, k)): per video or audio
   field, the metadata probed at conversion (`gdsload.decode.media.probe`), one row per sample:
   `meta["media"][i]` is `{"field": ext, "kind": "video"|"audio", "columns": [k names],
-  "codecs": [...]}` and the `codec` column indexes `codecs`; NaN where a sample lacks the field.
+  "codecs": [...], "values": {column: [...]}}`: the `codec` column indexes `codecs`, another text
+  column (`pix_fmt`) its list in `values`; NaN where a sample lacks the field.
   Older readers ignore them (they load only the arrays they name), so `gdsload verify` and older
   loaders still read such a shard; a loader without them probes the member itself.
 - `meta["npy_c_order"]` (optional, true): every `.npy` payload of the shard was parsed at
@@ -109,6 +110,8 @@ class ShardIndex:
         for name, v in zip(desc["columns"], row.tolist()):
             if name == "codec":
                 out["codec"] = desc["codecs"][int(v)]
+            elif name in desc.get("values", {}) and v == v:
+                out[name] = desc["values"][name][int(v)]
             elif v == v:  # NaN: not known
                 out[name] = int(v) if float(v).is_integer() and name not in ("fps", "duration") else v
         return out
@@ -185,6 +188,11 @@ class ShardIndex:
                     desc["codecs"].append(codec)
                 for c, name in enumerate(desc["columns"]):
                     v = desc["codecs"].index(codec) if name == "codec" else info.get(name)
+                    if isinstance(v, str):  # other text (pix_fmt): an index into its own table
+                        known = desc.setdefault("values", {}).setdefault(name, [])
+                        if v not in known:
+                            known.append(v)
+                        v = known.index(v)
                     table[i, c] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
         return cls(
             extensions=tuple(exts),
@@ -347,7 +355,10 @@ def _load_media(entries: object, z: object, name: str) -> dict[str, tuple[dict, 
         codes = codes[~np.isnan(codes)]
         if len(codes) and (codes.min() < 0 or codes.max() >= len(e["codecs"])):
             raise FormatError(f"{name}: media_{i} names a codec outside its table")
-        out[e["field"]] = ({k: e[k] for k in ("kind", "columns", "codecs")}, table)
+        values = e.get("values", {})
+        if not isinstance(values, dict) or not all(isinstance(v, list) for v in values.values()):
+            raise FormatError(f"{name}: index meta 'media' entry {i} has malformed 'values'")
+        out[e["field"]] = ({"kind": e["kind"], "columns": e["columns"], "codecs": e["codecs"], "values": values}, table)
     return out
 
 
