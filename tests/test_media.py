@@ -293,3 +293,12 @@ def test_inspect_knows_the_kinds(videos) -> None:
     md = json.loads(r.stdout)["media"]["webm"]
     assert md["kind"] == "video" and md["codecs"] == {"vp9": len(LENGTHS)}
     assert md["frames"] == [8, 30] and md["width"] == [64, 64] and md["pix_fmt"] == {"yuv420p": len(LENGTHS)}
+
+
+def test_example_train_video_tiny_runs() -> None:
+    pytest.importorskip("torch")
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_video_tiny.py"
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "4"], capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "steps 4" in r.stdout and "video (8, 3, 8, 32, 32), audio (8, 32, 51)" in r.stdout
