@@ -302,3 +302,31 @@ def test_example_train_video_tiny_runs() -> None:
                        timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "steps 4" in r.stdout and "video (8, 3, 8, 32, 32), audio (8, 32, 51)" in r.stdout
+
+
+def test_the_feed_serves_video_and_audio(tmp_path: Path) -> None:
+    pytest.importorskip("grpc")
+    pytest.importorskip("grpc_health")
+    pytest.importorskip("prometheus_client")
+    from gdsload.service.server import create_server
+
+    root = tmp_path / "root"
+    with DatasetWriter(root / "av") as w:
+        for i, n in enumerate([12, 6, 16, 9]):
+            w.write(f"s{i}", {"webm": mg.encode_video("vp9", frames=n), "flac": mg.encode_audio(
+                "flac", seconds=0.3 + 0.1 * i, sample_rate=8000), "cls": b"%d" % i})
+    tf = {"webm": VideoTransform(frames=3, stride=2, size=16, train=True), "flac": AudioTransform(seconds=0.4)}
+    local = list(gdsload.DataLoader(str(root / "av"), batch_size=2, shuffle=True, seed=3, output="numpy", transform=tf))
+    srv, port = create_server([str(root)], max_message_bytes=64 * 1024)
+    srv.start()
+    try:
+        remote = list(gdsload.RemoteLoader(f"127.0.0.1:{port}", dataset="av", batch_size=2, shuffle=True, seed=3,
+                                           output="numpy", transform=tf))
+    finally:
+        srv.shutdown(grace_s=2)
+    assert len(remote) == len(local) == 2
+    for r, loc in zip(remote, local):
+        assert r["__key__"] == loc["__key__"]
+        for f in ("webm", "webm.frames", "flac", "flac.length", "cls"):
+            np.testing.assert_array_equal(r[f], loc[f])
+    assert remote[0]["webm"].shape == (2, 3, 3, 16, 16)

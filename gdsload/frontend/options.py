@@ -91,9 +91,6 @@ class LoaderOptions:
             transform = ImageTransform()
         elif not decode:
             transform = None
-        if remote and media:
-            raise ConfigError("video and audio transforms run in the local DataLoader only; the feed serves "
-                              "media fields as bytes (decode them with a local VideoTransform/AudioTransform)")
         from gdsload.frontend.output import default_output
         from gdsload.host.dist import dist_rank_world
 

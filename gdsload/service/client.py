@@ -220,10 +220,18 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.seed = seed
         self.shuffle_window = shuffle_window
         self.decode = decode
-        if decode and transform is None:
-            transform = wire.ImageTransform()
+        from gdsload.frontend.options import split_transforms
+
         self.transform = transform
-        self._spec = wire.transform_to_spec(transform) if decode else None
+        image, media = split_transforms(transform) if decode else (None, ())
+        if decode and image is None:
+            image = wire.ImageTransform()
+        self._spec = wire.transform_to_spec(image) if decode else None
+        self._media = []  # video/audio decoded on the server (gdsload.service.mediawire)
+        if media:
+            from gdsload.service import mediawire
+
+            self._media = mediawire.to_specs(media)
         self.tuple_fields = list(fields) if fields is not None else None
         # map / collate_fn run here on the client, in the consumer's thread (gdsload.frontend.usercode)
         self._stage = MapStage.create(map, collate_fn, "thread")
@@ -376,7 +384,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size,
             start_position=position,
             payload=pb.PAYLOAD_DECODED if self.decode else pb.PAYLOAD_RAW,
-            transform=self._spec, fields=self._request_fields,
+            transform=self._spec, fields=self._request_fields, media=self._media,
             on_error=pb.ON_ERROR_SKIP if self.on_error == "skip" else pb.ON_ERROR_RAISE,
             max_chunk_bytes=self.max_message_bytes, max_batches=self.batches_per_stream,
         )

@@ -105,6 +105,25 @@ def _decode_available() -> bool:
         return False
 
 
+def _media_available() -> bool:
+    import importlib.util
+
+    return _decode_available() and importlib.util.find_spec("av") is not None
+
+
+def _media_memory(media: dict[str, Any], req: pb.BatchRequest, prefetch: int) -> int:
+    """Ring bytes of decoded video/audio fields (outputs and their frame/length columns) for a
+    stream; a video without a size is bounded by its max_pixels (or 4K)."""
+    per_sample = 0
+    for t in media.values():
+        if t.kind == "video":
+            hw = None if t.size is not None else (1, t.max_pixels or 3840 * 2160)
+            per_sample += int(np.prod(t.output_shape(hw))) * np.dtype(t.dtype).itemsize + 8 * t.frames * t.clips
+        else:
+            per_sample += int(np.prod(t.output_shape())) * 4 + 8
+    return (prefetch + 1) * per_sample * req.batch_size
+
+
 def _peer(context: grpc.ServicerContext) -> str:
     try:
         return context.peer()
@@ -183,6 +202,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             max_batch_bytes=L.max_batch_bytes, max_image_side=L.max_image_side,
             max_streams=L.max_streams, active_streams=active, decode_available=_decode_available(),
             decode_device="cpu", num_datasets=len(self.catalog.names()),
+            media_available=_media_available(),
             max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=reserved,
         )
 
@@ -250,7 +270,17 @@ class FeedServicer(pb_grpc.FeedServicer):
                 )
             transform = (wire.spec_to_transform(req.transform, max_side=L.max_image_side)
                          if req.HasField("transform") else wire.ImageTransform())
-        memory = self.stream_memory(req, dataset.fields, transform)
+        media: dict[str, Any] = {}
+        if req.media:  # video/audio decoded here (issue 30): gdsload.service.mediawire
+            if payload != "decoded":
+                raise BadRequest("BatchRequest.media is set but payload is PAYLOAD_RAW: send PAYLOAD_DECODED")
+            from gdsload.service import mediawire
+
+            media = mediawire.from_specs(req.media, {f: dataset.shards.fields.get(f, "") for f in dataset.fields})
+        memory = self.stream_memory(req, dataset.fields, transform) + _media_memory(media, req, self.prefetch)
+        if media:
+            images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
+            transform = {**media, **({images[0]: transform} if images and transform is not None else {})}
         loader = DataLoader(
             dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
             num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,

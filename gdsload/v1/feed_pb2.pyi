@@ -85,7 +85,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "max_memory_bytes", "memory_in_use_bytes")
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class ServerInfo(_message.Message):
     DECODE_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DECODE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
@@ -110,9 +111,10 @@ class ServerInfo(_message.Message):
     decode_available: bool
     decode_device: str
     num_datasets: int
+    media_available: bool
     max_memory_bytes: int
     memory_in_use_bytes: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ...) -> None: ...
 
 class ImageTransformSpec(_message.Message):
     __slots__ = ("size", "train", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "layout", "dtype")
@@ -143,7 +145,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "media")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +164,7 @@ class BatchRequest(_message.Message):
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIX_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
     seed: int
@@ -180,7 +183,8 @@ class BatchRequest(_message.Message):
     max_batches: int
     max_chunk_bytes: int
     mix: MixSpec
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[MediaTransformSpec]
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
 
 class MixSpec(_message.Message):
     __slots__ = ("sources", "samples_per_epoch", "mix_by")
@@ -261,3 +265,79 @@ class FieldData(_message.Message):
     item_nbytes: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[FieldLayout, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., item_nbytes: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class MediaTransformSpec(_message.Message):
+    __slots__ = ("field", "video", "audio")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    video: VideoTransformSpec
+    audio: AudioTransformSpec
+    def __init__(self, field: _Optional[str] = ..., video: _Optional[_Union[VideoTransformSpec, _Mapping]] = ..., audio: _Optional[_Union[AudioTransformSpec, _Mapping]] = ...) -> None: ...
+
+class VideoTransformSpec(_message.Message):
+    __slots__ = ("frames", "stride", "clips", "sampling", "size", "train", "dtype", "layout", "max_pixels", "max_frames", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "no_normalize")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CLIPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MIN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MAX_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    FLIP_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    NO_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    frames: int
+    stride: int
+    clips: int
+    sampling: str
+    size: int
+    train: bool
+    dtype: str
+    layout: str
+    max_pixels: int
+    max_frames: int
+    scale_min: float
+    scale_max: float
+    ratio_min: float
+    ratio_max: float
+    resize: int
+    flip: float
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    std: _containers.RepeatedScalarFieldContainer[float]
+    no_normalize: bool
+    def __init__(self, frames: _Optional[int] = ..., stride: _Optional[int] = ..., clips: _Optional[int] = ..., sampling: _Optional[str] = ..., size: _Optional[int] = ..., train: _Optional[bool] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., max_pixels: _Optional[int] = ..., max_frames: _Optional[int] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., no_normalize: _Optional[bool] = ...) -> None: ...
+
+class AudioTransformSpec(_message.Message):
+    __slots__ = ("sample_rate", "seconds", "crop", "mono", "features", "n_mels", "n_fft", "hop", "max_seconds", "channels")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CROP_FIELD_NUMBER: _ClassVar[int]
+    MONO_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    N_MELS_FIELD_NUMBER: _ClassVar[int]
+    N_FFT_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    seconds: float
+    crop: str
+    mono: bool
+    features: str
+    n_mels: int
+    n_fft: int
+    hop: int
+    max_seconds: float
+    channels: int
+    def __init__(self, sample_rate: _Optional[int] = ..., seconds: _Optional[float] = ..., crop: _Optional[str] = ..., mono: _Optional[bool] = ..., features: _Optional[str] = ..., n_mels: _Optional[int] = ..., n_fft: _Optional[int] = ..., hop: _Optional[int] = ..., max_seconds: _Optional[float] = ..., channels: _Optional[int] = ...) -> None: ...
