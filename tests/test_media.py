@@ -330,3 +330,23 @@ def test_the_feed_serves_video_and_audio(tmp_path: Path) -> None:
         for f in ("webm", "webm.frames", "flac", "flac.length", "cls"):
             np.testing.assert_array_equal(r[f], loc[f])
     assert remote[0]["webm"].shape == (2, 3, 3, 16, 16)
+
+
+def test_media_bench_contestants_agree_on_tiny_sets(tmp_path: Path) -> None:
+    """The benchmark's runs (bench/media_bench.py, `gdsload bench` on a media dataset) as a tiny
+    test, in-process: every contestant delivers every clip; gdsload and torch + PyAV decode the
+    same frames of the H.264 set (the same clip positions, from the plan's draws)."""
+    pytest.importorskip("torch")
+    from gdsload.bench import media
+
+    sets = media.make_sets(tmp_path, videos=4, audios=2, width=96, height=64, video_frames=40,
+                           audio_seconds=10.5, log=lambda m: None)
+    args = {"batch_size": 2, "threads": 1, "seed": 0}
+    names = ["gdsload", "torch_pyav"] + (["spdl"] if media.missing("spdl") is None else [])
+    runs = {c: media.run_contestant({**args, "dataset": str(sets["h264"]), "contestant": c}) for c in names}
+    assert {r["clips"] for r in runs.values()} == {2}
+    g, t = runs["gdsload"], runs["torch_pyav"]
+    assert g["frames_returned"] == t["frames_returned"] == 2 * media.FRAMES
+    assert g["frames_decoded"] == t["frames_decoded"]
+    r = media.run_contestant({**args, "dataset": str(sets["flac"]), "contestant": "gdsload"})
+    assert r["clips"] == 2 and r["kind"] == "audio"

@@ -249,6 +249,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     with open_dataset(a.dataset) as ds:
         kind = "image" if "image" in ds.fields.values() else "tensor"
+        media = next((k for k in ds.manifest["fields"].values() if k in ("video", "audio")), None)
+    if media:  # clips or log-mel against torch + PyAV, SPDL, torchcodec (gdsload.bench.media)
+        from gdsload.bench.media import format_media, run_media
+
+        r = run_media(a.dataset, contestants=["gdsload", "torch_pyav", "spdl", "torchcodec"], rounds=a.rounds,
+                      batch_size=min(a.batch_size, 16), log=lambda m: print(m, file=sys.stderr))
+        print(format_media(r))
+        if a.json:
+            Path(a.json).write_text(_json.dumps(r, indent=1))
+        return 0
     contestants = ["gdsload", "torch", "read"] + (["dali", "decode1"] if kind == "image" else [])
     r = run_suite(a.dataset, kind=kind, tiers=a.tiers.split(",") if kind == "image" else ["R"],
                   contestants=contestants, rounds=a.rounds, batch_size=a.batch_size,
@@ -323,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", help="also write every figure of the run here")
     m.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmark gdsload against PyTorch+webdataset, DALI and raw reads on a dataset")
+    b = sub.add_parser("bench", help="benchmark gdsload against PyTorch+webdataset, DALI and raw reads on a dataset "
+                                     "(video/audio datasets: against torch+PyAV, SPDL and torchcodec)")
     b.add_argument("dataset")
     b.add_argument("--tiers", default="R,D,T", help="R raw bytes, D decode+resize, T decode+train transform")
     b.add_argument("--rounds", type=int, default=5)
