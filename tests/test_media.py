@@ -22,7 +22,7 @@ pytest.importorskip("nvidia.dali")
 import gdsload  # noqa: E402
 from gdsload.bench import mediagen as mg  # noqa: E402
 from gdsload.convert.shards import DatasetWriter  # noqa: E402
-from gdsload.decode.audio import AudioTransform, logmel  # noqa: E402
+from gdsload.decode.audio import AudioDecoder, AudioTransform  # noqa: E402
 from gdsload.decode.media import clip_indices, draws  # noqa: E402
 from gdsload.decode.video import VideoTransform  # noqa: E402
 from gdsload.errors import ConfigError, DecodeError  # noqa: E402
@@ -256,13 +256,16 @@ def test_logmel_features(audio: Path) -> None:
     b = next(iter(gdsload.DataLoader(str(audio), batch_size=3, output="numpy", transform={"flac": t})))
     assert b["flac"].shape == (3, 40, 101) and b["flac.length"].tolist() == [101, 51, 101]
     torch = pytest.importorskip("torch")
-    x = np.sin(np.arange(4000) / 16000 * 2 * np.pi * 440).astype(np.float32)
+    rng = np.random.default_rng(0)
+    x = (0.5 * np.sin(np.arange(4000) / 16000 * 2 * np.pi * 440) + 0.1 * rng.standard_normal(4000)).astype(np.float32)
     spec = torch.stft(torch.from_numpy(x), 400, 160, window=torch.hann_window(400), center=True,
                       pad_mode="reflect", return_complex=True).abs().pow(2).numpy()
     from gdsload.decode.audio import mel_filters
 
     ref = 10 * np.log10(np.maximum(mel_filters(16000, 400, 40) @ spec, 1e-10))
-    np.testing.assert_allclose(logmel(x, 16000, 400, 160, 40), ref, atol=1e-3)
+    got = AudioDecoder(AudioTransform(features="logmel", n_mels=40), batch_size=2).features([x, x[:1600]])
+    assert got[0].shape == (40, 26) and got[1].shape == (40, 11)
+    np.testing.assert_allclose(got[0], ref, atol=0.5)  # dB
 
 
 def test_audio_limit_and_config_errors(audio: Path) -> None:
@@ -350,3 +353,15 @@ def test_media_bench_contestants_agree_on_tiny_sets(tmp_path: Path) -> None:
     assert g["frames_decoded"] == t["frames_decoded"]
     r = media.run_contestant({**args, "dataset": str(sets["flac"]), "contestant": "gdsload"})
     assert r["clips"] == 2 and r["kind"] == "audio"
+
+
+def test_stats_report_decode_amplification(videos) -> None:
+    dl = gdsload.DataLoader(str(videos["h264"]), batch_size=3, output="numpy",
+                            transform={"mp4": VideoTransform(frames=2, stride=2, sampling="center", **RAW)})
+    got = list(dl)
+    m = dl.stats()["media"]["mp4"]
+    assert m["frames_returned"] == 2 * len(LENGTHS) and sum(len(b["__key__"]) for b in got) == len(LENGTHS)
+    # centred 3-frame spans: the decoder goes from frame 0 to each span's last frame
+    assert m["frames_decoded"] == sum((n - 3) // 2 + 3 for n in LENGTHS)
+    dl.close()
+    assert dl.stats()["media"]["mp4"]["decode_amplification"] == m["frames_decoded"] / m["frames_returned"]

@@ -114,6 +114,7 @@ class VideoDecoder:
         self._dec = self._xf = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._pool = None  # PyAV decodes, `threads` at a time
 
     # -- DALI pipelines (built on first use, one lock each run) ------------------------------
     def _pipes(self) -> None:
@@ -200,7 +201,6 @@ class VideoDecoder:
         try:
             with av.open(io.BytesIO(data.tobytes()), "r") as c:
                 s = c.streams.video[0]
-                s.thread_type = "AUTO"
                 for f in c.decode(s):
                     if n in want:
                         out.append(f.to_ndarray(format="rgb24"))
@@ -212,6 +212,12 @@ class VideoDecoder:
         if len(out) != len(wanted):
             raise ValueError(f"video has {n} decodable frames, frame {last} was wanted")
         return np.stack(out), n
+
+    def close(self) -> None:
+        """Stop the PyAV thread pool (the DALI pipelines go with the decoder)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def decode_into(self, encoded: Sequence[np.ndarray], names: Sequence[str], metas: Sequence[dict | None],
                     u: np.ndarray, dst: np.ndarray, frames_dst: np.ndarray) -> list[int]:
@@ -240,15 +246,27 @@ class VideoDecoder:
         dali = [(i, encoded[i], w) for i, (_, w, m) in plans.items() if m["codec"] in DALI_CPU_VIDEO]
         got: dict[int, Any] = self._dali_decode(dali)
         for i, (_, w, m) in plans.items():
-            if i in got:
-                if not isinstance(got[i], Exception):
-                    self.frames_decoded += int(w[-1]) + 1 if m["codec"] != "mjpeg" else len(w)
-                continue
-            try:
-                got[i], n = self._pyav_decode(encoded[i], w)
-                self.frames_decoded += n
-            except ValueError as exc:
-                got[i] = exc
+            if i in got and not isinstance(got[i], Exception):
+                self.frames_decoded += int(w[-1]) + 1 if m["codec"] != "mjpeg" else len(w)
+        rest = [i for i in plans if i not in got]
+        if rest:  # PyAV (H.264, HEVC, ...): `threads` videos at a time, the GIL released in FFmpeg
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="gdsload-video")
+
+            def one(i: int) -> Any:
+                try:
+                    return self._pyav_decode(encoded[i], plans[i][1])
+                except ValueError as exc:
+                    return exc
+
+            for i, r in zip(rest, self._pool.map(one, rest)):
+                if isinstance(r, Exception):
+                    got[i] = r
+                else:
+                    got[i], n = r
+                    self.frames_decoded += n
         for i in list(plans):
             if isinstance(got[i], Exception):
                 bad.append((i, str(got[i])))

@@ -297,6 +297,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             "num_workers": res.num_workers,
             "auto": ",".join(k for k, v in self._auto.items() if v) or None,
             "stages": p.stages.report(p.batches) if p.stages is not None else None,
+            "media": res.media_stats() or None,
         }
 
     def close(self) -> None:

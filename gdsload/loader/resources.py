@@ -123,6 +123,18 @@ class Resources:
                                                        on_error=a["on_error"]))
         return dec
 
+    def media_stats(self) -> dict[str, Any]:
+        """Per decoded video/audio field: which decoders ran, skipped samples and, for video,
+        frames decoded and returned (decode amplification: their ratio), since the loader began."""
+        out = {}
+        for name, dec in self._media.items():
+            d = {"skipped": dec.skipped}
+            if hasattr(dec, "frames_decoded"):
+                d.update(frames_decoded=dec.frames_decoded, frames_returned=dec.frames_returned,
+                         decode_amplification=dec.frames_decoded / max(1, dec.frames_returned))
+            out[name] = d
+        return out
+
     @property
     def decoder(self) -> Any:
         """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs."""
@@ -183,4 +195,7 @@ class Resources:
             self.streams.synchronize()
         self.streams = None
         self.ring = None
+        for dec in self._media.values():  # their PyAV thread pools
+            dec.close()
+        self._media = {}
         return cache_stats
