@@ -26,6 +26,8 @@ import numpy as np
 #: codecs DALI's CPU video decoder handles (its bundled FFmpeg has no H.264/HEVC decoder; checked
 #: on the 2.4 CPU wheel); the rest go through PyAV on a CPU host
 DALI_CPU_VIDEO = frozenset({"vp8", "vp9", "mjpeg"})
+#: codecs NVDEC decodes (DALI `device="mixed"`); demuxed on the host, as every decoder does
+NVDEC_VIDEO = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
 #: codecs DALI's audio decoder (libsndfile) handles; MP3/AAC go through PyAV
 DALI_AUDIO = frozenset({"flac", "vorbis", "opus"}) | {f"pcm_{f}" for f in (
     "s16le", "s24le", "s32le", "f32le", "f64le", "u8")}

@@ -3,8 +3,10 @@
 Per sample: the clip's source frame indices (`gdsload.decode.media.clip_indices`, positions drawn
 from the seeded plan), refused before any decoding when the video's frame count or frame size is
 over the transform's limits (`max_frames`, `max_pixels`: from the index, probed at conversion).
-Decoding: DALI's `fn.decoders.video` (`device="cpu"`) for VP8, VP9 and MJPEG, which its CPU
-build decodes, with the frame list as a per-sample argument; PyAV (the `media` extra) for
+Decoding: on a GPU host DALI's `fn.decoders.video(device="mixed")` (NVDEC) for H.264, HEVC, VP8,
+VP9 and AV1, the frames copied back to host memory for the crop pipeline; on a CPU host (and for
+the rest) `device="cpu"` for VP8, VP9 and MJPEG, which its CPU build decodes, with the frame list
+as a per-sample argument; PyAV (the `media` extra) for
 H.264, HEVC and the rest, decoding from the start of the stream to the last frame wanted
 (decode amplification: frames decoded / frames returned, in `stats`). Frames are counted in
 presentation order, as both decoders return them; indices are positions, not timestamps, so a
@@ -31,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gdsload.decode.media import DALI_CPU_VIDEO, clip_indices, crop_roi, probe
+from gdsload.decode.media import DALI_CPU_VIDEO, NVDEC_VIDEO, clip_indices, crop_roi, probe
 from gdsload.errors import DecodeError, require
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -103,8 +105,14 @@ class VideoDecoder:
     """Decodes a loader's batch of one video field (`decode_into`); see the module docstring."""
 
     def __init__(self, transform: VideoTransform, *, batch_size: int, threads: int = 2,
-                 on_error: Literal["raise", "skip"] = "raise"):
+                 on_error: Literal["raise", "skip"] = "raise", device: Literal["cpu", "mixed"] = "cpu",
+                 device_id: int = 0):
         self.t = transform
+        # "mixed": NVDEC decodes the codecs it takes (NVDEC_VIDEO), frames copied back to the host
+        # for the crop pipeline; MJPEG and the rest as on a CPU host. Not yet run on a GPU here:
+        # bench/gpu_check.sh's video step is what checks it (README, "Video").
+        self.device = device
+        self.device_id = device_id
         self.batch_size = batch_size
         self.threads = threads
         self.on_error = on_error
@@ -120,19 +128,22 @@ class VideoDecoder:
     def _pipes(self) -> None:
         if self._dec is not None and self._pid == os.getpid():
             return
-        require("nvidia.dali", extra="cpu", purpose="video decoding")
+        require("nvidia.dali", extra="cpu" if self.device == "cpu" else "cuda12", purpose="video decoding")
         from nvidia.dali import fn, pipeline_def, types
 
         from gdsload.decode.image import _BUILT
 
         t = self.t
 
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None,
+        mixed = self.device == "mixed"
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
+                      device_id=self.device_id if mixed else None,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
         def dec():
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
             idx = fn.external_source(name="idx", dtype=types.INT32, ndim=1)
-            return fn.decoders.video(enc, device="cpu", frames=idx)
+            return fn.decoders.video(enc, device=self.device, frames=idx)
 
         @pipeline_def(batch_size=self.batch_size * t.clips, num_threads=self.threads, device_id=None,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
@@ -167,6 +178,7 @@ class VideoDecoder:
                 self._dec.feed_input("enc", [e for _, e, _ in items])
                 self._dec.feed_input("idx", [w.astype(np.int32) for _, _, w in items])
                 (res,) = self._dec.run()
+                res = res.as_cpu() if self.device == "mixed" else res
                 for k, (i, _, _) in enumerate(items):
                     out[i] = np.array(res[k])
                 return out
@@ -178,7 +190,7 @@ class VideoDecoder:
                     self._dec.feed_input("enc", [e])
                     self._dec.feed_input("idx", [w.astype(np.int32)])
                     (res,) = self._dec.run()
-                    out[i] = np.array(res[0])
+                    out[i] = np.array((res.as_cpu() if self.device == "mixed" else res)[0])
                 except RuntimeError as exc:
                     from gdsload.decode.image import dali_reason
 
@@ -243,7 +255,8 @@ class VideoDecoder:
             idx = clip_indices(meta["frames"], t.frames, t.stride, t.clips, t.sampling, float(u[i, 0]))
             wanted = np.unique(idx[idx >= 0])
             plans[i] = (idx, wanted, meta)
-        dali = [(i, encoded[i], w) for i, (_, w, m) in plans.items() if m["codec"] in DALI_CPU_VIDEO]
+        on_dali = NVDEC_VIDEO if self.device == "mixed" else DALI_CPU_VIDEO
+        dali = [(i, encoded[i], w) for i, (_, w, m) in plans.items() if m["codec"] in on_dali]
         got: dict[int, Any] = self._dali_decode(dali)
         for i, (_, w, m) in plans.items():
             if i in got and not isinstance(got[i], Exception):

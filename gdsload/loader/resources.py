@@ -119,8 +119,9 @@ class Resources:
             else:
                 from gdsload.decode.audio import AudioDecoder as cls
             a = self._decoder_args
+            kw = {"device": a["device"], "device_id": a["device_id"]} if fp.kind == "video" else {}
             dec = self._media.setdefault(fp.name, cls(fp.media, batch_size=a["batch_size"], threads=a["threads"],
-                                                       on_error=a["on_error"]))
+                                                       on_error=a["on_error"], **kw))
         return dec
 
     def media_stats(self) -> dict[str, Any]:
