@@ -365,3 +365,26 @@ def test_stats_report_decode_amplification(videos) -> None:
     assert m["frames_decoded"] == sum((n - 3) // 2 + 3 for n in LENGTHS)
     dl.close()
     assert dl.stats()["media"]["mp4"]["decode_amplification"] == m["frames_decoded"] / m["frames_returned"]
+
+
+def test_device_ring_gets_the_same_clips_and_audio(monkeypatch, tmp_path: Path) -> None:
+    """On a GPU host (the CUDA fakes of tests/gpu_fakes.py) media are decoded on the host into the
+    slot's pinned "__h_" fields and copied to the device ring: the batches equal a CPU loader's.
+    NVDEC itself (`device="mixed"`) is not faked: H.264 goes to PyAV here as on a CPU host."""
+    import gpu_fakes
+    from gdsload.decode import video
+
+    root = tmp_path / "av"
+    with DatasetWriter(root) as w:
+        for i, n in enumerate([12, 6, 16]):
+            w.write(f"s{i}", {"mp4": mg.encode_video("h264", frames=n), "flac": mg.encode_audio(
+                "flac", seconds=0.3 + 0.1 * i, sample_rate=8000), "cls": b"%d" % i})
+    tf = {"mp4": VideoTransform(frames=3, stride=2, sampling="center", **RAW), "flac": AudioTransform(seconds=0.4)}
+    cpu = list(gdsload.DataLoader(str(root), batch_size=3, output="numpy", transform=tf, device="cpu"))
+    gpu_fakes.install(monkeypatch, devices=1)
+    monkeypatch.setattr(video, "NVDEC_VIDEO", frozenset())
+    dev = list(gdsload.DataLoader(str(root), batch_size=3, output="numpy", transform=tf, device="cuda"))
+    for a, b in zip(cpu, dev):
+        for f in ("mp4", "mp4.frames", "flac", "flac.length", "cls"):
+            assert hasattr(b[f], "__cuda_array_interface__"), f
+            np.testing.assert_array_equal(a[f], b[f].get())
