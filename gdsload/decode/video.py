@@ -7,8 +7,9 @@ Decoding: on a GPU host DALI's `fn.decoders.video(device="mixed")` (NVDEC) for H
 VP9 and AV1, the frames copied back to host memory for the crop pipeline; on a CPU host (and for
 the rest) `device="cpu"` for VP8, VP9 and MJPEG, which its CPU build decodes, with the frame list
 as a per-sample argument; PyAV (the `media` extra) for
-H.264, HEVC and the rest, decoding from the start of the stream to the last frame wanted
-(decode amplification: frames decoded / frames returned, in `stats`). Frames are counted in
+H.264, HEVC and the rest, decoding from the keyframe before the clip (a constant-frame-rate
+stream; others from the stream's start) to the last frame wanted (decode amplification: frames
+decoded / frames returned, in `stats`). Frames are counted in
 presentation order, as both decoders return them; indices are positions, not timestamps, so a
 variable-frame-rate video is sampled by frame count, not by time. 10-bit video comes out as
 8-bit RGB; full-range (JPEG) video is converted with its range; rotation metadata is ignored.
@@ -199,19 +200,34 @@ class VideoDecoder:
         return out
 
     @staticmethod
-    def _pyav_decode(data: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, int]:
-        """Frames `wanted` (sorted, unique) decoded with PyAV from the stream's start; (frames,
-        frames decoded)."""
+    def _pyav_decode(data: np.ndarray, wanted: np.ndarray, meta: dict | None = None) -> tuple[np.ndarray, int]:
+        """Frames `wanted` (sorted, unique) decoded with PyAV; (frames, frames decoded).
+
+        When the clip starts past the first keyframe interval (`meta["keyint"]`) and the stream
+        has a constant frame rate, it seeks to the keyframe before the first wanted frame and
+        numbers frames by their timestamps (`(pts - start) * fps * time_base`); a timestamp that
+        is not on the frame grid, or a seek that lands past the frame, falls back to decoding
+        from the start, counting frames (what variable-frame-rate video gets)."""
         import io
 
         import av
 
-        out = []
-        last = int(wanted[-1])
+        buf = data.tobytes()
+        first, last = int(wanted[0]), int(wanted[-1])
         want = set(wanted.tolist())
+        meta = meta or {}
+        fps, keyint = float(meta.get("fps") or 0), int(meta.get("keyint") or 0)
+        if fps > 0 and 0 < keyint <= first:
+            try:
+                got = VideoDecoder._pyav_seek(av, buf, first, last, want, fps)
+            except av.FFmpegError:
+                got = None
+            if got is not None:
+                return got
+        out = []
         n = 0
         try:
-            with av.open(io.BytesIO(data.tobytes()), "r") as c:
+            with av.open(io.BytesIO(buf), "r") as c:
                 s = c.streams.video[0]
                 for f in c.decode(s):
                     if n in want:
@@ -224,6 +240,38 @@ class VideoDecoder:
         if len(out) != len(wanted):
             raise ValueError(f"video has {n} decodable frames, frame {last} was wanted")
         return np.stack(out), n
+
+    @staticmethod
+    def _pyav_seek(av: Any, buf: bytes, first: int, last: int, want: set, fps: float) -> tuple[np.ndarray, int] | None:
+        """`_pyav_decode` from the keyframe before frame `first`; None when the timestamps do not
+        number the frames (then the caller decodes from the start)."""
+        import io
+
+        with av.open(io.BytesIO(buf), "r") as c:
+            s = c.streams.video[0]
+            if not s.time_base or s.start_time is None:
+                return None
+            step = 1.0 / (fps * float(s.time_base))  # pts per frame
+            c.seek(int(s.start_time + first * step), stream=s, backward=True, any_frame=False)
+            got: dict[int, np.ndarray] = {}
+            n = 0
+            for f in c.decode(s):
+                if f.pts is None:
+                    return None
+                k = (f.pts - s.start_time) / step
+                if abs(k - round(k)) > 0.25:
+                    return None  # not on a constant-rate grid
+                k = int(round(k))
+                if n == 0 and k > first:
+                    return None  # landed past the frame
+                n += 1
+                if k in want:
+                    got[k] = f.to_ndarray(format="rgb24")
+                if k >= last:
+                    break
+        if len(got) != len(want):
+            return None
+        return np.stack([got[k] for k in sorted(got)]), n
 
     def close(self) -> None:
         """Stop the PyAV thread pool (the DALI pipelines go with the decoder)."""
@@ -270,7 +318,7 @@ class VideoDecoder:
 
             def one(i: int) -> Any:
                 try:
-                    return self._pyav_decode(encoded[i], plans[i][1])
+                    return self._pyav_decode(encoded[i], plans[i][1], plans[i][2])
                 except ValueError as exc:
                     return exc
 
