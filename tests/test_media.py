@@ -390,3 +390,20 @@ def test_device_ring_gets_the_same_clips_and_audio(monkeypatch, tmp_path: Path) 
         for f in ("mp4", "mp4.frames", "flac", "flac.length", "cls"):
             assert hasattr(b[f], "__cuda_array_interface__"), f
             np.testing.assert_array_equal(a[f], b[f].get())
+
+
+def test_class_folders_of_videos(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for k in range(2):
+            (src / c / f"{c}{k}.mp4").write_bytes(mg.encode_video("h264", frames=6))
+    r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(tmp_path / "ds")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert m["fields"] == {"cls": "label", "mp4": "video"} and m["classes"] == ["cat", "dog"]
+    (src / "cat" / "photo.jpg").write_bytes(b"\xff\xd8" + b"\0" * 100)
+    r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(tmp_path / "ds2")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "mix image and video files" in r.stderr
