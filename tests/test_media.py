@@ -407,3 +407,35 @@ def test_class_folders_of_videos(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(tmp_path / "ds2")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "mix image and video files" in r.stderr
+
+
+def test_index_media_columns_are_additive() -> None:
+    """An index with media columns holds the version-1 arrays unchanged plus `media_<i>` arrays
+    and a `media` entry in its meta, which older readers (they load arrays by name) never touch;
+    a damaged media entry is a FormatError naming the file."""
+    import io as _io
+
+    from gdsload.errors import FormatError
+
+    samples = [("a", [("mp4", 4096, 100), ("cls", 8192, 1)]), ("b", [("mp4", 12288, 50), ("cls", 16384, 1)])]
+    media = [{"mp4": {"kind": "video", "codec": "h264", "frames": 20, "fps": 10.0, "pix_fmt": "yuv420p"}},
+             {"mp4": {"kind": "video", "codec": "vp9", "frames": 8, "fps": 25.0, "pix_fmt": "yuv420p"}}]
+    plain = ShardIndex.build(samples, crc=[1, 2, 3, 4])
+    rich = ShardIndex.build(samples, crc=[1, 2, 3, 4], media=media)
+    with np.load(_io.BytesIO(plain.to_bytes())) as a, np.load(_io.BytesIO(rich.to_bytes())) as b:
+        assert set(b.files) == set(a.files) | {"media_0"}
+        for k in a.files:
+            if k != "meta":
+                np.testing.assert_array_equal(a[k], b[k])
+        meta_a, meta_b = json.loads(bytes(a["meta"])), json.loads(bytes(b["meta"]))
+        assert {k: v for k, v in meta_b.items() if k != "media"} == meta_a
+    back = ShardIndex.from_bytes(rich.to_bytes())
+    assert back.media_info("mp4", 1) == {"kind": "video", "codec": "vp9", "frames": 8, "fps": 25.0, "pix_fmt": "yuv420p"}
+    assert back.media_info("cls", 0) is None and plain.media_info("mp4", 0) is None
+    broken = _io.BytesIO()
+    with np.load(_io.BytesIO(rich.to_bytes())) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["media_0"] = arrays["media_0"][:1]
+    np.savez(broken, **arrays)
+    with pytest.raises(FormatError, match="idx-x: media columns"):
+        ShardIndex.from_bytes(broken.getvalue(), name="idx-x")
