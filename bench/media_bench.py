@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="4 small videos and 4 short recordings (smoke run)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
-    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    log = lambda m: print(m, file=sys.stderr)
     if a.tiny:
         sets = make_sets(Path(a.root), videos=8, audios=4, width=320, height=240, video_frames=40,
                          audio_seconds=11.0, log=log)

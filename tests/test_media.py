@@ -19,17 +19,17 @@ import pytest
 pytest.importorskip("av")
 pytest.importorskip("nvidia.dali")
 
-import gdsload  # noqa: E402
-from gdsload.bench import mediagen as mg  # noqa: E402
-from gdsload.convert.shards import DatasetWriter  # noqa: E402
-from gdsload.decode.audio import AudioDecoder, AudioTransform  # noqa: E402
-from gdsload.decode.media import clip_indices, draws  # noqa: E402
-from gdsload.decode.video import VideoTransform  # noqa: E402
-from gdsload.errors import ConfigError, DecodeError  # noqa: E402
-from gdsload.format.index import ShardIndex  # noqa: E402
+import gdsload
+from gdsload.bench import mediagen as mg
+from gdsload.convert.shards import DatasetWriter
+from gdsload.decode.audio import AudioDecoder, AudioTransform
+from gdsload.decode.media import clip_indices, draws
+from gdsload.decode.video import VideoTransform
+from gdsload.errors import ConfigError, DecodeError
+from gdsload.format.index import ShardIndex
 
 LENGTHS = [20, 8, 30, 14, 20, 25]  # frames per video; 8 is shorter than a 4-frame clip at stride 3
-RAW = dict(size=None, dtype="uint8", layout="NTHWC")  # frames untouched: brightness readable
+RAW = {"size": None, "dtype": "uint8", "layout": "NTHWC"}  # frames untouched: brightness readable
 
 
 def _dataset(root: Path, codec: str, lengths=LENGTHS) -> Path:
@@ -73,7 +73,7 @@ def test_convert_probes_stores_unchanged_and_rejects_with_reasons(tmp_path: Path
         (src / f"{k}.flac").write_bytes(mg.encode_audio("flac", seconds=0.5, sample_rate=8000))
     dst = tmp_path / "dst"
     r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(dst), "--validate"],
-                       capture_output=True, text=True, timeout=120)
+                       check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rejects = {j["key"]: j["reason"] for j in map(json.loads, (dst / "rejected.jsonl").read_text().splitlines())}
     assert "unreadable media" in rejects["b"]
@@ -90,8 +90,8 @@ def test_convert_probes_stores_unchanged_and_rejects_with_reasons(tmp_path: Path
     assert (a["codec"], a["sample_rate"], a["channels"], a["samples"]) == ("flac", 8000, 1, 4000)
     tar = (dst / manifest["shards"][0]["name"]).read_bytes()
     assert good in tar  # stored unchanged
-    r = subprocess.run([sys.executable, "-m", "gdsload", "verify", str(dst)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-m", "gdsload", "verify", str(dst)], check=False, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -139,7 +139,7 @@ def test_center_random_and_several_clips(videos) -> None:
 
 def test_resume_samples_the_same_clips(videos) -> None:
     t = VideoTransform(frames=2, stride=2, sampling="random", size=16, train=True, dtype="float32")
-    kw = dict(batch_size=2, shuffle=True, seed=7, output="numpy", transform={"mp4": t})
+    kw = {"batch_size": 2, "shuffle": True, "seed": 7, "output": "numpy", "transform": {"mp4": t}}
     full = list(gdsload.DataLoader(str(videos["h264"]), **kw))
     dl = gdsload.DataLoader(str(videos["h264"]), **kw)
     it = iter(dl)
@@ -239,7 +239,7 @@ def test_audio_crop_positions_from_the_plan(audio: Path) -> None:
         for b in gdsload.DataLoader(str(audio), batch_size=3, output="numpy", seed=seed, fields=["ramp.wav", "__key__"],
                                     transform={"ramp.wav": t}):
             for k, x in zip(b[1], b[0]):
-                out[k] = int(round(float(x[0]) * 32768))  # sample i holds i (int16 -> [-1, 1))
+                out[k] = round(float(x[0]) * 32768)  # sample i holds i (int16 -> [-1, 1))
         return out
 
     assert first("start") == {"a0": 0, "a1": 0, "a2": 0}
@@ -291,7 +291,7 @@ def test_eval_crop_resize_normalise_keeps_each_frame(videos) -> None:
 
 def test_inspect_knows_the_kinds(videos) -> None:
     r = subprocess.run([sys.executable, "-m", "gdsload", "inspect", str(videos["vp9"]), "--json"],
-                       capture_output=True, text=True, timeout=60)
+                       check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     md = json.loads(r.stdout)["media"]["webm"]
     assert md["kind"] == "video" and md["codecs"] == {"vp9": len(LENGTHS)}
@@ -301,8 +301,8 @@ def test_inspect_knows_the_kinds(videos) -> None:
 def test_example_train_video_tiny_runs() -> None:
     pytest.importorskip("torch")
     script = Path(__file__).resolve().parents[1] / "examples" / "train_video_tiny.py"
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "4"], capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "4"], check=False, capture_output=True,
+                       text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "steps 4" in r.stdout and "video (8, 3, 8, 32, 32), audio (8, 32, 51)" in r.stdout
 
@@ -374,6 +374,7 @@ def test_device_ring_gets_the_same_clips_and_audio(monkeypatch, tmp_path: Path) 
     slot's pinned "__h_" fields and copied to the device ring: the batches equal a CPU loader's.
     NVDEC itself (`device="mixed"`) is not faked: H.264 goes to PyAV here as on a CPU host."""
     import gpu_fakes
+
     from gdsload.decode import video
 
     root = tmp_path / "av"
@@ -399,13 +400,13 @@ def test_class_folders_of_videos(tmp_path: Path) -> None:
         for k in range(2):
             (src / c / f"{c}{k}.mp4").write_bytes(mg.encode_video("h264", frames=6))
     r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(tmp_path / "ds")],
-                       capture_output=True, text=True, timeout=120)
+                       check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert m["fields"] == {"cls": "label", "mp4": "video"} and m["classes"] == ["cat", "dog"]
     (src / "cat" / "photo.jpg").write_bytes(b"\xff\xd8" + b"\0" * 100)
     r = subprocess.run([sys.executable, "-m", "gdsload", "convert", str(src), str(tmp_path / "ds2")],
-                       capture_output=True, text=True, timeout=120)
+                       check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "mix image and video files" in r.stderr
 
 

@@ -314,7 +314,7 @@ def missing(name: str) -> str | None:
     if name == "torchcodec":
         try:
             import torchcodec.decoders  # noqa: F401
-        except Exception as exc:  # its PyPI wheel links a CUDA build of torch and FFmpeg's libraries
+        except Exception as exc:  # noqa: BLE001 (any import failure is the reason) its PyPI wheel links a CUDA build of torch and FFmpeg's libraries
             return (f"{type(exc).__name__}: {str(exc)[:200]} (torchcodec's wheel needs the torch it was built "
                     f"against: run it from a bench-only virtual environment)")
     if name == "torch_pyav":
@@ -392,8 +392,8 @@ def run_media(dataset: str, *, contestants: list[str], rounds: int = 5, batch_si
 
 def format_media(r: dict[str, Any]) -> str:
     unit = "clips/s" if r["kind"] == "video" else "recordings/s"
-    lines = [f"{r['kind']} {r['dataset']} (field {r['field']}), batch {r['batch_size']}, {r['threads']} threads, "
-             f"{r['rounds']} rounds",
+    lines = [(f"{r['kind']} {r['dataset']} (field {r['field']}), batch {r['batch_size']}, {r['threads']} threads, "
+              f"{r['rounds']} rounds"),
              f"{'contestant':<12}{unit:>14}{'gdsload/it (min-max)':>24}{'peak MB':>9}{'decode ampl.':>13}"]
     for c, d in r["contestants"].items():
         ratio = d.get("gdsload_over_this")

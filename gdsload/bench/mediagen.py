@@ -32,7 +32,7 @@ def level(i: int) -> int:
 
 def frame_of(mean: float) -> int:
     """The frame index (mod 20) whose `level` is nearest `mean`."""
-    return int(round((mean - 8) / 12))
+    return round((mean - 8) / 12)
 
 
 def encode_video(codec: str = "h264", frames: int = 20, width: int = 64, height: int = 48, fps: int = 10,
@@ -60,7 +60,7 @@ def encode_video(codec: str = "h264", frames: int = 20, width: int = 64, height:
 def encode_audio(codec: str = "flac", seconds: float = 1.0, sample_rate: int = 16000, channels: int = 1,
                  freq: float = 440.0) -> bytes:
     """A tone of `seconds` as FLAC, Opus (Ogg), MP3 or WAV (`wave`: 16-bit PCM)."""
-    n = int(round(seconds * sample_rate))
+    n = round(seconds * sample_rate)
     t = np.arange(n) / sample_rate
     x = (np.sin(2 * np.pi * freq * t) * 12000).astype(np.int16)
     x = np.repeat(x[None, :], channels, 0)

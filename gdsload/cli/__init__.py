@@ -14,9 +14,9 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from gdsload import sizes
 from gdsload.errors import GdsloadError
@@ -347,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_doctor)
 
-    from gdsload.cli.serve import add_serve_parser  # stdlib-only at import; grpc on first use
+    from gdsload.cli.serve import (
+        add_serve_parser,  # stdlib-only at import; grpc on first use
+    )
 
     add_serve_parser(sub)
     return p

@@ -65,7 +65,7 @@ class AudioTransform:
 
     @property
     def samples(self) -> int:
-        return int(round(self.sample_rate * self.seconds))
+        return round(self.sample_rate * self.seconds)
 
     @property
     def dtype(self) -> str:
@@ -82,8 +82,8 @@ class AudioTransform:
 
 def mel_filters(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
     """(n_mels, n_fft // 2 + 1) triangular HTK mel filters, 0 Hz to Nyquist."""
-    mel = lambda f: 2595.0 * np.log10(1.0 + f / 700.0)  # noqa: E731
-    hz = lambda m: 700.0 * (10 ** (m / 2595.0) - 1.0)  # noqa: E731
+    mel = lambda f: 2595.0 * np.log10(1.0 + f / 700.0)
+    hz = lambda m: 700.0 * (10 ** (m / 2595.0) - 1.0)
     pts = hz(np.linspace(mel(0.0), mel(sample_rate / 2), n_mels + 2))
     bins = np.linspace(0, sample_rate / 2, n_fft // 2 + 1)
     lo, c, hi = pts[:-2, None], pts[1:-1, None], pts[2:, None]
@@ -232,8 +232,8 @@ class AudioDecoder:
                 bad.append((i, str(exc)))
                 continue
             if t.max_seconds is not None and meta.get("duration", 0) > t.max_seconds:
-                bad.append((i, f"{meta['duration']:.1f} s long, over the limit of {t.max_seconds} s "
-                               f"(AudioTransform(max_seconds=...)); not decoded"))
+                bad.append((i, (f"{meta['duration']:.1f} s long, over the limit of {t.max_seconds} s "
+                                f"(AudioTransform(max_seconds=...)); not decoded")))
                 continue
             if not t.mono and meta.get("channels", 1) > t.channels:
                 bad.append((i, f"{meta['channels']} channels, more than AudioTransform(channels={t.channels})"))

@@ -104,7 +104,7 @@ def _probe_audio(c: Any) -> dict[str, Any]:
     tb = s.time_base
     seconds = float(ticks * tb) if ticks and tb else float(c.duration or 0) / 1e6
     return {"kind": "audio", "codec": cc.name, "sample_rate": int(cc.sample_rate), "channels": int(cc.channels),
-            "samples": int(round(seconds * cc.sample_rate)), "duration": seconds}
+            "samples": round(seconds * cc.sample_rate), "duration": seconds}
 
 
 def validate(data: bytes | memoryview, kind: str) -> None:

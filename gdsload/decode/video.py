@@ -34,7 +34,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gdsload.decode.media import DALI_CPU_VIDEO, NVDEC_VIDEO, clip_indices, crop_roi, probe
+from gdsload.decode.media import (
+    DALI_CPU_VIDEO,
+    NVDEC_VIDEO,
+    clip_indices,
+    crop_roi,
+    probe,
+)
 from gdsload.errors import DecodeError, require
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -261,7 +267,7 @@ class VideoDecoder:
                 k = (f.pts - s.start_time) / step
                 if abs(k - round(k)) > 0.25:
                     return None  # not on a constant-rate grid
-                k = int(round(k))
+                k = round(k)
                 if n == 0 and k > first:
                     return None  # landed past the frame
                 n += 1
@@ -293,12 +299,12 @@ class VideoDecoder:
                 bad.append((i, str(exc)))
                 continue
             if t.max_frames is not None and meta["frames"] > t.max_frames:
-                bad.append((i, f"{meta['frames']} frames, over the limit of {t.max_frames} "
-                               f"(VideoTransform(max_frames=...)); not decoded"))
+                bad.append((i, (f"{meta['frames']} frames, over the limit of {t.max_frames} "
+                                f"(VideoTransform(max_frames=...)); not decoded")))
                 continue
             if t.max_pixels is not None and meta["width"] * meta["height"] > t.max_pixels:
-                bad.append((i, f"{meta['width']} x {meta['height']} pixels, over the limit of {t.max_pixels} "
-                               f"(VideoTransform(max_pixels=...)); not decoded"))
+                bad.append((i, (f"{meta['width']} x {meta['height']} pixels, over the limit of {t.max_pixels} "
+                                f"(VideoTransform(max_pixels=...)); not decoded")))
                 continue
             idx = clip_indices(meta["frames"], t.frames, t.stride, t.clips, t.sampling, float(u[i, 0]))
             wanted = np.unique(idx[idx >= 0])

@@ -110,9 +110,9 @@ class ShardIndex:
         for name, v in zip(desc["columns"], row.tolist()):
             if name == "codec":
                 out["codec"] = desc["codecs"][int(v)]
-            elif name in desc.get("values", {}) and v == v:
+            elif name in desc.get("values", {}) and not np.isnan(v):
                 out[name] = desc["values"][name][int(v)]
-            elif v == v:  # NaN: not known
+            elif not np.isnan(v):  # NaN: not known
                 out[name] = int(v) if float(v).is_integer() and name not in ("fps", "duration") else v
         return out
 
