@@ -440,3 +440,18 @@ def test_index_media_columns_are_additive() -> None:
     np.savez(broken, **arrays)
     with pytest.raises(FormatError, match="idx-x: media columns"):
         ShardIndex.from_bytes(broken.getvalue(), name="idx-x")
+
+
+def test_media_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
+    """bench/media_gpu_check.py, the GPU check's video and audio step, run with device="cpu":
+    DALI's CPU VP9 frames match PyAV's by PSNR; DALI audio matches PyAV's resampled waveform."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "media_gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "make", str(tmp_path)], check=False, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(script), "check", str(tmp_path), "--device", "cpu"], check=False,
+                       capture_output=True, text=True, timeout=120)
+    rows = {j["step"]: j for j in map(json.loads, (ln for ln in r.stdout.splitlines() if ln.startswith("{")))}
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert rows["video_vp9"]["status"] == "PASS" and rows["video_h264"]["status"] == "SKIP"
+    assert rows["audio_flac"]["status"] == rows["audio_wav"]["status"] == "PASS"
