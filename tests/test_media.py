@@ -455,3 +455,17 @@ def test_media_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert rows["video_vp9"]["status"] == "PASS" and rows["video_h264"]["status"] == "SKIP"
     assert rows["audio_flac"]["status"] == rows["audio_wav"]["status"] == "PASS"
+
+
+def test_corrupt_audio_named_and_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "a"
+    with DatasetWriter(root) as w:
+        for i in range(3):
+            w.write(f"v{i}", {"flac": mg.encode_audio("flac", seconds=0.5, sample_rate=8000), "cls": b"%d" % i})
+    _corrupt(root, "v2", "flac")
+    t = {"flac": AudioTransform(seconds=0.5)}
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar:v2"):
+        list(gdsload.DataLoader(gdsload.Dataset(str(root), verify=None), batch_size=3, output="numpy", transform=t))
+    b = list(gdsload.DataLoader(gdsload.Dataset(str(root), verify=None), batch_size=3, output="numpy", transform=t,
+                                on_error="skip"))
+    assert b[0]["__key__"] == ["v0", "v1"] and b[0]["flac.length"].tolist() == [8000, 8000]
