@@ -8,6 +8,8 @@
 | `.cls`                    | int64 tensor (N,)                                  | `numpy.int64`              |
 | `.txt`                    | list of `str` (UTF-8)                              | `str`                      |
 | `.json`                   | list of parsed objects (`json.loads`)              | dict / list / ...          |
+| video (`mp4`, `webm`, ...) | with a `VideoTransform`: clips (N, [clips,] C, T, H, W) and `"<f>.frames"`; else bytes | NumPy arrays |
+| audio (`flac`, `wav`, ...) | with an `AudioTransform`: (N, samples) or log-mel, and `"<f>.length"`; else bytes | NumPy arrays |
 | anything else             | `BytesColumn` (a sequence of `bytes`, see below)   | `bytes`                    |
 
 With `decode=False`, images, `.txt` and `.json` stay `bytes`. A `.npy` field is "ragged" when its
