@@ -469,3 +469,18 @@ def test_corrupt_audio_named_and_skipped(tmp_path: Path) -> None:
     b = list(gdsload.DataLoader(gdsload.Dataset(str(root), verify=None), batch_size=3, output="numpy", transform=t,
                                 on_error="skip"))
     assert b[0]["__key__"] == ["v0", "v1"] and b[0]["flac.length"].tolist() == [8000, 8000]
+
+
+def test_audio_keeps_channels_without_mono(tmp_path: Path) -> None:
+    root = tmp_path / "st"
+    with DatasetWriter(root) as w:
+        for i, ch in enumerate([2, 1]):
+            w.write(f"s{i}", {c: mg.encode_audio(c, seconds=0.5, sample_rate=r, channels=ch)
+                              for c, r in (("flac", 8000), ("mp3", 16000))})
+    t = AudioTransform(seconds=0.4, mono=False, crop="start")
+    b = next(iter(gdsload.DataLoader(str(root), batch_size=2, output="numpy", transform={"flac": t, "mp3": t})))
+    for f in ("flac", "mp3"):  # DALI (FLAC) and PyAV (MP3) alike
+        x = b[f]
+        assert x.shape == (2, 2, 6400) and b[f + ".length"].tolist() == [6400, 6400]
+        peak = np.abs(x).max(axis=2)
+        assert (peak[0] > 0.2).all() and peak[1, 0] > 0.2 and peak[1, 1] == 0  # a mono source: channel 1 zeros
