@@ -484,3 +484,11 @@ def test_audio_keeps_channels_without_mono(tmp_path: Path) -> None:
         assert x.shape == (2, 2, 6400) and b[f + ".length"].tolist() == [6400, 6400]
         peak = np.abs(x).max(axis=2)
         assert (peak[0] > 0.2).all() and peak[1, 0] > 0.2 and peak[1, 1] == 0  # a mono source: channel 1 zeros
+
+
+def test_tuple_fields_take_the_frame_indices(videos) -> None:
+    t = VideoTransform(frames=2, stride=1, sampling="uniform", **RAW)
+    b = next(iter(gdsload.DataLoader(str(videos["vp9"]), batch_size=2, output="numpy", transform={"webm": t},
+                                     fields=["webm", "webm.frames", "cls"])))
+    clips, idx, cls = b
+    assert clips.shape == (2, 2, 48, 64, 3) and idx.tolist() == [[0, 1], [0, 1]] and cls.tolist() == [0, 1]

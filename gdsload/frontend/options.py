@@ -116,7 +116,13 @@ class LoaderOptions:
     @property
     def read_fields(self) -> list[str] | None:
         """The fields read from shards (the asked ones without "__key__"/"__source__"), or None: all."""
-        return None if self.fields is None else [f for f in self.fields if f not in META_FIELDS]
+        if self.fields is None:
+            return None
+        asked = set(self.fields)
+        # "<video>.frames" / "<audio>.length" come with their field's transform, not from shards
+        aux = {f for f in asked if f.rpartition(".")[2] in ("frames", "length") and f.rpartition(".")[0] in asked
+               and self.media_for(f.rpartition(".")[0], "video" if f.endswith(".frames") else "audio") is not None}
+        return [f for f in self.fields if f not in META_FIELDS and f not in aux]
 
     @property
     def tuple_fields(self) -> list[str] | None:
