@@ -353,6 +353,15 @@ def test_media_bench_contestants_agree_on_tiny_sets(tmp_path: Path) -> None:
     assert g["frames_decoded"] == t["frames_decoded"]
     r = media.run_contestant({**args, "dataset": str(sets["flac"]), "contestant": "gdsload"})
     assert r["clips"] == 2 and r["kind"] == "audio"
+    # the same clip (frames, crop) and the same log-mel crop as the baselines, up to resize rounding
+    for name, field, t in (("h264", "mp4", VideoTransform(frames=media.FRAMES, stride=media.STRIDE, size=media.SIZE,
+                                                          train=False, resize=media.RESIZE)),
+                           ("flac", "flac", AudioTransform(seconds=media.SECONDS, features="logmel"))):
+        ref = media._TorchSet(str(sets[name]), 0)[0][0].numpy()
+        (ours,) = next(iter(gdsload.DataLoader(str(sets[name]), batch_size=1, output="numpy", transform={field: t},
+                                               fields=[field])))
+        assert ours[0].shape == ref.shape
+        assert np.abs(ours[0] - ref).mean() < (0.1 if name == "h264" else 0.2), name
 
 
 def test_stats_report_decode_amplification(videos) -> None:
