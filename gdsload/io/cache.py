@@ -52,6 +52,7 @@ from typing import Any
 from gdsload.errors import CacheFullError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.errors import CorruptDataError, GdsloadError, StorageError
 from gdsload.format import manifest as mf
+from gdsload.io.fsspec_backend import is_checksum_error
 from gdsload.io.store import url_to_fs
 
 _NEVER = float("inf")
@@ -377,18 +378,25 @@ class ShardCache:
             t0 = time.perf_counter()
             size, digest = self._fetch(url, part)
             ok = size == entry["bytes"] and digest == entry["sha256"]
+            transit = digest.startswith("transit:")
             with open(self.folder / _LOG, "a") as log:  # O_APPEND: lines of processes interleave whole
                 log.write(f"{time.time():.3f} {os.getpid()} {entry['name']} {size} "
                           f"{time.perf_counter() - t0:.3f} {'ok' if ok else 'corrupt'}\n")
             if ok:
                 return
-            problem = (f"size is {size} bytes, manifest says {entry['bytes']}" if size != entry["bytes"]
+            problem = (digest.removeprefix("transit:") if transit
+                       else f"size is {size} bytes, manifest says {entry['bytes']}" if size != entry["bytes"]
                        else f"SHA-256 is {digest[:16]}..., manifest says {entry['sha256'][:16]}...")
         raise CorruptDataError(f"shard {entry['name']} at {url} does not match the manifest ({problem}; "
-                               f"fetched twice); the stored object is corrupt or was rewritten")
+                               f"fetched twice); the stored object is corrupt or was rewritten"
+                               + (", or bytes are damaged on the way from the store" if transit else ""))
 
     def _fetch(self, url: str, part: Path) -> tuple[int, str]:
-        """One whole-object GET streamed into `part` (retried with backoff); (bytes, SHA-256)."""
+        """One whole-object GET streamed into `part` (retried with backoff); (bytes, SHA-256).
+        A response whose checksum the client library found wrong (botocore's
+        `FlexibleChecksumError`: bytes damaged in transit) gives `(bytes, "transit: ...")`, which
+        `_fetch_verified` counts as a corrupt fetch; any other failure (OSError, or the client
+        library's own connection errors) is retried, then a `StorageError` naming the URL."""
         if self._fs is None:
             self._fs = url_to_fs(self.root)[0]
         fs = self._fs
@@ -400,7 +408,11 @@ class ShardCache:
                 break
             except FileNotFoundError as exc:
                 raise StorageError(f"shard {url} is missing from the store: {exc}") from exc
-            except (OSError, TimeoutError) as exc:
+            except GdsloadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - botocore's errors are no OSError
+                if is_checksum_error(exc):
+                    return part.stat().st_size if part.exists() else 0, f"transit: {type(exc).__name__}: {exc}"
                 if attempt == self.retries:
                     raise StorageError(f"cannot fetch shard {url} after {attempt + 1} tries: {exc}") from exc
                 with self._lock:

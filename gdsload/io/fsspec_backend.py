@@ -23,16 +23,27 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.errors import GdsloadError, MissingDependencyError, StorageError
+from gdsload.errors import CorruptDataError, GdsloadError, MissingDependencyError, StorageError
 from gdsload.io.base import PooledBackend, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
 _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def is_checksum_error(exc: BaseException) -> bool:
+    """The client library found a response's checksum wrong (botocore's `FlexibleChecksumError`,
+    raised at the end of a GET whose body does not match the object's stored checksum): the
+    bytes were damaged on the way, the stored object may well be intact. By name, so botocore is
+    not imported to ask."""
+    return any(c.__name__ == "FlexibleChecksumError" for c in type(exc).__mro__)
 
 
 def _is_transient(exc: BaseException) -> bool:
     """Worth retrying: network hiccups and server-side trouble, not a wrong path or request."""
     if isinstance(exc, (GdsloadError, *_PERMANENT_OS_ERRORS)):
         return False
+    if is_checksum_error(exc) or any(c.__name__ in ("HTTPClientError", "ConnectionError") and
+                                     c.__module__.startswith("botocore") for c in type(exc).__mro__):
+        return True  # bytes damaged in transit; botocore's connection faults (no OSError)
     status = getattr(exc, "status", None)  # aiohttp.ClientResponseError and friends
     if isinstance(status, int):
         return status >= 500 or status in (408, 429)
@@ -169,6 +180,11 @@ class FsspecBackend(PooledBackend):
             return short_read(group.path, piece.offset, piece.nbytes, max(0, size - piece.offset), size)
         if isinstance(exc, FileNotFoundError):
             return StorageError(f"cannot open {group.path!r}: no such file")
+        if is_checksum_error(exc):
+            return CorruptDataError(
+                f"reading {group.path!r} bytes {group.offset}..{group.end}: the response did not match the "
+                f"object's checksum {self.retries + 1} times (damaged in transit, or the stored object is "
+                f"corrupt): {exc}")
         return StorageError(
             f"reading {group.path!r} bytes {group.offset}..{group.end} failed after "
             f"{self.retries + 1 if _is_transient(exc) else 1} attempt(s): {type(exc).__name__}: {exc}"
