@@ -6,7 +6,9 @@
 - `corrupt[key] = n`: the next `n` GET responses of an object whose path ends with `key` come
   back with one byte of the body flipped (same length, same headers: the checksum header then
   disagrees with the body, as for a bit flipped in transit);
-- `down = True`: every connection is closed at once without an answer (a store that is down);
+- `down = True`: every connection is closed at once without an answer (a store that drops
+  connections); `go_down()` closes the listening socket (connections refused: a store that is
+  down), `come_back()` listens on the same port again;
 - `delay_s`: sleep this long before answering each GET of an object (slow downloads).
 
 `requests` counts the GETs answered per path. The proxy runs in threads of the test process, so a
@@ -87,16 +89,29 @@ class FaultProxy:
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self._handler = Handler
+        self._listen(0)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _listen(self, port: int) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True, name="fault-proxy")
         self._thread.start()
+        self.listening = True
 
-    def close(self) -> None:
+    def go_down(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.listening = False
+
+    def come_back(self) -> None:
+        self._listen(int(self.url.rsplit(":", 1)[1]))
+
+    def close(self) -> None:
+        if self.listening:
+            self.go_down()
 
     def __enter__(self) -> "FaultProxy":
         return self

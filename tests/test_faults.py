@@ -23,8 +23,8 @@ import pytest
 
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import CorruptDataError, StorageError
-from gdsload.format.reader import ShardedDataset
-from gdsload.loader import DataLoader, Dataset
+from gdsload.dataset.sharded import ShardedDataset
+from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
 
 from faultproxy import FaultProxy, routed_through
@@ -99,3 +99,35 @@ def test_a_byte_flipped_in_transit_every_time_names_the_shard(remote, proxy, tmp
     with pytest.raises(CorruptDataError, match=rf"shard {victim} .*fetched twice"):
         _keys(Dataset(url, cache_dir=folder))
     assert _log(folder, "corrupt") == [victim, victim] and victim not in _log(folder, "ok")
+
+
+# -- row 8: a restart with the store down --------------------------------------------------------
+def test_a_restart_on_a_warm_cache_runs_its_epoch_with_the_store_down(remote, proxy, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries of a refused connection
+    local, url = remote
+    folder = tmp_path / "c"
+    want = _keys(Dataset(str(local)), epochs=(0, 1))
+    assert _keys(Dataset(url, cache_dir=folder), epochs=(0, 1)) == want  # warms the folder
+    proxy.go_down()
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # a new job: no connection, no listing cached
+    with pytest.warns(RuntimeWarning, match=r"manifest.json cannot be read .*using the copy"):
+        ds = Dataset(url, cache_dir=folder)  # a restarted job: new Dataset, new DataLoader
+    assert ds.shards.offline
+    assert _keys(ds, epochs=(0, 1)) == want
+    # the store is back: the next open reads the manifest from it again
+    proxy.come_back()
+    s3fs.S3FileSystem.clear_instance_cache()
+    again = Dataset(url, cache_dir=folder)
+    assert not again.shards.offline and _keys(again) == want[: len(want) // 2]
+
+
+def test_a_cold_cache_with_the_store_down_names_the_url(remote, proxy, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    _, url = remote
+    proxy.go_down()
+    with pytest.raises(StorageError, match=rf"cannot read {url}/manifest.json .*holds no copy"):
+        Dataset(url, cache_dir=tmp_path / "c")
+    with pytest.raises(StorageError, match=rf"cannot read {url}/manifest.json"):
+        Dataset(url, cache_dir=False)

@@ -45,14 +45,6 @@ class Dataset(ProcessLocal):
         self.path = str(path)
         self.verify = check_mode(verify)
         self._start_process()
-        self._shards = ShardedDataset(path, version=version)
-        self._id = self._content_id(self._shards)
-        # every version this one extends: (its dataset id, its samples), for `Plan.earlier`
-        from gdsload.format import manifest as mf
-
-        self.version = mf.versions(self._shards.manifest)[-1]["version"]
-        self.earlier = tuple((mf.dataset_id(self._shards.shards[: v["shards"]]), v["num_samples"])
-                             for v in mf.versions(self._shards.manifest)[:-1])
         self.cache_limit = parse_limit(cache_limit)
         if cache_dir is False or not is_remote(self.path):
             self.cache_dir: str | None = None
@@ -62,6 +54,15 @@ class Dataset(ProcessLocal):
             self.cache_dir = str(default_cache_dir())
         else:
             self.cache_dir = str(cache_dir)
+        # the cache folder also keeps the manifest and the indexes: a restart with the store down
+        self._shards = ShardedDataset(path, version=version, meta_dir=self.cache_dir)
+        self._id = self._content_id(self._shards)
+        # every version this one extends: (its dataset id, its samples), for `Plan.earlier`
+        from gdsload.format import manifest as mf
+
+        self.version = mf.versions(self._shards.manifest)[-1]["version"]
+        self.earlier = tuple((mf.dataset_id(self._shards.shards[: v["shards"]]), v["num_samples"])
+                             for v in mf.versions(self._shards.manifest)[:-1])
         self.fields = list(fields) if fields else [f for f in self.shards.fields]
         unknown = [f for f in self.fields if f not in self.shards.fields and f != "__key__"]
         if unknown:
@@ -78,9 +79,9 @@ class Dataset(ProcessLocal):
         self._check_process()
         if self._shards is None:
             try:  # the version this Dataset opened: appends since then are not seen
-                shards = ShardedDataset(self.path, version=self.version)
+                shards = ShardedDataset(self.path, version=self.version, meta_dir=self.cache_dir)
             except FormatError:  # rewritten (--overwrite) with fewer versions: the check below says so
-                shards = ShardedDataset(self.path)
+                shards = ShardedDataset(self.path, meta_dir=self.cache_dir)
             if self._content_id(shards) != self._id:
                 raise FormatError(
                     f"dataset {self.path} changed since this Dataset was opened (content id {self._id} "

@@ -29,20 +29,32 @@ from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
 from gdsload.format.labels import parse_label
-from gdsload.io.store import FsspecStore, is_remote, load_manifest, local_path, open_store
+from gdsload.io.store import FsspecStore, is_remote, load_manifest, local_path, open_store, write_atomic
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
 
 class ShardedDataset:
-    """A converted dataset: `len()`, `sample(i)`, `iter_samples()`, `verify()`."""
+    """A converted dataset: `len()`, `sample(i)`, `iter_samples()`, `verify()`.
 
-    def __init__(self, root: str | os.PathLike[str], *, version: int | None = None):
+    `meta_dir` (a dataset at a URL read through a shard cache): a local folder that keeps a copy
+    of the manifest (`manifests/<hash of the URL>.json`) and of every shard index read
+    (`<shard SHA-256>.idx`), so a job restarted while the store is down still opens the dataset:
+    the manifest is read from the store whenever it answers (and the copy replaced), the copy is
+    used only when the store cannot be reached (`offline` is then True, with a warning); indexes
+    are taken from the folder first (an index belongs to its shard's bytes, named by their hash),
+    and checked against the manifest as ones read from the store are.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, version: int | None = None,
+                 meta_dir: str | os.PathLike[str] | None = None):
         """`version`: read the dataset as it was at that manifest version (its first shards; see
         `gdsload.format.manifest.at_version`); default: the newest."""
         self.root = str(root).rstrip("/") if is_remote(str(root)) else str(local_path(root))
         self._store = open_store(self.root)
         self._fs = self._store.fs if isinstance(self._store, FsspecStore) else None
-        self.manifest = load_manifest(self._store)
+        self._meta = Path(meta_dir) if meta_dir is not None and self._fs is not None else None
+        self.offline = False
+        self.manifest = self._load_manifest()
         if version is not None:
             self.manifest = mf.at_version(self.manifest, version)
         self.shards: list[mf.ShardEntry] = self.manifest["shards"]
@@ -76,11 +88,59 @@ class ShardedDataset:
         s = bisect.bisect_right(self._starts, i) - 1
         return s, i - self._starts[s]
 
+    def _load_manifest(self) -> dict[str, Any]:
+        if self._meta is None:
+            return load_manifest(self._store)
+        import hashlib as _h
+
+        copy = self._meta / "manifests" / f"{_h.sha256(self.root.encode()).hexdigest()[:32]}.json"
+        try:
+            text = self._store.read(mf.MANIFEST)
+        except FileNotFoundError:
+            return load_manifest(self._store)  # its own message (an interrupted conversion, ...)
+        except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+            if not copy.is_file():
+                raise StorageError(f"cannot read {self._store.where(mf.MANIFEST)} ({type(exc).__name__}: {exc}), "
+                                   f"and the cache folder {self._meta} holds no copy of it") from exc
+            import warnings
+
+            warnings.warn(f"{self._store.where(mf.MANIFEST)} cannot be read ({type(exc).__name__}: {exc}); "
+                          f"using the copy in the cache folder ({copy}), read from the store before",
+                          RuntimeWarning, stacklevel=3)
+            self.offline = True
+            return mf.parse(copy.read_text(), name=str(copy))
+        manifest = mf.parse(text.decode(), name=self._store.where(mf.MANIFEST))
+        try:
+            if not copy.is_file() or copy.read_bytes() != text:
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(copy, text, fsync=False)
+        except OSError:  # a cache folder we cannot write: no copy, as without one
+            pass
+        return manifest
+
+    def _index_bytes(self, shard: int, name: str) -> bytes:
+        """The index file of `shard`: from the cache folder where it has one, else the store (then
+        kept there)."""
+        if self._meta is None:
+            return self._read_file(name)
+        copy = self._meta / f"{self.shards[shard]['sha256']}.idx"
+        try:
+            return copy.read_bytes()
+        except OSError:
+            pass
+        data = self._read_file(name)
+        try:
+            self._meta.mkdir(parents=True, exist_ok=True)
+            write_atomic(copy, data, fsync=False)
+        except OSError:
+            pass
+        return data
+
     def index(self, shard: int) -> ShardIndex:
         idx = self._indexes.get(shard)
         if idx is None:
             name = self.shard_path(shard, "index")
-            idx = ShardIndex.from_bytes(self._read_file(name), name=name)
+            idx = ShardIndex.from_bytes(self._index_bytes(shard, name), name=name)
             if idx.num_samples != self.shards[shard]["samples"]:
                 raise FormatError(
                     f"{name}: index lists {idx.num_samples} samples, manifest says "
@@ -108,6 +168,8 @@ class ShardedDataset:
         listing of the dataset folder at a URL (not one request per shard)."""
         if self._fs is None:
             return [self._store.size(s["name"]) for s in self.shards]
+        if self.offline:  # the store is down: the cache checks each shard's SHA-256 as it fetches
+            return [s["bytes"] for s in self.shards]
         self._fs.invalidate_cache(self.root)
         listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in self._fs.ls(self.root, detail=True)}
         return [int(e["size"]) if (e := listed.get(s["name"])) and e.get("type") == "file" else None
@@ -119,6 +181,8 @@ class ShardedDataset:
             return self._fs.cat_file(path) if self._fs is not None else Path(path).read_bytes()
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+            raise StorageError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 
     def _fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
@@ -134,17 +198,36 @@ class ShardedDataset:
                     self._fds[shard] = fd
         return fd
 
+    def _cached_extent(self, shard: int, offset: int, nbytes: int) -> bytes | None:
+        """The bytes from the shard cache's complete copy of `shard` (named by its SHA-256, put
+        there only once verified) where the cache folder has one; None otherwise."""
+        if self._meta is None:
+            return None
+        try:
+            fd = os.open(self._meta / f"{self.shards[shard]['sha256']}.tar", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return os.pread(fd, nbytes, offset)
+        finally:
+            os.close(fd)
+
     def read_extent(self, shard: int, offset: int, nbytes: int) -> bytes:
         """Bytes `[offset, offset + nbytes)` of a shard; a short read is a `CorruptDataError`, a
         failed one a `StorageError`."""
         try:
-            if self._fs is not None:
+            if self._fs is not None and (data := self._cached_extent(shard, offset, nbytes)) is not None:
+                pass
+            elif self._fs is not None:
                 data = self._fs.cat_file(self.shard_path(shard), start=offset, end=offset + nbytes)
             else:
                 data = os.pread(self._fd(shard), nbytes, offset)
         except OSError as exc:
             raise StorageError(f"reading {self.shard_path(shard)} at offset {offset} failed: "
                                f"{exc.strerror or exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+            raise StorageError(f"reading {self.shard_path(shard)} at offset {offset} failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
         if len(data) != nbytes:
             raise CorruptDataError(
                 f"{self.shard_path(shard)}: truncated (wanted {nbytes} bytes at offset {offset}, "

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gdsload.errors import DestinationError, FormatError, MissingDependencyError, require
+from gdsload.errors import DestinationError, FormatError, GdsloadError, MissingDependencyError, StorageError, require
 from gdsload.io import is_url
 
 
@@ -396,4 +396,8 @@ def load_manifest(root: str | os.PathLike[str] | Store) -> dict[str, Any]:
         elif not store.exists():
             hint = " (the folder does not exist)"
         raise FormatError(f"{store.root}: no {mf.MANIFEST}, so this is not a complete gdsload dataset{hint}") from None
+    except GdsloadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an unreachable store (botocore's errors are no OSError)
+        raise StorageError(f"cannot read {store.where(mf.MANIFEST)}: {type(exc).__name__}: {exc}") from exc
     return mf.parse(text, name=store.where(mf.MANIFEST))
