@@ -131,3 +131,143 @@ def test_a_cold_cache_with_the_store_down_names_the_url(remote, proxy, tmp_path,
         Dataset(url, cache_dir=tmp_path / "c")
     with pytest.raises(StorageError, match=rf"cannot read {url}/manifest.json"):
         Dataset(url, cache_dir=False)
+
+
+# -- row 1: several processes, one folder, a tight limit -----------------------------------------
+_JOB = textwrap.dedent("""
+    import json, os, sys, time
+    from gdsload.errors import GdsloadError
+    from gdsload.loader import DataLoader, Dataset
+    url, folder, limit, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    loader = DataLoader(Dataset(url, cache_dir=folder, cache_limit=limit), batch_size=4, shuffle=True, seed=5,
+                        shuffle_window=2, output="numpy", device="cpu", num_workers=2)
+    open(f"{go}.ready-{os.getpid()}", "w").close()
+    while not os.path.exists(go):  # start together with the others
+        time.sleep(0.005)
+    t0 = time.perf_counter()
+    keys = []
+    try:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            keys += [list(b["__key__"]) for b in loader]
+    except GdsloadError as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        sys.exit(0)
+    print(json.dumps({"keys": keys, "wall_s": time.perf_counter() - t0, "cache": loader.stats()["cache"]}))
+""")
+
+
+def _jobs(url: str, folder: Path, limit: int, n: int, tmp_path: Path) -> list[dict]:
+    """`n` processes reading the dataset twice through `folder`, started together; their reports."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    go = tmp_path / f"go-{folder.name}"
+    procs = [subprocess.Popen([sys.executable, "-c", _JOB, url, str(folder), str(limit), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    outs = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob(f"{go.name}.ready-*"))) < n and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+            time.sleep(0.01)
+        go.touch()
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return outs
+
+
+class _Peak:
+    """The most bytes of shards (complete and partial) the folder held, looked at under its
+    space lock as a reserving process does (a listing is not a snapshot otherwise)."""
+
+    def __init__(self, folder: Path):
+        import threading
+
+        self.folder, self.peak, self._done = folder, 0, threading.Event()
+        self._t = threading.Thread(target=self._watch)
+        self._t.start()
+
+    def _watch(self):
+        import fcntl
+
+        while not self._done.is_set():
+            if (self.folder / ".space.lock").exists():
+                fd = os.open(self.folder / ".space.lock", os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    sizes = {}
+                    for e in os.scandir(self.folder):
+                        if ".tar" in e.name:
+                            try:
+                                st = e.stat()
+                            except FileNotFoundError:
+                                continue
+                            sizes[st.st_ino] = st.st_size
+                    self.peak = max(self.peak, sum(sizes.values()))
+                finally:
+                    os.close(fd)
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._t.join()
+        return self.peak
+
+
+def _sizes(local: Path) -> list[int]:
+    return sorted((s["bytes"] for s in ShardedDataset(local).shards), reverse=True)
+
+
+def test_four_processes_share_one_folder_and_all_finish(remote, proxy, tmp_path):
+    """Four jobs on one node, one cache folder, a limit of the 9 largest shards (four windows of
+    2, and one more). Before: the processes stalled in flock on shard locks others held while
+    waiting for room (for minutes; here past the 60 s bound). Now all four finish both epochs
+    key-exact, within twice (plus a second of start-up noise on a shared machine) the time one
+    process alone takes, and the folder never holds more than the limit."""
+    local, url = remote
+    proxy.delay_s = 0.02  # a store with some latency per shard
+    limit = sum(_sizes(local)[:9])
+    want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]
+    alone = _jobs(url, tmp_path / "alone", limit, 1, tmp_path)[0]
+    assert alone["keys"] == want
+    peak = _Peak(tmp_path / "shared")
+    try:
+        outs = _jobs(url, tmp_path / "shared", limit, 4, tmp_path)
+    finally:
+        most = peak.stop()
+    assert [o.get("error") for o in outs] == [None] * 4
+    for o in outs:
+        assert o["keys"] == want
+        assert o["wall_s"] < 2 * alone["wall_s"] + 1.0, ([o["wall_s"] for o in outs], alone["wall_s"])
+    assert 0 < most <= limit, (most, limit)
+
+
+def test_a_limit_too_small_for_the_processes_sharing_it_is_refused(remote, proxy, tmp_path):
+    """The same four jobs with a limit of the 5 largest shards: room for two windows. The
+    processes that come last are refused at once, naming the smallest limit for all of them;
+    the others finish key-exact, and the folder never holds more than the limit."""
+    local, url = remote
+    sizes = _sizes(local)
+    limit = sum(sizes[:5])
+    want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]
+    peak = _Peak(tmp_path / "shared")
+    try:
+        outs = _jobs(url, tmp_path / "shared", limit, 4, tmp_path)
+    finally:
+        most = peak.stop()
+    ran = [o for o in outs if "keys" in o]
+    refused = sorted(o["error"] for o in outs if "error" in o)
+    assert len(ran) == 2 and all(o["keys"] == want for o in ran), refused
+    assert len(refused) == 2
+    need = 3 * sum(sizes[:2])
+    for e in refused:
+        assert e.startswith(f"CacheFullError: cache_limit {limit / 1e3:.1f} kB cannot serve the 3 processes"), e
+        assert f"raise cache_limit to at least {need} bytes for 3 processes" in e, e
+    assert 0 < most <= limit, (most, limit)

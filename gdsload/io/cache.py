@@ -67,6 +67,8 @@ def default_cache_dir() -> Path:
 
 
 def _human(n: int) -> str:
+    if n < 10**6:
+        return f"{n / 1e3:.1f} kB"
     return f"{n / 1e6:.1f} MB" if n < 10**9 else f"{n / 1e9:.2f} GB"
 
 
@@ -112,6 +114,8 @@ class ShardCache:
         except OSError as exc:
             raise StorageError(f"cannot use {self.folder} as the shard cache: {exc.strerror or exc}") from exc
         self._fs: Any = None
+        self._user_fd: int | None = None  # this process's entry in users/ (see `check_limit`)
+        self._user_name = ""
         self._lock = threading.RLock()  # pins, schedule, stats; also serialises space reservations
         self._changed = threading.Condition(self._lock)  # a pin was released, the cursor moved
         self._miss = threading.Lock()  # one reader at a time assembles a batch with missing shards
@@ -145,7 +149,13 @@ class ShardCache:
     # -- the schedule ---------------------------------------------------------------------------
     def check_limit(self, window: int) -> None:
         """Refuse a limit below the `window` largest shards: the plan keeps up to `window` shards
-        open at once, so a smaller cache would fetch each shard many times over (or stall)."""
+        open at once, so a smaller cache would fetch each shard many times over (or stall).
+
+        The folder is shared: this process registers what it needs (`users/<pid>-<n>`, held
+        with an exclusive flock while the cache is open, so a dead process's entry is seen as
+        stale), and the limit must hold the needs of every process registered there now; the
+        last to come is refused, naming the smallest limit for them all. The shards of one
+        process's window then always fit beside the others' windows."""
         sizes = sorted((s["bytes"] for s in self.shards), reverse=True)[: max(1, window)]
         need = sum(sizes)
         if self.limit_bytes < need:
@@ -154,6 +164,75 @@ class ShardCache:
                 f"shards of {self.root} ({_human(need)}), which shuffle_window={window} keeps open at "
                 f"once; raise cache_limit to at least {need} bytes or lower shuffle_window"
             )
+        with self._lock:
+            fcntl.flock(self._space_fd, fcntl.LOCK_EX)
+            try:
+                others = self._users()
+                total = need + sum(others)
+                if total > self.limit_bytes:
+                    n = len(others) + 1
+                    raise CacheFullError(
+                        f"cache_limit {_human(self.limit_bytes)} cannot serve the {n} processes using the "
+                        f"shard cache {self.folder} at once: each keeps up to shuffle_window shards open "
+                        f"(this one the {len(sizes)} largest of {self.root}, {_human(need)}; the others "
+                        f"{', '.join(_human(b) for b in others)}); raise cache_limit to at least {total} bytes "
+                        f"for {n} processes, or give each job its own cache_dir"
+                    )
+                self._register(need)
+            finally:
+                fcntl.flock(self._space_fd, fcntl.LOCK_UN)
+
+    def _users(self) -> list[int]:
+        """The needs (bytes) of the other live processes registered in the folder; entries of
+        dead ones are removed. Call with the space lock held."""
+        needs = []
+        users = self.folder / "users"
+        try:
+            entries = list(os.scandir(users))
+        except FileNotFoundError:
+            return needs
+        for e in entries:
+            if self._user_fd is not None and e.name == self._user_name:
+                continue
+            try:
+                fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:  # held: a live process
+                    try:
+                        needs.append(int(os.pread(fd, 64, 0).decode() or 0))
+                    except ValueError:
+                        pass
+                    continue
+                os.unlink(e.path)  # nobody holds it: its process is gone
+            finally:
+                os.close(fd)
+        return needs
+
+    def _register(self, need: int) -> None:
+        if self._user_fd is not None:  # again (a new epoch, another window): update the need
+            os.ftruncate(self._user_fd, 0)
+            os.pwrite(self._user_fd, str(need).encode(), 0)
+            return
+        users = self.folder / "users"
+        users.mkdir(exist_ok=True)
+        self._user_name = f"{os.getpid()}-{id(self)}"
+        fd = os.open(users / self._user_name, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, str(need).encode(), 0)
+        self._user_fd = fd
+
+    def _unregister(self) -> None:
+        if self._user_fd is not None:
+            try:
+                os.unlink(self.folder / "users" / self._user_name)
+            except FileNotFoundError:
+                pass
+            os.close(self._user_fd)
+            self._user_fd = None
 
     def start_epoch(self, batches: Sequence[Sequence[int]]) -> None:
         """The shards each batch of this epoch needs, in the order the batches are read (batch
@@ -337,7 +416,31 @@ class ShardCache:
 
     # -- downloads --------------------------------------------------------------------------------
     def _download(self, shard: int, *, foreground: bool) -> bool:
-        """Make `shard` complete in the folder; False when read-ahead found no room for it."""
+        """Make `shard` complete in the folder; False when read-ahead found no room for it.
+
+        The shard's lock is held only while its download runs, never while waiting for room: a
+        reader that held it while it waited (for room that the pins of other processes held)
+        stalled every process that needed the same shard, themselves holding room (four
+        processes sharing a folder hung for minutes)."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while True:
+            done = self._try_download(shard, foreground=foreground)
+            if done is not None:
+                return done
+            if not foreground:
+                return False
+            if time.monotonic() > deadline:
+                entry = self.shards[shard]
+                raise CacheFullError(
+                    f"no room in the shard cache {self.folder} (limit {_human(self.limit_bytes)}) "
+                    f"for shard {entry['name']} ({_human(entry['bytes'])}) after {self.wait_timeout_s:.0f} s: "
+                    f"the shards there are in use (by this or other processes); raise cache_limit"
+                )
+            with self._lock:
+                self._changed.wait(0.05)  # pins of this process come free; others' by polling
+
+    def _try_download(self, shard: int, *, foreground: bool) -> bool | None:
+        """One try of `_download`: None where there is no room for `shard` now."""
         entry = self.shards[shard]
         lock_fd = os.open(self._lock_path(shard), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
         try:
@@ -351,7 +454,7 @@ class ShardCache:
                 stale.unlink(missing_ok=True)
             part = self._reserve(shard, foreground=foreground)
             if part is None:
-                return False
+                return None
             try:
                 self._fetch_verified(shard, part)
                 self._publish(part, self.path(shard))
@@ -430,30 +533,20 @@ class ShardCache:
 
     # -- space ----------------------------------------------------------------------------------
     def _reserve(self, shard: int, *, foreground: bool) -> Path | None:
-        """Evict until `shard` fits, then create its .part (all under the folder-wide lock)."""
+        """Evict until `shard` fits, then create its .part (all under the folder-wide lock);
+        None where there is no room now (the caller waits holding no shard lock)."""
         entry = self.shards[shard]
         need = entry["bytes"]
-        deadline = time.monotonic() + self.wait_timeout_s
-        while True:
-            with self._lock:
-                fcntl.flock(self._space_fd, fcntl.LOCK_EX)
-                try:
-                    if self._make_room(shard, need, foreground=foreground):
-                        part = self.folder / f"{entry['sha256']}.tar.part-{need}-{os.getpid()}-{threading.get_ident()}"
-                        part.touch()
-                        return part
-                finally:
-                    fcntl.flock(self._space_fd, fcntl.LOCK_UN)
-                if not foreground:
-                    return None
-                if time.monotonic() > deadline:
-                    raise CacheFullError(
-                        f"no room in the shard cache {self.folder} (limit {_human(self.limit_bytes)}) "
-                        f"for shard {entry['name']} ({_human(need)}) after {self.wait_timeout_s:.0f} s: "
-                        f"the shards there are in use (by this or other processes); raise cache_limit"
-                    )
-                with self._lock:
-                    self._changed.wait(0.05)
+        with self._lock:
+            fcntl.flock(self._space_fd, fcntl.LOCK_EX)
+            try:
+                if self._make_room(shard, need, foreground=foreground):
+                    part = self.folder / f"{entry['sha256']}.tar.part-{need}-{os.getpid()}-{threading.get_ident()}"
+                    part.touch()
+                    return part
+            finally:
+                fcntl.flock(self._space_fd, fcntl.LOCK_UN)
+        return None
 
     def _publish(self, part: Path, path: str) -> None:
         """Rename a verified .part to its shard's name under the folder-wide space lock: a
@@ -573,6 +666,7 @@ class ShardCache:
             self._closed = True
             for seq in list(self._open):
                 self.release(seq)
+            self._unregister()
             if self._space_fd >= 0:
                 os.close(self._space_fd)
                 self._space_fd = -1
