@@ -137,7 +137,7 @@ def test_a_cold_cache_with_the_store_down_names_the_url(remote, proxy, tmp_path,
 _JOB = textwrap.dedent("""
     import json, os, sys, time
     from gdsload.errors import GdsloadError
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload import DataLoader, Dataset
     url, folder, limit, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     loader = DataLoader(Dataset(url, cache_dir=folder, cache_limit=limit), batch_size=4, shuffle=True, seed=5,
                         shuffle_window=2, output="numpy", device="cpu", num_workers=2)
