@@ -102,6 +102,11 @@ class WorkerDied(GdsloadError):
     """A worker process ended without being asked (killed, out of memory, a crash in C code)."""
 
 
+class WorkerTimeout(GdsloadError, TimeoutError):
+    """A worker process did not return a batch within the loader's `timeout=` (stopped, stuck,
+    or slower than the limit); the message names the worker."""
+
+
 # -- the feed -------------------------------------------------------------------------------------
 class ProtocolError(GdsloadError):
     """The server sent chunks that do not form a batch (a bug or a broken stream)."""

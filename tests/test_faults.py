@@ -227,8 +227,7 @@ def _sizes(local: Path) -> list[int]:
 
 def test_four_processes_share_one_folder_and_all_finish(remote, proxy, tmp_path):
     """Four jobs on one node, one cache folder, a limit of the 9 largest shards (four windows of
-    2, and one more). Before: the processes stalled in flock on shard locks others held while
-    waiting for room (for minutes; here past the 60 s bound). Now all four finish both epochs
+    2, and one more): all four finish both epochs
     key-exact, within twice (plus a second of start-up noise on a shared machine) the time one
     process alone takes, and the folder never holds more than the limit."""
     local, url = remote
@@ -252,8 +251,11 @@ def test_four_processes_share_one_folder_and_all_finish(remote, proxy, tmp_path)
 def test_a_limit_too_small_for_the_processes_sharing_it_is_refused(remote, proxy, tmp_path):
     """The same four jobs with a limit of the 5 largest shards: room for two windows. The
     processes that come last are refused at once, naming the smallest limit for all of them;
-    the others finish key-exact, and the folder never holds more than the limit."""
+    the others finish key-exact, and the folder never holds more than the limit. Before: all
+    four accepted, and (with a store of some latency) they stalled in flock on shard locks that
+    others held while waiting for room, past the 60 s bound."""
     local, url = remote
+    proxy.delay_s = 0.02
     sizes = _sizes(local)
     limit = sum(sizes[:5])
     want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]

@@ -140,15 +140,19 @@ class MapStage:
             return None
         return cls(map_fn, collate_fn, worker_mode)
 
+    timeout: float = 0  # seconds a batch may take in a worker process (the loader's `timeout=`)
+
     def start(self, workers: int) -> MapRun:
-        return MapRun(self, workers)
+        return MapRun(self, workers, timeout=self.timeout)
 
 
 class MapRun:
-    """One epoch of the stage: in process mode it owns the worker pool (closed with the epoch)."""
+    """One epoch of the stage: in process mode it owns the worker pool (closed with the epoch).
+    `timeout` (seconds, 0 = forever): how long a batch may take in a worker process."""
 
-    def __init__(self, stage: MapStage, workers: int):
+    def __init__(self, stage: MapStage, workers: int, *, timeout: float = 0):
         self.stage = stage
+        self.timeout = timeout
         self.pool = None
         if stage.worker_mode == "process":
             from gdsload.frontend.workers import WorkerPool
@@ -165,7 +169,7 @@ class MapRun:
             from gdsload.frontend.workers import PoolClosed
 
             try:
-                out = self.pool.submit((columns, names)).result()
+                out = self.pool.result(self.pool.submit((columns, names)), self.timeout)
             except PoolClosed as exc:
                 raise RingClosed("loader closed") from exc
         if self.stage.collate_fn is not None:

@@ -31,7 +31,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from gdsload.errors import PoolClosed, WorkerDied  # noqa: F401 (re-exported: defined in errors.py)
+from gdsload.errors import PoolClosed, WorkerDied, WorkerTimeout  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.errors import GdsloadError
 
 _POLL_S = 0.5  # how often an idle worker checks that its parent lives, and the collector its workers
@@ -67,7 +67,8 @@ def _portable(exc: BaseException) -> BaseException:
         return err
 
 
-def _worker_main(fn: Callable[[Any], Any], inbox: Any, outbox: Any, parent_pid: int) -> None:
+def _worker_main(fn: Callable[[Any], Any], inbox: Any, outbox: Any, parent_pid: int,
+                 busy: Any = None, me: int = 0) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
@@ -80,12 +81,16 @@ def _worker_main(fn: Callable[[Any], Any], inbox: Any, outbox: Any, parent_pid: 
         if item is None:
             return
         task_id, payload = item
+        if busy is not None:
+            busy[me] = task_id  # which worker holds which task: named when one times out
         try:
             out = (task_id, True, fn(payload))
             data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # delivered to the caller of submit()
             data = pickle.dumps((task_id, False, _portable(exc)), protocol=pickle.HIGHEST_PROTOCOL)
         outbox.put(data)
+        if busy is not None:
+            busy[me] = -1
 
 
 class WorkerPool:
@@ -109,7 +114,9 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self.broken: BaseException | None = None  # why the pool stopped on its own (a worker died)
-        self.procs = [ctx.Process(target=_worker_main, args=(fn, self._inbox, self._outbox, os.getpid()),
+        self._busy = ctx.Array("q", [-1] * n, lock=False)  # worker i's task id (-1: none)
+        self.procs = [ctx.Process(target=_worker_main, args=(fn, self._inbox, self._outbox, os.getpid(),
+                                                             self._busy, i),
                                   name=f"{name}-{i}", daemon=True) for i in range(n)]
         for p in self.procs:
             p.start()
@@ -128,8 +135,47 @@ class WorkerPool:
         with self._lock:
             task_id = next(self._ids)
             self._pending[task_id] = fut
+        fut.task_id = task_id  # type: ignore[attr-defined]
         self._inbox.put((task_id, payload))
         return fut
+
+    def result(self, fut: Future, timeout: float = 0) -> Any:
+        """`fut.result()`, waiting at most `timeout` seconds (0: forever); past it a
+        `WorkerTimeout` names the worker that holds the task (or says none has taken it)."""
+        if not timeout:
+            return fut.result()
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            pass
+        task_id = getattr(fut, "task_id", None)
+        holder = next((i for i in range(len(self.procs)) if self._busy[i] == task_id), None)
+        if holder is not None:
+            what = f"{self._describe(holder)} has not returned a batch"
+        else:  # still in the inbox: every worker is on another batch, or not taking any
+            what = (f"no worker process has taken a batch ({', '.join(self._describe(i) for i in range(len(self.procs)))})"
+                    if self.procs else "no worker process")
+        err = WorkerTimeout(f"{what} within timeout={timeout:g} s (stopped, stuck, or slower than that): the "
+                            f"loader stops; a new iter() resumes from the last batch received, or raise timeout=")
+        with self._lock:  # the pool is done: close() kills the workers without waiting for them
+            if self.broken is None:
+                self.broken = err
+        raise err
+
+    def _describe(self, i: int) -> str:
+        """'worker process NAME (pid N[, stopped])' for messages; the state from /proc on Linux."""
+        p = self.procs[i]
+        state = ""
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                code = f.read().rsplit(")", 1)[1].split()[0]
+            state = {"T": ", stopped", "t": ", stopped by a debugger", "Z": ", dead", "D": ", in uninterruptible I/O"}.get(code, "")
+        except (OSError, IndexError):
+            pass
+        task = self._busy[i]
+        return f"worker process {p.name} (pid {p.pid}{state}{'' if task < 0 else f', on batch task {task}'})"
 
     def _fail_pending(self, exc: BaseException) -> None:
         with self._lock:

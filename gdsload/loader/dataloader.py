@@ -88,7 +88,9 @@ class DataLoader(ProcessLocal, PlanCursor):
     threads; default: one more than the cores, see `__init__`). User code (`gdsload.frontend.usercode`):
     `map(sample_dict) -> sample_dict` after decoding, `collate_fn(list_of_samples) -> batch` instead
     of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
-    run in `num_workers` spawned processes and must be picklable). What each field kind becomes:
+    run in `num_workers` spawned processes and must be picklable), `timeout` (as in torch: seconds
+    to wait for a batch from a process worker, 0 = forever; past it `WorkerTimeout` names the
+    worker and the epoch ends; no effect with thread workers). What each field kind becomes:
     `gdsload.frontend.fields`.
 
     Why one batch ahead when images are decoded: every batch is decoded by the loader's one DALI
@@ -131,6 +133,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         map: Any = None,
         collate_fn: Any = None,
         worker_mode: Literal["thread", "process"] = "thread",
+        timeout: float = 0,
     ):
         self.options = opts = LoaderOptions.create(
             remote=False, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
@@ -142,6 +145,11 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
             map, collate_fn, worker_mode)
         self.worker_mode = worker_mode
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise GdsloadError(f"timeout must be a number of seconds >= 0 (0: wait forever), got {timeout!r}")
+        self.timeout = float(timeout)  # for a batch from a process worker (gdsload.frontend.workers)
+        if self._stage is not None:
+            self._stage.timeout = self.timeout
         from gdsload.loader import autotune
 
         self._auto = {"prefetch": prefetch_factor == "auto", "workers": num_workers == "auto"}

@@ -215,3 +215,37 @@ def test_a_worker_killed_while_idle_fails_the_next_submit():
             pool.submit(-4)
     finally:
         pool.close()
+
+
+def test_a_stopped_worker_times_out_naming_it(path):
+    """Before: a worker SIGSTOPped mid-epoch left the training loop waiting forever. Now
+    `timeout=` (seconds to wait for a batch from a worker, as in torch; 0 waits forever) raises
+    `WorkerTimeout` naming the worker that holds the batch, and the epoch's workers are gone."""
+    from gdsload.errors import GdsloadError, WorkerTimeout
+
+    before = set(threading.enumerate())
+    others = set(multiprocessing.active_children())
+    lo = loader(path, fields=FIELDS, map=fs.slow_map, worker_mode="process", batch_size=2, timeout=1.5,
+                num_workers=1)
+    it = iter(lo)
+    next(it)
+    ours = [p for p in multiprocessing.active_children() if p not in others]
+    assert len(ours) == 1
+    os.kill(ours[0].pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeout, match=r"within timeout=1.5 s") as info:
+            for _ in it:
+                pass
+        assert f"worker process {ours[0].name} (pid {ours[0].pid}, stopped" in str(info.value)
+        assert isinstance(info.value, GdsloadError) and isinstance(info.value, TimeoutError)
+        assert time.monotonic() - t0 < 15
+        del it, lo
+        assert nothing_left(before) == ([], [])
+    finally:
+        try:
+            os.kill(ours[0].pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    with pytest.raises(GdsloadError, match="timeout must be a number of seconds >= 0"):
+        loader(path, map=fs.slow_map, worker_mode="process", timeout=-1)
