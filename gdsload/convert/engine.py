@@ -16,6 +16,13 @@ resumable state that `--resume` continues (and that plain `convert` refuses to t
 `--resume` or `--overwrite`). The manifest records the run's fingerprint, so `--resume` on a
 finished dataset made from the same inputs and options is a no-op that succeeds.
 
+What `--resume` takes as "the same inputs": the fingerprint (options, the plan, every input's
+size and mtime) must match, and, for every shard it keeps (all of them for a finished dataset),
+the SHA-256 of that shard's input bytes, recorded when the shard was written (done record,
+manifest `created.inputs_sha256`), must match the inputs read again now. So bytes rewritten
+with the same size and mtime are refused too, at the cost of reading the finished shards'
+inputs once more (no writing). Datasets from before this record are matched by the fingerprint.
+
 One conversion per destination: a local DST is locked for the whole run (`Store.lock`; not at a
 URL). Disk full (ENOSPC, EDQUOT) is a `DestinationError` naming DST; the unfinished shard is
 removed, so `--resume` continues once there is space.
@@ -259,13 +266,16 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
     pending = [0, 0]
     store = open_store(dst)
     w = ShardFile(store, name)
+    digest = hashlib.sha256()  # of the inputs' bytes as read: what `--resume` checks them against
     try:
         for s in samples:
             try:
                 payloads = {ext: read_ref(ref) for ext, ref in s.fields}
             except OSError as exc:
                 rejects.append({"source": s.source, "key": s.key, "reason": f"unreadable: {exc}"})
+                _digest_sample(digest, s, None)
                 continue
+            _digest_sample(digest, s, payloads)
             try:
                 if validate:
                     for ext, data in payloads.items():
@@ -297,10 +307,49 @@ def write_shard(dst: str, name: str, samples: list[Sample], validate: bool,
     except BaseException:
         w.abort()
         raise
-    result = {"entry": entry, "rejects": rejects, "fields": fields}
+    result = {"entry": entry, "rejects": rejects, "fields": fields, "inputs_sha256": digest.hexdigest()}
     if store.exists(f"{STATE_DIR}/{PLAN}"):  # inside a conversion: leave the done record
         store.write(f"{STATE_DIR}/done/{name}.json", json.dumps(result).encode())
     return result
+
+
+def _digest_sample(h: Any, s: Sample, payloads: dict[str, bytes] | None) -> None:
+    h.update(f"{s.key}\n".encode())
+    if payloads is None:
+        h.update(b"!unreadable\n")
+        return
+    for ext, data in payloads.items():
+        h.update(f"{ext}|{len(data)}|".encode())
+        h.update(data)
+
+
+def inputs_digest(samples: list[Sample]) -> str:
+    """SHA-256 of the bytes of `samples`' inputs, read now, as `write_shard` records it."""
+    h = hashlib.sha256()
+    for s in samples:
+        try:
+            payloads = {ext: read_ref(ref) for ext, ref in s.fields}
+        except OSError:
+            payloads = None
+        _digest_sample(h, s, payloads)
+    return h.hexdigest()
+
+
+def check_inputs_unchanged(where: str, units: list[tuple[str, list[Sample]]], recorded: dict[str, str]) -> None:
+    """`--resume`'s content check: the inputs of every finished shard (`units`: name, samples)
+    must hash as when it was written (`recorded`: name -> SHA-256; a shard without one, from an
+    older gdsload, is matched by sizes and mtimes only). Sizes and mtimes are compared first
+    (the fingerprint); this catches bytes rewritten with the same size and mtime."""
+    for name, samples in units:
+        want = recorded.get(name)
+        if want is not None and inputs_digest(samples) != want:
+            files = sorted({r.path for smp in samples for _, r in smp.fields if r.path})
+            shown = ", ".join(str(f) for f in files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+            raise DestinationError(
+                f"{where}: the inputs changed since (the bytes of the inputs of {name} differ from those it "
+                f"was written from, with the same sizes and mtimes: {shown or 'inline data'}); --resume "
+                f"continues only the same conversion: pass --overwrite to convert again"
+            )
 
 
 class UnitRunner(Protocol):
@@ -381,8 +430,10 @@ def finished_dataset(dst: Store, src: str, opts: ConvertOptions, fp: str) -> dic
     return manifest
 
 
-def prepare_destination(dst: Store, opts: ConvertOptions, fp: str) -> set[str]:
-    """Make `dst` ready; return the names of shards a resumed run can keep."""
+def prepare_destination(dst: Store, opts: ConvertOptions, fp: str,
+                        units: dict[str, list[Sample]] | None = None) -> set[str]:
+    """Make `dst` ready; return the names of shards a resumed run can keep (with `units`, the
+    plan's samples by shard name, only when their inputs' bytes are unchanged)."""
     where = dst.root
     entries = [n for n in dst.list() if n != LOCK]
     if entries:
@@ -415,20 +466,26 @@ def prepare_destination(dst: Store, opts: ConvertOptions, fp: str) -> set[str]:
                     f"{where}: the interrupted conversion used other inputs or options (its inputs "
                     f"changed since); re-run with the same options, or --overwrite to start over"
                 )
-            for name in entries:  # leftovers of writers that were killed
-                if name.startswith(".") and ".tmp-" in name:
-                    dst.remove(name)
             keep = set()
+            recorded: dict[str, str] = {}
             for rec in dst.list(f"{STATE_DIR}/done"):
                 if not rec.endswith(".json") or rec.startswith("."):
                     continue
-                entry = json.loads(dst.read(f"{STATE_DIR}/done/{rec}")).get("entry")
+                done = json.loads(dst.read(f"{STATE_DIR}/done/{rec}"))
+                entry = done.get("entry")
                 if entry is None or (
                     dst.size(entry["name"]) == entry["bytes"]
                     and dst.size(entry["index"]) is not None
                     and dst.size(entry["dali_index"]) is not None
                 ):
                     keep.add(rec[: -len(".json")])
+                    if done.get("inputs_sha256"):
+                        recorded[rec[: -len(".json")]] = done["inputs_sha256"]
+            if units is not None:  # before anything is touched: a refusal leaves DST as it was
+                check_inputs_unchanged(where, [(n, units[n]) for n in sorted(keep) if n in units], recorded)
+            for name in entries:  # leftovers of writers that were killed
+                if name.startswith(".") and ".tmp-" in name:
+                    dst.remove(name)
             return keep
         _clean(dst)
     dst.make_dirs(f"{STATE_DIR}/done")
@@ -597,8 +654,10 @@ def convert(src: str, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
         with store.lock():
             finished = finished_dataset(store, src, opts, fp)
             if finished is not None:
+                check_inputs_unchanged(store.root, list(zip(names, plan)),
+                                       (finished.get("created") or {}).get("inputs_sha256") or {})
                 return _summary(finished, t0, resumed=len(finished["shards"]), workers=0, complete=True)
-            keep = prepare_destination(store, opts, fp)
+            keep = prepare_destination(store, opts, fp, dict(zip(names, plan)))
             todo = [i for i, n in enumerate(names) if n not in keep]
             workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
             _write_units(store, [(names[i], plan[i]) for i in todo], opts, workers, runner)
@@ -661,8 +720,11 @@ def _finish(store: Store, src: str, listing: Listing, names: list[str], opts: Co
     shards: list[mf.ShardEntry] = []
     fields: dict[str, str] = {}
     rejects = list(listing.rejects)
+    digests: dict[str, str] = {}
     for name in names:
         r = json.loads(store.read(f"{STATE_DIR}/done/{name}.json"))
+        if r.get("inputs_sha256"):
+            digests[name] = r["inputs_sha256"]
         if r["entry"] is not None:
             shards.append(r["entry"])
         rejects += r["rejects"]
@@ -682,6 +744,7 @@ def _finish(store: Store, src: str, listing: Listing, names: list[str], opts: Co
             "source_format": listing.format,
             "options": opts.output_affecting(),
             "fingerprint": fp,  # what `--resume` compares against (see `finished_dataset`)
+            "inputs_sha256": digests,  # per shard unit: its inputs' bytes (`check_inputs_unchanged`)
             "rejected": len(rejects),
             "seconds": round(time.perf_counter() - t0, 3),
         },

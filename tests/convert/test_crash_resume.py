@@ -197,3 +197,26 @@ def test_resume_after_the_inputs_changed_is_refused(world, dst, capsys):
     # inputs restored exactly: the resume is accepted again
     assert main(argv) == 0
     assert shard_list(dst) == shard_list(world["clean"])
+
+
+def test_resume_after_bytes_changed_with_the_same_size_and_mtime_is_refused(world, dst, capsys):
+    """An input of a shard the killed run finished, rewritten with other bytes of the same size
+    and its mtime put back: before, --resume kept the shard made from the old bytes; now it is
+    refused naming the shard, and nothing is touched."""
+    src = world["src"]
+    done = sorted(p.name[: -len(".json")] for p in (dst / STATE / "done").glob("shard-*.json"))
+    assert done and done[0] == "shard-000000"
+    victim = src / "class0" / "img0000.jpg"  # the first sample of the plan: in shard-000000
+    st = victim.stat()
+    data = victim.read_bytes()
+    before = snapshot(dst)
+    try:
+        victim.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert main(["convert", str(src), str(dst), *OPTS, "--resume"]) == 1
+        err = capsys.readouterr().err
+        assert "inputs changed" in err and "shard-000000" in err and "img0000.jpg" in err, err
+        assert snapshot(dst) == before
+    finally:
+        victim.write_bytes(data)
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))

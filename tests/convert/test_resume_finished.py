@@ -115,3 +115,23 @@ def test_overwrite_with_resume_still_reconverts(done, capsys):
     assert after.keys() == before.keys()
     assert after["shard-000000.tar"][1] != before["shard-000000.tar"][1]  # rewritten
     assert os.listdir(dst).count("manifest.json") == 1
+
+
+def test_changed_bytes_with_the_same_size_and_mtime_are_refused(done, capsys):
+    """Before: one input rewritten with other bytes of the same size, its mtime put back, and
+    `--resume` said "already complete" (exit 0) and kept the old bytes. Now the SHA-256 of each
+    shard's inputs, recorded when it was written, is compared with the inputs read again."""
+    src, dst = done
+    before = snapshot(dst)
+    victim = src / "c1" / "im3.jpg"
+    st = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert victim.stat().st_size == st.st_size and victim.stat().st_mtime_ns == st.st_mtime_ns
+    assert main(["convert", str(src), str(dst), *OPTS, "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "inputs changed" in err and "same sizes and mtimes" in err and "im3.jpg" in err, err
+    assert "--overwrite" in err
+    assert snapshot(dst) == before
