@@ -278,6 +278,8 @@ class FeedServicer(pb_grpc.FeedServicer):
 
             media = mediawire.from_specs(req.media, {f: dataset.shards.fields.get(f, "") for f in dataset.fields})
         memory = self.stream_memory(req, dataset.fields, transform) + _media_memory(media, req, self.prefetch)
+        if req.HasField("mix"):  # building its epoch's order takes memory too (gdsload.plan.mix)
+            memory += self._mix_order_memory(dataset, req)
         if media:
             images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
             transform = {**media, **({images[0]: transform} if images and transform is not None else {})}
@@ -299,6 +301,20 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise
         chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
         return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned}
+
+    def _mix_order_memory(self, mix, req: pb.BatchRequest) -> int:
+        """The bytes building the mix's epoch order takes, refused (RESOURCE_EXHAUSTED) when over
+        the whole budget, before anything is built; the stream reserves them with its ring."""
+        from gdsload.plan.mix import check_order_memory, order_nbytes
+        from gdsload.plan.plan import PlanError
+
+        G = req.batch_size * (req.world_size or 1)
+        try:
+            check_order_memory(mix.spec, G, self.limits.max_memory_bytes,
+                               "the server's memory budget (--max-memory)")
+        except PlanError as exc:
+            raise OverLimit(f"mix {req.dataset!r}: {exc}") from None
+        return order_nbytes(mix.spec, G)
 
     def stream_memory(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> int:
         """Upper bound of the bytes a stream for `req` holds, checking `max_batch_bytes` on the way.

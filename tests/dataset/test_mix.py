@@ -502,7 +502,8 @@ def test_mix_bench_tiny(tmp_path):
 
 
 def test_mix_is_plan_layer_and_needs_numpy_only():
-    """gdsload/plan/mix.py imports nothing but the plan and errors, and `gdsload.Mix` loads without
+    """gdsload/plan/mix.py imports nothing but the plan, errors and host facts (the memory
+    available, for the order's build), and `gdsload.Mix` loads without
     the loader, grpc or torch (the layer table as a whole: tests/test_layers.py)."""
     import ast
     import subprocess
@@ -512,7 +513,7 @@ def test_mix_is_plan_layer_and_needs_numpy_only():
     for path in (root / "plan" / "mix.py",):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdsload"):
-                assert node.module.split(".")[1] in ("errors", "plan"), (path.name, node.module)
+                assert node.module.split(".")[1] in ("errors", "plan", "host"), (path.name, node.module)
     code = ("import sys, gdsload; gdsload.Mix; bad = [m for m in ('gdsload.loader.dataloader', 'grpc', 'torch', "
             "'nvidia.dali', 'cupy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent)
@@ -564,3 +565,51 @@ def test_a_forked_child_rebuilds_the_mix_shards_and_reads_the_same(sources):
     fresh, got_pairs = got
     assert fresh
     assert got_pairs == want
+
+
+def test_a_mix_order_too_big_for_free_memory_is_refused_at_once(monkeypatch):
+    """Before: a local Mix with samples_per_epoch=1e12 started building its order (MemoryError,
+    or swapping). Now building one takes at most 72 bytes per sample, checked against the host's
+    available memory before anything is built."""
+    import time
+
+    from gdsload.plan import mix as pm
+    from gdsload.plan.plan import PlanError
+
+    src = (pm.MixSource("a", "x" * 16, (10, 10), weight=1.0), pm.MixSource("b", "y" * 16, (5,), weight=1.0))
+    huge = pm.MixSpec(src, samples_per_epoch=10**12)
+    plan = pm.MixPlan(dataset_id=huge.mix_id, shard_sizes=huge.shard_sizes, batch_size=4, mix=huge)
+    t0 = time.monotonic()
+    with pytest.raises(PlanError, match=r"10{12} samples, and building its order takes up to 72{1}0{12} bytes .*"
+                                         r"over the memory available on this host"):
+        next(plan.batches(0))
+    assert time.monotonic() - t0 < 1
+    # a fake free-memory figure: refused below the build's need, built at it
+    small = pm.MixSpec(src, samples_per_epoch=1000)
+    assert pm.order_nbytes(small) == 72_000
+    monkeypatch.setattr("gdsload.host.memory.available_host_bytes", lambda: 71_999)
+    plan = pm.MixPlan(dataset_id=small.mix_id, shard_sizes=small.shard_sizes, batch_size=4, mix=small, seed=1)
+    with pytest.raises(PlanError, match="71999 bytes"):
+        next(plan.batches(0))
+    monkeypatch.setattr("gdsload.host.memory.available_host_bytes", lambda: 72_000)
+    assert len(next(plan.batches(0))) == 4
+
+
+def test_cached_mix_orders_are_bounded_in_bytes(monkeypatch):
+    """The orders kept between calls (an order per epoch, per mix) never hold more than
+    ORDER_CACHE_BYTES together: the least recently used go first."""
+    from gdsload.plan import mix as pm
+
+    monkeypatch.setattr(pm, "ORDER_CACHE_BYTES", 3 * 8 * 1000)  # three 1000-sample orders
+    monkeypatch.setattr(pm, "_orders", {})
+    src = (pm.MixSource("a", "x" * 16, (10, 10), weight=1.0), pm.MixSource("b", "y" * 16, (5,), weight=1.0))
+    spec = pm.MixSpec(src, samples_per_epoch=1000)
+    for epoch in range(10):
+        order = pm._cached_mix_order(spec, 1, epoch, True, 4, 1)
+        assert order.nbytes == 8000
+        assert sum(o.nbytes for o in pm._orders.values()) <= pm.ORDER_CACHE_BYTES
+    assert [k[2] for k in pm._orders] == [7, 8, 9]
+    assert pm._cached_mix_order(spec, 1, 9, True, 4, 1) is order  # a hit
+    big = pm.MixSpec(src, samples_per_epoch=4000)  # bigger than the whole cache: not kept
+    pm._cached_mix_order(big, 1, 0, True, 4, 1)
+    assert all(k[0] == spec for k in pm._orders)

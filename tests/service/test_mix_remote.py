@@ -160,3 +160,47 @@ def test_remote_mix_of_opened_datasets_is_refused(mixserver, mixroot):
     mix = Mix([Dataset(str(mixroot / "a")), Dataset(str(mixroot / "b"))])
     with pytest.raises(GdsloadError, match="names served datasets by their names"):
         RemoteLoader(mixserver, dataset=mix, output="numpy").plan
+
+
+def _rss_kb(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process, in kB (Linux)."""
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0])
+
+
+@pytest.mark.parametrize("spec", [
+    pb.MixSpec(sources=[pb.MixSource(dataset="a", weight=1.0), pb.MixSource(dataset="b", weight=1.0)],
+               samples_per_epoch=30_000_000),
+    pb.MixSpec(sources=[pb.MixSource(dataset="a", repeat=750_000.0), pb.MixSource(dataset="b", samples=5)]),
+    pb.MixSpec(sources=[pb.MixSource(dataset="a", samples=10**12)]),
+], ids=["samples_per_epoch", "repeat", "samples"])
+def test_a_huge_mix_epoch_is_refused_within_the_memory_budget(mixroot, tmp_path, spec):
+    """Before: the server built a 3e7-sample mix order in memory outside --max-memory (236 MB ->
+    3.65 GB for 3 requests, 73 s of CPU each; 1e12 gave INTERNAL). Now the order's memory counts
+    against the budget: refused at once with RESOURCE_EXHAUSTED naming the limit, the server's
+    peak RSS growing by less than 100 MB."""
+    pytest.importorskip("grpc")
+    if not __import__("os").path.exists("/proc/self/status"):
+        pytest.skip("reads the server's RSS from /proc")
+    import time
+
+    port = free_port()
+    proc = spawn_server(mixroot, port, tmp_path / "server.log", "--max-memory", "512MB")
+    try:
+        address = f"127.0.0.1:{port}"
+        _stream(address, pb.BatchRequest(mix=pb.MixSpec(sources=[pb.MixSource(dataset="a", weight=1.0)]),
+                                         batch_size=4, max_batches=1))  # warm: imports, first stream
+        _, peak0 = _rss_kb(proc.pid)
+        for _ in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                _stream(address, pb.BatchRequest(mix=spec, batch_size=4, max_batches=1))
+            assert time.monotonic() - t0 < 2.0
+            assert info.value.code().name == "RESOURCE_EXHAUSTED", info.value.details()
+            details = info.value.details()
+            assert "mix" in details and "512000000 bytes" in details and "--max-memory" in details, details
+        _, peak1 = _rss_kb(proc.pid)
+        assert peak1 - peak0 < 100_000, (peak0, peak1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
