@@ -273,3 +273,17 @@ def test_a_limit_too_small_for_the_processes_sharing_it_is_refused(remote, proxy
         assert e.startswith(f"CacheFullError: cache_limit {limit / 1e3:.1f} kB cannot serve the 3 processes"), e
         assert f"raise cache_limit to at least {need} bytes for 3 processes" in e, e
     assert 0 < most <= limit, (most, limit)
+
+
+def test_a_damaged_index_copy_in_the_cache_folder_is_read_again_from_the_store(remote, tmp_path):
+    """The index copies are written without fsync (a power cut can leave one torn): a copy that
+    does not parse is replaced by the store's, and the epoch is exact."""
+    local, url = remote
+    folder = tmp_path / "c"
+    want = _keys(Dataset(str(local)))
+    assert _keys(Dataset(url, cache_dir=folder)) == want
+    copies = sorted(folder.glob("*.idx"))
+    assert len(copies) == len(ShardedDataset(local).shards)
+    copies[0].write_bytes(copies[0].read_bytes()[:7])  # torn
+    assert _keys(Dataset(url, cache_dir=folder)) == want
+    assert len(copies[0].read_bytes()) > 7  # rewritten from the store

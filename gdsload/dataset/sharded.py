@@ -118,16 +118,17 @@ class ShardedDataset:
             pass
         return manifest
 
-    def _index_bytes(self, shard: int, name: str) -> bytes:
-        """The index file of `shard`: from the cache folder where it has one, else the store (then
-        kept there)."""
+    def _index_bytes(self, shard: int, name: str, *, cached: bool = True) -> bytes:
+        """The index file of `shard`: from the cache folder where it has one (unless `cached` is
+        False), else the store (then kept there)."""
         if self._meta is None:
             return self._read_file(name)
         copy = self._meta / f"{self.shards[shard]['sha256']}.idx"
-        try:
-            return copy.read_bytes()
-        except OSError:
-            pass
+        if cached:
+            try:
+                return copy.read_bytes()
+            except OSError:
+                pass
         data = self._read_file(name)
         try:
             self._meta.mkdir(parents=True, exist_ok=True)
@@ -140,14 +141,24 @@ class ShardedDataset:
         idx = self._indexes.get(shard)
         if idx is None:
             name = self.shard_path(shard, "index")
-            idx = ShardIndex.from_bytes(self._index_bytes(shard, name), name=name)
-            if idx.num_samples != self.shards[shard]["samples"]:
-                raise FormatError(
-                    f"{name}: index lists {idx.num_samples} samples, manifest says "
-                    f"{self.shards[shard]['samples']}"
-                )
-            idx.check_extents(self.shards[shard]["bytes"], name)
+            try:
+                idx = self._checked_index(shard, name, self._index_bytes(shard, name))
+            except FormatError:
+                if self._meta is None or self.offline:
+                    raise
+                # the copy in the cache folder may be damaged (it is not fsynced): the store's
+                idx = self._checked_index(shard, name, self._index_bytes(shard, name, cached=False))
             self._indexes[shard] = idx
+        return idx
+
+    def _checked_index(self, shard: int, name: str, data: bytes) -> ShardIndex:
+        idx = ShardIndex.from_bytes(data, name=name)
+        if idx.num_samples != self.shards[shard]["samples"]:
+            raise FormatError(
+                f"{name}: index lists {idx.num_samples} samples, manifest says "
+                f"{self.shards[shard]['samples']}"
+            )
+        idx.check_extents(self.shards[shard]["bytes"], name)
         return idx
 
     def load_indexes(self, shards: Iterable[int], threads: int = 4) -> list[Future]:
