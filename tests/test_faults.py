@@ -287,3 +287,32 @@ def test_a_damaged_index_copy_in_the_cache_folder_is_read_again_from_the_store(r
     copies[0].write_bytes(copies[0].read_bytes()[:7])  # torn
     assert _keys(Dataset(url, cache_dir=folder)) == want
     assert len(copies[0].read_bytes()) > 7  # rewritten from the store
+
+
+@pytest.fixture(scope="module")
+def small_shards(s3, tmp_path_factory):
+    """48 uint8[3, 64, 64] samples, two or three per shard (every batch of 4 spans shards)."""
+    root = tmp_path_factory.mktemp("small-shards")
+    make_npy_folder(root / "src", num_samples=48, shape=(3, 64, 64), dtype="uint8", seed=6)
+    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=40_000))
+    assert len(ShardedDataset(root / "ds").shards) >= 16
+    return root / "ds", _upload(s3, root / "ds", "small-shards")
+
+
+def test_four_processes_whose_batches_span_shards_never_deadlock(small_shards, tmp_path):
+    """Room for four windows of 2 and one more shard, batches of 4 across 2-3 shards. Before
+    (with the shard locks no longer held while waiting): a reader pinned the shards of its batch
+    that were there and waited for room for the rest, and four processes holding a shard or two
+    each held all the room: every one stalled until the 120 s timeout. Now a reader that finds
+    no room drops its pins and tries again: all four finish key-exact, under the limit."""
+    local, url = small_shards
+    limit = sum(_sizes(local)[:9])
+    want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]
+    peak = _Peak(tmp_path / "shared")
+    try:
+        outs = _jobs(url, tmp_path / "shared", limit, 4, tmp_path)
+    finally:
+        most = peak.stop()
+    assert [o.get("error") for o in outs] == [None] * 4
+    assert all(o["keys"] == want for o in outs)
+    assert 0 < most <= limit, (most, limit)

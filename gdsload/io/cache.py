@@ -116,6 +116,8 @@ class ShardCache:
         self._fs: Any = None
         self._user_fd: int | None = None  # this process's entry in users/ (see `check_limit`)
         self._user_name = ""
+        self._need = 0  # what its window needs (bytes), as registered
+        self._wanted: list[str] = []  # the shards it last said it needs next (`_publish_wanted`)
         self._lock = threading.RLock()  # pins, schedule, stats; also serialises space reservations
         self._changed = threading.Condition(self._lock)  # a pin was released, the cursor moved
         self._miss = threading.Lock()  # one reader at a time assembles a batch with missing shards
@@ -185,7 +187,13 @@ class ShardCache:
     def _users(self) -> list[int]:
         """The needs (bytes) of the other live processes registered in the folder; entries of
         dead ones are removed. Call with the space lock held."""
-        needs = []
+        return [need for need, _ in self._others()]
+
+    def _others(self) -> list[tuple[int, set[str]]]:
+        """Per other live process registered in the folder: its need (bytes) and the shards (by
+        SHA-256) it says it needs next; entries of dead ones are removed. An entry is the need on
+        its first line, then one SHA-256 a line (`_publish_wanted`)."""
+        needs: list[tuple[int, set[str]]] = []
         users = self.folder / "users"
         try:
             entries = list(os.scandir(users))
@@ -202,8 +210,9 @@ class ShardCache:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except OSError:  # held: a live process
+                    lines = os.pread(fd, 1 << 20, 0).decode(errors="replace").split("\n")
                     try:
-                        needs.append(int(os.pread(fd, 64, 0).decode() or 0))
+                        needs.append((int(lines[0] or 0), {x for x in lines[1:] if len(x) == 64}))
                     except ValueError:
                         pass
                     continue
@@ -212,10 +221,36 @@ class ShardCache:
                 os.close(fd)
         return needs
 
+    def _publish_wanted(self) -> None:
+        """Write to this process's entry the shards it needs next, in order of next use, as many
+        as its need (bytes) holds: other processes evict those last (they may still, for room
+        the batch they read needs). Without it each process evicted by its own plan, which is
+        the others' next shards when one runs ahead (four processes fetched 5x the shards).
+        Call with the lock held."""
+        if self._user_fd is None:
+            return
+        c = self._cursor
+        ahead = sorted((s for s in self._upcoming if self._next_use(s, c) != _NEVER),
+                       key=lambda s: self._next_use(s, c))
+        wanted, total = [], 0
+        for sh in ahead:
+            total += self.shards[sh]["bytes"]
+            if total > self._need:
+                break
+            wanted.append(self.shards[sh]["sha256"])
+        if wanted == self._wanted:
+            return
+        self._wanted = wanted
+        data = "\n".join([str(self._need), *wanted]).encode()
+        os.pwrite(self._user_fd, data, 0)
+        os.ftruncate(self._user_fd, len(data))
+
     def _register(self, need: int) -> None:
+        self._need = need
         if self._user_fd is not None:  # again (a new epoch, another window): update the need
             os.ftruncate(self._user_fd, 0)
             os.pwrite(self._user_fd, str(need).encode(), 0)
+            self._wanted = []
             return
         users = self.folder / "users"
         users.mkdir(exist_ok=True)
@@ -255,6 +290,7 @@ class ShardCache:
             self._uses = uses
             self._upcoming = sorted(uses, key=lambda s: uses[s][0])
             self._cursor = 0
+            self._publish_wanted()
             self._errors.clear()
             gen = self._generation
             self._threads = [threading.Thread(target=self._read_ahead, args=(gen,), daemon=True,
@@ -275,6 +311,7 @@ class ShardCache:
         low = min(self._open) if self._open else None
         if low is not None and low != self._cursor:
             self._cursor = low
+            self._publish_wanted()
             self._changed.notify_all()
 
     # -- the reader's side ------------------------------------------------------------------------
@@ -292,20 +329,23 @@ class ShardCache:
             # hold, between them, all the room the one downloading needs (seen with 3 readers and
             # room for window + 1 shards: CacheFullError after 120 s). In line, this reader pins
             # its shards one by one; the pins others hold are then only those of batches being
-            # read, which come free.
+            # read, which come free. All or nothing: where one of its shards finds no room, it
+            # drops the pins it took and tries again later. Pinning some while waiting for room
+            # for the rest deadlocked processes sharing a folder: four of them, each holding a
+            # shard or two of its batch, held all the room between them.
             self._unpin(seq)
             with self._miss:
-                for s in shards:
-                    while not self._pin(seq, s):
-                        err = self._errors.get(s)
-                        if isinstance(err, CorruptDataError):
-                            self.release(seq)
-                            raise err
-                        try:
-                            self._download(s, foreground=True)
-                        except BaseException:
-                            self.release(seq)
-                            raise
+                deadline = time.monotonic() + self.wait_timeout_s
+                while not self._pin_all(seq, shards):
+                    self._unpin(seq)
+                    if time.monotonic() > deadline:
+                        self.release(seq)
+                        raise CacheFullError(
+                            f"no room in the shard cache {self.folder} (limit {_human(self.limit_bytes)}) for "
+                            f"the shards of one batch after {self.wait_timeout_s:.0f} s: the shards there "
+                            f"are in use (by this or other processes); raise cache_limit")
+                    with self._lock:
+                        self._changed.wait(0.05)  # pins of this process come free; others' by polling
             wait = time.perf_counter() - t0
         with self._lock:
             self._stats["hits"] += len(shards) - len(missing)
@@ -314,6 +354,25 @@ class ShardCache:
                 self._stats["fetch_wait_s"] += wait
         return {s: self.path(s) for s in shards}
 
+    def _pin_all(self, seq: int, shards: Sequence[int]) -> bool:
+        """Pin every one of `shards` for batch `seq`, downloading the missing ones; False (some
+        pinned) where one finds no room now."""
+        for s in shards:
+            if self._pin(seq, s):
+                continue
+            err = self._errors.get(s)
+            if isinstance(err, CorruptDataError):
+                self.release(seq)
+                raise err
+            try:
+                done = self._try_download(s, foreground=True)
+            except BaseException:
+                self.release(seq)
+                raise
+            if done is None or not self._pin(seq, s):  # no room, or evicted since it arrived
+                return False
+        return True
+
     def release(self, seq: int) -> None:
         """Batch `seq` has finished reading: unpin its shards."""
         with self._lock:
@@ -321,8 +380,9 @@ class ShardCache:
                 self._drop_pin(s)
             if self._open:
                 self._move_cursor()
-            else:
-                self._cursor = max(self._cursor, seq + 1)
+            elif seq + 1 > self._cursor:
+                self._cursor = seq + 1
+                self._publish_wanted()
             self._changed.notify_all()
 
     def _unpin(self, seq: int) -> None:
@@ -607,13 +667,15 @@ class ShardCache:
         c = self._cursor
         mine = self._next_use(shard, c)
         by_sha = {s["sha256"]: i for i, s in enumerate(self.shards)}
+        wanted = set().union(*(w for _, w in self._others()))  # by other processes, next
         def key(name: str) -> float:
             i = by_sha.get(name[: -len(".tar")])
             return _NEVER if i is None else self._next_use(i, c)
-        for name in sorted(complete, key=key, reverse=True):
+        # those no other process needs next first, each group furthest next use (ours) first
+        for name in sorted(complete, key=lambda n: (n[: -len(".tar")] not in wanted, key(n)), reverse=True):
             nxt = key(name)
-            if not foreground and nxt <= mine:
-                break
+            if not foreground and (nxt <= mine or name[: -len(".tar")] in wanted):
+                continue
             i = by_sha.get(name[: -len(".tar")])
             if i is not None and i in self._pins:
                 continue
