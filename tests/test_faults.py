@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
+from faultproxy import FaultProxy, routed_through
 
 from gdsload.convert.engine import ConvertOptions, convert
-from gdsload.errors import CorruptDataError, StorageError
 from gdsload.dataset.sharded import ShardedDataset
+from gdsload.errors import CorruptDataError, StorageError
 from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
-
-from faultproxy import FaultProxy, routed_through
 
 BUCKET = "gdsload-faults"
 REPO = Path(__file__).resolve().parents[1]
