@@ -151,14 +151,13 @@ class Epoch:
             self.cursor.end(self, self.epoch)  # the next pass is the next epoch
             self.close()
             raise StopIteration
-        w0 = self.ring.stats()["wait_s"]
+        t0 = time.perf_counter()
         try:
             slot = self.ring.get(self.next_seq)
         except BaseException:
             self.close()
             raise
-        rs = self.ring.stats()
-        self.times.add("wait", rs["wait_s"] - w0)
+        self.times.add("wait", time.perf_counter() - t0)
         self.next_seq += 1
         self.handed = slot
         self._consumer = threading.get_ident()
@@ -166,6 +165,7 @@ class Epoch:
         if streams is not None:  # the consumer's stream waits for the batch's copies (GPU-side)
             streams.consumer_wait(slot.meta["batch"].ready)
         if self.tuner is not None:
+            rs = self.ring.stats()
             action = self.tuner.observe(time.perf_counter(), rs["wait_s"], rs["producer_wait_s"])
             if action is not None:
                 self._tune(action)
