@@ -81,13 +81,13 @@ class PartCaches:
     in `acquire`'s answer. Each cache keeps its own limit, folder and read-ahead."""
 
     def __init__(self, source: Source, on_release: Callable[[str], None] | None = None):
-        from gdsload.io.cache import ShardCache
-
         self._parts: list[tuple[int, int, Any]] = []  # (first global shard, shard count, cache)
         first = 0
         for part in source.parts:
             n = len(part.shards.shards)
-            if part.cache_dir is not None:
+            if part.cache_dir is not None:  # (io.cache imported only here: a local dataset never needs it)
+                from gdsload.io.cache import ShardCache
+
                 sh = part.shards
                 self._parts.append((first, n, ShardCache(sh.root, sh.shards, part.cache_dir, part.cache_limit,
                                                          on_release=on_release)))

@@ -25,15 +25,14 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from gdsload.errors import GdsloadError, StorageError
 from gdsload.io.base import PooledBackend, PAGE, Extent, ReadGroup, check_request, coalesce, gather, short_read
 
-if TYPE_CHECKING:
-    from gdsload.io.table import ExtentTable
+from gdsload.io.table import ExtentTable, check_table, group_table
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -145,8 +144,6 @@ class PosixBackend(PooledBackend):
         read in the calling thread, one `preadv` per group (callers such as the loader already
         read from several threads; a pool hand-off per group would cost more than it saves).
         Pieces that are adjacent in the file and in `out` share one iovec."""
-        from gdsload.io.table import check_table
-
         if not isinstance(out, np.ndarray) or out.ndim != 1 or out.dtype != np.uint8 or not (
                 out.flags.c_contiguous and out.flags.writeable):
             raise GdsloadError("out must be a writeable 1-D C-contiguous uint8 NumPy array (host memory)")
@@ -163,8 +160,6 @@ class PosixBackend(PooledBackend):
         return done
 
     def _read_sorted(self, table: "ExtentTable", out: np.ndarray) -> int:
-        from gdsload.io.table import group_table
-
         order, starts = group_table(table, max_gap=self.max_gap)
         if not len(order):
             return 0

@@ -22,8 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from gdsload.dataset.verify import BatchChecks, check_crcs, label
 from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
+from gdsload.io.base import Extent
+from gdsload.io.table import ExtentTable, read_table
 from gdsload.frontend import fields as _fieldkinds
 from gdsload.loader.assemble import BatchInfo
 from gdsload.loader.gather import distinct
@@ -70,8 +73,6 @@ class SlotFiller:
         return self._fill_planned(slot, seq, ids, reads)
 
     def _fill_planned(self, slot, seq: int, ids: np.ndarray, reads) -> None:
-        from gdsload.dataset.verify import check_crcs
-        from gdsload.io.table import ExtentTable, read_table
 
         R = self.res
         bufs = slot.buffers
@@ -146,8 +147,6 @@ class SlotFiller:
     def _host_values(self, reads, staging, info: BatchInfo, to_host: bool, bufs) -> None:
         """The planned batch's labels, host copies of `.npy` rows to the device, and per-sample
         values of list fields (bytes, text, json, ragged)."""
-        from gdsload.dataset.verify import label
-
         streams = self.res.streams
         names = reads.names
         n = reads.n
@@ -176,8 +175,6 @@ class SlotFiller:
 
     def _fill_members(self, slot, seq: int, ids: np.ndarray) -> None:
         """`_fill` one member at a time: `.npy` headers read and checked per sample."""
-        from gdsload.io import Extent
-        from gdsload.dataset.verify import BatchChecks, label
 
         R = self.res
         fields = self.layout.fields
