@@ -33,7 +33,8 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-limit", metavar="SIZE", type=parse_size, default="50GB",
                    help="shard cache size limit (default 50GB)")
     s.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
-                   help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces)")
+                   help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces; "
+                        "unix:PATH for clients on this host)")
     s.add_argument("--token-file", metavar="PATH", help="require 'authorization: Bearer TOKEN' (token in PATH)")
     s.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (TLS)")
     s.add_argument("--tls-key", metavar="PEM", help="server private key (TLS)")

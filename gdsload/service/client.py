@@ -62,7 +62,7 @@ from gdsload.frontend.usercode import MapStage
 from gdsload.service import mixwire, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
-from gdsload.service.link import _Link
+from gdsload.service.link import _Link, check_address, is_dns
 from gdsload.service.receiver import _RemoteEpoch
 from gdsload.v1 import feed_pb2 as pb
 
@@ -72,8 +72,17 @@ __all__ = ["RemoteLoader"]
 class RemoteLoader(ProcessLocal, PlanCursor):
     """Batches of a dataset served by `gdsload serve`, as the local `DataLoader` would make them.
 
-    `address`: "HOST:PORT" or a list of them; rank r starts on address ``r % len`` and fails
-    over to the next one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
+    `address`: "HOST:PORT", "[IPv6]:PORT", "unix:PATH" (a server on this host:
+    `gdsload serve --listen unix:PATH`), "dns:///NAME:PORT" (every address NAME resolves to, e.g.
+    a Kubernetes headless service; resolved by gdsload every `resolve_interval_s`, TLS checks
+    NAME), or a list of them. With several addresses or a `dns:///` name the loader stripes
+    (`stripe`, default on then): it pulls its batches from every healthy server at once, in
+    blocks of `stripe_batches` consecutive batches (block b on the b-th server, stolen by an idle
+    one), at most `server_window` requests in flight per server, and hands them out in plan order
+    (see `gdsload.service.receiver._StripedReceiver`); a request silent for `stall_timeout_s` is
+    cancelled and asked of another server. With one plain address, or `stripe=False`, it reads
+    from one server at a time: rank r starts on address ``r % len`` and fails over to the next
+    one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
     `drop_last`, `seed`, `rank`, `world_size` (default: from `torch.distributed` when initialised,
     else 0 and 1), `shuffle_window`, `decode` (decode images on the server; False: encoded
     bytes), `transform` (an `ImageTransform`; None: the default training transform, as locally),
@@ -141,10 +150,30 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         keepalive: Keepalive | None = None,
         map: Any = None,
         collate_fn: Any = None,
+        stripe: bool | None = None,
+        stripe_batches: int = 4,
+        server_window: int = 2,
+        stall_timeout_s: float = 5.0,
+        resolve_interval_s: float = 5.0,
     ):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
+        for a in addresses:
+            check_address(a)
+        if stripe is None:
+            stripe = len(addresses) > 1 or any(is_dns(a) for a in addresses)
+        if stripe_batches < 1 or server_window < 1:
+            raise GdsloadError(f"stripe_batches and server_window must be >= 1, got {stripe_batches} "
+                               f"and {server_window}")
+        for name, value in (("stall_timeout_s", stall_timeout_s), ("resolve_interval_s", resolve_interval_s)):
+            if not value > 0:
+                raise GdsloadError(f"{name} must be > 0 seconds, got {value!r}")
+        self.striped = bool(stripe)
+        self.stripe_batches = int(stripe_batches)
+        self.server_window = int(server_window)
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.resolve_interval_s = float(resolve_interval_s)
         if not isinstance(dataset, Mix) and (not isinstance(dataset, str) or not dataset):
             raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of "
                                f"served names), got {dataset!r}")
@@ -299,8 +328,18 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return ep
 
     def stats(self) -> dict[str, Any]:
-        """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address."""
-        return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address())
+        """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address (the
+        one unary calls and an unstriped stream use), and `servers`: per server address (each
+        address a `dns:///` name resolved to), since the loader was made: `batches` and `bytes`
+        it delivered (first copies only), `in_flight` (batches asked of it and not received yet),
+        `wait_s` (time the plan-order head waited for a batch in flight there; unstriped: the
+        caller's waits while it was the address in use), `failures` (failed calls and probes),
+        `stalls` (requests cancelled after `stall_timeout_s` of silence), `duplicates` (batches
+        it sent that had arrived from another server already, dropped), `state` (new, ok,
+        suspect: stalled, down: failing, refused: another dataset version or cannot serve this
+        request, gone: no longer resolved)."""
+        return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address(),
+                    servers=self._link.server_stats())
 
     def close(self) -> None:
         self._enter_process()

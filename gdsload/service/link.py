@@ -9,11 +9,13 @@ Nothing here refers to a loader or an epoch, so a thread holding a `_Link` keeps
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from gdsload.errors import require
+from gdsload.errors import GdsloadError, require
 from gdsload.host.forksafe import ProcessLocal
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
@@ -52,17 +54,31 @@ class _Channels:
         self._stubs: dict[str, tuple[grpc.Channel, _FeedStub]] = {}
         self._lock = threading.Lock()
 
-    def stub(self, address: str) -> _FeedStub:
+    def stub(self, address: str, tls_name: str | None = None) -> _FeedStub:
+        """The stub of `address`; `tls_name`: the name its TLS certificate is checked against when
+        it is not the address itself (an address resolved from a `dns:///` name), unless the
+        loader's `tls_server_name` overrides it for every address."""
         with self._lock:
             entry = self._stubs.get(address)
             if entry is None:
+                options = self._options
+                if (self._credentials is not None and tls_name
+                        and not any(k == "grpc.ssl_target_name_override" for k, _ in options)):
+                    options = [*options, ("grpc.ssl_target_name_override", tls_name)]
                 if self._credentials is not None:
-                    channel = grpc.secure_channel(address, self._credentials, options=self._options)
+                    channel = grpc.secure_channel(address, self._credentials, options=options)
                 else:
-                    channel = grpc.insecure_channel(address, options=self._options)
+                    channel = grpc.insecure_channel(address, options=options)
                 entry = (channel, _FeedStub(channel))
                 self._stubs[address] = entry
             return entry[1]
+
+    def drop(self, address: str) -> None:
+        """Close the channel of an address that left (a `dns:///` name no longer resolves to it)."""
+        with self._lock:
+            entry = self._stubs.pop(address, None)
+        if entry is not None:
+            entry[0].close()
 
     def close(self) -> None:
         with self._lock:
@@ -70,6 +86,64 @@ class _Channels:
                 channel.close()
             self._stubs = {}
 
+
+
+# -- addresses -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Endpoint:
+    """One server to open a channel to: `target` as grpc takes it ("10.0.0.7:50051", "[::1]:50051",
+    "unix:/run/feed.sock"), `tls_name` the host its certificate is checked against when that is
+    not the target (addresses resolved from a `dns:///` name), `source` the address it came from."""
+
+    target: str
+    tls_name: str | None = None
+    source: str = ""
+
+
+def check_address(address: str) -> None:
+    """Refuse what is neither `HOST:PORT`, `[IPv6]:PORT`, `unix:PATH` nor `dns:///HOST:PORT`."""
+    if not isinstance(address, str) or not address:
+        raise GdsloadError(f"an address must be a non-empty string, got {address!r}")
+    if address.startswith("unix:"):
+        if not address[len("unix:"):].lstrip("/"):
+            raise GdsloadError(f"address {address!r}: a unix: address needs a socket path (unix:/run/feed.sock)")
+        return
+    if address.startswith("unix-abstract:"):
+        return
+    rest = address
+    if address.startswith("dns:"):
+        rest = address[len("dns:"):]
+        if rest.startswith("//"):  # dns://AUTHORITY/HOST:PORT: the authority (a DNS server) is not used
+            rest = rest[2:].partition("/")[2]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise GdsloadError(f"address {address!r} must be HOST:PORT, [IPv6]:PORT, unix:PATH or "
+                           f"dns:///HOST:PORT (e.g. 127.0.0.1:50051, dns:///feed.ns.svc:50051)")
+
+
+def is_dns(address: str) -> bool:
+    return address.startswith("dns:")
+
+
+def resolve(address: str) -> list[Endpoint]:
+    """The endpoints of one address: itself, or for `dns:///HOST:PORT` one per address the system
+    resolver returns for HOST (IPv4 and IPv6, in the resolver's order, without repeats). Raises
+    OSError when the name does not resolve."""
+    if not is_dns(address):
+        return [Endpoint(address, None, address)]
+    rest = address[len("dns:"):]
+    if rest.startswith("//"):
+        rest = rest[2:].partition("/")[2]
+    host, _, port = rest.rpartition(":")
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    out: list[Endpoint] = []
+    for family, _, _, _, sockaddr in socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM):
+        ip = sockaddr[0]
+        target = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        ep = Endpoint(target, name, address)
+        if ep not in out:
+            out.append(ep)
+    return out
 
 
 class _Retry(Exception):
@@ -85,7 +159,7 @@ class _Link(ProcessLocal):
     channels, lock and random generator are per process (`ProcessLocal`; the loader checks).
     """
 
-    _PROCESS_LOCAL = ("channels", "_lock", "_rng")
+    _PROCESS_LOCAL = ("channels", "_lock", "_rng", "servers")
 
     def __init__(self, addresses: list[str], index: int, channel_args: tuple, call_metadata: Any, *,
                  dataset: str, deadline_s: float, stream_deadline_s: float, retry_timeout_s: float,
@@ -108,6 +182,27 @@ class _Link(ProcessLocal):
         self.channels = _Channels(*self.channel_args)
         self._lock = threading.Lock()
         self._rng = random.Random()
+        self.servers: dict[str, dict[str, Any]] = {}  # per address: stats()["servers"]
+
+    def bump(self, address: str, **add: float) -> None:
+        """Add to the counters of `address` (batches, bytes, wait_s, failures, stalls, duplicates)."""
+        with self._lock:
+            row = self.servers.get(address)
+            if row is None:
+                row = self.servers[address] = {"batches": 0, "bytes": 0, "in_flight": 0, "wait_s": 0.0,
+                                               "failures": 0, "stalls": 0, "duplicates": 0, "state": "new"}
+            for key, value in add.items():
+                row[key] += value
+
+    def mark(self, address: str, **values: Any) -> None:
+        """Set fields of the row of `address` (state, in_flight)."""
+        self.bump(address)
+        with self._lock:
+            self.servers[address].update(values)
+
+    def server_stats(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {a: dict(row) for a, row in self.servers.items()}
 
     def address(self) -> str:
         with self._lock:
@@ -160,6 +255,7 @@ class _Link(ProcessLocal):
                 call = getattr(self.channels.stub(address), method)
                 return call(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
+                self.bump(address, failures=1)
                 if status.is_elsewhere(err):
                     corrupt.add(address)
                     if corrupt.issuperset(self.addresses):

@@ -641,7 +641,15 @@ def create_server(
     `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
-    host, listen_port = split_address(address, "--listen")
+    unix = address.startswith("unix:")
+    if unix:  # a unix socket for clients on this host (RemoteLoader("unix:PATH")): no port, no TCP
+        path = address[len("unix:"):]
+        path = "/" + path.lstrip("/") if path.startswith("//") else path
+        if not path:
+            raise GdsloadError(f"--listen {address!r}: a unix: address needs a socket path (unix:/run/feed.sock)")
+        host, listen_port = "127.0.0.1", 0  # what metrics bind to by default
+    else:
+        host, listen_port = split_address(address, "--listen")
     for name, value in (("--workers", workers), ("--prefetch", prefetch), ("--decode-threads", decode_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise GdsloadError(f"{name} must be an integer >= 1, got {value!r}")
@@ -697,8 +705,10 @@ def create_server(
     except RuntimeError:
         port = 0
     if not port:
-        raise GdsloadError(f"cannot listen on {address}: {_bind_problem(host, listen_port)}")
-    fs = FeedServer(server, servicer, health_servicer, metrics, port=port, address=f"{host}:{port}",
+        problem = "gRPC refused the socket path" if unix else _bind_problem(host, listen_port)
+        raise GdsloadError(f"cannot listen on {address}: {problem}")
+    fs = FeedServer(server, servicer, health_servicer, metrics, port=port,
+                    address=address if unix else f"{host}:{port}",
                     metrics_port=metrics_port, metrics_address=metrics_address, grace_s=grace_s,
                     logger=log)
     return fs, port
