@@ -240,7 +240,7 @@ def _span(values: list[float]) -> dict:
 
 
 def _plan_keys(ds_path: Path, batch_size: int, epoch: int = 0) -> list[str]:
-    from gdsload.loader import DataLoader, Dataset
+    from gdsload.loader.dataloader import DataLoader, Dataset
 
     dl = DataLoader(Dataset(str(ds_path)), batch_size=batch_size, shuffle=True, seed=0, device="cpu",
                     output="numpy", decode=False)
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.decode.image import ImageTransform
-    from gdsload.loader import Dataset
+    from gdsload.loader.dataloader import Dataset
     from gdsload.sampledata import make_image_folder
     from gdsload.service.client import RemoteLoader
 

@@ -14,16 +14,13 @@ import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from gdsload.service import status, wire
 from gdsload.service.link import _Attempts, _Link, _Retry, resolve
 from gdsload.v1 import feed_pb2 as pb
-
-if TYPE_CHECKING:
-    from gdsload.service.client import RemoteLoader
 
 class _Receiver:
     """The receiving half of one epoch, run by its thread: streams from the link's servers,
@@ -180,7 +177,7 @@ class _RemoteEpoch:
     """One pass, the consumer's side: `__next__` hands out what the receiver thread queued and
     moves the loader's cursor. Dropping it (or its loader) cancels the receiver's stream."""
 
-    def __init__(self, loader: RemoteLoader, epoch: int, position: int):
+    def __init__(self, loader: Any, epoch: int, position: int):  # a RemoteLoader (no import: no cycle)
         self.loader = loader
         self.epoch = epoch
         plan = loader.plan
