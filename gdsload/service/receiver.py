@@ -22,6 +22,7 @@ from gdsload.service import status, wire
 from gdsload.service.link import _Attempts, _Link, _Retry, resolve
 from gdsload.v1 import feed_pb2 as pb
 
+
 class _Receiver:
     """The receiving half of one epoch, run by its thread: streams from the link's servers,
     assembles batches and queues them (at most `prefetch`), resuming after each failure from the
