@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from gdsload.dataset.mix import Mix
 from gdsload.errors import GdsloadError
+from gdsload.dataset.mix import Mix
 from gdsload.plan.mix import MixSpec
 from gdsload.service.status import BadRequest, DatasetChanged
 from gdsload.v1 import feed_pb2 as pb

@@ -30,26 +30,13 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from gdsload.errors import (  # noqa: F401 (re-exported: defined in errors.py)
-    BadRequest,
-    DatasetChanged,
-    DecodeError,
-    FormatError,
-    GdsloadError,
-    MissingDependencyError,
-    OverLimit,
-    RemoteError,
-    ServiceError,
-    StorageError,
-    Unauthenticated,
-    Unavailable,
-    UnknownDataset,
-    require,
-)
+from gdsload.errors import DecodeError, ServiceError, UnknownDataset, BadRequest, OverLimit, DatasetChanged, Unavailable, Unauthenticated, RemoteError  # noqa: F401 (re-exported: defined in errors.py)
+from gdsload.errors import FormatError, GdsloadError, MissingDependencyError, StorageError, require
 
 require("grpc", extra="serve", purpose="the remote feed (gdsload serve, RemoteLoader)")
 
 import grpc
+
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownDataset, grpc.StatusCode.NOT_FOUND),

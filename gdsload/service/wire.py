@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.decode.image import ImageTransform
 from gdsload.errors import ProtocolError  # noqa: F401 (re-exported: defined in errors.py)
+from gdsload.decode.image import ImageTransform
 from gdsload.frontend.fields import BytesColumn, to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
 from gdsload.service.status import BadRequest, OverLimit
