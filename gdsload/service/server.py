@@ -9,7 +9,10 @@ cursor with every request, so a restarted server, or another one, continues any 
 
 Concurrency: one gRPC worker thread per stream (up to `Limits.max_streams`, more get UNAVAILABLE),
 each with its own loader (`workers` reader threads, a ring of `prefetch + 1` batches); the opened
-datasets are shared (see `gdsload.service.catalog`).
+datasets are shared (see `gdsload.service.catalog`), and so is image decoding: the loaders of all
+decoding streams hand their batches to one `gdsload.service.pool.DecodePool` (`decode_pool`
+workers, DALI pipelines with a thread per core, streams served in turn) instead of each building a
+pipeline of its own (`decode_pool=0`). Reading stays per stream.
 
 Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
 hold (`FeedServicer.stream_memory`: the ring's slots sized from the index's largest members, the
@@ -135,13 +138,15 @@ class FeedServicer(pb_grpc.FeedServicer):
     """The Feed service. Errors go through `gdsload.service.status` (the one mapping)."""
 
     def __init__(self, catalog: Catalog, limits: Limits, metrics: Metrics, *, workers: int = 2,
-                 prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None):
+                 prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None,
+                 decode_pool: Any = None):
         self.catalog = catalog
         self.limits = limits
         self.metrics = metrics
         self.workers = workers
         self.prefetch = prefetch
         self.decode_threads = decode_threads
+        self.pool = decode_pool  # gdsload.service.pool.DecodePool, or None: a pipeline per stream
         self.log = logger or logging.getLogger(LOGGER)
         self.draining = threading.Event()
         self._lock = threading.Lock()
@@ -414,6 +419,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         t0 = time.perf_counter()
         sent_batches = sent_bytes = 0
         outcome = "ok"
+        pooled = None
         try:
             payload = opts["payload"]
             plan = loader.plan
@@ -423,6 +429,8 @@ class FeedServicer(pb_grpc.FeedServicer):
             event(self.log, "stream_start", peer=_peer(context), dataset=req.dataset, payload=payload,
                   epoch=req.epoch, start_position=req.start_position, rank=loader.plan.rank,
                   world_size=loader.plan.world_size, batch_size=req.batch_size)
+            if payload == "decoded" and self.pool is not None:
+                pooled = self.pool.attach(loader, req.dataset)
             it = iter(loader)
             m_batches = self.metrics.batches.labels(req.dataset, payload)
             m_samples = self.metrics.samples.labels(req.dataset, payload)
@@ -469,11 +477,14 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise
         finally:
             loader.close()
+            if pooled is not None:
+                pooled.detach()
             self._leave(req.dataset, memory)
             el = time.perf_counter() - t0
             event(self.log, "stream_end", peer=_peer(context), dataset=req.dataset, outcome=outcome,
                   batches=sent_batches, bytes=sent_bytes, seconds=round(el, 3),
-                  mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None)
+                  mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None,
+                  decode_queue_s=round(pooled.queue_s, 3) if pooled is not None else None)
 
 
 
@@ -562,6 +573,8 @@ class FeedServer:
             left = max(0.0, grace - (time.monotonic() - t0))
             # What is still open now is not a stream (health watches, unary calls): short grace.
             self.grpc_server.stop(min(left, 1.0)).wait()
+            if self.servicer.pool is not None:
+                self.servicer.pool.close()
             self.metrics.close()
             self._stopped.set()
             event(self.log, "shutdown_done", drained=drained, open_streams=open_streams,
@@ -576,6 +589,8 @@ class FeedServer:
 
         def done() -> None:
             ev.wait()
+            if self.servicer.pool is not None:
+                self.servicer.pool.close()
             self.metrics.close()
             self._stopped.set()
 
@@ -629,6 +644,7 @@ def create_server(
     logger: logging.Logger | None = None,
     cache_dir: str | bool | None = None,
     cache_limit: int | str = "50GB",
+    decode_pool: int = 2,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -639,6 +655,9 @@ def create_server(
     does not expose its metrics to the network). `workers`/`prefetch`/`decode_threads`: per
     stream, as in `DataLoader` (>= 1). `grace_s`: how long `shutdown()` waits for open streams.
     `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
+    `decode_pool`: decode the images of every stream in one pool of this many workers, each
+    pipeline with as many DALI threads as the server has cores, taken by the streams in turn
+    (`gdsload.service.pool`; default 2); 0: a pipeline of `decode_threads` threads per stream.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")
@@ -672,8 +691,18 @@ def create_server(
     log = logger or logging.getLogger(LOGGER)
     catalog = Catalog(roots, cache_dir=cache_dir, cache_limit=cache_limit)
     metrics = Metrics()
+    if isinstance(decode_pool, bool) or not isinstance(decode_pool, int) or decode_pool < 0:
+        raise GdsloadError(f"--decode-pool must be an integer >= 0, got {decode_pool!r}")
+    pool = None
+    if decode_pool:
+        import os
+
+        from gdsload.service.pool import DecodePool
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        pool = DecodePool(workers=decode_pool, threads=cores, metrics=metrics)
     servicer = FeedServicer(catalog, limits, metrics, workers=workers, prefetch=prefetch,
-                            decode_threads=decode_threads, logger=log)
+                            decode_threads=decode_threads, logger=log, decode_pool=pool)
 
     def rejected(method: str, reason: str) -> None:
         metrics.errors.labels("UNAUTHENTICATED").inc()
