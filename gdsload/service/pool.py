@@ -11,7 +11,8 @@ for that transform, built on first use and kept while decoding streams are open.
 Bounds: a pipeline is only ever used by one worker at a time and a loader decodes one batch at a
 time, so at most min(workers, attached streams) pipelines exist: the pool never holds more
 decoders than the open decoding streams have reserved against `--max-memory` (each still
-reserves a decoder's share), and when the last decoding stream detaches the pipelines are closed.
+reserves a decoder's share); when the last decoding stream detaches, the pipelines are kept
+`linger_s` (2 s) for the next stream (a striping client opens one per block), then closed.
 
 Metrics: `gdsload_feed_decode_pool_busy` (workers decoding now), `gdsload_feed_decode_pool_streams`
 (streams attached), `gdsload_feed_decode_queue_seconds{dataset}` (time a batch waited for a
@@ -39,8 +40,9 @@ class _Job:
 
 
 class DecodePool:
-    def __init__(self, *, workers: int, threads: int, metrics: Any = None):
+    def __init__(self, *, workers: int, threads: int, metrics: Any = None, linger_s: float = 2.0):
         self.workers = workers
+        self.linger_s = linger_s
         self.threads = threads
         self.metrics = metrics
         self._cv = threading.Condition()
@@ -79,12 +81,19 @@ class DecodePool:
             if self._queues.pop(sid, None) is None:
                 return
             self._attached -= 1
+            if self._attached == 0:  # release the pipelines unless a stream comes soon (a striping
+                t = threading.Timer(self.linger_s, self._release_if_idle)  # client's next block)
+                t.daemon = True
+                t.start()
+            self._cv.notify_all()
+        self._gauge()
+
+    def _release_if_idle(self) -> None:
+        with self._cv:
             if self._attached == 0:  # nobody decodes: release the pipelines (their memory)
                 for decs in self._free.values():
                     self._built -= len(decs)
                 self._free.clear()
-            self._cv.notify_all()
-        self._gauge()
 
     def submit(self, sid: int, key: tuple, args: dict, encoded, names, dst) -> tuple[list[int], float]:
         """Decode one batch of stream `sid` (blocks); returns the rows kept and the queue time."""
@@ -154,7 +163,7 @@ class DecodePool:
                 if self.metrics is not None:
                     self.metrics.pool_busy.dec()
                 with self._cv:
-                    if dec is None or self._attached == 0:
+                    if dec is None:
                         self._built -= 1
                     else:
                         self._free.setdefault(job.key, []).append(dec)
