@@ -242,6 +242,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
             max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
             max_backoff_s=float(max_backoff_s))
+        self._link.resolve_names = self.striped
         self._plan = None
         self._info: pb.DatasetInfo | None = None
         self._epoch = 0

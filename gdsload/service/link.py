@@ -176,6 +176,7 @@ class _Link(ProcessLocal):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.reconnects = 0
+        self.resolve_names = False  # dns:/// resolved here (striping) rather than by grpc
         self._start_process()
 
     def _init_process_local(self) -> None:
@@ -249,13 +250,30 @@ class _Link(ProcessLocal):
     def unary(self, method: str, request: Any) -> Any:
         attempts = _Attempts(self)
         corrupt: set[str] = set()
+        turn = 0
         while True:
             address = self.address()
+            target, tls_name = address, None
+            if self.resolve_names and is_dns(address):  # as the striped receiver resolves it
+                why = f"{address} resolves to no address"
+                try:
+                    eps = resolve(address)
+                except OSError as exc:
+                    eps, why = [], f"cannot resolve {address}: {exc}"
+                if not eps:
+                    attempts.fail()
+                    if attempts.spent():
+                        raise self.gave_up(attempts, why, address, resume=False) from None
+                    time.sleep(attempts.delay())
+                    continue
+                ep = eps[turn % len(eps)]
+                target, tls_name = ep.target, ep.tls_name
             try:
-                call = getattr(self.channels.stub(address), method)
+                call = getattr(self.channels.stub(target, tls_name), method)
                 return call(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                self.bump(address, failures=1)
+                turn += 1
+                self.bump(target, failures=1)
                 if status.is_elsewhere(err):
                     corrupt.add(address)
                     if corrupt.issuperset(self.addresses):

@@ -216,3 +216,50 @@ def test_another_dataset_version_is_refused(roots, tmp_path):
     finally:
         ours.shutdown(grace_s=1)
         other.shutdown(grace_s=1)
+
+
+def test_dns_name_resolved_again_picks_up_a_server_and_drops_one(roots, monkeypatch):
+    """`dns:///NAME:PORT` is resolved by gdsload every `resolve_interval_s`: an address that appears
+    gets work, one that disappears gets none. No DNS server here, so the system resolver's answer
+    for the test name is what changes (the servers are real; both listen on loopback addresses)."""
+    import socket
+
+    from gdsload.service import link
+
+    port = free_port()
+    first, _ = create_server([str(roots)], address=f"127.0.0.1:{port}", max_message_bytes=64 * 1024)
+    second, _ = create_server([str(roots)], address=f"127.0.0.2:{port}", max_message_bytes=64 * 1024)
+    first.start()
+    second.start()
+    answer = ["127.0.0.1"]
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kw):
+        if host == "feed.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answer]
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(link.socket, "getaddrinfo", getaddrinfo)
+    try:
+        loader = _loader([f"dns:///feed.test:{port}"], resolve_interval_s=0.2)
+        it = iter(loader)
+        keys = [k for _ in range(8) for k in next(it)["__key__"]]
+        answer[:] = ["127.0.0.1", "127.0.0.2"]  # a pod joins the headless service
+        for _ in range(28):
+            keys += next(it)["__key__"]
+            time.sleep(0.02)
+        servers = loader.stats()["servers"]
+        assert servers[f"127.0.0.2:{port}"]["batches"] > 0
+        answer[:] = ["127.0.0.2"]  # the first one leaves
+        time.sleep(0.5)
+        before = loader.stats()["servers"][f"127.0.0.1:{port}"]["batches"]
+        for batch in it:
+            keys += batch["__key__"]
+        servers = loader.stats()["servers"]
+        assert servers[f"127.0.0.1:{port}"]["state"] == "gone"
+        assert servers[f"127.0.0.1:{port}"]["batches"] <= before + 2  # at most what was in flight
+        assert keys == _expected(roots / "feats")
+        loader.close()
+    finally:
+        first.shutdown(grace_s=1)
+        second.shutdown(grace_s=1)
