@@ -151,7 +151,12 @@ class FeedServicer(pb_grpc.FeedServicer):
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self._active = 0
-        self._reserved = 0  # bytes of limits.max_memory_bytes held by open streams
+        self._reserved = 0  # bytes of limits.max_memory_bytes held by open streams (and parked loaders)
+        # (key, loader, memory, parked at): loaders of finished streams kept for the next stream of
+        # the same request (a striping client asks for one block of batches per stream)
+        self._warm: list[tuple] = []
+        self.warm_loaders = 8
+        self.warm_hits = 0
         self._idle = threading.Condition(self._lock)
 
     # -- the one place where exceptions become statuses ----------------------------------------
@@ -199,8 +204,8 @@ class FeedServicer(pb_grpc.FeedServicer):
     @_unary
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         L = self.limits
-        with self._lock:
-            active, reserved = self._active, self._reserved
+        with self._lock:  # parked loaders are not open streams (and give way to any new one)
+            active, reserved = self._active, self._reserved - sum(w[2] for w in self._warm)
         return pb.ServerInfo(
             version=__version__, protocol_version=PROTOCOL_VERSION,
             max_message_bytes=L.max_message_bytes, max_batch_size=L.max_batch_size,
@@ -288,14 +293,18 @@ class FeedServicer(pb_grpc.FeedServicer):
         if media:
             images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
             transform = {**media, **({images[0]: transform} if images and transform is not None else {})}
-        loader = DataLoader(
-            dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
-            num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
-            seed=req.seed, device="cpu", decode=payload == "decoded", transform=transform,
-            rank=req.rank, world_size=req.world_size or 1, shuffle_window=req.shuffle_window or 4,
-            on_error=_ON_ERROR[req.on_error], copy=False, io="auto", output="numpy",
-            decode_threads=self.decode_threads,
-        )
+        key = _warm_key(req, dataset.dataset_id)
+        loader = self._take_warm(key)  # a loader of an earlier stream of the same request, if parked
+        reused = loader is not None
+        if loader is None:
+            loader = DataLoader(
+                dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
+                num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
+                seed=req.seed, device="cpu", decode=payload == "decoded", transform=transform,
+                rank=req.rank, world_size=req.world_size or 1, shuffle_window=req.shuffle_window or 4,
+                on_error=_ON_ERROR[req.on_error], copy=False, io="auto", output="numpy",
+                decode_threads=self.decode_threads,
+            )
         try:
             # the plan's batches from the start, beside the loader's: they name skipped samples;
             # checking start_position here names the request's field in the message
@@ -303,9 +312,53 @@ class FeedServicer(pb_grpc.FeedServicer):
             loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
         except Exception:
             loader.close()
+            if reused:
+                self._release(memory)
             raise
         chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
-        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned}
+        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned,
+                        "key": key, "reused": reused}
+
+    # -- warm loaders: a striping client opens a stream per block of batches ---------------------------
+    def _take_warm(self, key: tuple) -> DataLoader | None:
+        """A parked loader built for the same request (all but the position), or None. It keeps its
+        memory reservation while parked, so the caller does not reserve again."""
+        self._evict_warm(stale_only=True)
+        with self._lock:
+            for i in range(len(self._warm) - 1, -1, -1):
+                if self._warm[i][0] == key:
+                    self.warm_hits += 1
+                    return self._warm.pop(i)[1]
+        return None
+
+    def _park(self, key: tuple, loader: DataLoader, memory: int) -> None:
+        """Keep a loader whose stream ended well for the next stream of the same request, for
+        `WARM_S` at most, `self.warm_loaders` of them (oldest closed first)."""
+        with self._lock:
+            self._warm.append((key, loader, memory, time.monotonic()))
+        self._evict_warm(keep=self.warm_loaders)
+
+    def _evict_warm(self, *, keep: int | None = None, need: int = 0, stale_only: bool = False) -> None:
+        """Close parked loaders: those parked over `WARM_S` ago, those beyond `keep`, or the oldest
+        until `need` more bytes fit in the memory budget; their reservations are released."""
+        out = []
+        with self._lock:
+            now = time.monotonic()
+            while self._warm and (now - self._warm[0][3] > WARM_S
+                                  or (keep is not None and len(self._warm) > keep)
+                                  or (not stale_only and need and self._reserved + need > self.limits.max_memory_bytes)):
+                out.append(self._warm.pop(0))
+        for _, loader, memory, _ in out:
+            loader.close()
+            self._release(memory)
+
+    def _release(self, memory: int) -> None:
+        with self._idle:
+            self._reserved -= memory
+            self._idle.notify_all()
+
+    def close_warm(self) -> None:
+        self._evict_warm(keep=0)
 
     def _mix_order_memory(self, mix, req: pb.BatchRequest) -> int:
         """The bytes building the mix's epoch order takes, refused (RESOURCE_EXHAUSTED) when over
@@ -358,8 +411,13 @@ class FeedServicer(pb_grpc.FeedServicer):
         decoder = _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES if transform is not None else 0
         return (self.prefetch + 1) * slot + decoder + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
-    def _enter(self, dataset: str, memory: int) -> None:
+    def _enter(self, dataset: str, memory: int, *, reserved: bool = False) -> None:
+        """Count a stream in and reserve its `memory` (unless its warm loader holds it: `reserved`)."""
         budget = self.limits.max_memory_bytes
+        if reserved:
+            memory = 0
+        elif self._warm:
+            self._evict_warm(need=memory)  # parked loaders make room for a new stream
         if memory > budget:
             raise OverLimit(
                 f"a stream of this request holds up to {memory} bytes (ring of {self.prefetch + 1} "
@@ -412,14 +470,17 @@ class FeedServicer(pb_grpc.FeedServicer):
         loader, opts = self._open_loader(req)
         memory = opts["memory"]
         try:
-            self._enter(req.dataset, memory)
+            self._enter(req.dataset, memory, reserved=opts["reused"])
         except BaseException:
             loader.close()
+            if opts["reused"]:
+                self._release(memory)
             raise
         t0 = time.perf_counter()
         sent_batches = sent_bytes = 0
         outcome = "ok"
         pooled = None
+        it = None
         try:
             payload = opts["payload"]
             plan = loader.plan
@@ -476,16 +537,36 @@ class FeedServicer(pb_grpc.FeedServicer):
             outcome = to_status(exc)[0].name
             raise
         finally:
-            loader.close()
             if pooled is not None:
                 pooled.detach()
-            self._leave(req.dataset, memory)
+            if outcome == "ok" and self.warm_loaders and not self.draining.is_set() and it is not None:
+                it.close()  # its readers stop; the ring, backends and threads stay for the next stream
+                self._park(opts["key"], loader, memory)
+                self._leave(req.dataset, 0)
+            else:
+                loader.close()
+                self._leave(req.dataset, memory)
             el = time.perf_counter() - t0
             event(self.log, "stream_end", peer=_peer(context), dataset=req.dataset, outcome=outcome,
                   batches=sent_batches, bytes=sent_bytes, seconds=round(el, 3),
                   mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None,
                   decode_queue_s=round(pooled.queue_s, 3) if pooled is not None else None)
 
+
+
+#: How long a parked loader waits for the next stream of its request before it is closed.
+WARM_S = 10.0
+
+
+def _warm_key(req: pb.BatchRequest, dataset_id: str) -> tuple:
+    """What a loader is built from: the request without its position, epoch and stream limits."""
+    r = pb.BatchRequest()
+    r.CopyFrom(req)
+    r.ClearField("start_position")
+    r.ClearField("epoch")
+    r.ClearField("max_batches")
+    r.ClearField("max_chunk_bytes")
+    return (dataset_id, r.SerializeToString(deterministic=True))
 
 
 def _add_feed(servicer: FeedServicer, server: grpc.Server) -> None:
@@ -573,6 +654,7 @@ class FeedServer:
             left = max(0.0, grace - (time.monotonic() - t0))
             # What is still open now is not a stream (health watches, unary calls): short grace.
             self.grpc_server.stop(min(left, 1.0)).wait()
+            self.servicer.close_warm()
             if self.servicer.pool is not None:
                 self.servicer.pool.close()
             self.metrics.close()
@@ -589,6 +671,7 @@ class FeedServer:
 
         def done() -> None:
             ev.wait()
+            self.servicer.close_warm()
             if self.servicer.pool is not None:
                 self.servicer.pool.close()
             self.metrics.close()

@@ -40,6 +40,7 @@ def two_nodes(roots, tmp_path):
         copy = tmp_path / node / "feats"
         shutil.copytree(roots / "feats", copy)
         srv, port = create_server([str(copy.parent)], max_message_bytes=64 * 1024)
+        srv.servicer.warm_loaders = 0  # a parked loader keeps its shards open: the fault would go unseen
         srv.start()
         servers.append(srv)
         addresses.append(f"127.0.0.1:{port}")

@@ -23,6 +23,7 @@ from gdsload.service.server import create_server
 
 BATCH = 4  # 64 steps of the 256 samples of root/feats
 SEED = 5
+TRIO: list = []  # the servers of the `trio` fixture
 
 
 def _expected(path, **kw) -> list[str]:
@@ -47,6 +48,7 @@ def trio(roots):
         srv, port = create_server([str(roots)], max_message_bytes=64 * 1024)
         srv.start()
         servers.append((srv, f"127.0.0.1:{port}"))
+    TRIO[:] = [srv for srv, _ in servers]
     yield [a for _, a in servers]
     for srv, _ in servers:
         srv.shutdown(grace_s=1)
@@ -67,6 +69,9 @@ def test_striped_batches_equal_the_local_loaders(trio, roots, rank, world, block
     assert sum(s["bytes"] for s in servers.values()) == loader.stats()["bytes"]
     assert loader.epoch == 1 and list(loader) != []  # the next epoch runs too
     loader.close()
+    # a stream per block: the servers park a finished stream's loader for the next block
+    assert sum(srv.servicer.warm_hits for srv in TRIO) > 0
+    assert all(srv.servicer.active_streams() == 0 for srv in TRIO)
 
 
 def test_resume_from_a_state_taken_mid_stripe(trio, roots):
