@@ -99,6 +99,8 @@ class DecodePool:
         """Decode one batch of stream `sid` (blocks); returns the rows kept and the queue time."""
         job = _Job(key, args, encoded, names, dst)
         with self._cv:
+            if self._closed:
+                raise RuntimeError("the server's decode pool is closed (shutting down)")
             q = self._queues[sid]
             q.append(job)
             if sid not in self._turns:
@@ -110,9 +112,16 @@ class DecodePool:
         return job.result, job.waited
 
     def close(self) -> None:
+        """Stop the workers; batches still queued fail (their streams are ending anyway)."""
         with self._cv:
             self._closed = True
+            waiting = [job for q in self._queues.values() for job in q]
+            for q in self._queues.values():
+                q.clear()
             self._cv.notify_all()
+        for job in waiting:
+            job.error = RuntimeError("the server's decode pool is closed (shutting down)")
+            job.done.set()
 
     # -- workers -------------------------------------------------------------------------------------
     def _take(self) -> tuple[_Job, Any] | None:

@@ -727,7 +727,7 @@ def create_server(
     logger: logging.Logger | None = None,
     cache_dir: str | bool | None = None,
     cache_limit: int | str = "50GB",
-    decode_pool: int = 2,
+    decode_pool: int = 0,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -740,7 +740,7 @@ def create_server(
     `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
     `decode_pool`: decode the images of every stream in one pool of this many workers, each
     pipeline with as many DALI threads as the server has cores, taken by the streams in turn
-    (`gdsload.service.pool`; default 2); 0: a pipeline of `decode_threads` threads per stream.
+    (`gdsload.service.pool`); 0 (default): a pipeline of `decode_threads` threads per stream.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")
