@@ -48,13 +48,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(root: Path, port: int, log: Path) -> subprocess.Popen:
+def _start_server(root: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with open(log, "ab") as err:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "gdsload.service", str(root), "--listen",
-                                 f"127.0.0.1:{port}", "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=err)
+                                 f"127.0.0.1:{port}", "--log-level", "WARNING", *extra],
+                                stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 60
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workdir", default=None, help="keep data here (default: a temp dir)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode-pool", type=int, default=None,
+                    help="the server's --decode-pool (default: the server's default; 0: a pipeline per stream)")
     ap.add_argument("--tiny", action="store_true", help="48 small images, 1 round: a smoke run")
     a = ap.parse_args(argv)
     if a.tiny:
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     eval_tf = ImageTransform(size=224, train=False, resize=256)
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    server = _start_server(root, port, work / "server.log")
+    extra = ("--decode-pool", str(a.decode_pool)) if a.decode_pool is not None else ()
+    server = _start_server(root, port, work / "server.log", *extra)
     consumers = [int(c) for c in a.consumers.split(",")]
     B = a.batch_size
 
@@ -215,7 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
         "dataset": {"images": n, "bytes": dataset.shards.manifest["num_bytes"], "shards": len(dataset.shards.shards)},
         "settings": {"batch_size": B, "raw_epochs": a.raw_epochs, "decoded_images": a.decoded_images,
                      "transform": "eval 224 (resize 256, center crop), float32 NCHW", "rounds": a.rounds,
-                     "server": "python -m gdsload.service, defaults (2 reader threads x 2 prefetch per stream)",
+                     "server": "python -m gdsload.service, defaults (2 reader threads x 2 prefetch per stream)"
+                               + (f", --decode-pool {a.decode_pool}" if a.decode_pool is not None else
+                                  ", default --decode-pool"),
                      "transport": "loopback TCP, insecure, 4 MiB messages"},
         "rows": rows,
         "note": "ratio = remote / local throughput in the same round; CPU s/GB counts the bytes of the "

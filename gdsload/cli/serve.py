@@ -33,7 +33,8 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-limit", metavar="SIZE", type=parse_size, default="50GB",
                    help="shard cache size limit (default 50GB)")
     s.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
-                   help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces)")
+                   help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces; "
+                        "unix:PATH for clients on this host)")
     s.add_argument("--token-file", metavar="PATH", help="require 'authorization: Bearer TOKEN' (token in PATH)")
     s.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (TLS)")
     s.add_argument("--tls-key", metavar="PEM", help="server private key (TLS)")
@@ -54,7 +55,11 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
                         "(UNAVAILABLE, its client retries)")
     s.add_argument("--workers", type=int, default=2, help="reader threads per stream (default 2)")
     s.add_argument("--prefetch", type=int, default=2, help="batches prefetched per reader thread (default 2)")
-    s.add_argument("--decode-threads", type=int, default=2, help="DALI threads per stream (default 2)")
+    s.add_argument("--decode-threads", type=int, default=2, help="DALI threads per stream with --decode-pool 0 (default 2)")
+    s.add_argument("--decode-pool", type=int, default=0, metavar="N",
+                   help="decode every stream's images in one pool of N workers, each pipeline with as many "
+                        "DALI threads as the server has cores, streams served in turn (default 0: a "
+                        "pipeline of --decode-threads per stream)")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)
@@ -108,7 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server, _ = create_server(
         args.roots, address=args.listen, token=token, tls=tls, limits=limits,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
-        prefetch=args.prefetch, decode_threads=args.decode_threads, grace_s=args.grace, logger=log,
+        prefetch=args.prefetch, decode_threads=args.decode_threads, decode_pool=args.decode_pool,
+        grace_s=args.grace, logger=log,
         cache_dir=False if args.cache_dir == "none" else args.cache_dir, cache_limit=args.cache_limit,
     )
     stop = threading.Event()

@@ -3,7 +3,9 @@
 | module | one line |
 | --- | --- |
 | `server.py` | `create_server(roots, ...) -> (server, port)`: streams a `DataLoader`'s batches |
-| `client.py` | `RemoteLoader`: the local loader's batches over gRPC; cursor, retries, failover |
+| `client.py` | `RemoteLoader`: the local loader's batches over gRPC (the facade: arguments, plan, cursor) |
+| `link.py` | how a loader reaches its servers: addresses (`dns:///`, `unix:`), channels, retry policy |
+| `receiver.py` | the receiving threads of an epoch (one server, or striped over several) and its iterator |
 | `wire.py` | batch <-> chunks under the message limit; transform <-> spec |
 | `catalog.py` | datasets below the roots, opened once and shared by every stream |
 | `status.py` | exceptions <-> gRPC status codes (the one mapping), retryable codes |

@@ -16,6 +16,9 @@ without a batch, optionally also `max_retries` attempts; the error it ends with 
 `state_dict()` / `load_state_dict()` are the local loader's (same format, checked by
 `gdsload.plan.plan.Plan`), so a state saved by either loader resumes in the other.
 
+Modules: this one is the facade (arguments, plan, cursor, conversion); `link.py` holds the channels
+and the retry policy, `receiver.py` the receiving threads and the epoch iterator.
+
 Lifetime: the receiver thread holds the connection state (`_Link`) and its own queue, never the
 loader nor the epoch iterator, and the loader refers to its epoch weakly. A loader or iterator
 dropped mid-epoch is therefore collected, and its finalizer cancels the stream at once (a thread
@@ -38,11 +41,6 @@ forkserver, continuing from the parent's cursor. grpc is imported here, not by `
 
 from __future__ import annotations
 
-import os
-import queue
-import random
-import threading
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,79 +48,41 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gdsload.host.dist import dist_rank_world
 from gdsload.errors import GdsloadError, require
+from gdsload.host.dist import dist_rank_world
 from gdsload.host.forksafe import ProcessLocal
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
-import grpc
-
-from gdsload.frontend.fields import parse_columns
-from gdsload.frontend.usercode import MapStage
-from gdsload.frontend.output import as_output, default_output, torch_or_none
 from gdsload.dataset.mix import Mix
 from gdsload.frontend.cursor import PlanCursor
-from gdsload.service import mixwire, status, wire
+from gdsload.frontend.fields import parse_columns
+from gdsload.frontend.output import as_output, default_output, torch_or_none
+from gdsload.frontend.usercode import MapStage
+from gdsload.service import mixwire, wire
 from gdsload.service.auth import metadata
 from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
+from gdsload.service.link import _Link, check_address, is_dns
+from gdsload.service.receiver import _RemoteEpoch
 from gdsload.v1 import feed_pb2 as pb
-from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
 __all__ = ["RemoteLoader"]
-
-
-class _FeedStub(pb_grpc.FeedStub):
-    """The generated stub, but StreamBatches yields `(BatchChunk without data, data view)` from
-    `wire.split_chunk`: protobuf would copy every chunk's data twice."""
-
-    def __init__(self, channel: grpc.Channel):
-        super().__init__(channel)
-        self.StreamBatches = channel.unary_stream(
-            "/gdsload.v1.Feed/StreamBatches", request_serializer=pb.BatchRequest.SerializeToString,
-            response_deserializer=wire.split_chunk, _registered_method=True)
-
-
-class _Channels:
-    """One channel per address, in the process that made this object (`_Link` makes one per
-    process: the parent's channels, threads and sockets belong to the parent). `tls`: the PEM
-    bytes (root certificates, private key, certificate chain) or None; the credentials are made
-    here, since grpc's cannot be pickled."""
-
-    def __init__(self, tls: tuple[bytes | None, bytes | None, bytes | None] | None, options: list[tuple[str, Any]]):
-        self._credentials = None
-        if tls is not None:
-            root, key, chain = tls
-            self._credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key,
-                                                             certificate_chain=chain)
-        self._options = options
-        self._stubs: dict[str, tuple[grpc.Channel, _FeedStub]] = {}
-        self._lock = threading.Lock()
-
-    def stub(self, address: str) -> _FeedStub:
-        with self._lock:
-            entry = self._stubs.get(address)
-            if entry is None:
-                if self._credentials is not None:
-                    channel = grpc.secure_channel(address, self._credentials, options=self._options)
-                else:
-                    channel = grpc.insecure_channel(address, options=self._options)
-                entry = (channel, _FeedStub(channel))
-                self._stubs[address] = entry
-            return entry[1]
-
-    def close(self) -> None:
-        with self._lock:
-            for channel, _ in self._stubs.values():
-                channel.close()
-            self._stubs = {}
 
 
 class RemoteLoader(ProcessLocal, PlanCursor):
     """Batches of a dataset served by `gdsload serve`, as the local `DataLoader` would make them.
 
-    `address`: "HOST:PORT" or a list of them; rank r starts on address ``r % len`` and fails
-    over to the next one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
+    `address`: "HOST:PORT", "[IPv6]:PORT", "unix:PATH" (a server on this host:
+    `gdsload serve --listen unix:PATH`), "dns:///NAME:PORT" (every address NAME resolves to, e.g.
+    a Kubernetes headless service; resolved by gdsload every `resolve_interval_s`, TLS checks
+    NAME), or a list of them. With several addresses or a `dns:///` name the loader stripes
+    (`stripe`, default on then): it pulls its batches from every healthy server at once, in
+    blocks of `stripe_batches` consecutive batches (block b on the b-th server, stolen by an idle
+    one), at most `server_window` requests in flight per server, and hands them out in plan order
+    (see `gdsload.service.receiver._StripedReceiver`); a request silent for `stall_timeout_s` is
+    cancelled and asked of another server. With one plain address, or `stripe=False`, it reads
+    from one server at a time: rank r starts on address ``r % len`` and fails over to the next
+    one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
     `drop_last`, `seed`, `rank`, `world_size` (default: from `torch.distributed` when initialised,
     else 0 and 1), `shuffle_window`, `decode` (decode images on the server; False: encoded
     bytes), `transform` (an `ImageTransform`; None: the default training transform, as locally),
@@ -190,10 +150,30 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         keepalive: Keepalive | None = None,
         map: Any = None,
         collate_fn: Any = None,
+        stripe: bool | None = None,
+        stripe_batches: int = 4,
+        server_window: int = 2,
+        stall_timeout_s: float = 5.0,
+        resolve_interval_s: float = 5.0,
     ):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
+        for a in addresses:
+            check_address(a)
+        if stripe is None:
+            stripe = len(addresses) > 1 or any(is_dns(a) for a in addresses)
+        if stripe_batches < 1 or server_window < 1:
+            raise GdsloadError(f"stripe_batches and server_window must be >= 1, got {stripe_batches} "
+                               f"and {server_window}")
+        for name, value in (("stall_timeout_s", stall_timeout_s), ("resolve_interval_s", resolve_interval_s)):
+            if not value > 0:
+                raise GdsloadError(f"{name} must be > 0 seconds, got {value!r}")
+        self.striped = bool(stripe)
+        self.stripe_batches = int(stripe_batches)
+        self.server_window = int(server_window)
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.resolve_interval_s = float(resolve_interval_s)
         if not isinstance(dataset, Mix) and (not isinstance(dataset, str) or not dataset):
             raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of "
                                f"served names), got {dataset!r}")
@@ -262,6 +242,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
             max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
             max_backoff_s=float(max_backoff_s))
+        self._link.resolve_names = self.striped
         self._plan = None
         self._info: pb.DatasetInfo | None = None
         self._epoch = 0
@@ -348,8 +329,18 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return ep
 
     def stats(self) -> dict[str, Any]:
-        """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address."""
-        return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address())
+        """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address (the
+        one unary calls and an unstriped stream use), and `servers`: per server address (each
+        address a `dns:///` name resolved to), since the loader was made: `batches` and `bytes`
+        it delivered (first copies only), `in_flight` (batches asked of it and not received yet),
+        `wait_s` (time the plan-order head waited for a batch in flight there; unstriped: the
+        caller's waits while it was the address in use), `failures` (failed calls and probes),
+        `stalls` (requests cancelled after `stall_timeout_s` of silence), `duplicates` (batches
+        it sent that had arrived from another server already, dropped), `state` (new, ok,
+        suspect: stalled, down: failing, refused: another dataset version or cannot serve this
+        request, gone: no longer resolved)."""
+        return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address(),
+                    servers=self._link.server_stats())
 
     def close(self) -> None:
         self._enter_process()
@@ -407,359 +398,3 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     def _to_output(self, arr: np.ndarray) -> Any:
         return as_output(arr, self.output, self.device)  # NumPy output: `arr` itself (device is "cpu")
 
-
-class _Retry(Exception):
-    """A stream ended early without an error status (e.g. a draining server)."""
-
-
-class _Link(ProcessLocal):
-    """How a loader reaches its servers, shared by the loader and its receiver threads: channels,
-    addresses and the one in use, call metadata, deadlines and the retry policy.
-
-    It refers to no loader and no epoch, so a thread holding it keeps neither alive. Its
-    channels, lock and random generator are per process (`ProcessLocal`; the loader checks).
-    """
-
-    _PROCESS_LOCAL = ("channels", "_lock", "_rng")
-
-    def __init__(self, addresses: list[str], index: int, channel_args: tuple, call_metadata: Any, *,
-                 dataset: str, deadline_s: float, stream_deadline_s: float, retry_timeout_s: float,
-                 max_retries: int | None, backoff_s: float, max_backoff_s: float):
-        self.addresses = addresses
-        self.index = index
-        self.channel_args = channel_args
-        self.metadata = call_metadata
-        self.dataset = dataset
-        self.deadline_s = deadline_s
-        self.stream_deadline_s = stream_deadline_s
-        self.retry_timeout_s = retry_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.reconnects = 0
-        self._start_process()
-
-    def _init_process_local(self) -> None:
-        self.channels = _Channels(*self.channel_args)
-        self._lock = threading.Lock()
-        self._rng = random.Random()
-
-    def address(self) -> str:
-        with self._lock:
-            return self.addresses[self.index]
-
-    def failover(self, failed: str) -> None:
-        """Move to the next address (unless another thread already moved away from `failed`)."""
-        with self._lock:
-            if self.addresses[self.index] == failed:
-                self.index = (self.index + 1) % len(self.addresses)
-            self.reconnects += 1
-
-    def reconnect(self) -> None:
-        """Count a new stream to the same address after one broke."""
-        with self._lock:
-            self.reconnects += 1
-
-    def backoff(self, failures: int) -> float:
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
-        with self._lock:
-            return delay * (0.5 + 0.5 * self._rng.random())
-
-    def gave_up(self, attempts: _Attempts, last_error: str, address: str, *, resume: bool) -> status.RemoteError:
-        """The error that ends a spent retry budget: what was tried, the last error, what to do."""
-        limit = f"retry_timeout_s={self.retry_timeout_s:g}"
-        if self.max_retries is not None:
-            limit += f", max_retries={self.max_retries}"
-        advice = (" Nothing was lost: the loader's state_dict() is at the last batch it handed out; "
-                  "to resume, pass it to load_state_dict() of this or a new RemoteLoader once a server "
-                  "is back, and iterate again." if resume else "")
-        return status.RemoteError(
-            f"gave up on dataset {self.dataset!r} after {attempts.failures} attempts in "
-            f"{attempts.elapsed():.1f} s without an answer ({limit}; addresses {self.addresses}); last "
-            f"error: {last_error}.{advice} Raise retry_timeout_s to wait longer for a restart.",
-            code="UNAVAILABLE", address=address)
-
-    def corrupt_everywhere(self, err: grpc.RpcError, address: str) -> status.RemoteError:
-        """The DATA_LOSS error raised once every address answered it."""
-        exc = status.from_rpc_error(err, address)
-        if len(self.addresses) > 1:
-            exc.add_note(f"every address ({', '.join(self.addresses)}) answered DATA_LOSS for this batch")
-        return exc
-
-    def unary(self, method: str, request: Any) -> Any:
-        attempts = _Attempts(self)
-        corrupt: set[str] = set()
-        while True:
-            address = self.address()
-            try:
-                call = getattr(self.channels.stub(address), method)
-                return call(request, timeout=self.deadline_s, metadata=self.metadata)
-            except grpc.RpcError as err:
-                if status.is_elsewhere(err):
-                    corrupt.add(address)
-                    if corrupt.issuperset(self.addresses):
-                        raise self.corrupt_everywhere(err, address) from None
-                    self.failover(address)
-                    continue
-                if not status.is_retryable(err):
-                    raise status.from_rpc_error(err, address) from None
-                attempts.fail()
-                if attempts.spent():
-                    raise self.gave_up(attempts, str(status.from_rpc_error(err, address)), address,
-                                       resume=False) from None
-                self.failover(address)
-                time.sleep(attempts.delay())
-
-
-class _Attempts:
-    """A run of failed attempts with nothing received in between: the retry budget. It is spent
-    once `retry_timeout_s` passed since the first failure, or (when set) after `max_retries`
-    retries; `delay()` never sleeps past the budget's end."""
-
-    def __init__(self, link: _Link):
-        self.link = link
-        self.failures = 0
-        self.since = 0.0
-
-    def fail(self) -> None:
-        if self.failures == 0:
-            self.since = time.monotonic()
-        self.failures += 1
-
-    def reset(self) -> None:
-        self.failures = 0
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.since if self.failures else 0.0
-
-    def spent(self) -> bool:
-        L = self.link
-        return bool(self.failures) and (self.elapsed() >= L.retry_timeout_s
-                                        or (L.max_retries is not None and self.failures > L.max_retries))
-
-    def delay(self) -> float:
-        return max(0.0, min(self.link.backoff(self.failures), self.link.retry_timeout_s - self.elapsed()))
-
-
-class _Receiver:
-    """The receiving half of one epoch, run by its thread: streams from the link's servers,
-    assembles batches and queues them (at most `prefetch`), resuming after each failure from the
-    position after the last complete batch.
-
-    It holds the link, a request template and its queue, never the loader nor the epoch
-    iterator: those stay collectable while the thread waits, and their finalizer calls `cancel`.
-    """
-
-    def __init__(self, link: _Link, template: pb.BatchRequest, *, epoch: int, position: int,
-                 global_batch: int, end: int, prefetch: int):
-        self.link = link
-        self.template = template
-        self.epoch = epoch
-        self.G = global_batch
-        self.end = end
-        self.next_request = position
-        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self.pid = os.getpid()
-        self.stop = threading.Event()
-        self._call_lock = threading.Lock()
-        self._call: Any = None
-        self._waiting_since: float | None = None
-        self._idle_cancelled = False
-
-    def cancel(self) -> None:
-        """Stop the thread and cancel the call in flight; never blocks (safe in a finalizer)."""
-        if os.getpid() != self.pid:  # a forked child: the thread, the call and their locks are the parent's
-            return
-        self.stop.set()
-        with self._call_lock:
-            if self._call is not None:
-                self._call.cancel()
-
-    def watchdog(self) -> None:
-        """Cancel a stream that sent nothing for `deadline_s` (it is then resumed)."""
-        since = self._waiting_since
-        if since is not None and time.monotonic() - since > self.link.deadline_s:
-            with self._call_lock:
-                if self._call is not None and self._waiting_since is not None:
-                    self._idle_cancelled = True
-                    self._call.cancel()
-
-    def _put(self, item: tuple) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _request(self) -> pb.BatchRequest:
-        req = pb.BatchRequest()
-        req.CopyFrom(self.template)
-        req.start_position = self.next_request
-        return req
-
-    def run(self) -> None:
-        link = self.link
-        attempts = _Attempts(link)
-        corrupt: set[str] = set()  # addresses that answered DATA_LOSS since the last batch
-        last_error = "no attempt"
-        try:
-            while self.next_request < self.end and not self.stop.is_set():
-                address = link.address()
-                progressed = False
-                try:
-                    call = link.channels.stub(address).StreamBatches(
-                        self._request(), timeout=link.stream_deadline_s, metadata=link.metadata)
-                    with self._call_lock:
-                        self._call = call
-                    if self.stop.is_set():
-                        call.cancel()
-                        return
-                    asm = wire.BatchAssembler()
-                    it = iter(call)
-                    while True:
-                        self._waiting_since = time.monotonic()
-                        try:
-                            chunk, data = next(it)
-                        except StopIteration:
-                            break
-                        finally:
-                            self._waiting_since = None
-                        batch = asm.add(chunk, data)
-                        if batch is None:
-                            continue
-                        expected = self.next_request + self.G
-                        if chunk.epoch != self.epoch or chunk.position != expected:
-                            raise wire.ProtocolError(
-                                f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
-                                f"expected epoch {self.epoch} position {expected}")
-                        if not self._put(("batch", batch, expected, wire.body_nbytes(batch))):
-                            return
-                        self.next_request = expected
-                        progressed = True
-                        attempts.reset()
-                        corrupt.clear()
-                    if self.next_request < self.end and not progressed:
-                        raise _Retry(f"{address} ended the stream without a batch (draining?)")
-                except grpc.RpcError as err:
-                    if self.stop.is_set():
-                        return
-                    idle = self._idle_cancelled
-                    self._idle_cancelled = False
-                    if not idle and status.is_elsewhere(err):
-                        # This server's copy is corrupt: ask each other address once, not this one again.
-                        corrupt.add(address)
-                        if corrupt.issuperset(link.addresses):
-                            self._put(("error", link.corrupt_everywhere(err, address)))
-                            return
-                        link.failover(address)
-                        continue
-                    if not idle and not status.is_retryable(err):
-                        self._put(("error", status.from_rpc_error(err, address)))
-                        return
-                    last_error = (f"no message for {link.deadline_s} s from {address}" if idle
-                                  else str(status.from_rpc_error(err, address)))
-                    attempts.fail()
-                except (_Retry, wire.ProtocolError) as exc:
-                    last_error = str(exc)
-                    attempts.fail()
-                finally:
-                    with self._call_lock:
-                        self._call = None
-                if attempts.failures and not progressed:
-                    if attempts.spent():
-                        self._put(("error", link.gave_up(attempts, last_error, address, resume=True)))
-                        return
-                    link.failover(address)
-                    if self.stop.wait(attempts.delay()):
-                        return
-                elif attempts.failures:  # broke after some batches: retry at once, same address
-                    attempts.reset()
-                    link.reconnect()
-            if not self.stop.is_set():
-                self._put(("end",))
-        except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
-            self._put(("error", exc))
-
-
-class _RemoteEpoch:
-    """One pass, the consumer's side: `__next__` hands out what the receiver thread queued and
-    moves the loader's cursor. Dropping it (or its loader) cancels the receiver's stream."""
-
-    def __init__(self, loader: RemoteLoader, epoch: int, position: int):
-        self.loader = loader
-        self.epoch = epoch
-        plan = loader.plan
-        self.receiver = _Receiver(loader._link, loader._request(epoch, position), epoch=epoch,
-                                  position=position, global_batch=plan.global_batch,
-                                  end=plan.end_position, prefetch=loader.prefetch)
-        self.pid = os.getpid()  # the receiver thread and its call exist in this process only
-        self._successor: _RemoteEpoch | None = None
-        self._done = False
-        self._finalizer = weakref.finalize(self, self.receiver.cancel)
-        self.thread = threading.Thread(target=self.receiver.run, name="gdsload-remote", daemon=True)
-        self.thread.start()
-
-    def __iter__(self) -> _RemoteEpoch:
-        return self
-
-    def __next__(self) -> Any:
-        if self.pid != os.getpid():
-            return self._next_in_forked_child()
-        if self._done:
-            raise StopIteration
-        L = self.loader
-        t0 = time.perf_counter()
-        while True:
-            try:
-                item = self.receiver.queue.get(timeout=0.25)
-                break
-            except queue.Empty:
-                self.receiver.watchdog()
-                if not self.thread.is_alive() and self.receiver.queue.empty():
-                    self.close()
-                    raise status.RemoteError("the receiver thread ended without a result",
-                                             code="INTERNAL") from None
-        L._stats["wait_s"] += time.perf_counter() - t0
-        if item[0] == "batch":
-            _, batch, position, nbytes = item
-            L._position = position
-            L._stats["batches"] += 1
-            L._stats["bytes"] += nbytes
-            return L._convert(batch)
-        if item[0] == "end":
-            self._finish()
-            raise StopIteration
-        self.close()
-        raise item[1]
-
-    def _next_in_forked_child(self) -> Any:
-        """The parent's iterator, used in a forked child: its receiver thread is not here and its
-        queue's lock may be held, so continue with a new iteration of the child's copy of the
-        loader, which starts at the loader's cursor (the batch after the last one handed out)."""
-        if self._successor is None:
-            if self._done:
-                raise StopIteration
-            self._done = True
-            self._successor = iter(self.loader)
-        return next(self._successor)
-
-    def __reduce__(self):
-        raise TypeError("a gdsload.RemoteLoader iterator cannot be pickled: pickle the loader itself, whose copy "
-                        "continues from the loader's state_dict()")
-
-    def _finish(self) -> None:
-        self.close()
-        self.loader._epoch = self.epoch + 1
-        self.loader._position = 0
-
-    def close(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._finalizer()  # cancels the call (the parent's is left alone in a forked child)
-        if os.getpid() == self.pid and self.thread is not threading.current_thread():
-            self.thread.join(timeout=10)
-        if self.loader._active_epoch() is self:
-            self.loader._active = None

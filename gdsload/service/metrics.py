@@ -11,10 +11,15 @@ process, as in the tests), exposed over HTTP on `--metrics-port`.
 | gdsload_feed_errors_total               | counter   | code              |
 | gdsload_feed_read_seconds               | histogram | payload           |
 | gdsload_feed_send_seconds               | histogram | payload           |
+| gdsload_feed_decode_pool_busy           | gauge     |                   |
+| gdsload_feed_decode_pool_streams        | gauge     |                   |
+| gdsload_feed_decode_queue_seconds       | histogram | dataset           |
 
 read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
 send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
 (serialization and flow control: a slow consumer shows up here).
+decode pool (`gdsload.service.pool`): workers decoding now (occupancy), decoding streams attached,
+and the time each batch waited in the pool's queue for a worker.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ class Metrics:
                                      ["payload"], buckets=buckets, registry=r)
         self.send_s = prom.Histogram("gdsload_feed_send_seconds", "Time to hand one batch's chunks to gRPC",
                                      ["payload"], buckets=buckets, registry=r)
+        self.pool_busy = prom.Gauge("gdsload_feed_decode_pool_busy", "Decode pool workers decoding now", registry=r)
+        self.pool_streams = prom.Gauge("gdsload_feed_decode_pool_streams", "Streams decoding through the pool",
+                                       registry=r)
+        self.queue_s = prom.Histogram("gdsload_feed_decode_queue_seconds", "Wait of a batch for a decode pool worker",
+                                      ["dataset"], buckets=buckets, registry=r)
         self._http = None
         self.address: tuple[str, int] | None = None
 

@@ -9,7 +9,10 @@ cursor with every request, so a restarted server, or another one, continues any 
 
 Concurrency: one gRPC worker thread per stream (up to `Limits.max_streams`, more get UNAVAILABLE),
 each with its own loader (`workers` reader threads, a ring of `prefetch + 1` batches); the opened
-datasets are shared (see `gdsload.service.catalog`).
+datasets are shared (see `gdsload.service.catalog`), and so is image decoding: the loaders of all
+decoding streams hand their batches to one `gdsload.service.pool.DecodePool` (`decode_pool`
+workers, DALI pipelines with a thread per core, streams served in turn) instead of each building a
+pipeline of its own (`decode_pool=0`). Reading stays per stream.
 
 Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
 hold (`FeedServicer.stream_memory`: the ring's slots sized from the index's largest members, the
@@ -135,18 +138,25 @@ class FeedServicer(pb_grpc.FeedServicer):
     """The Feed service. Errors go through `gdsload.service.status` (the one mapping)."""
 
     def __init__(self, catalog: Catalog, limits: Limits, metrics: Metrics, *, workers: int = 2,
-                 prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None):
+                 prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None,
+                 decode_pool: Any = None):
         self.catalog = catalog
         self.limits = limits
         self.metrics = metrics
         self.workers = workers
         self.prefetch = prefetch
         self.decode_threads = decode_threads
+        self.pool = decode_pool  # gdsload.service.pool.DecodePool, or None: a pipeline per stream
         self.log = logger or logging.getLogger(LOGGER)
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self._active = 0
-        self._reserved = 0  # bytes of limits.max_memory_bytes held by open streams
+        self._reserved = 0  # bytes of limits.max_memory_bytes held by open streams (and parked loaders)
+        # (key, loader, memory, parked at): loaders of finished streams kept for the next stream of
+        # the same request (a striping client asks for one block of batches per stream)
+        self._warm: list[tuple] = []
+        self.warm_loaders = 8
+        self.warm_hits = 0
         self._idle = threading.Condition(self._lock)
 
     # -- the one place where exceptions become statuses ----------------------------------------
@@ -194,8 +204,8 @@ class FeedServicer(pb_grpc.FeedServicer):
     @_unary
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         L = self.limits
-        with self._lock:
-            active, reserved = self._active, self._reserved
+        with self._lock:  # parked loaders are not open streams (and give way to any new one)
+            active, reserved = self._active, self._reserved - sum(w[2] for w in self._warm)
         return pb.ServerInfo(
             version=__version__, protocol_version=PROTOCOL_VERSION,
             max_message_bytes=L.max_message_bytes, max_batch_size=L.max_batch_size,
@@ -283,14 +293,18 @@ class FeedServicer(pb_grpc.FeedServicer):
         if media:
             images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
             transform = {**media, **({images[0]: transform} if images and transform is not None else {})}
-        loader = DataLoader(
-            dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
-            num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
-            seed=req.seed, device="cpu", decode=payload == "decoded", transform=transform,
-            rank=req.rank, world_size=req.world_size or 1, shuffle_window=req.shuffle_window or 4,
-            on_error=_ON_ERROR[req.on_error], copy=False, io="auto", output="numpy",
-            decode_threads=self.decode_threads,
-        )
+        key = _warm_key(req, dataset.dataset_id)
+        loader = self._take_warm(key)  # a loader of an earlier stream of the same request, if parked
+        reused = loader is not None
+        if loader is None:
+            loader = DataLoader(
+                dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
+                num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
+                seed=req.seed, device="cpu", decode=payload == "decoded", transform=transform,
+                rank=req.rank, world_size=req.world_size or 1, shuffle_window=req.shuffle_window or 4,
+                on_error=_ON_ERROR[req.on_error], copy=False, io="auto", output="numpy",
+                decode_threads=self.decode_threads,
+            )
         try:
             # the plan's batches from the start, beside the loader's: they name skipped samples;
             # checking start_position here names the request's field in the message
@@ -298,9 +312,53 @@ class FeedServicer(pb_grpc.FeedServicer):
             loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
         except Exception:
             loader.close()
+            if reused:
+                self._release(memory)
             raise
         chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
-        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned}
+        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned,
+                        "key": key, "reused": reused}
+
+    # -- warm loaders: a striping client opens a stream per block of batches ---------------------------
+    def _take_warm(self, key: tuple) -> DataLoader | None:
+        """A parked loader built for the same request (all but the position), or None. It keeps its
+        memory reservation while parked, so the caller does not reserve again."""
+        self._evict_warm(stale_only=True)
+        with self._lock:
+            for i in range(len(self._warm) - 1, -1, -1):
+                if self._warm[i][0] == key:
+                    self.warm_hits += 1
+                    return self._warm.pop(i)[1]
+        return None
+
+    def _park(self, key: tuple, loader: DataLoader, memory: int) -> None:
+        """Keep a loader whose stream ended well for the next stream of the same request, for
+        `WARM_S` at most, `self.warm_loaders` of them (oldest closed first)."""
+        with self._lock:
+            self._warm.append((key, loader, memory, time.monotonic()))
+        self._evict_warm(keep=self.warm_loaders)
+
+    def _evict_warm(self, *, keep: int | None = None, need: int = 0, stale_only: bool = False) -> None:
+        """Close parked loaders: those parked over `WARM_S` ago, those beyond `keep`, or the oldest
+        until `need` more bytes fit in the memory budget; their reservations are released."""
+        out = []
+        with self._lock:
+            now = time.monotonic()
+            while self._warm and (now - self._warm[0][3] > WARM_S
+                                  or (keep is not None and len(self._warm) > keep)
+                                  or (not stale_only and need and self._reserved + need > self.limits.max_memory_bytes)):
+                out.append(self._warm.pop(0))
+        for _, loader, memory, _ in out:
+            loader.close()
+            self._release(memory)
+
+    def _release(self, memory: int) -> None:
+        with self._idle:
+            self._reserved -= memory
+            self._idle.notify_all()
+
+    def close_warm(self) -> None:
+        self._evict_warm(keep=0)
 
     def _mix_order_memory(self, mix, req: pb.BatchRequest) -> int:
         """The bytes building the mix's epoch order takes, refused (RESOURCE_EXHAUSTED) when over
@@ -353,8 +411,13 @@ class FeedServicer(pb_grpc.FeedServicer):
         decoder = _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES if transform is not None else 0
         return (self.prefetch + 1) * slot + decoder + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
-    def _enter(self, dataset: str, memory: int) -> None:
+    def _enter(self, dataset: str, memory: int, *, reserved: bool = False) -> None:
+        """Count a stream in and reserve its `memory` (unless its warm loader holds it: `reserved`)."""
         budget = self.limits.max_memory_bytes
+        if reserved:
+            memory = 0
+        elif self._warm:
+            self._evict_warm(need=memory)  # parked loaders make room for a new stream
         if memory > budget:
             raise OverLimit(
                 f"a stream of this request holds up to {memory} bytes (ring of {self.prefetch + 1} "
@@ -407,13 +470,17 @@ class FeedServicer(pb_grpc.FeedServicer):
         loader, opts = self._open_loader(req)
         memory = opts["memory"]
         try:
-            self._enter(req.dataset, memory)
+            self._enter(req.dataset, memory, reserved=opts["reused"])
         except BaseException:
             loader.close()
+            if opts["reused"]:
+                self._release(memory)
             raise
         t0 = time.perf_counter()
         sent_batches = sent_bytes = 0
         outcome = "ok"
+        pooled = None
+        it = None
         try:
             payload = opts["payload"]
             plan = loader.plan
@@ -423,6 +490,8 @@ class FeedServicer(pb_grpc.FeedServicer):
             event(self.log, "stream_start", peer=_peer(context), dataset=req.dataset, payload=payload,
                   epoch=req.epoch, start_position=req.start_position, rank=loader.plan.rank,
                   world_size=loader.plan.world_size, batch_size=req.batch_size)
+            if payload == "decoded" and self.pool is not None:
+                pooled = self.pool.attach(loader, req.dataset)
             it = iter(loader)
             m_batches = self.metrics.batches.labels(req.dataset, payload)
             m_samples = self.metrics.samples.labels(req.dataset, payload)
@@ -468,13 +537,36 @@ class FeedServicer(pb_grpc.FeedServicer):
             outcome = to_status(exc)[0].name
             raise
         finally:
-            loader.close()
-            self._leave(req.dataset, memory)
+            if pooled is not None:
+                pooled.detach()
+            if outcome == "ok" and self.warm_loaders and not self.draining.is_set() and it is not None:
+                it.close()  # its readers stop; the ring, backends and threads stay for the next stream
+                self._park(opts["key"], loader, memory)
+                self._leave(req.dataset, 0)
+            else:
+                loader.close()
+                self._leave(req.dataset, memory)
             el = time.perf_counter() - t0
             event(self.log, "stream_end", peer=_peer(context), dataset=req.dataset, outcome=outcome,
                   batches=sent_batches, bytes=sent_bytes, seconds=round(el, 3),
-                  mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None)
+                  mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None,
+                  decode_queue_s=round(pooled.queue_s, 3) if pooled is not None else None)
 
+
+
+#: How long a parked loader waits for the next stream of its request before it is closed.
+WARM_S = 10.0
+
+
+def _warm_key(req: pb.BatchRequest, dataset_id: str) -> tuple:
+    """What a loader is built from: the request without its position, epoch and stream limits."""
+    r = pb.BatchRequest()
+    r.CopyFrom(req)
+    r.ClearField("start_position")
+    r.ClearField("epoch")
+    r.ClearField("max_batches")
+    r.ClearField("max_chunk_bytes")
+    return (dataset_id, r.SerializeToString(deterministic=True))
 
 
 def _add_feed(servicer: FeedServicer, server: grpc.Server) -> None:
@@ -562,6 +654,9 @@ class FeedServer:
             left = max(0.0, grace - (time.monotonic() - t0))
             # What is still open now is not a stream (health watches, unary calls): short grace.
             self.grpc_server.stop(min(left, 1.0)).wait()
+            self.servicer.close_warm()
+            if self.servicer.pool is not None:
+                self.servicer.pool.close()
             self.metrics.close()
             self._stopped.set()
             event(self.log, "shutdown_done", drained=drained, open_streams=open_streams,
@@ -576,6 +671,9 @@ class FeedServer:
 
         def done() -> None:
             ev.wait()
+            self.servicer.close_warm()
+            if self.servicer.pool is not None:
+                self.servicer.pool.close()
             self.metrics.close()
             self._stopped.set()
 
@@ -629,6 +727,7 @@ def create_server(
     logger: logging.Logger | None = None,
     cache_dir: str | bool | None = None,
     cache_limit: int | str = "50GB",
+    decode_pool: int = 0,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -639,9 +738,20 @@ def create_server(
     does not expose its metrics to the network). `workers`/`prefetch`/`decode_threads`: per
     stream, as in `DataLoader` (>= 1). `grace_s`: how long `shutdown()` waits for open streams.
     `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
+    `decode_pool`: decode the images of every stream in one pool of this many workers, each
+    pipeline with as many DALI threads as the server has cores, taken by the streams in turn
+    (`gdsload.service.pool`); 0 (default): a pipeline of `decode_threads` threads per stream.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
-    host, listen_port = split_address(address, "--listen")
+    unix = address.startswith("unix:")
+    if unix:  # a unix socket for clients on this host (RemoteLoader("unix:PATH")): no port, no TCP
+        path = address[len("unix:"):]
+        path = "/" + path.lstrip("/") if path.startswith("//") else path
+        if not path:
+            raise GdsloadError(f"--listen {address!r}: a unix: address needs a socket path (unix:/run/feed.sock)")
+        host, listen_port = "127.0.0.1", 0  # what metrics bind to by default
+    else:
+        host, listen_port = split_address(address, "--listen")
     for name, value in (("--workers", workers), ("--prefetch", prefetch), ("--decode-threads", decode_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise GdsloadError(f"{name} must be an integer >= 1, got {value!r}")
@@ -664,8 +774,18 @@ def create_server(
     log = logger or logging.getLogger(LOGGER)
     catalog = Catalog(roots, cache_dir=cache_dir, cache_limit=cache_limit)
     metrics = Metrics()
+    if isinstance(decode_pool, bool) or not isinstance(decode_pool, int) or decode_pool < 0:
+        raise GdsloadError(f"--decode-pool must be an integer >= 0, got {decode_pool!r}")
+    pool = None
+    if decode_pool:
+        import os
+
+        from gdsload.service.pool import DecodePool
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        pool = DecodePool(workers=decode_pool, threads=cores, metrics=metrics)
     servicer = FeedServicer(catalog, limits, metrics, workers=workers, prefetch=prefetch,
-                            decode_threads=decode_threads, logger=log)
+                            decode_threads=decode_threads, logger=log, decode_pool=pool)
 
     def rejected(method: str, reason: str) -> None:
         metrics.errors.labels("UNAUTHENTICATED").inc()
@@ -697,8 +817,10 @@ def create_server(
     except RuntimeError:
         port = 0
     if not port:
-        raise GdsloadError(f"cannot listen on {address}: {_bind_problem(host, listen_port)}")
-    fs = FeedServer(server, servicer, health_servicer, metrics, port=port, address=f"{host}:{port}",
+        problem = "gRPC refused the socket path" if unix else _bind_problem(host, listen_port)
+        raise GdsloadError(f"cannot listen on {address}: {problem}")
+    fs = FeedServer(server, servicer, health_servicer, metrics, port=port,
+                    address=address if unix else f"{host}:{port}",
                     metrics_port=metrics_port, metrics_address=metrics_address, grace_s=grace_s,
                     logger=log)
     return fs, port

@@ -142,12 +142,17 @@ def test_unreachable_server_gives_up_with_a_clear_error():
     assert e.value.code == "UNAVAILABLE"
 
 
-def test_failover_to_the_next_address(server):
+@pytest.mark.parametrize("stripe", [False, True])
+def test_failover_to_the_next_address(server, stripe):
     from feedkit import free_port
 
     _, address = server
     dead = f"127.0.0.1:{free_port()}"
     loader = RemoteLoader([dead, address], dataset="feats", batch_size=64, rank=0, world_size=1,
-                          backoff_s=0.01, output="numpy")
+                          backoff_s=0.01, output="numpy", stripe=stripe)
     assert sum(len(b["__key__"]) for b in loader) == 256
-    assert loader.stats()["address"] == address and loader.stats()["reconnects"] >= 1
+    servers = loader.stats()["servers"]
+    assert servers[dead]["failures"] >= 1 and servers[dead]["batches"] == 0
+    assert servers[address]["batches"] == 4
+    if not stripe:  # one server at a time: the dead one is left for the next
+        assert loader.stats()["address"] == address and loader.stats()["reconnects"] >= 1

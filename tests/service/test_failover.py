@@ -40,6 +40,7 @@ def two_nodes(roots, tmp_path):
         copy = tmp_path / node / "feats"
         shutil.copytree(roots / "feats", copy)
         srv, port = create_server([str(copy.parent)], max_message_bytes=64 * 1024)
+        srv.servicer.warm_loaders = 0  # a parked loader keeps its shards open: the fault would go unseen
         srv.start()
         servers.append(srv)
         addresses.append(f"127.0.0.1:{port}")
@@ -49,15 +50,17 @@ def two_nodes(roots, tmp_path):
         srv.shutdown(grace_s=1)
 
 
+@pytest.mark.parametrize("stripe", [False, True])
 @pytest.mark.parametrize("fault, code", [("delete", "UNAVAILABLE"), ("replace", "DATA_LOSS")])
-def test_shard_broken_under_a_running_server_fails_over(two_nodes, fault, code):
+def test_shard_broken_under_a_running_server_fails_over(two_nodes, fault, code, stripe):
     (first, second), (copy, _) = two_nodes
     expected = [k for b in local_batches(copy, batch_size=BATCH) for k in b["__key__"]]
     last_shard = copy / sorted(p.name for p in copy.glob("*.tar"))[-1]
     # Short streams, so that the broken shard is met by a stream opened after the fault (a server
     # reads a few batches ahead within a stream, and an open file outlives its deletion).
     loader = RemoteLoader([first, second], dataset="feats", batch_size=BATCH, rank=0, world_size=1,
-                          batches_per_stream=4, prefetch=1, backoff_s=0.01, output="numpy")
+                          batches_per_stream=4, prefetch=1, backoff_s=0.01, output="numpy", stripe=stripe,
+                          stripe_batches=2, server_window=1)
     it = iter(loader)
     keys = list(next(it)["__key__"]) + list(next(it)["__key__"])
     assert loader.stats()["address"] == first
@@ -65,7 +68,11 @@ def test_shard_broken_under_a_running_server_fails_over(two_nodes, fault, code):
     keys += [k for b in it for k in b["__key__"]]
     assert keys == expected  # the local plan's order, every sample once
     assert set(Counter(keys).values()) == {1}
-    assert loader.stats()["address"] == second and loader.stats()["reconnects"] >= 1
+    if stripe:  # the last blocks came from the intact copy; the broken one failed them
+        servers = loader.stats()["servers"]
+        assert servers[first]["failures"] >= 1 and servers[second]["batches"] >= 1
+    else:
+        assert loader.stats()["address"] == second and loader.stats()["reconnects"] >= 1
     loader.close()
 
     # what the first server answers a stream that reaches the broken shard
@@ -94,7 +101,7 @@ def test_corrupt_on_every_address_is_final(two_nodes):
     for copy in copies:
         _break(copy / last, "replace")
     loader = RemoteLoader(addresses, dataset="feats", batch_size=BATCH, rank=0, world_size=1,
-                          backoff_s=0.01, output="numpy")
+                          backoff_s=0.01, output="numpy", stripe=False)
     with pytest.raises(RemoteError) as e:
         for _ in loader:
             pass
@@ -104,3 +111,11 @@ def test_corrupt_on_every_address_is_final(two_nodes):
     assert "changed after conversion" in str(e.value)
     assert any("every address" in note for note in e.value.__notes__)
     assert loader.stats()["reconnects"] == 1  # moved to the other address once, not back again
+
+    striped = RemoteLoader(addresses, dataset="feats", batch_size=BATCH, rank=0, world_size=1,
+                           backoff_s=0.01, output="numpy", stripe_batches=2)
+    with pytest.raises(RemoteError) as e:
+        for _ in striped:
+            pass
+    assert e.value.code == "DATA_LOSS" and last in str(e.value)
+    assert any("every address" in note for note in e.value.__notes__)

@@ -204,3 +204,17 @@ def test_a_huge_mix_epoch_is_refused_within_the_memory_budget(mixroot, tmp_path,
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_striped_mix_equals_local(mixserver, mixroot):
+    """A mix striped over two servers (the same one twice under two names is not two servers, so a
+    second server here) gives the local mix's batches."""
+    srv, port = create_server([str(mixroot)], max_message_bytes=64 * 1024)
+    srv.start()
+    try:
+        kw = dict(weights=[0.7, 0.3], batch_size=4, shuffle=True, seed=3)
+        loader = remote([mixserver, f"127.0.0.1:{port}"], ["a", "b"], stripe_batches=1, **dict(kw))
+        assert_same_batches(list(loader), local(mixroot, ["a", "b"], **dict(kw)))
+        assert all(s["batches"] > 0 for s in loader.stats()["servers"].values())
+    finally:
+        srv.shutdown(grace_s=2)

@@ -64,3 +64,27 @@ def test_mutual_tls(roots, pki):
         assert e.value.code == "UNAVAILABLE"
     finally:
         srv.shutdown(grace_s=1)
+
+
+def test_dns_name_is_what_tls_checks(roots, pki):
+    """A `dns:///localhost:PORT` loader connects to the addresses localhost resolves to and checks
+    the certificate against "localhost": a certificate naming only that name is accepted, while the
+    same server reached as 127.0.0.1 is refused (the check is real)."""
+    d = pki
+    (d / "dns.cnf").write_text("subjectAltName=DNS:localhost\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "dns.key",
+             "-out", "dns.csr", "-subj", "/CN=localhost", cwd=d)
+    _openssl("x509", "-req", "-in", "dns.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "dns.pem", "-days", "2", "-extfile", "dns.cnf", cwd=d)
+    srv, address = _serve(roots, TlsConfig.from_files(d / "dns.pem", d / "dns.key"))
+    port = address.rpartition(":")[2]
+    try:
+        ok = RemoteLoader(f"dns:///localhost:{port}", dataset="feats", batch_size=64, tls_ca=d / "ca.pem",
+                          output="numpy", backoff_s=0.02, max_backoff_s=0.2)
+        assert sum(len(b["__key__"]) for b in ok) == 256
+        assert ok.stats()["servers"][address]["batches"] == 4
+        by_ip = RemoteLoader(address, dataset="feats", tls_ca=d / "ca.pem", max_retries=0, deadline_s=2)
+        with pytest.raises(RemoteError):
+            len(by_ip)
+    finally:
+        srv.shutdown(grace_s=1)

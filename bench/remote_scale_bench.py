@@ -1,0 +1,604 @@
+"""Remote feed scale-out: one rank striping over N equally limited servers, a straggler, churn, and
+the wire's CPU per byte against a plain-socket ceiling.
+
+Scenarios (each `--rounds` times, interleaved: every round runs every case once, in a rotating
+order):
+- scale:     one rank, N = 1, 2, 4 servers each limited to `--server-cores` (default 0.25: four
+             servers together get one core), raw and decoded payloads; throughput and its ratio
+             to N = 1 of the same round (the target: >= 0.9 N).
+- straggler: 4 servers, one limited to a quarter of the others' CPU (4x slower); throughput as a
+             ratio of 4 healthy servers in the same round (ideal 0.81, target >= 0.7).
+- churn:     3 servers; after a third of the epoch one is SIGKILLed and another SIGSTOPped for
+             `--stop-s` (default 20) seconds, and a fresh one is started; checks every key exactly
+             once in plan order; reports when the fresh server was healthy and how long until the
+             1-second throughput reached 0.9x what the healthy servers gave before the faults, per
+             server (2 healthy of 3 after the faults).
+- wire:      raw batches, one consumer, one unlimited server, >= `--wire-gb` GB per run, over
+             loopback TCP and a unix socket: throughput, server and client CPU-s/GB, against the
+             ceiling of two Python processes moving the same bytes with sendall / recv_into of 4 MiB
+             buffers over the same transport.
+
+The fourth figure of the issue (decoded, 4 consumers on one server: server CPU per GB against the
+local loader's) is `bench/remote_bench.py --consumers 4 --payloads decoded`.
+
+How servers are limited, and why the figures mean what they claim: each server is a `python -m
+gdsload.service` process in its own cgroup (v1 `cpu` controller, `cpu.cfs_quota_us` =
+cores x `cpu.cfs_period_us`), so the kernel gives it at most that much CPU per 100 ms however many
+threads it runs, as a container limit would; with `--pin` (default when there are >= 2 CPUs) the
+servers run on CPU 1 and this process (the client) on CPU 0, so the servers together never take
+more than one core and the client keeps the other. Without a writable cgroup v1 `cpu` hierarchy
+the benchmark duty-cycles each server instead (SIGCONT for cores x 20 ms, SIGSTOP for the rest of
+every 20 ms): the same CPU share, coarser (a server is also frozen while it holds a message half
+sent), reported as `throttle: "sigstop"` in the result. Either way a server's capacity, not the
+client's, bounds a run with few servers, which is what scale-out must lift.
+
+    python bench/remote_scale_bench.py --rounds 5                  # the lead's run (~15 min on 2 cores)
+    python bench/remote_scale_bench.py --tiny                      # smoke run (< 1 min)
+    python bench/remote_scale_bench.py --scenarios wire --wire-gb 2 --rounds 5
+
+Prints tables and writes JSON (`--out`, default bench/results/remote_scale-<host>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from remote_bench import _body_nbytes, _free_port, _proc_cpu_s, _self_cpu_s
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+# -- limited servers ------------------------------------------------------------------------------
+class Throttle:
+    """CPU limits for server processes: cgroup v1 cpu quotas, else a SIGSTOP/SIGCONT duty cycle."""
+
+    def __init__(self, prefer: str = "auto"):
+        self.kind = "none"
+        self.base: Path | None = None
+        self.cycled: dict[int, float] = {}  # pid -> cores (duty cycle)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if prefer in ("auto", "cgroup"):
+            base = CGROUP_CPU / f"gdsload-bench-{os.getpid()}"
+            try:
+                base.mkdir()
+                (base / "cpu.cfs_quota_us").read_text()
+                self.base, self.kind = base, "cgroup"
+            except OSError:
+                if prefer == "cgroup":
+                    raise SystemExit(f"cannot make a cgroup under {CGROUP_CPU} (cgroup v1 cpu, root needed)")
+        if self.kind == "none":
+            self.kind = "sigstop"
+            self._thread = threading.Thread(target=self._cycle, daemon=True)
+            self._thread.start()
+
+    def limit(self, pid: int, cores: float | None) -> None:
+        if cores is None:
+            return
+        if self.kind == "cgroup":
+            g = self.base / f"p{pid}"
+            g.mkdir(exist_ok=True)
+            period = 100_000
+            (g / "cpu.cfs_period_us").write_text(str(period))
+            (g / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * period))))
+            (g / "cgroup.procs").write_text(str(pid))
+        else:
+            self.cycled[pid] = cores
+
+    def release(self, pid: int) -> None:
+        self.cycled.pop(pid, None)
+        if self.kind == "cgroup":
+            g = self.base / f"p{pid}"
+            if g.exists():
+                try:
+                    g.rmdir()
+                except OSError:
+                    pass
+
+    def _cycle(self) -> None:
+        period = 0.02
+        while not self._stop.is_set():
+            items = list(self.cycled.items())
+            t0 = time.monotonic()
+            for pid, _ in items:
+                _signal(pid, signal.SIGCONT)
+            for pid, cores in sorted(items, key=lambda x: x[1]):
+                time.sleep(max(0.0, t0 + cores * period - time.monotonic()))
+                if pid in self.cycled:
+                    _signal(pid, signal.SIGSTOP)
+            time.sleep(max(0.0, t0 + period - time.monotonic()))
+
+    def close(self) -> None:
+        self._stop.set()
+        for pid in list(self.cycled):
+            _signal(pid, signal.SIGCONT)
+        if self.base is not None:
+            for g in self.base.glob("p*"):
+                try:
+                    g.rmdir()
+                except OSError:
+                    pass
+            try:
+                self.base.rmdir()
+            except OSError:
+                pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Servers:
+    """Feed servers as subprocesses, each optionally CPU-limited and pinned."""
+
+    def __init__(self, root: Path, work: Path, throttle: Throttle, server_cpus: set[int] | None):
+        self.root, self.work, self.throttle, self.cpus = root, work, throttle, server_cpus
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, cores: float | None, address: str | None = None) -> str:
+        address = address or f"127.0.0.1:{_free_port()}"
+        cpus = self.cpus
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        with open(self.work / "servers.log", "ab") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "gdsload.service", str(self.root), "--listen", address,
+                                     "--log-level", "WARNING", "--grace", "1"],
+                                    stdout=subprocess.DEVNULL, stderr=err,
+                                    preexec_fn=pin)  # noqa: PLW1509 (one syscall, no lock, before exec)
+        self.procs[address] = proc
+        _wait_serving(address, proc, self.work / "servers.log")
+        self.throttle.limit(proc.pid, cores)  # after start-up: imports are not what is measured
+        return address
+
+    def stop(self, address: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs.pop(address)
+        self.throttle.release(proc.pid)
+        _signal(proc.pid, signal.SIGCONT)
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for p in self.procs.values():
+            try:
+                total += _proc_cpu_s(p.pid)
+            except OSError:
+                pass
+        return total
+
+    def close(self) -> None:
+        for address in list(self.procs):
+            self.stop(address, signal.SIGKILL)
+
+
+def _wait_serving(address: str, proc: subprocess.Popen, log: Path) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited: {log.read_text()[-2000:]}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"server {address} did not start")
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def _read(loader, *, max_batches: int | None = None, on_batch=None) -> dict:
+    """Iterate one epoch (or `max_batches`); samples, bytes, wall, this process's CPU, keys."""
+    len(loader)  # the plan (a ListDatasets call) before the clock
+    keys: list[str] = []
+    nbytes = 0
+    times: list[tuple[float, int]] = []
+    t0, c0 = time.perf_counter(), _self_cpu_s()
+    for i, batch in enumerate(loader):
+        keys.extend(batch["__key__"])
+        n = _body_nbytes(batch)
+        nbytes += n
+        times.append((time.perf_counter() - t0, n))
+        if on_batch is not None:
+            on_batch(i)
+        if max_batches is not None and i + 1 >= max_batches:
+            break
+    wall, cpu = time.perf_counter() - t0, _self_cpu_s() - c0
+    return {"samples": len(keys), "bytes": nbytes, "wall_s": wall, "cpu_s": cpu, "keys": keys, "times": times}
+
+
+def _span(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _plan_keys(ds_path: Path, batch_size: int, epoch: int = 0) -> list[str]:
+    from gdsload.loader.dataloader import DataLoader, Dataset
+
+    dl = DataLoader(Dataset(str(ds_path)), batch_size=batch_size, shuffle=True, seed=0, device="cpu",
+                    output="numpy", decode=False)
+    dl.set_epoch(epoch)
+    try:
+        return [k for b in dl for k in b["__key__"]]
+    finally:
+        dl.close()
+
+
+def _socket_ceiling(transport: str, nbytes: int, work: Path, client_cpus, server_cpus) -> dict:
+    """Two processes: one sendall()s `nbytes` in 4 MiB buffers, the other recv_into()s them."""
+    addr = str(work / "ceiling.sock") if transport == "unix" else f"127.0.0.1:{_free_port()}"
+    if transport == "unix" and os.path.exists(addr):
+        os.remove(addr)
+    me = str(Path(__file__).resolve())
+
+    def spawn(role: str, cpus):
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+        return subprocess.Popen([sys.executable, me, "--socket-role", role, "--socket-address", addr,
+                                 "--socket-transport", transport, "--socket-bytes", str(nbytes)],
+                                stdout=subprocess.PIPE, preexec_fn=pin)  # noqa: PLW1509 (as above)
+
+    recv = spawn("recv", client_cpus)
+    line = recv.stdout.readline()  # "ready": listening
+    assert line.strip() == b"ready", line
+    send = spawn("send", server_cpus)
+    send_out, _ = send.communicate(timeout=600)
+    recv_out, _ = recv.communicate(timeout=600)
+    s, r = json.loads(send_out), json.loads(recv_out)
+    gb = nbytes / 1e9
+    return {"transport": transport, "gb": gb, "wall_s": r["wall_s"], "gb_per_s": gb / r["wall_s"],
+            "send_cpu_s_per_gb": s["cpu_s"] / gb, "recv_cpu_s_per_gb": r["cpu_s"] / gb}
+
+
+def _socket_role(a) -> None:
+    buf_size = 4 << 20
+    fam = socket.AF_UNIX if a.socket_transport == "unix" else socket.AF_INET
+    target = a.socket_address
+    if fam == socket.AF_INET:
+        host, port = target.rsplit(":", 1)
+        target = (host, int(port))
+    total = a.socket_bytes
+    if a.socket_role == "recv":
+        srv = socket.socket(fam, socket.SOCK_STREAM)
+        srv.bind(target)
+        srv.listen(1)
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        buf = bytearray(buf_size)
+        view = memoryview(buf)
+        got = 0
+        t0, c0 = time.perf_counter(), _self_cpu_s()
+        while got < total:
+            n = conn.recv_into(view, min(buf_size, total - got))
+            if not n:
+                break
+            got += n
+        print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": _self_cpu_s() - c0, "bytes": got}))
+    else:
+        conn = socket.socket(fam, socket.SOCK_STREAM)
+        conn.connect(target)
+        buf = bytearray(os.urandom(1 << 16)) * (buf_size >> 16)
+        sent = 0
+        c0 = _self_cpu_s()
+        while sent < total:
+            n = min(buf_size, total - sent)
+            conn.sendall(memoryview(buf)[:n])
+            sent += n
+        conn.shutdown(socket.SHUT_WR)
+        print(json.dumps({"cpu_s": _self_cpu_s() - c0}))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=800, help="images in the dataset (~105 KB each)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--raw-epochs", type=int, default=2, help="epochs per raw scale/straggler run")
+    ap.add_argument("--decoded-images", type=int, default=256, help="images per decoded run")
+    ap.add_argument("--server-cores", type=float, default=0.25, help="CPU of each limited server")
+    ap.add_argument("--scenarios", default="scale,straggler,churn,wire")
+    ap.add_argument("--payloads", default="raw,decoded", help="of the scale scenario")
+    ap.add_argument("--stop-s", type=float, default=20.0, help="churn: how long a server stays SIGSTOPped")
+    ap.add_argument("--churn-epochs", type=int, default=0, help="churn: epochs read (0: enough for --stop-s)")
+    ap.add_argument("--wire-gb", type=float, default=2.0)
+    ap.add_argument("--stripe-batches", type=int, default=4)
+    ap.add_argument("--server-window", type=int, default=2)
+    ap.add_argument("--throttle", choices=("auto", "cgroup", "sigstop"), default="auto")
+    ap.add_argument("--pin", choices=("auto", "yes", "no"), default="auto")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="48 small images, 1 round, short churn: a smoke run")
+    ap.add_argument("--socket-role", choices=("send", "recv"), help=argparse.SUPPRESS)
+    ap.add_argument("--socket-address", help=argparse.SUPPRESS)
+    ap.add_argument("--socket-transport", help=argparse.SUPPRESS)
+    ap.add_argument("--socket-bytes", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.socket_role:
+        _socket_role(a)
+        return {}
+    if a.tiny:
+        a.images, a.batch_size, a.raw_epochs, a.decoded_images, a.rounds = 48, 4, 1, 16, 1
+        a.stop_s, a.wire_gb = 1.0, 0.02
+
+    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.decode.image import ImageTransform
+    from gdsload.loader.dataloader import Dataset
+    from gdsload.sampledata import make_image_folder
+    from gdsload.service.client import RemoteLoader
+
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-scale-bench-"))
+    root = work / "root"
+    ds = root / "imgs"
+    if not (ds / "manifest.json").exists():
+        kw = {"mean_size": (160, 120)} if a.tiny else {}
+        make_image_folder(work / "src", num_images=a.images, num_classes=10, seed=0, **kw)
+        convert(str(work / "src"), str(ds), ConvertOptions(workers=os.cpu_count(), progress=False,
+                                                           shard_size=2_000_000 if a.tiny else 16_000_000))
+    dataset = Dataset(str(ds))
+    n = len(dataset)
+    ds_bytes = dataset.shards.manifest["num_bytes"]
+    ncpu = os.cpu_count() or 1
+    pin = a.pin == "yes" or (a.pin == "auto" and ncpu >= 2)
+    client_cpus, server_cpus = ({0}, {1}) if pin else (None, None)
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
+    throttle = Throttle("auto" if a.throttle == "auto" else a.throttle)
+    servers = Servers(root, work, throttle, server_cpus)
+    eval_tf = ImageTransform(size=224, train=False, resize=256)
+    B = a.batch_size
+    scenarios = a.scenarios.split(",")
+    print(f"dataset: {n} images, {ds_bytes / 1e6:.0f} MB; throttle: {throttle.kind}; pinned: {pin}", file=sys.stderr)
+
+    def loader(addresses, decode: bool, **kw):
+        return RemoteLoader(addresses, dataset="imgs", batch_size=B, shuffle=True, seed=0, rank=0, world_size=1,
+                            output="numpy", decode=decode, transform=eval_tf if decode else None,
+                            stripe_batches=a.stripe_batches, server_window=a.server_window,
+                            backoff_s=0.05, max_backoff_s=0.5, **kw)
+
+    def striped_run(cores: list[float], decode: bool) -> dict:
+        addrs = [servers.start(c) for c in cores]
+        try:
+            per = {"samples": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
+            s0 = servers.cpu_s()
+            if decode:
+                r = _read(loader(addrs, True), max_batches=max(1, a.decoded_images // B))
+                for k in per:
+                    per[k] += r[k]
+            else:
+                ld = loader(addrs, False)  # one loader over the epochs, as in training
+                for _ in range(a.raw_epochs):
+                    r = _read(ld)
+                    for k in per:
+                        per[k] += r[k]
+                ld.close()
+            per["server_cpu_s"] = servers.cpu_s() - s0
+            return per
+        finally:
+            for ad in addrs:
+                servers.stop(ad)
+
+    c = a.server_cores
+    cases: list[tuple] = []
+    if "scale" in scenarios:
+        cases += [("scale", p, N) for p in a.payloads.split(",") for N in (1, 2, 4)]
+    if "straggler" in scenarios:
+        cases += [("straggler", "raw", "healthy"), ("straggler", "raw", "one slow")]
+    runs: dict[tuple, list[dict]] = {case: [] for case in cases}
+    churn_runs: list[dict] = []
+    wire_runs: dict[str, list[dict]] = {"tcp": [], "unix": [], "socket tcp": [], "socket unix": []}
+    load_start = os.getloadavg()
+
+    def run_case(case) -> dict:
+        kind, payload, what = case
+        decode = payload == "decoded"
+        if kind == "scale":
+            return striped_run([c] * what, decode)
+        return striped_run([c] * 4 if what == "healthy" else [c, c, c, c / 4], decode)
+
+    def churn() -> dict:
+        fresh = f"127.0.0.1:{_free_port()}"  # listed from the start, up only after the faults
+        addrs = [servers.start(c) for _ in range(3)]
+        ld = loader(addrs + [fresh], False, stall_timeout_s=2.0)
+        steps = len(ld)
+        fault_at = max(1, steps // 3)
+        state: dict = {}
+        times: list[tuple[float, int]] = []
+        ok = True
+        epochs = 0
+
+        def faults() -> None:
+            state["t_fault"] = time.perf_counter() - t0
+            servers.stop(addrs[0], signal.SIGKILL)
+            stopped = servers.procs[addrs[1]].pid
+            cores = throttle.cycled.pop(stopped, None)  # the duty cycle must not wake it
+            os.kill(stopped, signal.SIGSTOP)
+
+            def wake() -> None:
+                _signal(stopped, signal.SIGCONT)
+                if cores is not None:
+                    throttle.cycled[stopped] = cores
+            threading.Timer(a.stop_s, wake).start()
+            servers.start(c, fresh)
+            state["t_fresh_healthy"] = time.perf_counter() - t0
+
+        try:
+            t0 = time.perf_counter()
+            while True:
+                epoch = ld.epoch
+                keys: list[str] = []
+                for i, batch in enumerate(ld):
+                    keys.extend(batch["__key__"])
+                    times.append((time.perf_counter() - t0, _body_nbytes(batch)))
+                    if epoch == 0 and i == fault_at:
+                        threading.Thread(target=faults, daemon=True).start()
+                ok = ok and keys == _plan_keys(ds, B, epoch)
+                epochs += 1
+                if a.churn_epochs and epochs >= a.churn_epochs:
+                    break
+                if not a.churn_epochs and "t_fresh_healthy" in state and \
+                        time.perf_counter() - t0 > state["t_fault"] + a.stop_s + 3:
+                    break
+            wall = time.perf_counter() - t0
+            stats = ld.stats()["servers"]
+            ld.close()
+            # throughput in 1-s windows; recovered once a window after the fresh server was healthy
+            # reaches 0.9x the pre-fault rate per server times the 2 servers healthy after the faults
+            t_f, t_h = state.get("t_fault", 0.0), state.get("t_fresh_healthy", 0.0)
+            pre_rate = sum(nb for t, nb in times if t < t_f) / t_f if t_f else 0.0
+            target = 0.9 * pre_rate * 2 / 3
+            recovered = None
+            k = 0
+            while t_h + 0.1 * k + 1.0 <= wall:
+                start = t_h + 0.1 * k
+                if sum(nb for t, nb in times if start <= t < start + 1.0) >= target:
+                    recovered = round(start + 1.0 - t_h, 2)
+                    break
+                k += 1
+            return {"exactly_once_in_plan_order": ok, "epochs": epochs, "wall_s": wall,
+                    "samples": sum(1 for _ in times) * B, "t_fault_s": t_f, "t_fresh_healthy_s": t_h,
+                    "pre_fault_mb_s": pre_rate / 1e6, "recovery_s": recovered, "servers": stats}
+        finally:
+            for ad in list(servers.procs):
+                servers.stop(ad, signal.SIGKILL)
+
+    def wire(transport: str) -> dict:
+        address = (f"unix:{work}/feed.sock" if transport == "unix" else None)
+        if address and os.path.exists(address[5:]):
+            os.remove(address[5:])
+        ad = servers.start(None, address)
+        try:
+            epochs = max(1, int(-(-a.wire_gb * 1e9 // ds_bytes)))
+            s0 = servers.cpu_s()
+            tot = {"bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
+            for _ in range(epochs):
+                r = _read(RemoteLoader(ad, dataset="imgs", batch_size=B, shuffle=True, seed=0, rank=0, world_size=1,
+                                       output="numpy", decode=False))
+                for k in tot:
+                    tot[k] += r[k]
+            gb = tot["bytes"] / 1e9
+            return {"gb": gb, "gb_per_s": gb / tot["wall_s"], "server_cpu_s_per_gb": (servers.cpu_s() - s0) / gb,
+                    "client_cpu_s_per_gb": tot["cpu_s"] / gb}
+        finally:
+            servers.stop(ad)
+
+    try:
+        for rnd in range(a.rounds):
+            todo = cases[rnd % len(cases):] + cases[:rnd % len(cases)] if cases else []
+            for case in todo:
+                r = run_case(case)
+                runs[case].append(r)
+                print(f"round {rnd} {case}: {r['bytes'] / 1e6 / r['wall_s']:.1f} MB/s "
+                      f"{r['samples'] / r['wall_s']:.1f} samples/s", file=sys.stderr)
+            if "wire" in scenarios:
+                for t in (("tcp", "unix") if rnd % 2 == 0 else ("unix", "tcp")):
+                    w = wire(t)
+                    wire_runs[t].append(w)
+                    ceil = _socket_ceiling(t, int(w["gb"] * 1e9), work, client_cpus, server_cpus)
+                    wire_runs[f"socket {t}"].append(ceil)
+                    print(f"round {rnd} wire {t}: {w['gb_per_s']:.2f} GB/s (socket {ceil['gb_per_s']:.2f})",
+                          file=sys.stderr)
+            if "churn" in scenarios:
+                churn_runs.append(churn())
+                print(f"round {rnd} churn: {churn_runs[-1]['exactly_once_in_plan_order']}, recovery "
+                      f"{churn_runs[-1]['recovery_s']}", file=sys.stderr)
+    finally:
+        servers.close()
+        throttle.close()
+
+    def rate(r: dict, payload: str) -> float:
+        return (r["bytes"] / 1e6 if payload == "raw" else r["samples"]) / r["wall_s"]
+
+    rows = []
+    for (kind, payload, what), rs in runs.items():
+        base_case = ("scale", payload, 1) if kind == "scale" else ("straggler", "raw", "healthy")
+        ratios = [rate(r, payload) / rate(b, payload) for r, b in zip(rs, runs[base_case])]
+        rows.append({"scenario": kind, "payload": payload, "servers": what,
+                     "unit": "MB/s" if payload == "raw" else "images/s",
+                     "throughput": _span([rate(r, payload) for r in rs]),
+                     "ratio_to_" + ("one_server" if kind == "scale" else "healthy"): _span(ratios),
+                     "server_cpu_s_per_gb": sum(r["server_cpu_s"] for r in rs) / (sum(r["bytes"] for r in rs) / 1e9),
+                     "client_cpu_s_per_gb": sum(r["cpu_s"] for r in rs) / (sum(r["bytes"] for r in rs) / 1e9)})
+    wire_rows = []
+    for t in ("tcp", "unix"):
+        if wire_runs[t]:
+            feed, sock = wire_runs[t], wire_runs[f"socket {t}"]
+            wire_rows.append({
+                "transport": t, "gb_per_run": feed[0]["gb"],
+                "feed_gb_per_s": _span([w["gb_per_s"] for w in feed]),
+                "socket_gb_per_s": _span([s["gb_per_s"] for s in sock]),
+                "ratio_to_socket": _span([w["gb_per_s"] / s["gb_per_s"] for w, s in zip(feed, sock)]),
+                "server_cpu_s_per_gb": _span([w["server_cpu_s_per_gb"] for w in feed]),
+                "client_cpu_s_per_gb": _span([w["client_cpu_s_per_gb"] for w in feed]),
+                "socket_send_cpu_s_per_gb": _span([s["send_cpu_s_per_gb"] for s in sock]),
+                "socket_recv_cpu_s_per_gb": _span([s["recv_cpu_s_per_gb"] for s in sock]),
+            })
+    result = {
+        "bench": "remote_scale",
+        "machine": {"host": platform.node(), "cpus": ncpu, "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)]},
+        "dataset": {"images": n, "bytes": ds_bytes},
+        "settings": {"batch_size": B, "rounds": a.rounds, "server_cores": c, "throttle": throttle.kind,
+                     "pinned": pin, "stripe_batches": a.stripe_batches, "server_window": a.server_window,
+                     "raw_epochs": a.raw_epochs, "decoded_images": a.decoded_images, "stop_s": a.stop_s,
+                     "wire_gb": a.wire_gb, "transform": "eval 224 (resize 256, center crop), float32 NCHW"},
+        "rows": rows, "wire": wire_rows,
+        "churn": churn_runs,
+    }
+    print(f"\nthrottle: {throttle.kind}, {c} cores per server, pinned: {pin}")
+    print(f"{'scenario':<10}{'payload':<9}{'servers':>10}{'unit':>10}{'median':>10}{'ratio (min-max)':>22}"
+          f"{'server s/GB':>13}{'client s/GB':>13}")
+    for r in rows:
+        q = r.get("ratio_to_one_server") or r.get("ratio_to_healthy")
+        print(f"{r['scenario']:<10}{r['payload']:<9}{r['servers']!s:>10}{r['unit']:>10}"
+              f"{r['throughput']['median']:>10.1f}{q['median']:>10.2f} ({q['min']:.2f}-{q['max']:.2f})"
+              f"{r['server_cpu_s_per_gb']:>13.2f}{r['client_cpu_s_per_gb']:>13.2f}")
+    for w in wire_rows:
+        print(f"wire {w['transport']}: feed {w['feed_gb_per_s']['median']:.2f} GB/s, socket "
+              f"{w['socket_gb_per_s']['median']:.2f} GB/s, ratio {w['ratio_to_socket']['median']:.2f} "
+              f"({w['ratio_to_socket']['min']:.2f}-{w['ratio_to_socket']['max']:.2f}); CPU s/GB server "
+              f"{w['server_cpu_s_per_gb']['median']:.2f}, client {w['client_cpu_s_per_gb']['median']:.2f}; "
+              f"socket send {w['socket_send_cpu_s_per_gb']['median']:.2f}, recv "
+              f"{w['socket_recv_cpu_s_per_gb']['median']:.2f}")
+    for r in churn_runs:
+        print(f"churn: exactly once in plan order: {r['exactly_once_in_plan_order']}; fault at "
+              f"{r['t_fault_s']}, fresh server healthy at {r['t_fresh_healthy_s']:.2f} s, recovered "
+              f"{r['recovery_s']} s later; pre-fault {r['pre_fault_mb_s']:.1f} MB/s")
+    from gdsload.bench.harness import write_result
+
+    write_result(result, a.out, Path(__file__).parent / "results", "remote_scale", tiny=a.tiny)
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

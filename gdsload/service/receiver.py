@@ -1,0 +1,752 @@
+"""The receiving side of a `RemoteLoader` epoch: the thread that streams and assembles batches
+(`_Receiver`: one server at a time, failing over) and the iterator the training loop holds
+(`_RemoteEpoch`), which hands batches out in plan order and moves the loader's cursor.
+
+Lifetime: the receiver thread holds the connection state (`_Link`) and its own queue, never the
+loader nor the epoch iterator, and the loader refers to its epoch weakly. A loader or iterator
+dropped mid-epoch is therefore collected, and its finalizer cancels the stream at once.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import grpc
+
+from gdsload.service import status, wire
+from gdsload.service.link import _Attempts, _Link, _Retry, resolve
+from gdsload.v1 import feed_pb2 as pb
+
+
+class _Receiver:
+    """The receiving half of one epoch, run by its thread: streams from the link's servers,
+    assembles batches and queues them (at most `prefetch`), resuming after each failure from the
+    position after the last complete batch.
+
+    It holds the link, a request template and its queue, never the loader nor the epoch
+    iterator: those stay collectable while the thread waits, and their finalizer calls `cancel`.
+    """
+
+    def __init__(self, link: _Link, template: pb.BatchRequest, *, epoch: int, position: int,
+                 global_batch: int, end: int, prefetch: int):
+        self.link = link
+        self.template = template
+        self.epoch = epoch
+        self.G = global_batch
+        self.end = end
+        self.next_request = position
+        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.pid = os.getpid()
+        self.stop = threading.Event()
+        self._call_lock = threading.Lock()
+        self._call: Any = None
+        self._waiting_since: float | None = None
+        self._idle_cancelled = False
+
+    def cancel(self) -> None:
+        """Stop the thread and cancel the call in flight; never blocks (safe in a finalizer)."""
+        if os.getpid() != self.pid:  # a forked child: the thread, the call and their locks are the parent's
+            return
+        self.stop.set()
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+
+    def watchdog(self) -> None:
+        """Cancel a stream that sent nothing for `deadline_s` (it is then resumed)."""
+        since = self._waiting_since
+        if since is not None and time.monotonic() - since > self.link.deadline_s:
+            with self._call_lock:
+                if self._call is not None and self._waiting_since is not None:
+                    self._idle_cancelled = True
+                    self._call.cancel()
+
+    def _put(self, item: tuple) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _request(self) -> pb.BatchRequest:
+        req = pb.BatchRequest()
+        req.CopyFrom(self.template)
+        req.start_position = self.next_request
+        return req
+
+    def run(self) -> None:
+        link = self.link
+        attempts = _Attempts(link)
+        corrupt: set[str] = set()  # addresses that answered DATA_LOSS since the last batch
+        last_error = "no attempt"
+        try:
+            while self.next_request < self.end and not self.stop.is_set():
+                address = link.address()
+                progressed = False
+                try:
+                    call = link.channels.stub(address).StreamBatches(
+                        self._request(), timeout=link.stream_deadline_s, metadata=link.metadata)
+                    with self._call_lock:
+                        self._call = call
+                    if self.stop.is_set():
+                        call.cancel()
+                        return
+                    link.mark(address, state="ok", in_flight=(self.end - self.next_request) // self.G)
+                    asm = wire.BatchAssembler()
+                    it = iter(call)
+                    while True:
+                        self._waiting_since = time.monotonic()
+                        try:
+                            chunk, data = next(it)
+                        except StopIteration:
+                            break
+                        finally:
+                            self._waiting_since = None
+                        batch = asm.add(chunk, data)
+                        if batch is None:
+                            continue
+                        expected = self.next_request + self.G
+                        if chunk.epoch != self.epoch or chunk.position != expected:
+                            raise wire.ProtocolError(
+                                f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
+                                f"expected epoch {self.epoch} position {expected}")
+                        nbytes = wire.body_nbytes(batch)
+                        if not self._put(("batch", batch, expected, nbytes)):
+                            return
+                        link.bump(address, batches=1, bytes=nbytes)
+                        self.next_request = expected
+                        progressed = True
+                        attempts.reset()
+                        corrupt.clear()
+                    if self.next_request < self.end and not progressed:
+                        raise _Retry(f"{address} ended the stream without a batch (draining?)")
+                except grpc.RpcError as err:
+                    if self.stop.is_set():
+                        return
+                    idle = self._idle_cancelled
+                    self._idle_cancelled = False
+                    if not idle and status.is_elsewhere(err):
+                        # This server's copy is corrupt: ask each other address once, not this one again.
+                        corrupt.add(address)
+                        link.bump(address, failures=1)
+                        if corrupt.issuperset(link.addresses):
+                            self._put(("error", link.corrupt_everywhere(err, address)))
+                            return
+                        link.failover(address)
+                        continue
+                    if not idle and not status.is_retryable(err):
+                        self._put(("error", status.from_rpc_error(err, address)))
+                        return
+                    last_error = (f"no message for {link.deadline_s} s from {address}" if idle
+                                  else str(status.from_rpc_error(err, address)))
+                    attempts.fail()
+                except (_Retry, wire.ProtocolError) as exc:
+                    last_error = str(exc)
+                    attempts.fail()
+                finally:
+                    with self._call_lock:
+                        self._call = None
+                    link.mark(address, in_flight=0)
+                if attempts.failures:
+                    link.bump(address, failures=1)
+                if attempts.failures and not progressed:
+                    link.mark(address, state="down")
+                    if attempts.spent():
+                        self._put(("error", link.gave_up(attempts, last_error, address, resume=True)))
+                        return
+                    link.failover(address)
+                    if self.stop.wait(attempts.delay()):
+                        return
+                elif attempts.failures:  # broke after some batches: retry at once, same address
+                    attempts.reset()
+                    link.reconnect()
+            if not self.stop.is_set():
+                self._put(("end",))
+        except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
+            self._put(("error", exc))
+
+
+
+class _RemoteEpoch:
+    """One pass, the consumer's side: `__next__` hands out what the receiver thread queued and
+    moves the loader's cursor. Dropping it (or its loader) cancels the receiver's stream."""
+
+    def __init__(self, loader: Any, epoch: int, position: int):  # a RemoteLoader (no import: no cycle)
+        self.loader = loader
+        self.epoch = epoch
+        plan = loader.plan
+        self.receiver: _Receiver | _StripedReceiver
+        if loader.striped:
+            self.receiver = _StripedReceiver(
+                loader._link, loader._request(epoch, position), epoch=epoch, position=position,
+                global_batch=plan.global_batch, end=plan.end_position, prefetch=loader.prefetch,
+                stripe_batches=loader.stripe_batches, server_window=loader.server_window,
+                stall_timeout_s=loader.stall_timeout_s, resolve_interval_s=loader.resolve_interval_s,
+                dataset_id=plan.dataset_id)
+        else:
+            self.receiver = _Receiver(loader._link, loader._request(epoch, position), epoch=epoch,
+                                      position=position, global_batch=plan.global_batch,
+                                      end=plan.end_position, prefetch=loader.prefetch)
+        self.pid = os.getpid()  # the receiver thread and its call exist in this process only
+        self._successor: _RemoteEpoch | None = None
+        self._done = False
+        self._finalizer = weakref.finalize(self, self.receiver.cancel)
+        self.thread = threading.Thread(target=self.receiver.run, name="gdsload-remote", daemon=True)
+        self.thread.start()
+
+    def __iter__(self) -> _RemoteEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
+        if self._done:
+            raise StopIteration
+        L = self.loader
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self.receiver.queue.get(timeout=0.25)
+                break
+            except queue.Empty:
+                self.receiver.watchdog()
+                if not self.thread.is_alive() and self.receiver.queue.empty():
+                    self.close()
+                    raise status.RemoteError("the receiver thread ended without a result",
+                                             code="INTERNAL") from None
+        waited = time.perf_counter() - t0
+        L._stats["wait_s"] += waited
+        if not L.striped:  # striped: the receiver charges the servers of the batch it waits for
+            L._link.bump(L._link.address(), wait_s=waited)
+        if item[0] == "batch":
+            _, batch, position, nbytes = item
+            L._position = position
+            L._stats["batches"] += 1
+            L._stats["bytes"] += nbytes
+            return L._convert(batch)
+        if item[0] == "end":
+            self._finish()
+            raise StopIteration
+        self.close()
+        raise item[1]
+
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its receiver thread is not here and its
+        queue's lock may be held, so continue with a new iteration of the child's copy of the
+        loader, which starts at the loader's cursor (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._done:
+                raise StopIteration
+            self._done = True
+            self._successor = iter(self.loader)
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.RemoteLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
+
+    def _finish(self) -> None:
+        self.close()
+        self.loader._epoch = self.epoch + 1
+        self.loader._position = 0
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._finalizer()  # cancels the call (the parent's is left alone in a forked child)
+        if os.getpid() == self.pid and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+        if self.loader._active_epoch() is self:
+            self.loader._active = None
+
+
+# -- striping ----------------------------------------------------------------------------------------
+class _Server:
+    """One endpoint of a striped epoch: its health and the requests it has in flight."""
+
+    def __init__(self, endpoint):
+        self.ep = endpoint
+        self.address = endpoint.target
+        # new (not probed yet), ok, suspect (stalled: probe first), down (failed: probe after a
+        # backoff), refused (another dataset version, or cannot serve this request), gone (left)
+        self.state = "new"
+        self.fails = 0  # consecutive failures (backoff)
+        self.next_try = 0.0
+        self.probing = False
+        self.fetches: set[_Fetch] = set()
+
+
+class _Fetch:
+    """One request in flight: steps [next, end) of one block from one server."""
+
+    def __init__(self, server: _Server, block: int, next_step: int, end: int):
+        self.server = server
+        self.block = block
+        self.next = next_step
+        self.end = end
+        self.started = time.monotonic()
+        self.last = self.started  # when the last message arrived (the stall clock)
+        self.call: Any = None
+        self.reason: str | None = None  # why it was cancelled: stall, done, gone, stop
+
+
+class _StripedReceiver:
+    """The receiving half of one epoch drawn from several servers at once.
+
+    The epoch's steps (batches of this rank) are cut into blocks of `stripe_batches` consecutive
+    steps; block b is asked of the b-th healthy server modulo their number (addresses sorted), a
+    stable assignment, so jobs with the same plan and servers put step k on the same server. Each
+    server runs `server_window` requests at a time (`StreamBatches` with `start_position` at the
+    block's first missing step and `max_batches` its remaining steps). Only blocks within
+    `servers x server_window` blocks of the plan-order head are asked for, so what arrives out of
+    order waits in a reorder buffer of at most that many blocks; batches leave it in plan order
+    into the epoch's queue (`prefetch`).
+
+    Stealing: a server with none of its own blocks left in the window takes the lowest block no
+    one is fetching whose owner has all its requests in flight; when the head block is in flight on another server for over twice the
+    typical block time (a straggler), an idle server asks for it too. A request silent for
+    `stall_timeout_s`, or one overtaken by such a copy before it sent anything, is cancelled, its
+    server is probed (a unary call bounded by `stall_timeout_s`) before it gets work again, and
+    its block goes to whoever is idle. A batch that arrives twice (hedged, or after a stall) is dropped.
+    A server that fails is retried after a backoff; one that answers another dataset id (or
+    FAILED_PRECONDITION: it cannot serve this request) is refused for the epoch; DATA_LOSS
+    refuses that server for that block only, and is final once every server answered it.
+    `dns:///` addresses are resolved every `resolve_interval_s`: servers that appear join,
+    those that vanish leave (their blocks go back to the others).
+
+    The retry budget is the loader's: no new batch for `retry_timeout_s` (or more than
+    `max_retries` consecutive failures) while failures occur ends the epoch with `RemoteError`.
+    """
+
+    def __init__(self, link: _Link, template: pb.BatchRequest, *, epoch: int, position: int,
+                 global_batch: int, end: int, prefetch: int, stripe_batches: int, server_window: int,
+                 stall_timeout_s: float, resolve_interval_s: float, dataset_id: str | None):
+        self.link = link
+        self.template = template
+        self.epoch = epoch
+        self.G = global_batch
+        self.out = position // global_batch  # next step handed out
+        self.end = end // global_batch  # steps of the epoch
+        self.K = stripe_batches
+        self.W = server_window
+        self.stall_s = stall_timeout_s
+        self.resolve_s = resolve_interval_s
+        self.dataset_id = dataset_id
+        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.pid = os.getpid()
+        self.stop = threading.Event()
+        self.cond = threading.Condition(threading.RLock())  # re-entrant: cancel() may run in a finalizer
+        self.ready: dict[int, tuple] = {}  # step -> queue item, the reorder buffer
+        self.have: set[int] = set()  # steps received (in ready or handed out), this epoch
+        self.fetchers: dict[int, set[_Fetch]] = {}  # block -> requests in flight
+        self.corrupt: dict[int, set[str]] = {}  # block -> addresses that answered DATA_LOSS
+        self.servers: dict[str, _Server] = {}
+        self.error: BaseException | None = None
+        self.attempts = _Attempts(link)
+        self.last_error = "no attempt"
+        self.block_s = 0.0  # typical (EWMA) time of a whole block
+        self.threads: list[threading.Thread] = []
+        self._resolved_at = -1e9
+        self._dropped = False  # cancel() was called: nobody reads the queue any more
+        self.progress_at = time.monotonic()  # when a batch last arrived (or the head began to wait)
+        self._head_waits = False
+        self._watched_at = 0.0
+
+    # -- servers ---------------------------------------------------------------------------------
+    def _resolve(self) -> None:
+        """(Re)resolve the addresses; start workers for new endpoints, retire vanished ones."""
+        now = time.monotonic()
+        if now - self._resolved_at < self.resolve_s and self.servers:
+            return
+        self._resolved_at = now
+        found: dict[str, Any] = {}
+        failed: list[str] = []
+        for address in self.link.addresses:
+            try:
+                for ep in resolve(address):
+                    found.setdefault(ep.target, ep)
+            except OSError as exc:
+                failed.append(f"{address}: {exc}")
+                for srv in self.servers.values():  # keep what it resolved to before
+                    if srv.ep.source == address:
+                        found.setdefault(srv.address, srv.ep)
+        with self.cond:
+            if failed and not found:
+                self.last_error = "cannot resolve " + "; ".join(failed)
+            for target, ep in found.items():
+                if target not in self.servers:
+                    srv = self.servers[target] = _Server(ep)
+                    self.link.mark(target, state="new", in_flight=0)
+                    for slot in range(self.W):
+                        t = threading.Thread(target=self._work, args=(srv,), daemon=True,
+                                             name=f"gdsload-stripe-{len(self.servers)}.{slot}")
+                        self.threads.append(t)
+                        t.start()
+            for target, srv in self.servers.items():
+                if target not in found and srv.state != "gone":
+                    srv.state = "gone"
+                    self.link.mark(target, state="gone", in_flight=0)
+                    for f in list(srv.fetches):
+                        self._cancel(f, "gone")
+            self.cond.notify_all()
+
+    def _live(self) -> list[str]:
+        return sorted(a for a, s in self.servers.items() if s.state == "ok")
+
+    def _probe(self, srv: _Server) -> None:
+        """Ask a server that is new, failed or stalled whether it serves our dataset (a unary call
+        bounded by `stall_timeout_s`), then mark it ok, down or refused."""
+        link = self.link
+        try:
+            timeout = min(link.deadline_s, self.stall_s)
+            stub = link.channels.stub(srv.address, srv.ep.tls_name)
+            if self.template.dataset and self.dataset_id:
+                info = stub.ListDatasets(pb.ListDatasetsRequest(name=self.template.dataset), timeout=timeout,
+                                         metadata=link.metadata).datasets[0]
+                if info.dataset_id != self.dataset_id:
+                    self._refuse(srv, status.RemoteError(
+                        f"{srv.address} serves dataset {self.template.dataset!r} with id {info.dataset_id}, "
+                        f"this loader planned with {self.dataset_id}: another version of the dataset, not "
+                        f"used", code="FAILED_PRECONDITION", address=srv.address))
+                    return
+            else:
+                stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout, metadata=link.metadata)
+        except grpc.RpcError as err:
+            if not (status.is_retryable(err) or status.is_elsewhere(err)):
+                self._refuse(srv, status.from_rpc_error(err, srv.address))
+                return
+            with self.cond:
+                self._failed(srv, str(status.from_rpc_error(err, srv.address)))
+            return
+        with self.cond:
+            if srv.state != "gone":
+                srv.state = "ok"
+                srv.fails = 0
+                self.link.mark(srv.address, state="ok")
+            self.cond.notify_all()
+
+    def _refuse(self, srv: _Server, exc: BaseException) -> None:
+        with self.cond:
+            if srv.state != "gone":
+                srv.state = "refused"
+                self.link.mark(srv.address, state="refused")
+                self.link.bump(srv.address, failures=1)
+            self.last_error = str(exc)
+            if all(s.state in ("refused", "gone") for s in self.servers.values()):
+                self._fail(exc)
+            self.cond.notify_all()
+
+    def _failed(self, srv: _Server, error: str, state: str = "down") -> None:
+        """Count a failed attempt on `srv` and back off (the lock is held)."""
+        self.link.bump(srv.address, failures=1)
+        self.last_error = error
+        self.attempts.fail()
+        srv.fails += 1
+        if srv.state not in ("gone", "refused"):
+            srv.state = state
+            self.link.mark(srv.address, state=state)
+        srv.next_try = time.monotonic() + self.link.backoff(srv.fails)
+        self.cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.stop.set()
+        self.cond.notify_all()
+
+    # -- blocks ------------------------------------------------------------------------------------
+    def _first_missing(self, block: int) -> int:
+        step = max(block * self.K, self.out)
+        end = min((block + 1) * self.K, self.end)
+        while step < end and step in self.have:
+            step += 1
+        return step
+
+    def _pick(self, srv: _Server) -> _Fetch | None:
+        """The next request for `srv` (the lock is held): its own lowest block in the window, else
+        the lowest block no one fetches whose owner has no free slot, else (a straggler at the
+        head) the head block."""
+        live = self._live()
+        if srv.address not in live:
+            return None
+        head = self.out // self.K
+        last = min(head + len(live) * self.W, -(-self.end // self.K))
+        free: list[tuple[int, int]] = []
+        for b in range(head, last):
+            start = self._first_missing(b)
+            if start >= min((b + 1) * self.K, self.end) or srv.address in self.corrupt.get(b, ()):
+                continue
+            if not self.fetchers.get(b):
+                owner = live[b % len(live)]
+                if owner == srv.address:
+                    return self._start(srv, b, start)
+                if (len(self.servers[owner].fetches) >= self.W  # its owner is busy: steal it
+                        or owner in self.corrupt.get(b, ())):  # or cannot serve it
+                    free.append((b, start))
+        if free:
+            return self._start(srv, *free[0])
+        b = head
+        start = self._first_missing(b)
+        ff = self.fetchers.get(b, set())
+        if (b < last and start < min((b + 1) * self.K, self.end) and len(ff) == 1
+                and srv.address not in self.corrupt.get(b, ())
+                and all(f.server is not srv for f in ff) and self.block_s > 0
+                and time.monotonic() - next(iter(ff)).started > 2 * self.block_s):
+            return self._start(srv, b, start)
+        return None
+
+    def _start(self, srv: _Server, block: int, start: int) -> _Fetch:
+        f = _Fetch(srv, block, start, min((block + 1) * self.K, self.end))
+        self.fetchers.setdefault(block, set()).add(f)
+        srv.fetches.add(f)
+        self._in_flight(srv)
+        return f
+
+    def _in_flight(self, srv: _Server) -> None:
+        self.link.mark(srv.address, in_flight=sum(f.end - f.next for f in srv.fetches))
+
+    def _cancel(self, f: _Fetch, reason: str) -> None:
+        if f.reason is None:
+            f.reason = reason
+        call = f.call
+        if call is not None:
+            call.cancel()
+
+    def _finish(self, f: _Fetch) -> None:
+        """`f` is over (the lock is held)."""
+        self.fetchers.get(f.block, set()).discard(f)
+        f.server.fetches.discard(f)
+        self._in_flight(f.server)
+        self.cond.notify_all()
+
+    # -- worker: one request slot of one server ----------------------------------------------------
+    def _work(self, srv: _Server) -> None:
+        try:
+            while not self.stop.is_set():
+                with self.cond:
+                    if srv.state in ("gone", "refused"):
+                        return
+                    now = time.monotonic()
+                    fetch = None
+                    if srv.state != "ok":
+                        if srv.probing or now < srv.next_try:
+                            self.cond.wait(min(0.25, max(0.01, srv.next_try - now)))
+                            continue
+                        srv.probing = True
+                    else:
+                        fetch = self._pick(srv)
+                        if fetch is None:
+                            self.cond.wait(0.25)
+                            continue
+                if fetch is None:
+                    try:
+                        self._probe(srv)
+                    finally:
+                        srv.probing = False
+                    continue
+                self._fetch(fetch)
+        except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
+            with self.cond:
+                self._fail(exc)
+
+    def _fetch(self, f: _Fetch) -> None:
+        srv, link = f.server, self.link
+        req = pb.BatchRequest()
+        req.CopyFrom(self.template)
+        req.start_position = f.next * self.G
+        req.max_batches = f.end - f.next
+        try:
+            call = link.channels.stub(srv.address, srv.ep.tls_name).StreamBatches(
+                req, timeout=link.stream_deadline_s, metadata=link.metadata)
+            f.call = call
+            if self.stop.is_set() or f.reason is not None:
+                call.cancel()
+            asm = wire.BatchAssembler()
+            for chunk, data in call:
+                f.last = time.monotonic()
+                batch = asm.add(chunk, data)
+                if batch is None:
+                    continue
+                expected = (f.next + 1) * self.G
+                if chunk.epoch != self.epoch or chunk.position != expected:
+                    raise wire.ProtocolError(
+                        f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
+                        f"expected epoch {self.epoch} position {expected}")
+                self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch)))
+                if f.reason is not None:
+                    break  # cancelled (stall, a hedged copy done, stop): the call is being cancelled
+            with self.cond:
+                if f.reason in ("stall", "overtaken"):  # (a call cancelled after its last batch ends quietly)
+                    self._stalled(f)
+                elif f.next < f.end and f.reason is None:
+                    self._failed(srv, f"{srv.address} ended the stream of steps {req.start_position // self.G}-"
+                                      f"{f.end - 1} before step {f.next} (draining?)")
+                elif f.next >= f.end:
+                    took = time.monotonic() - f.started
+                    self.block_s = took if not self.block_s else 0.8 * self.block_s + 0.2 * took * self.K / max(1, req.max_batches)
+                    srv.fails = 0
+        except grpc.RpcError as err:
+            with self.cond:
+                if self.stop.is_set() or f.reason in ("done", "gone", "stop"):
+                    return
+                if f.reason in ("stall", "overtaken"):
+                    self._stalled(f)
+                elif status.is_elsewhere(err):
+                    bad = self.corrupt.setdefault(f.block, set())
+                    bad.add(srv.address)
+                    link.bump(srv.address, failures=1)
+                    if bad.issuperset(a for a, s in self.servers.items() if s.state not in ("gone", "refused")):
+                        self._fail(link.corrupt_everywhere(err, srv.address))
+                elif err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._refuse(srv, status.from_rpc_error(err, srv.address))
+                elif status.is_retryable(err):
+                    self._failed(srv, str(status.from_rpc_error(err, srv.address)))
+                else:
+                    self._fail(status.from_rpc_error(err, srv.address))
+        except wire.ProtocolError as exc:
+            with self.cond:
+                self._failed(srv, str(exc))
+        finally:
+            with self.cond:
+                f.call = None
+                self._finish(f)
+
+    def _stalled(self, f: _Fetch) -> None:
+        """`f` was cancelled as stalled: its server is probed before it gets work again."""
+        srv = f.server
+        self.link.bump(srv.address, stalls=1)
+        self._failed(srv, f"no message for {self.stall_s:g} s from {srv.address} (stalled)"
+                     if f.reason == "stall" else f"{srv.address} sent nothing while another "
+                     f"server sent its block (stalled?)", state="suspect")
+
+    def _deliver(self, f: _Fetch, item: tuple) -> None:
+        step = f.next
+        with self.cond:
+            f.next += 1
+            if step in self.have or step < self.out:
+                self.link.bump(f.server.address, duplicates=1)
+            else:
+                self.have.add(step)
+                self.ready[step] = item
+                self.link.bump(f.server.address, batches=1, bytes=item[3])
+                self.attempts.reset()
+                self.cond.notify_all()
+            self._in_flight(f.server)
+            block = f.block
+            self.progress_at = time.monotonic()
+            if self._first_missing(block) >= min((block + 1) * self.K, self.end):
+                for other in list(self.fetchers.get(block, ())):  # a hedged copy: no longer needed
+                    if other is not f:  # one that sent nothing at all was overtaken: a stall
+                        self._cancel(other, "overtaken" if other.last == other.started else "done")
+
+    # -- the hand-out loop (the receiver thread) ----------------------------------------------------
+    def watchdog(self) -> None:
+        """Nothing: the hand-out loop watches the requests itself."""
+
+    def _watch(self) -> None:
+        """Cancel requests silent for `stall_timeout_s`; re-resolve names now and then."""
+        now = self._watched_at = time.monotonic()
+        with self.cond:
+            for srv in self.servers.values():
+                for f in list(srv.fetches):
+                    if f.reason is None and f.call is not None and now - f.last > self.stall_s:
+                        self._cancel(f, "stall")
+            spent = self.attempts.spent() and not any(s.fetches for s in self.servers.values())
+        if spent:
+            with self.cond:
+                address = ", ".join(self.servers) or ", ".join(self.link.addresses)
+                self._fail(self.link.gave_up(self.attempts, self.last_error, address, resume=True))
+            return
+        self._resolve()
+
+    def cancel(self) -> None:
+        """Stop the threads and cancel the calls in flight; never blocks (safe in a finalizer)."""
+        if os.getpid() != self.pid:  # a forked child: the threads and calls are the parent's
+            return
+        self._dropped = True
+        self._halt()
+
+    def _halt(self) -> None:
+        self.stop.set()
+        for _ in range(3):  # the sets may change under us (no lock here: see cancel)
+            try:
+                for srv in list(self.servers.values()):
+                    for f in list(srv.fetches):
+                        self._cancel(f, "stop")
+                return
+            except RuntimeError:
+                continue
+
+    def _put(self, item: tuple) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                self._watch()
+        return False
+
+    def run(self) -> None:
+        try:
+            self._resolve()
+            while self.out < self.end:
+                with self.cond:
+                    item = self.ready.pop(self.out, None)
+                    if item is None and self.error is None and not self.stop.is_set():
+                        t0 = time.monotonic()
+                        self.cond.wait(0.1)
+                        waited = time.monotonic() - t0
+                        for f in self.fetchers.get(self.out // self.K, ()):
+                            self.link.bump(f.server.address, wait_s=waited)
+                    error = self.error
+                if error is not None:
+                    self._halt()
+                    self._put_final(("error", error))
+                    return
+                if self.stop.is_set():
+                    return
+                if item is None:
+                    now = time.monotonic()
+                    if not self._head_waits:
+                        self._head_waits = True
+                        self.progress_at = max(self.progress_at, now)
+                    elif now - self.progress_at > self.link.retry_timeout_s:  # no batch at all: give up
+                        with self.cond:
+                            self.attempts.fail()
+                            self.attempts.since = self.progress_at
+                            self._fail(self.link.gave_up(self.attempts, self.last_error, ", ".join(self.servers),
+                                                         resume=True))
+                        continue
+                    self._watch()
+                    continue
+                self._head_waits = False
+                if time.monotonic() - self._watched_at > 0.1:  # also when batches flow: stalls elsewhere
+                    self._watch()
+                if not self._put(item):
+                    return
+                with self.cond:
+                    self.out += 1
+                    self.cond.notify_all()
+            self._halt()
+            self._put_final(("end",))
+        except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
+            self._halt()
+            self._put_final(("error", exc))
+
+    def _put_final(self, item: tuple) -> None:
+        """The last item, queued even though `stop` is set (unless the consumer is gone)."""
+        while True:
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                if self._dropped:
+                    return
