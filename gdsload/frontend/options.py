@@ -74,8 +74,10 @@ class LoaderOptions:
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
         for name, value, least in (("batch_size", batch_size, 1), ("seed", seed, 0),
                                    ("shuffle_window", shuffle_window, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+            if value < least:
+                raise ConfigError(f"{name} must be >= {least}, got {value!r}")
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if output is not None and output not in OUTPUTS:

@@ -49,7 +49,6 @@ from typing import Any, Literal
 import numpy as np
 
 from gdsload.errors import GdsloadError, require
-from gdsload.host.dist import dist_rank_world
 from gdsload.host.forksafe import ProcessLocal
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
@@ -57,7 +56,8 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 from gdsload.dataset.mix import Mix
 from gdsload.frontend.cursor import PlanCursor
 from gdsload.frontend.fields import parse_columns
-from gdsload.frontend.output import as_output, default_output, torch_or_none
+from gdsload.frontend.options import LoaderOptions
+from gdsload.frontend.output import as_output
 from gdsload.frontend.usercode import MapStage
 from gdsload.service import mixwire, wire
 from gdsload.service.auth import metadata
@@ -177,10 +177,12 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         if not isinstance(dataset, Mix) and (not isinstance(dataset, str) or not dataset):
             raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of "
                                f"served names), got {dataset!r}")
-        if on_error not in ("raise", "skip"):
-            raise GdsloadError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-        if output not in ("torch", "numpy", None):
-            raise GdsloadError(f"output must be 'torch', 'numpy' or None, not {output!r}")
+        # the options a local DataLoader takes too: validated and resolved in one place (the
+        # default device differs on purpose: see gdsload.frontend.options)
+        self.options = opts = LoaderOptions.create(
+            remote=True, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
+            world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform, fields=fields,
+            on_error=on_error, output=output, device=device)
         for name, value in (("deadline_s", deadline_s), ("stream_deadline_s", stream_deadline_s),
                             ("retry_timeout_s", retry_timeout_s), ("backoff_s", backoff_s),
                             ("max_backoff_s", max_backoff_s)):
@@ -189,9 +191,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         if (max_retries is not None and max_retries < 0) or prefetch < 1 or batches_per_stream < 0:
             raise GdsloadError(f"max_retries (or None) and batches_per_stream must be >= 0 and prefetch >= 1, "
                                f"got {max_retries}, {batches_per_stream} and {prefetch}")
-        dist = dist_rank_world()
-        self.rank = rank if rank is not None else (dist[0] if dist else 0)
-        self.world_size = world_size if world_size is not None else (dist[1] if dist else 1)
+        self.rank, self.world_size = opts.rank, opts.world_size
         self.addresses = addresses
         self.dataset = dataset
         self.batch_size = batch_size
@@ -200,30 +200,20 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.seed = seed
         self.shuffle_window = shuffle_window
         self.decode = decode
-        from gdsload.frontend.options import split_transforms
-
         self.transform = transform
-        image, media = split_transforms(transform) if decode else (None, ())
-        if decode and image is None:
-            image = wire.ImageTransform()
-        self._spec = wire.transform_to_spec(image) if decode else None
+        self._spec = wire.transform_to_spec(opts.transform) if decode else None
         self._media = []  # video/audio decoded on the server (gdsload.service.mediawire)
-        if media:
+        if opts.media:
             from gdsload.service import mediawire
 
-            self._media = mediawire.to_specs(media)
-        self.tuple_fields = list(fields) if fields is not None else None
+            self._media = mediawire.to_specs(opts.media)
+        self.tuple_fields = opts.tuple_fields
         # map / collate_fn run here on the client, in the consumer's thread (gdsload.frontend.usercode)
         self._stage = MapStage.create(map, collate_fn, "thread")
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
-        self.on_error = on_error
-        self.output = default_output(output)
-        if device is None:
-            torch = torch_or_none()
-            device = "cuda" if self.output == "torch" and torch is not None and torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda") or (device == "cuda" and self.output != "torch"):
-            raise GdsloadError(f"device must be 'cpu', or 'cuda' with torch output, not {device!r}")
-        self.device = device
+        self.on_error = opts.on_error
+        self.output = opts.output
+        self.device = opts.device
         self.prefetch = int(prefetch)
         self.batches_per_stream = int(batches_per_stream)
         self.max_message_bytes = int(max_message_bytes)
@@ -366,19 +356,14 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return self._link.unary(method, request)
 
     def _request(self, epoch: int, position: int) -> pb.BatchRequest:
-        plan = self.plan
+        from gdsload.service.request import to_request
+
         mixed = isinstance(self.dataset, Mix)
-        return pb.BatchRequest(
-            dataset="" if mixed else self.dataset, dataset_id=plan.dataset_id,
-            mix=mixwire.to_pb(self.dataset, plan.mix) if mixed else None, seed=plan.seed, epoch=epoch,
-            shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
-            batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size,
-            start_position=position,
-            payload=pb.PAYLOAD_DECODED if self.decode else pb.PAYLOAD_RAW,
-            transform=self._spec, fields=self._request_fields, media=self._media,
-            on_error=pb.ON_ERROR_SKIP if self.on_error == "skip" else pb.ON_ERROR_RAISE,
-            max_chunk_bytes=self.max_message_bytes, max_batches=self.batches_per_stream,
-        )
+        return to_request(self.options, self.plan, dataset="" if mixed else self.dataset,
+                          mix=mixwire.to_pb(self.dataset, self.plan.mix) if mixed else None, epoch=epoch,
+                          position=position, transform_spec=self._spec, media=self._media,
+                          fields=self._request_fields, max_chunk_bytes=self.max_message_bytes,
+                          max_batches=self.batches_per_stream)
 
     def _convert(self, batch: dict[str, Any]) -> Any:
         batch = parse_columns(batch, decode=self.decode)  # text, json, ragged .npy: as locally

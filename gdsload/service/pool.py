@@ -77,9 +77,15 @@ class DecodePool:
         return dec
 
     def detach(self, sid: int) -> None:
+        from gdsload.errors import RingClosed
+
         with self._cv:
-            if self._queues.pop(sid, None) is None:
+            left = self._queues.pop(sid, None)
+            if left is None:
                 return
+            for job in left:  # batches of the ended stream still queued: their readers stop now
+                job.error = RingClosed("the stream ended")
+                job.done.set()
             self._attached -= 1
             if self._attached == 0:  # release the pipelines unless a stream comes soon (a striping
                 t = threading.Timer(self.linger_s, self._release_if_idle)  # client's next block)

@@ -21,14 +21,16 @@ ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_
 
 
 def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch: int, position: int,
-               transform_spec: Any, max_chunk_bytes: int, max_batches: int) -> pb.BatchRequest:
-    """The request for `plan`'s batches from `position` of `epoch` (`mix`: a `pb.MixSpec` or None)."""
+               transform_spec: Any, media: Any, fields: list[str], max_chunk_bytes: int,
+               max_batches: int) -> pb.BatchRequest:
+    """The request for `plan`'s batches from `position` of `epoch` (`mix`: a `pb.MixSpec` or None;
+    `media`: the video/audio specs of `gdsload.service.mediawire`)."""
     return pb.BatchRequest(
         dataset="" if mix is not None else dataset, dataset_id=plan.dataset_id, mix=mix, seed=plan.seed,
         epoch=epoch, shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
         batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size, start_position=position,
         payload=pb.PAYLOAD_DECODED if opts.decode else pb.PAYLOAD_RAW, transform=transform_spec,
-        fields=opts.read_fields or [], on_error=pb.ON_ERROR_SKIP if opts.on_error == "skip" else pb.ON_ERROR_RAISE,
+        fields=fields, media=media, on_error=pb.ON_ERROR_SKIP if opts.on_error == "skip" else pb.ON_ERROR_RAISE,
         max_chunk_bytes=max_chunk_bytes, max_batches=max_batches,
     )
 

@@ -52,7 +52,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gdsload.loader.dataloader import DataLoader
-from gdsload.service import mixwire, wire
+from gdsload.service import mixwire, request, wire
 from gdsload.service.auth import TokenInterceptor
 from gdsload.service.catalog import Catalog
 from gdsload.service.config import (
@@ -80,8 +80,6 @@ from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "gdsload.v1.Feed"
-_PAYLOADS = {pb.PAYLOAD_UNSPECIFIED: "raw", pb.PAYLOAD_RAW: "raw", pb.PAYLOAD_DECODED: "decoded"}
-_ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_ERROR_SKIP: "skip"}
 _SKIP_REMEDY = ("set BatchRequest.on_error = ON_ERROR_SKIP to leave corrupt samples out "
                 "(BatchHeader.skipped_keys names them)")
 #: Decoder buffers of a decoding stream, in output batches: DALI's output and the decoded,
@@ -241,17 +239,8 @@ class FeedServicer(pb_grpc.FeedServicer):
     def _open_loader(self, req: pb.BatchRequest) -> tuple[DataLoader, dict[str, Any]]:
         """Validate the request against the limits and build the loader positioned at its start."""
         L = self.limits
-        if req.payload not in _PAYLOADS:
-            raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
-        if req.on_error not in _ON_ERROR:
-            raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
-        payload = _PAYLOADS[req.payload]
-        if payload == "raw" and req.HasField("transform"):
-            raise BadRequest("BatchRequest.transform is set but payload is PAYLOAD_RAW (samples as "
-                             "stored): send payload = PAYLOAD_DECODED to decode on the server, or no "
-                             "transform")
-        if req.batch_size < 1:
-            raise BadRequest(f"batch_size must be >= 1, got {req.batch_size}")
+        opts = request.to_options(req, max_image_side=L.max_image_side)  # the loader's options, checked
+        payload = "decoded" if opts.decode else "raw"
         if req.batch_size > L.max_batch_size:
             raise OverLimit(f"batch_size {req.batch_size} is over the server's limit of "
                             f"{L.max_batch_size} samples per batch")
@@ -269,7 +258,7 @@ class FeedServicer(pb_grpc.FeedServicer):
                 f"planned with {_cut(req.dataset_id)} (BatchRequest.dataset_id): the dataset was "
                 f"rewritten; start from a fresh state"
             )
-        transform = None
+        transform = opts.transform
         if payload == "decoded":
             images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
             if len(images) > 1:
@@ -278,8 +267,6 @@ class FeedServicer(pb_grpc.FeedServicer):
                     f"decodes one: name it (and the other fields wanted) in BatchRequest.fields, "
                     f"or send PAYLOAD_RAW for the encoded bytes"
                 )
-            transform = (wire.spec_to_transform(req.transform, max_side=L.max_image_side)
-                         if req.HasField("transform") else wire.ImageTransform())
         media: dict[str, Any] = {}
         if req.media:  # video/audio decoded here (issue 30): gdsload.service.mediawire
             if payload != "decoded":
@@ -298,11 +285,8 @@ class FeedServicer(pb_grpc.FeedServicer):
         reused = loader is not None
         if loader is None:
             loader = DataLoader(
-                dataset, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
-                num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False,
-                seed=req.seed, device="cpu", decode=payload == "decoded", transform=transform,
-                rank=req.rank, world_size=req.world_size or 1, shuffle_window=req.shuffle_window or 4,
-                on_error=_ON_ERROR[req.on_error], copy=False, io="auto", output="numpy",
+                dataset, **{**request.loader_kwargs(opts), "transform": transform},
+                num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False, io="auto",
                 decode_threads=self.decode_threads,
             )
         try:

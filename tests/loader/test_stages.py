@@ -89,3 +89,19 @@ def test_autotune_grows_the_resources_not_the_configuration(feats):
     assert dl.num_workers == res.num_workers == dl._num_workers + 1  # the live value, read from Resources
     assert dl.stats()["num_workers"] == res.num_workers
     dl.close()
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"output": "nonsense"}, "output"),
+    ({"on_error": "ignore"}, "on_error"),
+    ({"device": "gpu"}, "device"),
+    ({"shuffle": "yes"}, "shuffle"),
+    ({"batch_size": 0}, "batch_size"),
+])
+def test_remote_loader_refuses_the_same_options_with_the_same_error(kw, words):
+    """The same options, the same validation (`LoaderOptions`), before any connection is made."""
+    pytest.importorskip("grpc")
+    from gdsload.service.client import RemoteLoader
+
+    with pytest.raises(ConfigError, match=words):
+        RemoteLoader("127.0.0.1:1", dataset="feats", **{"output": "numpy", **kw})
