@@ -53,8 +53,14 @@ def _pss_kb(pid: int) -> int:
 
 def run_one(args: dict[str, Any], timeout_s: float = 1800) -> dict[str, Any]:
     """Run a contestant in a subprocess, sampling its process tree's memory."""
-    proc = subprocess.Popen([sys.executable, "-m", "gdsload.bench.runners", json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return run_measured([sys.executable, "-m", "gdsload.bench.runners", json.dumps(args)],
+                        f"benchmark run {args['contestant']}/{args['tier']}", timeout_s)
+
+
+def run_measured(cmd: list[str], what: str, timeout_s: float) -> dict[str, Any]:
+    """Run `cmd`, whose last `RESULT {json}` line is its result, with the peak PSS of its process
+    tree (`peak_mem_mb`) added; a failure raises naming `what`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0]
     done = threading.Event()
 
@@ -71,8 +77,7 @@ def run_one(args: dict[str, Any], timeout_s: float = 1800) -> dict[str, Any]:
         t.join()
     line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
-        raise GdsloadError(f"benchmark run {args['contestant']}/{args['tier']} failed "
-                           f"(exit {proc.returncode}): {err.strip()[-1500:]}")
+        raise GdsloadError(f"{what} failed (exit {proc.returncode}): {err.strip()[-1500:]}")
     r = json.loads(line[len("RESULT "):])
     r["peak_mem_mb"] = peak[0] / 1024
     return r

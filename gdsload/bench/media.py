@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -328,32 +326,10 @@ def missing(name: str) -> str | None:
 
 # -- the harness ----------------------------------------------------------------------------------------
 def run_one(args: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
-    from gdsload.bench.harness import _pss_kb, _tree
-    from gdsload.errors import GdsloadError
+    from gdsload.bench.harness import run_measured
 
-    proc = subprocess.Popen([sys.executable, "-m", "gdsload.bench.media", "RUN", json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.05):
-            peak[0] = max(peak[0], sum(_pss_kb(p) for p in _tree(proc.pid)))
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    finally:
-        done.set()
-        t.join()
-    line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise GdsloadError(f"media benchmark run {args['contestant']} failed (exit {proc.returncode}): "
-                           f"{err.strip()[-1500:]}")
-    r = json.loads(line[len("RESULT "):])
-    r["peak_mem_mb"] = peak[0] / 1024
-    return r
+    return run_measured([sys.executable, "-m", "gdsload.bench.media", "RUN", json.dumps(args)],
+                        f"media benchmark run {args['contestant']}", timeout_s)
 
 
 def run_media(dataset: str, *, contestants: list[str], rounds: int = 5, batch_size: int = 16,

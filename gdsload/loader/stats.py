@@ -2,8 +2,9 @@
 
 `StageTimes` sums the wall seconds spent in each stage over the threads that did it: `read`
 (the batch's reads, issue to completion), `check` (CRC32s, headers), `decode` (inside DALI's turn,
-the copy out of DALI included), `map` (`map`/`collate_fn`), `copy` (host-to-device copies queued,
-and the consumer's owned copies with `copy=True`), `wait` (the consumer waiting for a batch).
+the copy out of DALI included), `map` (`map`/`collate_fn`), `copy` (the consumer's owned copies
+with `copy=True`; host-to-device copies are queued on a stream and not timed), `wait` (the
+consumer waiting for a batch).
 Reader stages overlap each other and the consumer, so the figures say where the time goes, not
 how long a batch took; `per_batch` divides each by the batches handed out.
 """
