@@ -129,7 +129,7 @@ def run_child(argv: list[str]) -> dict:
 
 
 def make_parquet(work: Path, images: int, classes: int, row_group: int, tiny: bool) -> dict:
-    """The source Parquet file (made once per workdir), HuggingFace layout."""
+    """The source Parquet file (made once per workdir and setting), HuggingFace layout."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -137,9 +137,13 @@ def make_parquet(work: Path, images: int, classes: int, row_group: int, tiny: bo
 
     path = work / "data.parquet"
     marker = work / "data.parquet.json"
+    setting = {"images": images, "classes": classes, "row_group": row_group, "tiny": tiny}
     if marker.exists():
-        return json.loads(marker.read_text())
+        made = json.loads(marker.read_text())
+        if made.get("setting") == setting:
+            return made
     folder = work / "images"
+    shutil.rmtree(folder, ignore_errors=True)
     kw = {"mean_size": (96, 72)} if tiny else {}
     ensure_image_folder(folder, num_images=images, num_classes=classes, seed=0, **kw)
     names = sorted(d.name for d in folder.iterdir() if d.is_dir())
@@ -158,7 +162,8 @@ def make_parquet(work: Path, images: int, classes: int, row_group: int, tiny: bo
                                     "label": [label for label, _ in part]}, schema=schema),
                           row_group_size=row_group)
     shutil.rmtree(folder)
-    made = {"rows": len(files), "image_bytes": nbytes, "file_bytes": path.stat().st_size, "classes": len(names)}
+    made = {"rows": len(files), "image_bytes": nbytes, "file_bytes": path.stat().st_size, "classes": len(names),
+            "setting": setting}
     marker.write_text(json.dumps(made))
     return made
 

@@ -14,12 +14,23 @@ anything of the sample is written. Video and audio members are stored unchanged 
 metadata kept in the index's media columns; media that do not probe are refused. Fortran-ordered arrays are stored in C order (`npy.normalize`)
 and counted per field in the shard entry (`fortran_to_c`) and the manifest (`created`).
 
-Memory: one sample's payloads at a time. Not thread-safe: one writer per thread or process.
+Threads: the bytes go to the file and into the SHA-256 on two background threads (`_Pipe`), in
+order, so that copying into the page cache (~0.9 GB/s a core here) and hashing (~1.8 GB/s) overlap
+each other and the caller's next sample instead of adding up on one core (both release the GIL).
+At most `PIPE_BYTES` are in flight; a `bytearray` payload (or a view of one) is copied before it
+is queued, so the caller may reuse it at once; other buffers (Arrow's, NumPy's) are held, not
+copied, and must not change until the shard is closed. A write error
+(named by the store) is raised by the next `add`, or by `close`.
+
+Memory: one sample's payloads plus `PIPE_BYTES` in flight. Not thread-safe: one writer per thread
+or process.
 """
 
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +44,95 @@ from gdsload.format.index import ShardIndex, check_key
 from gdsload.format.labels import parse_label
 from gdsload.io.store import Store, open_store, save_manifest
 from gdsload.format.tar import end_of_archive, write_member
+
+
+PIPE_BYTES = 64 << 20  # bytes queued for the write and hash threads at most
+_SMALL = 256 << 10  # writes below this are gathered into one buffer before they are queued
+_GATHER = 1 << 20
+
+
+class _Pipe:
+    """Feeds the same bytes, in order, to `write` on one thread and `update` on another.
+
+    `put` blocks while more than `limit` bytes wait for either thread; the first exception of
+    either thread is raised by the next `put` or by `finish` (the remaining items are dropped).
+    Small writes (tar headers, padding, small payloads) are gathered into one buffer first.
+    """
+
+    def __init__(self, write, update, limit: int = PIPE_BYTES):
+        self._cv = threading.Condition()
+        self._pending = [0, 0]  # bytes queued for the writer, the hasher
+        self._limit = limit
+        self._error: BaseException | None = None
+        self._small = bytearray()
+        self._queues = (queue.SimpleQueue(), queue.SimpleQueue())
+        self._threads = [threading.Thread(target=self._run, args=(i, fn), daemon=True,
+                                          name=f"gdsload-shard-{what}")
+                         for i, (fn, what) in enumerate(((write, "write"), (update, "hash")))]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int, fn) -> None:
+        q = self._queues[i]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            data, n = item
+            if self._error is None:
+                try:
+                    fn(data)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                    with self._cv:
+                        self._error = self._error or exc
+            with self._cv:
+                self._pending[i] -= n
+                self._cv.notify_all()
+
+    def put(self, data: bytes | memoryview) -> None:
+        n = memoryview(data).nbytes
+        if n < _SMALL:
+            self._small += data
+            if len(self._small) >= _GATHER:
+                self._flush()
+            return
+        self._flush()
+        if isinstance(data, bytearray) or (isinstance(data, memoryview) and isinstance(data.obj, bytearray)):
+            data = bytes(data)  # the caller may reuse its bytearray once `put` returns
+        self._queue(data, n)
+
+    def _flush(self) -> None:
+        if self._small:
+            data, self._small = bytes(self._small), bytearray()
+            self._queue(data, len(data))
+
+    def _queue(self, data, n: int) -> None:
+        with self._cv:
+            while self._error is None and max(self._pending) > self._limit:
+                self._cv.wait()
+            if self._error is not None:
+                raise self._error
+            self._pending[0] += n
+            self._pending[1] += n
+        for q in self._queues:
+            q.put((data, n))
+
+    def finish(self) -> None:
+        """Wait until every byte is written and hashed; raise the first error."""
+        try:
+            if self._error is None:
+                self._flush()
+        finally:
+            self.stop()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """End both threads after what is queued (idempotent)."""
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
 
 
 def shard_name(prefix: str, i: int) -> str:
@@ -64,6 +164,7 @@ class ShardFile:
         self.fortran_to_c: dict[str, int] = {}  # .npy field -> payloads rewritten in C order
         self._keys: set[str] = set()
         self._sink = _Tee(self)
+        self._pipe = _Pipe(self._f.write, self._hash.update)
 
     def __enter__(self) -> "ShardFile":
         return self
@@ -83,9 +184,8 @@ class ShardFile:
         return len(self._samples)
 
     def _write(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
-        self._hash.update(data)
-        self._offset += len(data)
+        self._pipe.put(data)
+        self._offset += memoryview(data).nbytes
 
     def add(self, key: str, fields: Mapping[str, bytes | memoryview]) -> None:
         """Append one sample; its members are written adjacent, in the order of `fields`."""
@@ -135,6 +235,7 @@ class ShardFile:
     def close(self) -> mf.ShardEntry:
         """Finish the archive, write both indexes, and rename the shard into place."""
         self._write(end_of_archive())
+        self._pipe.finish()
         index = ShardIndex.build(self._samples, crc=self._crc, labels=self._labels, npy_c_order=True,
                                  media=self._media)
         self.store.write(f"{self.name}.idx", index.to_bytes())
@@ -162,6 +263,7 @@ class ShardFile:
         return entry
 
     def abort(self) -> None:
+        self._pipe.stop()
         self._f.abort()
 
 

@@ -213,3 +213,41 @@ def test_import_gdsload_exports_the_writer_lazily():
             "assert gdsload.ShardWriter.__module__ == 'gdsload.convert.writer'; "
             "assert callable(gdsload.write); assert 'pyarrow' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+
+
+def test_shard_bytes_are_written_and_hashed_in_order_off_the_callers_thread(tmp_path):
+    """ShardFile hands its bytes to a write thread and a hash thread (`_Pipe`): a bytearray
+    payload reused by the caller right after `add` is stored as it was, big and small members keep
+    their order, the manifest hash is the file's, and a write error surfaces in the caller."""
+    import hashlib
+
+    from gdsload.convert import shards
+
+    buf = bytearray(b"a" * (300 << 10))  # above the gathering threshold: queued as one item
+    w = shards.ShardFile(tmp_path, "s")
+    w.add("k0", {"bin": buf, "txt": b"small"})
+    buf[:] = b"b" * len(buf)  # the caller reuses its buffer
+    w.add("k1", {"bin": memoryview(buf), "txt": b"tiny"})
+    buf[:] = b"c" * len(buf)
+    entry = w.close()
+    data = (tmp_path / "s.tar").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["bytes"]
+    from gdsload.format.index import ShardIndex
+
+    idx = ShardIndex.from_bytes((tmp_path / "s.idx").read_bytes())
+    got = {}
+    for i, key in enumerate(idx.keys()):
+        for ext, off, n in idx.members(i):
+            got[(key, ext)] = data[off:off + n]
+    assert got[("k0", "bin")] == b"a" * (300 << 10) and got[("k1", "bin")] == b"b" * (300 << 10)
+    assert got[("k0", "txt")] == b"small" and got[("k1", "txt")] == b"tiny"
+
+    class Broken:
+        def write(self, data):
+            raise OSError(28, "No space left on device: /x/.s.tar.tmp")
+
+    pipe = shards._Pipe(Broken().write, hashlib.sha256().update, limit=1 << 20)
+    with pytest.raises(OSError, match="No space left"):
+        for _ in range(64):
+            pipe.put(b"x" * (512 << 10))
+        pipe.finish()
