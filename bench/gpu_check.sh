@@ -4,7 +4,8 @@
 #   bash bench/gpu_check.sh --part 1      no DALI: install .whl/, import, doctor, pytest -m "gpu or gds",
 #                                         gpu_bench data,device_path,kvikio_rows,raw_tier,ring_safety
 #   bash bench/gpu_check.sh --part 2      DALI: assemble its parts (bench/gpu_wheels.py), install, import
-#                                         nvidia.dali, gpu_bench data,mixed_vs_cpu,mixed_busy,resnet50
+#                                         nvidia.dali, gpu_bench data,mixed_vs_cpu,mixed_busy,resnet50,
+#                                         then bench/media_gpu_check.py on the carried .media/ clips
 # An install already done (same wheels) is skipped: a marker file in $SITE. Every step adds a row
 # (step | status | figure | ratio | seconds) to $OUT/gpu-check.json at once; the log is
 # $OUT/gpu-check.log. The verdict: FAIL on any FAIL row, on a step with no row ("NOT EXERCISED":
@@ -27,7 +28,9 @@ BENCH=${GPU_BENCH:-bench/gpu_bench.py}
 DALI_WHL=${GDSLOAD_DALI_WHEELS:-/tmp/dali-whl}
 WHL=${GDSLOAD_WHL_DIR:-.whl}
 PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-75}
-BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-$([[ $PART == 1 ]] && echo 150 || echo 100)}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-$([[ $PART == 1 ]] && echo 150 || echo 80)}
+MEDIA_TIMEOUT_S=${MEDIA_TIMEOUT_S:-20}
+MEDIA_DIR=${GDSLOAD_MEDIA_DIR:-.media}
 GPU_TESTS=(tests/test_gpu_path.py tests/ring/test_ring.py tests/loader/test_dataloader.py tests/io/test_conformance.py)
 STEPS1=data,device_path,kvikio_rows,raw_tier,ring_safety
 STEPS2=data,mixed_vs_cpu,mixed_busy,resnet50
@@ -137,4 +140,19 @@ else
   cat "$OUT/dali-import.err"
 fi
 bench "$STEPS2"
-verdict "install,dali_install,dali_import,$STEPS2"
+# video (NVDEC against PyAV's frames by PSNR) and audio: clips made here by
+# `python bench/media_gpu_check.py make .media` and carried (no PyAV on the GPU host) -------------
+t=$SECONDS
+MEDIA_STEPS=video_h264,video_hevc,video_vp9,audio_flac,audio_wav
+if [[ -f $MEDIA_DIR/ref.npz ]]; then
+  timeout -k 5 "$MEDIA_TIMEOUT_S" "$PY" bench/media_gpu_check.py check "$MEDIA_DIR" --device mixed >"$OUT/media.jsonl" 2>"$OUT/media.err"
+  rc=$?
+  while IFS= read -r line; do
+    set -- $("$PY" -c 'import json,sys; r=json.loads(sys.argv[1]); print(r["step"], r["status"])' "$line")
+    row "$1" "$2" "$("$PY" -c 'import json,sys; print(json.loads(sys.argv[1])["figure"])' "$line")" "" $((SECONDS - t))
+  done <"$OUT/media.jsonl"
+  case $rc in 0|1) ;; *) row media FAIL "media_gpu_check rc=$rc: $(tail -1 "$OUT/media.err")" "" $((SECONDS - t)) ;; esac
+else
+  for s in ${MEDIA_STEPS//,/ }; do row "$s" SKIP "$MEDIA_DIR/ not carried" "" 0; done
+fi
+verdict "install,dali_install,dali_import,$STEPS2,$MEDIA_STEPS"

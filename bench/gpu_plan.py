@@ -41,7 +41,9 @@ TREE_MIB = 2.0  # the working tree that travels with every call (1.8 MiB measure
 # (what, typical seconds, cap seconds or None) per phase; caps are gpu_check.sh's timeouts
 PYTEST_TIMEOUT_S = 75
 BENCH1_TIMEOUT_S = 150
-BENCH2_TIMEOUT_S = 100
+BENCH2_TIMEOUT_S = 80
+MEDIA_TIMEOUT_S = 20
+MEDIA_MIB = 2.0  # bench/media_gpu_check.py make .media: about 2 MB of clips and references
 PART1_STEPS = "data,device_path,kvikio_rows,raw_tier,ring_safety"
 PART2_STEPS = "data,mixed_vs_cpu,mixed_busy,resnet50"
 
@@ -85,15 +87,16 @@ def plan(spec: dict) -> list[dict]:
     }]
     for i, mib in enumerate(parts, 1):
         last = i == len(parts)
-        carry = [f".dali{i}"] + ([".whl"] if last else [])
+        carry = [f".dali{i}"] + ([".whl", ".media"] if last else [])
         phases = [("machine start (0 when part 1's machine is still warm)", START_S, START_S)] if i == 1 else []
         command = f"python3 bench/gpu_wheels.py receive .dali{i}"
         if last:
             command += " && bash bench/gpu_check.sh --part 2"
             phases += [("assemble (sha256)", 10, 10), ("install DALI (skipped when done)", 40, 40),
-                       ("import nvidia.dali", 10, 10), (f"gpu_bench {PART2_STEPS}", 90, BENCH2_TIMEOUT_S)]
+                       ("import nvidia.dali", 10, 10), (f"gpu_bench {PART2_STEPS}", 75, BENCH2_TIMEOUT_S),
+                       ("media_gpu_check (NVDEC clips, audio)", 15, MEDIA_TIMEOUT_S)]
         calls.append({"part": 2, "carry": carry, "command": command,
-                      "mib": TREE_MIB + mib + (whl if last else 0), "phases": phases})
+                      "mib": TREE_MIB + mib + (whl + MEDIA_MIB if last else 0), "phases": phases})
     for c in calls:
         send = c["mib"] / SEND_MIB_PER_S + CALL_OVERHEAD_S
         c["phases"].insert(1 if c["phases"] and c["phases"][0][0].startswith("machine") else 0,
@@ -121,7 +124,9 @@ def render(spec: dict, calls: list[dict]) -> str:
              f"DALI wheels sent (JPEG decoding): {', '.join(dali_needed(spec))}",
              "left behind (loaded lazily, not needed for JPEG): " + "; ".join(
                  f"{n} ({why})" for n, why in spec["dali"].get("lazy", {}).items()),
-             f"small wheels (.whl/): {', '.join(spec['carry']['pins'])}"]
+             f"small wheels (.whl/): {', '.join(spec['carry']['pins'])}",
+             "media clips (.media/, part 2; made here, the GPU host has no PyAV): "
+             "python bench/media_gpu_check.py make .media"]
     for part in (1, 2):
         pc = [c for c in calls if c["part"] == part]
         typ = sum(p[1] for c in pc for p in c["phases"])

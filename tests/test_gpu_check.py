@@ -51,7 +51,7 @@ def test_dry_run_prints_a_plan_that_fits_the_device_budget(tmp_path):
     calls = gpu_plan.plan(spec)
     part1 = [c for c in calls if c["part"] == 1]
     assert len(part1) == 1 and part1[0]["carry"] == [".whl"] and "--part 1" in part1[0]["command"]
-    assert calls[-1]["carry"][-1] == ".whl" and "--part 2" in calls[-1]["command"]
+    assert {".whl", ".media"} <= set(calls[-1]["carry"]) and "--part 2" in calls[-1]["command"]
     assert all(c["mib"] <= 64 for c in calls) and gpu_plan.check(calls) == []
     for part in (1, 2):
         assert sum(p[2] for c in calls if c["part"] == part for p in c["phases"]) <= 7 * 60
@@ -288,6 +288,29 @@ def test_a_carried_dali_that_does_not_import_fails_the_check(tmp_path):
     rows = {x["step"]: x for x in json.loads((tmp_path / "out" / "gpu-check.json").read_text())["rows"]}
     assert rows["dali_import"]["status"] == "FAIL" and "does not import" in rows["dali_import"]["figure"]
     assert rows["install"]["figure"].startswith("already installed")  # no reinstall on a rerun
+
+
+def test_the_media_step_skips_when_not_carried_and_fails_when_it_crashes(tmp_path):
+    """Part 2's video/audio step: no `.media/` carried gives SKIP rows naming it; a check that
+    crashes before printing a row (here: a `ref.npz` that is not a NumPy file) leaves every media
+    step NOT EXERCISED and the verdict FAIL, even with every bench row passing."""
+    rows_ok = "\n".join(f"Report(out).add({s!r}, 'PASS', 'ok')" for s in ("data", "mixed_vs_cpu", "mixed_busy", "resnet50"))
+    dali = {"nvidia/__init__.py": "", "nvidia/dali/__init__.py": "__version__ = '0'\n"}
+    env = _part2_env(tmp_path, rows_ok, dali)
+    env["GDSLOAD_MEDIA_DIR"] = str(tmp_path / "absent")
+    r = subprocess.run(["bash", str(SCRIPT), "--part", "2"], capture_output=True, text=True, env=env, timeout=120)
+    rows = {x["step"]: x for x in json.loads((tmp_path / "out" / "gpu-check.json").read_text())["rows"]}
+    assert r.returncode == 0, r.stdout
+    assert rows["video_h264"]["status"] == "SKIP" and "not carried" in rows["video_h264"]["figure"]
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "ref.npz").write_bytes(b"not a numpy file")
+    env["GDSLOAD_MEDIA_DIR"] = str(media)
+    r = subprocess.run(["bash", str(SCRIPT), "--part", "2"], capture_output=True, text=True, env=env, timeout=120)
+    rows = {x["step"]: x for x in json.loads((tmp_path / "out" / "gpu-check.json").read_text())["rows"]}
+    assert r.returncode == 1, r.stdout
+    for step in ("video_h264", "video_hevc", "video_vp9", "audio_flac", "audio_wav"):
+        assert rows[step]["status"] == "FAIL" and "NOT EXERCISED" in rows[step]["figure"], rows[step]
 
 
 def test_the_gpu_test_files_collect_the_gpu_tests():
