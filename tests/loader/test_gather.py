@@ -1,5 +1,5 @@
-"""Batch-at-a-time reads (`gdsload.loader.gather`): a batch is planned with array operations over the
-shard indexes, never member by member, and gives the same batches the member path gives."""
+"""Batch-at-a-time reads (`gdsload.loader.gather`): every batch is planned with array operations over
+the shard indexes, never member by member, also where `.npy` headers are read (`verify="full"`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import zlib
 import numpy as np
 import pytest
 
-from gdsload.loader.fill import SlotFiller
 from gdsload.errors import CorruptDataError, FormatError
 from gdsload.format.index import ShardIndex
 from gdsload.convert.shards import DatasetWriter
@@ -41,14 +40,14 @@ def mixed(tmp_path_factory):
 
 
 def _epoch(root, **kw):
-    dl = DataLoader(str(root), batch_size=16, shuffle=True, seed=3, device="cpu", output="numpy",
+    dl = DataLoader(root if isinstance(root, Dataset) else str(root), batch_size=16, shuffle=True, seed=3, device="cpu", output="numpy",
                     decode=False, copy=True, **kw)
     out = [b for b in dl]
     dl.close()
     return out
 
 
-def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch):
+def test_planned_batches_equal_the_source_also_with_headers_read(mixed):
     root, src = mixed
     planned = _epoch(root)
     for b in planned:
@@ -57,10 +56,9 @@ def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch
             np.testing.assert_array_equal(b["npy"][k], x)
             assert b["cls"][k] == label and b["bin"][k] == blob
     assert sum(len(b["__key__"]) for b in planned) == 90
-    monkeypatch.setattr(SlotFiller, "fill", SlotFiller._fill_members)
-    members = _epoch(root)
-    assert [b["__key__"] for b in planned] == [b["__key__"] for b in members]
-    for a, b in zip(planned, members):
+    full = _epoch(Dataset(str(root), verify="full"))  # .npy headers staged, checked, CRC32s of the rows
+    assert [b["__key__"] for b in planned] == [b["__key__"] for b in full]
+    for a, b in zip(planned, full):
         np.testing.assert_array_equal(a["npy"], b["npy"])
         np.testing.assert_array_equal(a["cls"], b["cls"])
         assert a["bin"] == b["bin"]
