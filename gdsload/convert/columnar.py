@@ -29,7 +29,6 @@ batches are read whole: `datasets` writes them at 100-1000 rows.) Local paths an
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field

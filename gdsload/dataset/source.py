@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from gdsload.io import is_remote
+
 
 @runtime_checkable
 class Source(Protocol):

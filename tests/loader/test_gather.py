@@ -111,6 +111,38 @@ def test_changed_member_is_caught_naming_shard_and_key(mixed, tmp_path):
     assert zlib.crc32(src[key][2]) == int(idx.member_crc[row])
 
 
+def test_small_npy_payloads_are_planned_and_checked_by_full(tmp_path):
+    """`.npy` payloads under 4 KiB (headers of varying length, read while planning) go the one
+    planned path too: equal to the source, and under verify="full" a changed byte of one is a
+    CorruptDataError naming it ("fast" does not check tensor payloads)."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(2)
+    src = {}
+    with DatasetWriter(root, shard_size=1_000_000) as w:
+        for i in range(20):
+            x = rng.integers(0, 1000, (4,), dtype=np.int32)
+            w.write(f"k{i:02d}", {"npy": _npy(x), "cls": b"%d" % (i % 3)})
+            src[f"k{i:02d}"] = x
+    for verify in ("fast", "full"):
+        got = {k: row for b in _epoch(Dataset(str(root), verify=verify)) for k, row in zip(b["__key__"], b["npy"])}
+        assert sorted(got) == sorted(src)
+        for key, x in src.items():
+            np.testing.assert_array_equal(got[key], x)
+    ds = Dataset(str(root)).shards
+    idx, j = ds.index(0), 5
+    row = int(idx.sample_start[j]) + idx.extensions.index("npy")
+    off, n = int(idx.member_offset[row]), int(idx.member_size[row])
+    assert n < 4096
+    with open(ds.shard_path(0), "r+b") as f:
+        f.seek(off + n - 1)
+        last = f.read(1)
+        f.seek(off + n - 1)
+        f.write(bytes([last[0] ^ 1]))
+    assert sum(len(b["__key__"]) for b in _epoch(root)) == 20
+    with pytest.raises(CorruptDataError, match=rf"{ds.shards[0]['name']}:{idx.key(j)}: field 'npy' differs"):
+        _epoch(Dataset(str(root), verify="full"))
+
+
 def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
     """A loader that decodes nothing packs a batch's staged members back to back in a buffer of the
     batch's own and checks them with one `crc32` call (the members' CRCs combined): one call per
