@@ -81,7 +81,9 @@ def busy_cpu_s() -> float | None:
 
 
 def _remove(dst: str) -> None:
-    if "://" in dst:
+    from gdsload.io import is_remote
+
+    if is_remote(dst):
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(dst)

@@ -3,8 +3,10 @@
 Two source trees, this checkout ("head") and a git revision ("base", extracted with `git archive`),
 run the same loaders over the same images, each in a fresh process, interleaved (base, head, base,
 head, ...) after one warm-up run of each. Each tree converts the images with its own `gdsload
-convert`, so each reads the shard format it writes. Imports (NumPy, torch, DALI) happen before the
-clock; the clock covers building the `DataLoader` and one shuffled epoch in threads, no `map`.
+convert`, so each reads the shard format it writes. Imports (NumPy, torch, DALI) and a full garbage
+collection happen before the clock (the process's first one after importing torch otherwise lands
+in whichever tree's epoch crosses the threshold first: `bench/first_epoch.py`); the clock covers
+building the `DataLoader` and one shuffled epoch in threads, no `map`.
 
 Tiers (as in bench/loader_bench.py):
   R   encoded JPEG bytes and labels (`decode=False`), samples/s
@@ -54,6 +56,12 @@ if a["tier"] == "R":
     kw["decode"] = False
 if a["tier"] == "T":
     kw["transform"] = gdsload.ImageTransform(size=224)
+# A fresh process that imported torch holds ~170k GC-tracked objects, and its first full
+# collection (75-140 ms on the 2-core VM) is due soon after: whichever tree allocates a few hundred
+# more objects takes it inside its one measured epoch (bench/first_epoch.py showed it: 0.69x for
+# tier R with it, equal without), the other in a later epoch. Collected here, outside the clock.
+import gc
+gc.collect()
 cpu0, t0 = time.process_time(), time.perf_counter()
 loader = gdsload.DataLoader(gdsload.Dataset(a["dataset"]), **kw)
 n = 0

@@ -29,7 +29,6 @@ batches are read whole: `datasets` writes them at 100-1000 rows.) Local paths an
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,7 +39,8 @@ import numpy as np
 from gdsload.convert.sources import _tree, read_range
 from gdsload.errors import InputError, require
 from gdsload.format import manifest as mf
-from gdsload.io.store import is_remote, url_to_fs
+from gdsload.io import is_remote, local_path
+from gdsload.io.store import url_to_fs
 
 BATCH_NBYTES = 16 << 20  # rows per read: about this many bytes of data
 BUFFER_NBYTES = 1 << 20  # the Parquet reader's stream buffer
@@ -451,7 +451,7 @@ def binary_views(a: Any) -> list[memoryview | bytes | None]:
 def _read_path(folder: str, path: str, column: str, row: int) -> tuple[bytes | None, str | None]:
     """An image struct with a path but no bytes: the file at that path (relative to the Parquet
     file's folder)."""
-    full = path if os.path.isabs(path) or "://" in path else f"{folder}/{path}"
+    full = path if is_remote(path) or local_path(path).is_absolute() else f"{folder}/{path}"
     try:
         return read_range(full, follow_link=True), None
     except OSError as exc:

@@ -59,7 +59,8 @@ from gdsload.convert.sources import Listing, Ref, Sample, SourceFormat, list_sou
 from gdsload.errors import DestinationError, FormatError, InputError
 from gdsload.format import manifest as mf
 from gdsload.format.manifest import field_kind
-from gdsload.io.store import LOCK, Store, is_remote, load_manifest, local_path, open_store, save_manifest, url_to_fs
+from gdsload.io import is_remote, local_path
+from gdsload.io.store import LOCK, Store, load_manifest, open_store, save_manifest, url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 from gdsload.convert.shards import ShardFile, make_manifest, shard_name
 

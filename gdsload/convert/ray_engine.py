@@ -38,8 +38,8 @@ from typing import Any
 from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, write_shard
 from gdsload.convert.sources import Sample
 from gdsload.errors import GdsloadError, InputError, require
-from gdsload.io.store import Store, is_remote, open_store
-from gdsload.io import is_url
+from gdsload.io import is_remote, local_path
+from gdsload.io.store import Store, open_store
 
 MAX_RETRIES = 3  # retries after the first attempt, per shard unit
 IN_FLIGHT_PER_CPU = 2  # tasks submitted per cluster CPU, so a freed CPU never waits on the driver
@@ -77,7 +77,7 @@ def _fault_hook(name: str) -> Callable[[int, int], None] | None:
 
 def run_unit(dst: str, name: str, samples: list[Sample], validate: bool, cwd: str) -> dict[str, Any]:
     """One shard unit inside a Ray worker: `write_shard`, with relative inputs read from `cwd`."""
-    if any(r.path and not is_url(r.path) and not os.path.isabs(r.path) for s in samples for _, r in s.fields):
+    if any(r.path and not is_remote(r.path) and not local_path(r.path).is_absolute() for s in samples for _, r in s.fields):
         if not os.path.isdir(cwd):
             raise InputError(
                 f"shard {name}: relative input paths need the driver's working directory {cwd} on "

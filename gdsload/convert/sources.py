@@ -48,7 +48,8 @@ from gdsload.errors import FormatError, InputError
 from gdsload.format import npy
 from gdsload.format.index import check_key, split_name
 from gdsload.format.manifest import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
-from gdsload.io.store import is_remote, local_path, url_to_fs
+from gdsload.io import is_remote, local_path
+from gdsload.io.store import url_to_fs
 from gdsload.format.tar import ALIGN, BLOCK
 
 SourceFormat = Literal["imagefolder", "files", "tar", "npy", "parquet", "arrow"]  # the last two: `columnar`
@@ -293,7 +294,7 @@ def read_range(path: str, offset: int = 0, size: int = -1, *, follow_link: bool 
         fs, p = url_to_fs(path)
         return fs.cat_file(p, start=offset, end=None if size < 0 else offset + size)
     flags = os.O_RDONLY | (0 if follow_link else getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(os.open(path, flags), "rb") as f:
+    with os.fdopen(os.open(local_path(path), flags), "rb") as f:
         f.seek(offset)
         return f.read() if size < 0 else f.read(size)
 

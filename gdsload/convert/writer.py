@@ -65,9 +65,9 @@ from gdsload.format import npy
 from gdsload.format.index import ShardIndex, check_key
 from gdsload.format.labels import parse_label
 from gdsload.format.tar import ALIGN, BLOCK
+from gdsload.io import is_remote
 from gdsload.io.store import (
     LOCK,
-    is_remote,
     load_manifest,
     open_store,
     save_manifest,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gdsload.format.index import ShardIndex
-from gdsload.io.store import is_remote
+from gdsload.io import is_remote
 
 
 class ConcatShards:

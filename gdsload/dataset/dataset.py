@@ -40,7 +40,7 @@ class Dataset(ProcessLocal):
     def __init__(self, path: str, *, fields: Sequence[str] | None = None, verify: VerifyMode = "fast",
                  cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
                  cache_limit: int | str = "50GB", version: int | None = None):
-        from gdsload.io.store import is_remote
+        from gdsload.io import is_remote
 
         self.path = str(path)
         self.verify = check_mode(verify)

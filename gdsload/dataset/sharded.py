@@ -29,7 +29,8 @@ from gdsload.format import manifest as mf
 from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
 from gdsload.format.labels import parse_label
-from gdsload.io.store import FsspecStore, is_remote, load_manifest, local_path, open_store, write_atomic
+from gdsload.io import is_remote, local_path
+from gdsload.io.store import FsspecStore, load_manifest, open_store, write_atomic
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
 

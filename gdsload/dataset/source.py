@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from gdsload.io import is_remote
+
 
 @runtime_checkable
 class Source(Protocol):
@@ -62,16 +64,10 @@ def storage_root(source: Source) -> str:
     cache makes it the URL (the fsspec backend reads local paths too); otherwise local files (the
     parts' own folders, or their cache folders)."""
     for part in source.parts:
-        if part.cache_dir is None and _is_remote(part.shards.root):
+        if part.cache_dir is None and is_remote(part.shards.root):
             return part.shards.root
     first = source.parts[0]
     return first.cache_dir if first.cache_dir is not None else first.shards.root
-
-
-def _is_remote(root: str) -> bool:
-    from gdsload.io.store import is_remote
-
-    return is_remote(root)
 
 
 class PartCaches:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal, Optional
 
-from gdsload.decode.raw import TensorField
 from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 import numpy as np
 
@@ -89,35 +88,6 @@ def check_dataset(ds: ShardedDataset, mode: VerifyMode) -> str:
     return note
 
 
-class BatchChecks:
-    """The checks of a batch read member by member, collected while its reads are planned and run
-    once they landed (a planned batch's staged members: `check_crcs`; both raise `_mismatch`).
-
-    Regions are `(array, start, nbytes)` into ring buffers (NumPy, or CuPy on a device ring),
-    or whole `bytes`; nothing here allocates except host copies of device rows under `full`.
-    """
-
-    def __init__(self) -> None:
-        self._crc: list[tuple[str, str, int, tuple]] = []
-        self._headers: list[tuple[TensorField, str, Any, int, int]] = []
-
-    def crc(self, where: str, field: str, expected: int, *regions: Any) -> None:
-        self._crc.append((where, field, expected, regions))
-
-    def header(self, tensor: TensorField, where: str, buf: Any, start: int, nbytes: int) -> None:
-        self._headers.append((tensor, where, buf, start, nbytes))
-
-    def run(self) -> None:
-        for tensor, where, buf, a, n in self._headers:
-            tensor.check_header(where, memoryview(buf[a : a + n]))
-        for where, field, expected, regions in self._crc:
-            crc = 0
-            for r in regions:
-                crc = crc32(r if isinstance(r, bytes) else _host(r[0][r[1] : r[1] + r[2]]), crc)
-            if crc != expected:
-                raise _mismatch(where, field, crc, expected)
-
-
 def _mismatch(where: str, field: str, got: int, expected: int, more: str = "") -> CorruptDataError:
     """The one error for a member whose bytes differ from what was converted."""
     return CorruptDataError(
@@ -126,18 +96,48 @@ def _mismatch(where: str, field: str, got: int, expected: int, more: str = "") -
     )
 
 
-def check_crcs(reads: Any, staging: Any) -> None:
-    """CRC32 of every staged member of a planned batch (`gdsload.loader.gather.BatchReads`)
-    against the index (`gdsload.format.crc`).
+def check_crcs(reads: Any, staging: Any, rows: Any = None) -> None:
+    """Every check of a planned batch (`gdsload.loader.gather.BatchReads`) once its bytes have
+    landed: the one checker of the loader.
 
-    Members that follow each other in `staging` with no byte between them (the dense layout of
-    `plan(..., packed=True)`) are checked as one run: one `crc32` call over the run against the
-    members' CRCs combined (`crc32_combine`). Per member, `crc32` gives the GIL up and takes it
-    back once per call past 5 KiB, and with other reader threads busy in Python each take-back
-    waits for them: measured on 2 cores at 35 KB per member, that cost a third of the R tier's
-    samples/s. A run that differs is checked member by member, to name the culprit."""
-    if reads.crc is None:
-        return
+    1. `.npy` headers staged (`reads.tensor_checks`: `verify="full"`, indexes without
+       `npy_c_order`) parsed against their field: dtype, shape, C order (`TensorField.check_header`).
+    2. The CRC32 of every staged member against the index (`gdsload.format.crc`). Members that
+       follow each other in `staging` with no byte between them (the dense layout of
+       `plan(..., packed=True)`) are checked as one run: one `crc32` call over the run against the
+       members' CRCs combined (`crc32_combine`). Per member, `crc32` gives the GIL up and takes it
+       back once per call past 5 KiB, and with other reader threads busy in Python each take-back
+       waits for them: measured on 2 cores at 35 KB per member, that cost a third of the R tier's
+       samples/s. A run that differs is checked member by member, to name the culprit.
+    3. Under `verify="full"`, the CRC32 of every `.npy` member: its staged header, then its row of
+       the batch tensor; `rows[field]` is (flat array, offset of row 0) of that tensor, NumPy or,
+       on a device ring, CuPy (each row copied to the host for the check).
+    """
+    names = reads.names
+    for tc in reads.tensor_checks:
+        hpos, hnb, hsmp = tc.heads
+        for a, n, i in zip(hpos.tolist(), hnb.tolist(), hsmp.tolist()):
+            tc.tensor.check_header(names[i], memoryview(staging[a : a + n]))
+    if reads.crc is not None:
+        _check_staged(reads, staging)
+    for tc in reads.tensor_checks:
+        if not tc.crcs:
+            continue
+        flat, base = rows[tc.name]
+        nb = tc.tensor.nbytes
+        for i, expected, head in tc.crcs:
+            if isinstance(head, bytes):  # a payload under 4 KiB, read whole while planning
+                crc = crc32(head)
+            else:
+                a, n = head
+                start = base + i * nb
+                crc = crc32(_host(flat[start : start + nb]), crc32(memoryview(staging[a : a + n])))
+            if crc != expected:
+                raise _mismatch(names[i], tc.name, crc, expected)
+
+
+def _check_staged(reads: Any, staging: Any) -> None:
+    """Step 2 of `check_crcs`: the staged members' CRC32s, by runs."""
     pos, nb, expected, smp, fields = reads.crc
     mv = memoryview(staging)
     if crc32_combine is not None and len(pos) > 1:

@@ -31,6 +31,7 @@ import re
 import threading
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gdsload.errors import GdsloadError, MissingDependencyError
@@ -47,9 +48,10 @@ __all__ = [
     "available_backends",
     "choose_backend",
     "coalesce",
-    "is_url",
+    "is_remote",
     "kvikio_import_error",
     "kvikio_usable",
+    "local_path",
     "open_backend",
 ]
 
@@ -80,12 +82,21 @@ REGISTRY: dict[str, BackendSpec] = {
     ),
 }
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def is_url(path: str) -> bool:
-    """True for `scheme://...` (s3://, gs://, http(s)://, memory://, file://)."""
-    return bool(_URL.match(path))
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """Where is this? The one answer of the storage layer, used everywhere a path or URL is taken:
+    True for a URL read and written through fsspec (`scheme://...`: s3://, gs://, http(s)://,
+    memory://, ...); False for a local path, `file://` URLs included (`local_path` strips the
+    scheme, and the local file APIs read them)."""
+    path = os.fspath(path)
+    return bool(_SCHEME.match(path)) and not path.startswith("file://")
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """A local path, or a `file://` URL, as a `Path` (`is_remote(path)` is False)."""
+    return Path(os.fspath(path).removeprefix("file://"))
 
 
 def cuda_device_count() -> int:
@@ -145,10 +156,10 @@ def _warn_once(message: str) -> None:
 
 
 def choose_backend(path: str, *, device: bool) -> str:
-    """The registry name to use for `path`: "fsspec" for URLs; "kvikio" when device buffers are
-    wanted and KvikIO is usable on this host; "posix" otherwise (with one warning per process when
-    KvikIO is installed but broken)."""
-    if is_url(path):
+    """The registry name to use for `path`: "fsspec" for URLs (`is_remote`: a `file://` URL is a
+    local path); "kvikio" when device buffers are wanted and KvikIO is usable on this host; "posix"
+    otherwise (with one warning per process when KvikIO is installed but broken)."""
+    if is_remote(path):
         return "fsspec"
     if device:
         if kvikio_usable():

@@ -44,12 +44,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gdsload.errors import DestinationError, FormatError, GdsloadError, MissingDependencyError, StorageError, require
-from gdsload.io import is_url
-
-
-def is_remote(path: str) -> bool:
-    """True for fsspec URLs other than `file://` (those are ordinary local paths)."""
-    return is_url(path) and not path.startswith("file://")
+from gdsload.io import is_remote, local_path  # the one "where is this?" (re-exported here)
 
 
 def url_to_fs(url: str) -> tuple[Any, str]:
@@ -63,10 +58,6 @@ def url_to_fs(url: str) -> tuple[Any, str]:
 
 
 LOCK = ".gdsload.lock"  # the writer lock of a local dataset root (see the module docstring)
-
-
-def local_path(path: str | os.PathLike[str]) -> Path:
-    return Path(str(path).removeprefix("file://"))
 
 
 def named(exc: OSError, path: str | os.PathLike[str]) -> OSError:

@@ -1,12 +1,15 @@
 """Filling one ring slot with one batch: `SlotFiller.fill(slot, seq, ids)`, run by a reader thread.
 
-`fill` plans the batch's reads with NumPy (`gdsload.loader.gather`) and, when it can, goes through
-`_fill_planned`: one coalesced read table per destination arena, CRC32s checked per contiguous
-run, labels from the index, bytes fields as one `BytesColumn`, images decoded by the loader's one
-DALI pipeline in plan order (`gdsload.loader.decoding`). Batches it cannot plan (`.npy` headers to
-read) go member by member through `_fill_members`. Both end in `_finish_fill`, which records what
-the consumer needs in a `BatchInfo` (`gdsload.loader.assemble`) and runs the user's
-`map`/`collate_fn`.
+`fill` plans the batch's reads with NumPy (`gdsload.loader.gather`): one coalesced read table per
+destination arena, then every check in one call (`gdsload.dataset.verify.check_crcs`: CRC32s of
+the staged members per contiguous run, `.npy` headers where they are read, and under
+`verify="full"` each `.npy` member's CRC32 over its header and its row), labels from the index,
+bytes fields as one `BytesColumn`, images decoded by the loader's one DALI pipeline in plan
+order (`gdsload.loader.decoding`), video and audio by their transforms. `_finish_fill` records
+what the consumer needs in a `BatchInfo` (`gdsload.loader.assemble`) and runs the user's
+`map`/`collate_fn`. There is one path for every batch: `verify="full"`, indexes from before C
+order was recorded and `.npy` payloads under 4 KiB are planned too (their headers staged, or
+read while planning).
 
 A filler is given everything it uses: the loader's `Resources` (backends, cache, ring, streams,
 staging pool), the `BatchLayout`, the source (a mix's "__source__"), the pass's `OrderedDecoder`,
@@ -22,10 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.dataset.verify import BatchChecks, check_crcs, label
-from gdsload.errors import FormatError
-from gdsload.format.tar import ALIGN
-from gdsload.io.base import Extent
+from gdsload.dataset.verify import check_crcs, label
 from gdsload.io.table import ExtentTable, read_table
 from gdsload.frontend import fields as _fieldkinds
 from gdsload.loader.assemble import BatchInfo
@@ -61,19 +61,9 @@ class SlotFiller:
         return self.decoder.decode(turn, encoded, names, dst)
 
     def fill(self, slot, seq: int, ids: np.ndarray) -> None:
-        """Read (and decode) batch `seq` into `slot`.
-
-        Planned with array operations (`gdsload.loader.gather`); batches it does not plan (`.npy`
-        headers to read) go member by member (`_fill_members`)."""
-        planner = self.layout.planner
-        with self._cpu:  # members packed in a batch-owned buffer: CRC-checked in one call
-            reads = planner.plan(ids, packed=self.layout.own_staging) if planner is not None else None
-        if reads is None:
-            return self._fill_members(slot, seq, ids)
-        return self._fill_planned(slot, seq, ids, reads)
-
-    def _fill_planned(self, slot, seq: int, ids: np.ndarray, reads) -> None:
-
+        """Read (and decode) batch `seq` into `slot`, planned with array operations
+        (`gdsload.loader.gather`); its Python-heavy planning under the readers' CPU lock."""
+        reads = self.layout.planner.plan(ids, packed=self.layout.own_staging, lock=self._cpu)
         R = self.res
         bufs = slot.buffers
         own = self.layout.own_staging  # staged members into the batch's own buffer, not the ring's
@@ -111,21 +101,20 @@ class SlotFiller:
         t0 = time.perf_counter()
         nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
         self.times.add("read", time.perf_counter() - t0)
-        if local is not None:  # read: unpin now, not after the decode turn (as `_fill_members`)
-            R.cache.release(seq)
+        if local is not None:  # read: unpin now, not after the decode turn (which waits on
+            R.cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
         names = reads.names
         info = BatchInfo(keys=reads.keys, n=n, nbytes=nbytes, sources=self.source.sources_of(ids))
         keep = None
         kepts: dict[str, list[int]] = {}
+        # verify="full": where each .npy field's rows are, for their CRC32s
+        tensor_rows = {name: (slot.host_flat, hl["__h_" + name]) if to_host else (slot.flat, layout[name])
+                       for name in reads.tensors} if reads.tensor_checks else None
         if own:  # packed members: a few crc32 calls, each giving the GIL up once
-            t0 = time.perf_counter()
-            check_crcs(reads, staging)
-            self.times.add("check", time.perf_counter() - t0)
+            self._check(reads, staging, tensor_rows)
         with self._cpu:  # per-sample values (and CRC32s member by member); images decode after, in their turn
             if not own:
-                t0 = time.perf_counter()
-                check_crcs(reads, staging)
-                self.times.add("check", time.perf_counter() - t0)
+                self._check(reads, staging, tensor_rows)
             self._host_values(reads, staging, info, to_host, bufs)
         for fp in self.layout.fields:
             if fp.kind == "image":
@@ -143,6 +132,16 @@ class SlotFiller:
                 info.skipped += n - len(kept) if keep is None else len(set(keep) - set(kept))
                 keep = kept if keep is None else _both(keep, kept)
         self._finish_fill(slot, info, bufs, names, n, keep, kepts)
+
+    def _check(self, reads, staging, rows) -> None:
+        """`check_crcs`, timed as "check". Under `verify="full"` on a device ring, the rows' copies
+        to the host for their CRC32s run on the private stream, not behind training (C5)."""
+        t0 = time.perf_counter()
+        streams = self.res.streams
+        rows_crc = rows is not None and any(tc.crcs for tc in reads.tensor_checks)
+        with streams.producing() if streams and rows_crc else contextlib.nullcontext():
+            check_crcs(reads, staging, rows)
+        self.times.add("check", time.perf_counter() - t0)
 
     def _host_values(self, reads, staging, info: BatchInfo, to_host: bool, bufs) -> None:
         """The planned batch's labels, host copies of `.npy` rows to the device, and per-sample
@@ -173,135 +172,6 @@ class SlotFiller:
                 info.extra[fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + k], names[i])
                                           for i, (a, k) in enumerate(zip(pos.tolist(), nb.tolist()))]
 
-    def _fill_members(self, slot, seq: int, ids: np.ndarray) -> None:
-        """`_fill` one member at a time: `.npy` headers read and checked per sample."""
-
-        R = self.res
-        fields = self.layout.fields
-        ds = self.source.shards
-        bufs = slot.buffers
-        staging = bufs["__staging__"]
-        slot.wait_fence()  # the consumer's queued work on this slot's previous batch is done
-        keys, names = [], []
-        direct: dict[str, tuple[list, list]] = {}
-        staged: list[Extent] = []
-        staged_off: list[int] = []
-        spans: dict[str, list[tuple[int, int]]] = {fp.name: [] for fp in fields}
-        labels: dict[str, list[Any]] = {fp.name: [] for fp in fields if fp.kind == "label"}
-        checks = BatchChecks()
-        crc_staged = any(fp.kind == "image" or fp.kind in _fieldkinds.LIST_KINDS for fp in fields)  # labels come from the index
-        # a device ring with a host-only backend: .npy rows land in pinned "__h_" fields first
-        to_host = self._host_layout is not None and R.host_backend is None
-        cursor = 0
-        local = None
-        if R.cache is not None:  # whole shards in the local cache, pinned until the batch is read
-            ends = np.cumsum(self.source.shard_sizes)
-            local = R.cache.acquire(seq, distinct(np.searchsorted(ends, ids, side="right")))
-        for i, gid in enumerate(ids.tolist()):
-            s, j = ds.locate(gid)
-            idx = ds.index(s)
-            key = idx.key(j)
-            keys.append(key)
-            where = f"{ds.shards[s]['name']}:{key}"
-            names.append(where)
-            members = {e: (o, n) for e, o, n in idx.members(j)}
-            mode = self.layout.shard_verify[s]
-            crcs = (dict(zip(members, idx.crcs(j)))
-                    if mode is not None and idx.member_crc is not None and (crc_staged or mode == "full") else {})
-            path = local[s] if local is not None and s in local else ds.shard_path(s)
-            for fp in fields:
-                m = members.get(fp.name)
-                if m is None:
-                    raise FormatError(f"sample {key!r} in {ds.shards[s]['name']} has no field {fp.name!r}")
-                o, n = m
-                if fp.kind == "label" and fp.name in idx.labels:
-                    labels[fp.name].append(int(idx.labels[fp.name][j]))  # validated at conversion
-                elif fp.kind == "tensor":
-                    head = None if n >= ALIGN else ds.read_extent(s, o, n)
-                    off, nb = fp.tensor.data_extent(where, o, n, head)
-                    ex, outs = direct.setdefault(fp.name, ([], []))
-                    ex.append(Extent(path, off, nb))
-                    outs.append(i * nb)
-                    if head is None and (mode == "full" or not idx.npy_c_order):
-                        head = (staging, cursor, off - o)  # read its header too, to check it
-                        staged.append(Extent(path, o, off - o))
-                        staged_off.append(cursor)
-                        checks.header(fp.tensor, where, *head)
-                        cursor += -(-(off - o) // 64) * 64
-                    if mode == "full" and fp.name in crcs:  # a small payload's head is all of it
-                        rows = () if isinstance(head, bytes) else (
-                            (slot.host_flat, self._host_layout["__h_" + fp.name] + i * nb, nb) if to_host
-                            else (slot.flat, self._layout[fp.name] + i * nb, nb),)
-                        checks.crc(where, fp.name, crcs[fp.name], head, *rows)
-                else:
-                    staged.append(Extent(path, o, n))
-                    staged_off.append(cursor)
-                    (labels if fp.kind == "label" else spans)[fp.name].append((cursor, n))
-                    if fp.name in crcs:
-                        checks.crc(where, fp.name, crcs[fp.name], (staging, cursor, n))
-                    cursor += -(-n // 64) * 64
-        # One read for the whole batch: offsets are relative to the slot, so adjacent members of
-        # a sample (an .npy row and its .cls) coalesce into one preadv that scatters into both.
-        layout = self._layout
-        hl = self._host_layout
-        extents = [e for ex, _ in direct.values() for e in ex]
-        if to_host:  # .npy rows into pinned host fields, copied to the device below
-            outs = [hl["__h_" + name] + o for name, (_, os_) in direct.items() for o in os_]
-            extents += staged
-            outs += [hl["__staging__"] + o for o in staged_off]
-            reads = [R.backend.read(extents, slot.host_flat, outs)] if extents else []
-        else:
-            outs = [layout[name] + o for name, (_, os_) in direct.items() for o in os_]
-            if hl is None:
-                extents += staged
-                outs += [layout["__staging__"] + o for o in staged_off]
-                staged = []
-            reads = [R.backend.read(extents, slot.flat, outs)] if extents else []
-            if staged:  # device ring: encoded bytes and labels via POSIX into the pinned host arena
-                base = hl["__staging__"]
-                reads.append(R.host_backend.read(staged, slot.host_flat, [base + o for o in staged_off]))
-        t0 = time.perf_counter()
-        nbytes = sum(f.result() for f in reads)
-        t1 = time.perf_counter()
-        self.times.add("read", t1 - t0)
-        if local is not None:  # read: unpin now, not after the decode turn (which waits on
-            R.cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
-        streams = R.streams
-        with streams.producing() if streams else contextlib.nullcontext():  # CRCs of device rows:
-            checks.run()  # their device-to-host copy on the private stream, not behind training (C5)
-        self.times.add("check", time.perf_counter() - t1)
-        info = BatchInfo(keys=keys, n=len(ids), nbytes=nbytes, sources=self.source.sources_of(ids))
-        keep = None
-        kepts: dict[str, list[int]] = {}
-        for fp in fields:
-            sp = spans[fp.name]
-            if fp.kind == "label":
-                vals = labels[fp.name]  # per sample: the index's value, or where its text was staged
-                dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
-                dst[: len(vals)] = [v if isinstance(v, int) else label(staging, *v, names[k], fp.name)
-                                    for k, v in enumerate(vals)]
-                if streams:  # non-blocking, on the private stream, after the fence above
-                    streams.to_device(bufs[fp.name][: len(vals)], dst[: len(vals)])
-            elif fp.kind == "tensor" and to_host:
-                streams.to_device(bufs[fp.name][: len(ids)], bufs["__h_" + fp.name][: len(ids)])
-            elif fp.kind == "bytes":  # copied out of the ring's staging area
-                info.extra[fp.name] = _fieldkinds.BytesColumn(
-                    staging, np.array([a for a, _ in sp], np.int64), np.array([n for _, n in sp], np.int64)).copy()
-            elif fp.kind in _fieldkinds.LIST_KINDS:
-                info.extra[fp.name] = [_fieldkinds.parse(fp.kind, staging[a : a + n], w) for (a, n), w in zip(sp, names)]
-            elif fp.kind == "image":
-                turn = seq * self.n_images + len(kepts)
-                kept = kepts[fp.name] = self._decode(turn, [staging[a : a + n] for a, n in sp], names, bufs[fp.name])
-                if len(kept) < len(sp):
-                    keep = kept if keep is None else _both(keep, kept)
-                info.skipped += len(sp) - len(kept)
-        for fp in self.layout.media_fields:
-            kept = self._media(fp, [staging[a : a + n] for a, n in spans[fp.name]], names, ids, bufs)
-            if len(kept) < len(ids):
-                info.skipped += len(ids) - len(kept) if keep is None else len(set(keep) - set(kept))
-                keep = kept if keep is None else _both(keep, kept)
-        self._finish_fill(slot, info, bufs, names, len(ids), keep, kepts)
-
     def _media(self, fp: Any, encoded: list, names: list[str], ids: np.ndarray, bufs: Any) -> list[int]:
         """Decode a video or audio field into its rows (not compacted: skipped rows are left out
         by the batch's `keep`), the index's probed metadata per sample, draws from the plan."""
@@ -328,7 +198,7 @@ class SlotFiller:
 
     def _finish_fill(self, slot, info: BatchInfo, bufs, names: list[str], n: int, keep: list[int] | None,
                      kepts: dict[str, list[int]]) -> None:
-        """What both fill paths end with: rows of several image fields aligned to the samples all
+        """What a fill ends with: rows of several image fields aligned to the samples all
         of them kept, the kept rows and the ready event in the batch's `BatchInfo`, then `map` /
         `collate_fn` (gdsload.frontend.usercode) on host copies of the batch."""
         streams = self.res.streams

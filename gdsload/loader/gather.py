@@ -16,13 +16,17 @@ What comes out (`BatchReads`) is arrays plus one key list: the loader turns it i
 `gdsload.io.table.ExtentTable`s (coalesced and read with array operations) and, once the bytes
 have landed, `gdsload.dataset.verify.check_crcs` compares the staged members' CRC32s against the index in one pass.
 
-Not planned here (`plan` returns None, and the loader reads the batch member by member, as
-before): `.npy` members whose headers must be read (`verify="full"`, indexes from before C order
-was guaranteed) and `.npy` payloads under 4 KiB (their header length varies).
+Every batch is planned here, also those whose `.npy` headers must be read (`verify="full"`,
+indexes from before conversion guaranteed C order: `needs_headers`): those headers are staged like
+any member (4 KiB each) and listed in a `TensorChecks`, with, under `verify="full"`, each
+member's CRC32 (its staged header, then its row of the batch tensor once read). `.npy` payloads
+under 4 KiB have headers of other lengths: theirs are read (`read_extent`, outside the caller's
+lock) and parsed while planning, to find where their array data starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,16 +97,40 @@ class SampleNames(Sequence):
         return f"{self._shards[int(self._shard[i])]['name']}:{self._keys[i]}"
 
 
+def needs_headers(ds: Any, s: int, mode: Any) -> bool:
+    """Whether the `.npy` headers of shard `s` are read and checked: under `verify="full"`, or when
+    neither its manifest entry nor its index vouches for C order (converted before it was
+    recorded). Loads the shard's index only when the manifest does not say."""
+    return mode == "full" or not (ds.shards[s].get("npy_c_order") or ds.index(s).npy_c_order)
+
+
+@dataclass(slots=True)
+class TensorChecks:
+    """What is checked of one `.npy` field's members of a batch past their sizes
+    (`gdsload.dataset.verify.check_crcs`).
+
+    `heads`: (staging offset, nbytes, sample) of the headers staged, each parsed against `tensor`
+    (dtype, shape, C order). `crcs` (`verify="full"`): (sample, expected CRC32, head) per member,
+    `head` the member's staged header as (staging offset, nbytes), its row of the batch tensor
+    following it; or, for a payload under 4 KiB, its bytes (all of the member, read while planning)."""
+
+    name: str
+    tensor: Any  # gdsload.decode.raw.TensorField
+    heads: tuple[np.ndarray, np.ndarray, np.ndarray]
+    crcs: list[tuple[int, int, Any]]
+
+
 @dataclass(slots=True)
 class BatchReads:
     """Where a batch's members are (file = global shard number) and where they go.
 
     `tensors[f]`: (file offset, nbytes) of each sample's `.npy` array data, in batch order (row i
     of the batch tensor). `staged[f]`: (staging offset, nbytes, sample) of the members staged, read
-    from `staged_file`/`staged_offset` (flat over fields, the same order as `staged_pos`).
-    `labels[f]`: the index's label column, per sample (fields without one in some shard are
-    staged instead and parsed by the loader). `crc`: (staging offset, nbytes, expected CRC32,
-    sample) of the staged members to check."""
+    from `staged_file`/`staged_offset` (flat over fields, the same order as `staged_pos`); for a
+    `.npy` field, its headers to check. `labels[f]`: the index's label column, per sample (fields
+    without one in some shard are staged instead and parsed by the loader). `crc`: (staging
+    offset, nbytes, expected CRC32, sample, field) of the staged members to check. `tensor_checks`:
+    the `.npy` fields whose headers (and, under `verify="full"`, CRC32s) are checked."""
 
     n: int
     shard: np.ndarray
@@ -116,36 +144,52 @@ class BatchReads:
     staged_pos: np.ndarray
     staged_nbytes: np.ndarray
     crc: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]] | None
+    tensor_checks: list[TensorChecks]
 
 
 class BatchPlanner:
     """Plans batches of one dataset (`ShardedDataset` or a Mix's `ConcatShards`) for the loader's
-    fields. `fields`: (name, kind, TensorField or None) in batch order; `crc_shards[s]`: whether
-    shard s's staged members are CRC-checked. Thread-safe (shard columns are built once)."""
+    fields. `fields`: (name, kind, TensorField or None) in batch order; `shard_verify[s]`: the
+    `verify` mode of shard s's dataset (None: staged members are not CRC-checked; "full": `.npy`
+    members are too). Thread-safe (shard columns are built once)."""
 
-    def __init__(self, ds: Any, fields: Sequence[tuple[str, str, Any]], *, crc_shards: Sequence[bool]):
+    def __init__(self, ds: Any, fields: Sequence[tuple[str, str, Any]], *, shard_verify: Sequence[Any]):
         self.ds = ds
         self.fields = list(fields)
         self.paths = tuple(ds.shard_path(s) for s in range(len(ds.shards)))
         self.starts = np.concatenate(([0], np.cumsum([s["samples"] for s in ds.shards]))).astype(np.int64)
-        self.crc_shards = np.asarray(crc_shards, bool)
+        self.shard_verify = list(shard_verify)
+        self.crc_shards = np.array([mode is not None for mode in self.shard_verify], bool)
+        self._tensors = any(kind == "tensor" for _, kind, _ in self.fields)
         self._names = [name for name, _, _ in self.fields]
         self._cols: dict[int, ShardColumns] = {}
+        self._headers: dict[int, bool] = {}
         self._lock = threading.Lock()
 
     def columns(self, s: int) -> ShardColumns:
         cols = self._cols.get(s)
         if cols is None:
             cols = ShardColumns(self.ds.index(s), self._names)  # outside the lock: a race builds twice
+            headers = self._tensors and needs_headers(self.ds, s, self.shard_verify[s])
             with self._lock:
+                self._headers.setdefault(s, headers)
                 cols = self._cols.setdefault(s, cols)
         return cols
 
-    def plan(self, ids: np.ndarray, *, packed: bool = False) -> BatchReads | None:
+    def plan(self, ids: np.ndarray, *, packed: bool = False, lock: Any = None) -> BatchReads:
         """The reads of batch `ids`. Staged members start on STAGE_ALIGN-byte boundaries, or with
-        `packed` back to back (so `check_crcs` checks them in one call)."""
+        `packed` back to back (so `check_crcs` checks them in one call). The array work runs
+        under `lock` (the caller's, for the Python-heavy part of a batch), the header reads of
+        `.npy` payloads under 4 KiB after it."""
         ids = np.asarray(ids, np.int64)
         B = len(ids)
+        with lock if lock is not None else contextlib.nullcontext():
+            reads, small = self._plan(ids, B, packed)
+        for one in small:  # outside the lock: one read per such payload
+            self._small_heads(reads, one)
+        return reads
+
+    def _plan(self, ids: np.ndarray, B: int, packed: bool) -> tuple[BatchReads, list[tuple]]:
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         local = ids - self.starts[shard]
         nf = len(self.fields)
@@ -153,6 +197,8 @@ class BatchPlanner:
         size = np.zeros((nf, B), np.int64)
         crc = np.zeros((nf, B), np.int64)
         has_crc = np.zeros(B, bool)
+        heads = np.zeros(B, bool)  # the sample's .npy headers are read and checked
+        full = np.zeros(B, bool)  # and, whole, its .npy members' CRC32s
         labels = {name: np.zeros(B, np.int64) for name, kind, _ in self.fields if kind == "label"}
         from_index = {name: np.ones(B, bool) for name in labels}
         keys: list[Any] = [None] * B
@@ -163,6 +209,9 @@ class BatchPlanner:
             idx = cols.index
             for i, k in zip(sel.tolist(), cols.keys(js)):
                 keys[i] = k
+            if self._headers[s]:
+                heads[sel] = True
+                full[sel] = self.shard_verify[s] == "full" and idx.member_crc is not None
             for fi, (name, kind, _) in enumerate(self.fields):
                 rows = cols.rows[name][js]
                 if rows.min() < 0:
@@ -181,16 +230,25 @@ class BatchPlanner:
         names = SampleNames(self.ds.shards, shard, keys)
         tensors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         staged_rows: list[tuple[int, np.ndarray]] = []  # (field number, samples staged)
+        small: list[tuple[int, np.ndarray]] = []  # (field number, samples whose .npy payload is under 4 KiB)
+        staged_nb = size
         for fi, (name, kind, tensor) in enumerate(self.fields):
             if kind == "tensor":
                 n = size[fi]
-                if n.min() < ALIGN:  # a small .npy: its header length varies, read it first
-                    return None
-                wrong = n - tensor.header_nbytes != tensor.nbytes
+                short = n < ALIGN  # a small .npy: its header length varies, read it while planning
+                wrong = ~short & (n - tensor.header_nbytes != tensor.nbytes)
                 if wrong.any():
                     i = int(np.argmax(wrong))
                     tensor.data_extent(names[i], int(off[fi, i]), int(n[i]))  # raises, naming it
                 tensors[name] = (off[fi] + tensor.header_nbytes, np.full(B, tensor.nbytes, np.int64))
+                if short.any():
+                    small.append((fi, np.flatnonzero(short)))
+                head = np.flatnonzero(heads & ~short)  # aligned payloads: their 4 KiB header staged
+                if len(head):
+                    if staged_nb is size:
+                        staged_nb = size.copy()
+                    staged_nb[fi] = tensor.header_nbytes
+                    staged_rows.append((fi, head))
             elif kind != "label":
                 staged_rows.append((fi, np.arange(B)))
             elif not from_index[name].all():
@@ -201,7 +259,7 @@ class BatchPlanner:
             smp = np.concatenate([r for _, r in staged_rows])
             order = np.lexsort((fis, smp))
             fis, smp = fis[order], smp[order]
-            nb = size[fis, smp]
+            nb = staged_nb[fis, smp]
             pos = np.zeros(len(nb), np.int64)
             np.cumsum((nb if packed else round_up(nb))[:-1], out=pos[1:])
             staged = {}
@@ -209,7 +267,8 @@ class BatchPlanner:
                 mask = fis == fi
                 staged[self.fields[fi][0]] = (pos[mask], nb[mask], smp[mask])
             sfile, soff = shard[smp], off[fis, smp]
-            check = has_crc[smp]
+            is_tensor = np.array([kind == "tensor" for _, kind, _ in self.fields], bool)
+            check = has_crc[smp] & ~is_tensor[fis]  # a header's CRC is its whole member's (TensorChecks)
             crcs = None
             if check.any():
                 crcs = (pos[check], nb[check], crc[fis, smp][check], smp[check],
@@ -217,6 +276,33 @@ class BatchPlanner:
         else:
             empty = np.zeros(0, np.int64)
             staged, sfile, soff, pos, nb, crcs = {}, empty, empty, empty, empty, None
+        checks = []
+        if heads.any():
+            empty = np.zeros(0, np.int64)
+            for fi, (name, kind, tensor) in enumerate(self.fields):
+                if kind != "tensor":
+                    continue
+                hpos, hnb, hsmp = staged.get(name, (empty, empty, empty))
+                where = dict(zip(hsmp.tolist(), zip(hpos.tolist(), hnb.tolist())))
+                crcs_f = [(i, int(crc[fi, i]), where[i]) for i in np.flatnonzero(full).tolist() if i in where]
+                checks.append(TensorChecks(name, tensor, (hpos, hnb, hsmp), crcs_f))
         return BatchReads(B, shard, keys, names, tensors, staged,
                           {k: v for k, v in labels.items() if from_index[k].any()},
-                          sfile, soff, pos, nb, crcs)
+                          sfile, soff, pos, nb, crcs, checks), \
+            [(fi, rows, off[fi, rows], size[fi, rows], full[rows], crc[fi, rows]) for fi, rows in small]
+
+    def _small_heads(self, reads: BatchReads, small: tuple) -> None:
+        """`.npy` payloads under 4 KiB (`small`: field number, samples, their offsets, sizes,
+        whether their CRC32s are checked, the CRC32s): each read whole, its header parsed
+        (dtype, shape, C order, where its array data starts) and, under `verify="full"`, its
+        bytes kept for the CRC32 check."""
+        fi, rows, offs, sizes, checked, expected = small
+        name, _, tensor = self.fields[fi]
+        data = reads.tensors[name][0]
+        checks = next((c for c in reads.tensor_checks if c.name == name), None)
+        for i, o, n, c, e in zip(rows.tolist(), offs.tolist(), sizes.tolist(), checked.tolist(), expected.tolist()):
+            head = self.ds.read_extent(int(reads.shard[i]), o, n)
+            data[i] = tensor.data_extent(reads.names[i], o, n, head)[0]
+            if c and checks is not None:
+                checks.crcs.append((i, e, head))
+

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.frontend import fields as _fieldkinds
-from gdsload.loader.gather import STAGE_ALIGN, round_up
+from gdsload.loader.gather import STAGE_ALIGN, needs_headers, round_up
 from gdsload.decode.raw import TensorField
 from gdsload.errors import FormatError
 from gdsload.format.tar import ALIGN
@@ -121,10 +121,9 @@ def _check_part_tensors(mix: Any, plans: list[FieldPlan]) -> None:
 
 
 def tensor_headers_needed(ds: Any, shard_verify: Sequence[str | None]) -> bool:
-    """Whether `.npy` headers must be read (into staging) and checked: `verify="full"`, or a
-    shard whose manifest and index do not vouch for C order (converted before it was recorded)."""
-    return any(mode == "full" or not (ds.shards[s].get("npy_c_order") or ds.index(s).npy_c_order)
-               for s, mode in enumerate(shard_verify))
+    """Whether `.npy` headers must be read (into staging) and checked in some shard
+    (`gdsload.loader.gather.needs_headers`): staging room for them in every slot."""
+    return any(needs_headers(ds, s, mode) for s, mode in enumerate(shard_verify))
 
 
 Spec = dict[str, tuple[tuple[int, ...], str]]
@@ -183,7 +182,7 @@ class BatchLayout:
     shard_verify: list[Any]  # per global shard: its dataset's `verify` mode
     verify_note: str
     tensor_headers: bool
-    planner: Any  # gdsload.loader.gather.BatchPlanner, or None: batches go member by member
+    planner: Any  # gdsload.loader.gather.BatchPlanner: every batch's reads and checks
     own_staging: bool
     transform: Any
 
@@ -201,12 +200,10 @@ class BatchLayout:
         ds = source.shards
         headers = tensor_headers_needed(ds, shard_verify)
         fplans = plan_fields(source, decode=decode, media=media)
-        planner = None if headers else BatchPlanner(
-            ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans],
-            crc_shards=[mode is not None for mode in shard_verify])
+        planner = BatchPlanner(ds, [(fp.name, fp.kind, fp.tensor) for fp in fplans], shard_verify=shard_verify)
         # rows per slot: a batch never holds more than one rank's samples of an epoch
         rows = max(1, min(batch_size, samples_per_rank))
-        own = planner is not None and not on_device and not any(fp.kind == "image" for fp in fplans)
+        own = not on_device and not any(fp.kind == "image" for fp in fplans)
         return cls(fields=fplans, rows=rows, shard_verify=shard_verify, verify_note=note,
                    tensor_headers=headers, planner=planner, own_staging=own, transform=transform)
 

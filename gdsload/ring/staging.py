@@ -42,9 +42,12 @@ class StagingPool:
             buf = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
         if buf is None:  # headroom: the next batch may be a bit bigger
             buf = np.empty(max(nbytes + nbytes // 4, 4 << 20), np.uint8)
-        owner = (ctypes.c_char * nbytes).from_buffer(buf)
+        # the owner spans the whole buffer: ctypes keeps every array type it makes (c_char * n)
+        # for the life of the process, so a type per batch size added ~10 GC-tracked objects per
+        # batch for good (a type per pool buffer size instead: a few per process)
+        owner = (ctypes.c_char * len(buf)).from_buffer(buf)
         weakref.finalize(owner, self._give_back, buf).atexit = False
-        return np.frombuffer(owner, np.uint8)
+        return np.frombuffer(owner, np.uint8, count=nbytes)
 
     def _give_back(self, buf: np.ndarray) -> None:
         with self._lock:

@@ -382,12 +382,15 @@ def test_fast_checks_shard_sizes_at_a_url_with_one_listing(url_fs):
         _load_all(url)
 
 
-def test_batch_checks_copy_device_rows_to_the_host_for_the_crc():
+def test_full_check_copies_device_rows_to_the_host_for_the_crc():
     """verify='full' on a device ring: rows are CuPy arrays; a faithful stand-in (the parts of
     CuPy's ndarray the check uses: `__cuda_array_interface__`, slicing, `.get()` to NumPy)."""
+    import types
     import zlib
 
-    from gdsload.dataset.verify import BatchChecks
+    from gdsload.dataset.verify import check_crcs
+    from gdsload.decode.raw import TensorField
+    from gdsload.loader.gather import TensorChecks
 
     class DeviceArray:
         def __init__(self, host: np.ndarray):
@@ -401,12 +404,17 @@ def test_batch_checks_copy_device_rows_to_the_host_for_the_crc():
         def get(self) -> np.ndarray:
             return self._host.copy()
 
-    rows = np.frombuffer(np.random.default_rng(0).bytes(10_000), np.uint8)
-    header = b"h" * 100
-    good = zlib.crc32(rows[1000:9000], zlib.crc32(header))
-    checks = BatchChecks()
-    checks.crc("s.tar:k", "npy", good, header, (DeviceArray(rows), 1000, 8000))
-    checks.run()
-    checks.crc("s.tar:k2", "npy", good ^ 1, header, (DeviceArray(rows), 1000, 8000))
+    flat = np.frombuffer(np.random.default_rng(0).bytes(17_000), np.uint8)
+    staging = np.frombuffer(b"h" * 100, np.uint8)  # the members' staged .npy header
+    tensor = TensorField("npy", np.dtype(np.uint8), (8000,), 100, False)
+    good = zlib.crc32(flat[1000:9000], zlib.crc32(staging))  # header, then row 0 (at 1000)
+    empty = np.zeros(0, np.int64)
+
+    def reads(*crcs):
+        return types.SimpleNamespace(names=["s.tar:k", "s.tar:k2"], crc=None,
+                                     tensor_checks=[TensorChecks("npy", tensor, (empty, empty, empty), list(crcs))])
+
+    rows = {"npy": (DeviceArray(flat), 1000)}
+    check_crcs(reads((0, good, (0, 100))), staging, rows)
     with pytest.raises(CorruptDataError, match="s.tar:k2: field 'npy' differs"):
-        checks.run()
+        check_crcs(reads((0, good, (0, 100)), (1, good, (0, 100))), staging, rows)  # row 1 differs

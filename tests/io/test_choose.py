@@ -15,14 +15,14 @@ from gdsload.errors import GdsloadError, MissingDependencyError
 @pytest.mark.parametrize(
     "url",
     ["s3://bucket/train-000000.tar", "gs://b/x.tar", "http://host/x.tar", "https://host:8443/x.tar",
-     "memory://x.tar", "file:///data/x.tar"],
+     "memory://x.tar"],
 )
 @pytest.mark.parametrize("device", [False, True])
 def test_urls_go_to_fsspec(url, device):
     assert gio.choose_backend(url, device=device) == "fsspec"
 
 
-@pytest.mark.parametrize("path", ["/data/shards/train-000000.tar", "shards/x.tar", "C:x.tar"])
+@pytest.mark.parametrize("path", ["/data/shards/train-000000.tar", "shards/x.tar", "C:x.tar", "file:///data/x.tar"])
 def test_local_paths_go_to_posix_for_host_buffers(path):
     assert gio.choose_backend(path, device=False) == "posix"
 
@@ -82,3 +82,37 @@ def test_import_gdsload_io_needs_stdlib_and_numpy_only():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("path, remote", [
+    ("s3://bucket/ds", True), ("gs://b/x.tar", True), ("https://host:8443/x", True), ("memory://x", True),
+    ("file:///data/ds", False), ("/data/ds", False), ("ds/x.tar", False), ("C:x.tar", False),
+])
+def test_where_is_this_has_one_answer(path, remote):
+    """`is_remote` is the storage layer's one "where is this?": a `file://` URL is a local path."""
+    assert gio.is_remote(path) is remote
+    if not remote:
+        assert str(gio.local_path(path)) == path.removeprefix("file://")
+
+
+def test_no_other_module_decides_where_a_path_is():
+    """No `"://" in path` or `.startswith("s3://")` of its own anywhere in gdsload/: every
+    module asks `gdsload.io.is_remote`."""
+    import ast
+    from pathlib import Path
+
+    root = Path(gio.__file__).parents[1]
+    found = []
+    for py in root.rglob("*.py"):
+        if py == Path(gio.__file__):
+            continue
+        for node in ast.walk(ast.parse(py.read_text(), str(py))):
+            consts = []
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+                consts = [node.left]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("startswith", "removeprefix", "partition", "split")):
+                consts = node.args[:1]
+            if any(isinstance(c, ast.Constant) and isinstance(c.value, str) and "://" in c.value for c in consts):
+                found.append(f"{py.relative_to(root)}:{node.lineno}")
+    assert found == []

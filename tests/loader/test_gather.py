@@ -1,5 +1,5 @@
-"""Batch-at-a-time reads (`gdsload.loader.gather`): a batch is planned with array operations over the
-shard indexes, never member by member, and gives the same batches the member path gives."""
+"""Batch-at-a-time reads (`gdsload.loader.gather`): every batch is planned with array operations over
+the shard indexes, never member by member, also where `.npy` headers are read (`verify="full"`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import zlib
 import numpy as np
 import pytest
 
-from gdsload.loader.fill import SlotFiller
 from gdsload.errors import CorruptDataError, FormatError
 from gdsload.format.index import ShardIndex
 from gdsload.convert.shards import DatasetWriter
@@ -41,14 +40,14 @@ def mixed(tmp_path_factory):
 
 
 def _epoch(root, **kw):
-    dl = DataLoader(str(root), batch_size=16, shuffle=True, seed=3, device="cpu", output="numpy",
+    dl = DataLoader(root if isinstance(root, Dataset) else str(root), batch_size=16, shuffle=True, seed=3, device="cpu", output="numpy",
                     decode=False, copy=True, **kw)
     out = [b for b in dl]
     dl.close()
     return out
 
 
-def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch):
+def test_planned_batches_equal_the_source_also_with_headers_read(mixed):
     root, src = mixed
     planned = _epoch(root)
     for b in planned:
@@ -57,10 +56,9 @@ def test_planned_batches_equal_the_source_and_the_member_path(mixed, monkeypatch
             np.testing.assert_array_equal(b["npy"][k], x)
             assert b["cls"][k] == label and b["bin"][k] == blob
     assert sum(len(b["__key__"]) for b in planned) == 90
-    monkeypatch.setattr(SlotFiller, "fill", SlotFiller._fill_members)
-    members = _epoch(root)
-    assert [b["__key__"] for b in planned] == [b["__key__"] for b in members]
-    for a, b in zip(planned, members):
+    full = _epoch(Dataset(str(root), verify="full"))  # .npy headers staged, checked, CRC32s of the rows
+    assert [b["__key__"] for b in planned] == [b["__key__"] for b in full]
+    for a, b in zip(planned, full):
         np.testing.assert_array_equal(a["npy"], b["npy"])
         np.testing.assert_array_equal(a["cls"], b["cls"])
         assert a["bin"] == b["bin"]
@@ -111,6 +109,38 @@ def test_changed_member_is_caught_naming_shard_and_key(mixed, tmp_path):
         _epoch(copy)
     assert len(_epoch(copy, fields=["__key__", "npy"])) == 6  # the .npy rows are not CRC-checked by "fast"
     assert zlib.crc32(src[key][2]) == int(idx.member_crc[row])
+
+
+def test_small_npy_payloads_are_planned_and_checked_by_full(tmp_path):
+    """`.npy` payloads under 4 KiB (headers of varying length, read while planning) go the one
+    planned path too: equal to the source, and under verify="full" a changed byte of one is a
+    CorruptDataError naming it ("fast" does not check tensor payloads)."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(2)
+    src = {}
+    with DatasetWriter(root, shard_size=1_000_000) as w:
+        for i in range(20):
+            x = rng.integers(0, 1000, (4,), dtype=np.int32)
+            w.write(f"k{i:02d}", {"npy": _npy(x), "cls": b"%d" % (i % 3)})
+            src[f"k{i:02d}"] = x
+    for verify in ("fast", "full"):
+        got = {k: row for b in _epoch(Dataset(str(root), verify=verify)) for k, row in zip(b["__key__"], b["npy"])}
+        assert sorted(got) == sorted(src)
+        for key, x in src.items():
+            np.testing.assert_array_equal(got[key], x)
+    ds = Dataset(str(root)).shards
+    idx, j = ds.index(0), 5
+    row = int(idx.sample_start[j]) + idx.extensions.index("npy")
+    off, n = int(idx.member_offset[row]), int(idx.member_size[row])
+    assert n < 4096
+    with open(ds.shard_path(0), "r+b") as f:
+        f.seek(off + n - 1)
+        last = f.read(1)
+        f.seek(off + n - 1)
+        f.write(bytes([last[0] ^ 1]))
+    assert sum(len(b["__key__"]) for b in _epoch(root)) == 20
+    with pytest.raises(CorruptDataError, match=rf"{ds.shards[0]['name']}:{idx.key(j)}: field 'npy' differs"):
+        _epoch(Dataset(str(root), verify="full"))
 
 
 def test_packed_members_are_checked_in_one_crc32_call(mixed, monkeypatch):
