@@ -55,11 +55,14 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
                         "(UNAVAILABLE, its client retries)")
     s.add_argument("--workers", type=int, default=2, help="reader threads per stream (default 2)")
     s.add_argument("--prefetch", type=int, default=2, help="batches prefetched per reader thread (default 2)")
-    s.add_argument("--decode-threads", type=int, default=2, help="DALI threads per stream with --decode-pool 0 (default 2)")
-    s.add_argument("--decode-pool", type=int, default=0, metavar="N",
+    s.add_argument("--decode-threads", type=int, default=2,
+                   help="DALI threads per stream with --no-decode-pool (default 2)")
+    s.add_argument("--decode-pool", type=int, default=2, metavar="N",
                    help="decode every stream's images in one pool of N workers, each pipeline with as many "
-                        "DALI threads as the server has cores, streams served in turn (default 0: a "
-                        "pipeline of --decode-threads per stream)")
+                        "DALI threads as the server has cores, streams served in turn (default 2; 0: as "
+                        "--no-decode-pool)")
+    s.add_argument("--no-decode-pool", dest="decode_pool", action="store_const", const=0,
+                   help="no shared pool: each decoding stream builds a DALI pipeline of --decode-threads")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)

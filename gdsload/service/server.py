@@ -11,8 +11,9 @@ Concurrency: one gRPC worker thread per stream (up to `Limits.max_streams`, more
 each with its own loader (`workers` reader threads, a ring of `prefetch + 1` batches); the opened
 datasets are shared (see `gdsload.service.catalog`), and so is image decoding: the loaders of all
 decoding streams hand their batches to one `gdsload.service.pool.DecodePool` (`decode_pool`
-workers, DALI pipelines with a thread per core, streams served in turn) instead of each building a
-pipeline of its own (`decode_pool=0`). Reading stays per stream.
+workers, default 2, DALI pipelines with a thread per core, streams served in turn) instead of each
+building a pipeline of its own (`decode_pool=0`, `gdsload serve --no-decode-pool`). Reading stays
+per stream.
 
 Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
 hold (`FeedServicer.stream_memory`: the ring's slots as the loader sizes them,
@@ -637,13 +638,17 @@ class FeedServer:
             drained = self.servicer.wait_idle(grace)
             left = max(0.0, grace - (time.monotonic() - t0))
             # What is still open now is not a stream (health watches, unary calls): short grace.
-            self.grpc_server.stop(min(left, 1.0)).wait()
+            stop_grace = min(left, 1.0)
+            self.grpc_server.stop(stop_grace).wait(stop_grace + 5.0)
             self.servicer.close_warm()
-            if self.servicer.pool is not None:
+            if self.servicer.pool is not None:  # queued batches fail; its pipelines go now, not at exit
                 self.servicer.pool.close()
+            # the calls gRPC cancelled end their loaders (a stream's thread closes its loader)
+            ended = self.servicer.wait_idle(5.0)
             self.metrics.close()
             self._stopped.set()
-            event(self.log, "shutdown_done", drained=drained, open_streams=open_streams,
+            event(self.log, "shutdown_done", level=logging.INFO if ended else logging.WARNING, drained=drained,
+                  open_streams=open_streams, still_open=self.servicer.active_streams(),
                   seconds=round(time.monotonic() - t0, 3))
             return drained
 
@@ -711,7 +716,7 @@ def create_server(
     logger: logging.Logger | None = None,
     cache_dir: str | bool | None = None,
     cache_limit: int | str = "50GB",
-    decode_pool: int = 0,
+    decode_pool: int = 2,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -722,9 +727,9 @@ def create_server(
     does not expose its metrics to the network). `workers`/`prefetch`/`decode_threads`: per
     stream, as in `DataLoader` (>= 1). `grace_s`: how long `shutdown()` waits for open streams.
     `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
-    `decode_pool`: decode the images of every stream in one pool of this many workers, each
-    pipeline with as many DALI threads as the server has cores, taken by the streams in turn
-    (`gdsload.service.pool`); 0 (default): a pipeline of `decode_threads` threads per stream.
+    `decode_pool`: decode the images of every stream in one pool of this many workers (default
+    2), each pipeline with as many DALI threads as the server has cores, taken by the streams in
+    turn (`gdsload.service.pool`); 0: a pipeline of `decode_threads` threads per stream.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")
