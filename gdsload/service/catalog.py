@@ -47,6 +47,7 @@ class _Entry:
     path: Path | str  # a folder, or the URL of a dataset
     stamp: tuple  # (mtime_ns or ETag, size) of manifest.json when opened
     dataset: Dataset
+    max_nbytes: dict[str, int]  # field -> largest member of that field, in bytes
 
 
 def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path | str]:
@@ -147,7 +148,7 @@ class Catalog:
                 return entry
         dataset = Dataset(str(path), cache_dir=self.cache_dir, cache_limit=self.cache_limit)  # outside
         # the lock: reads the manifest
-        entry = _Entry(path, stamp, dataset)
+        entry = _Entry(path, stamp, dataset, {})
         with self._lock:
             current = self._open.get(name)
             if current is not None and current.stamp == stamp and current.path == path:
@@ -170,3 +171,18 @@ class Catalog:
         view = copy.copy(base)  # shares .shards (manifest, indexes, descriptors)
         view.fields = list(fields)
         return view
+
+    def max_member_nbytes(self, name: str) -> dict[str, int]:
+        """Field -> the largest member of that field, in bytes (from the indexes; cached)."""
+        entry = self._entry(name)
+        if not entry.max_nbytes:
+            ds = entry.dataset.shards
+            sizes: dict[str, int] = {}
+            for s in range(len(ds.shards)):
+                idx = ds.index(s)
+                for e, ext in enumerate(idx.extensions):
+                    member = idx.member_size[idx.member_ext == e]
+                    if len(member):
+                        sizes[ext] = max(sizes.get(ext, 0), int(member.max()))
+            entry.max_nbytes = sizes
+        return dict(entry.max_nbytes)

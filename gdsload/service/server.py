@@ -114,6 +114,19 @@ def _media_available() -> bool:
     return _decode_available() and importlib.util.find_spec("av") is not None
 
 
+def _media_memory(media: dict[str, Any], req: pb.BatchRequest, prefetch: int) -> int:
+    """Ring bytes of decoded video/audio fields (outputs and their frame/length columns) for a
+    stream; a video without a size is bounded by its max_pixels (or 4K)."""
+    per_sample = 0
+    for t in media.values():
+        if t.kind == "video":
+            hw = None if t.size is not None else (1, t.max_pixels or 3840 * 2160)
+            per_sample += int(np.prod(t.output_shape(hw))) * np.dtype(t.dtype).itemsize + 8 * t.frames * t.clips
+        else:
+            per_sample += int(np.prod(t.output_shape())) * 4 + 8
+    return (prefetch + 1) * per_sample * req.batch_size
+
+
 def _peer(context: grpc.ServicerContext) -> str:
     try:
         return context.peer()
