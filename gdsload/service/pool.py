@@ -20,11 +20,11 @@ worker); each stream's total queue time is in its `stream_end` log event.
 
 Shutdown and ends, every wait bounded: a stream that ends (`detach`) fails its batches still
 queued with `RingClosed` (its readers stop at once) and a batch it submits later too; `close()`
-fails every queued batch, lets the workers finish the batch in hand (at most `close_timeout_s`),
-and releases the pipelines in the calling thread. That matters: a DALI pipeline left to the
-interpreter's exit (idle in the pool, or in a worker's hands) is destroyed during finalization,
-and the server did not exit within 30 s of SIGTERM. A stream waiting for its batch checks every
-`POLL_S` whether the pool was closed and gives up `close_timeout_s` after, with `RingClosed`.
+fails every queued batch with `Unavailable` (not `RingClosed`: a reader stops quietly on that,
+leaving its stream's consumer waiting for the batch), lets the workers finish the batch in hand
+(at most `close_timeout_s`), and releases the pipelines in the calling thread, not at the
+interpreter's exit. A stream waiting for its batch checks every `POLL_S` whether the pool closed
+and gives up `close_timeout_s` after, with `Unavailable`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ import threading
 import time
 from typing import Any
 
-from gdsload.errors import RingClosed
+from gdsload.errors import RingClosed, Unavailable
+
+_CLOSED = "the server's decode pool is closed (the server is shutting down); retry on another server"
 
 #: How often a stream waiting for its batch checks that the pool is still open (seconds).
 POLL_S = 0.25
@@ -84,7 +86,7 @@ class DecodePool:
         res = loader._resources
         with self._cv:
             if self._closed:
-                raise RingClosed("the server's decode pool is closed (shutting down)")
+                raise Unavailable(_CLOSED)
             self._next_id += 1
             sid = self._next_id
             self._queues[sid] = collections.deque()
@@ -135,11 +137,12 @@ class DecodePool:
 
     def submit(self, sid: int, key: tuple, args: dict, encoded, names, dst) -> tuple[list[int], float]:
         """Decode one batch of stream `sid` (blocks); returns the rows kept and the queue time.
-        Raises `RingClosed` when the stream ended or the pool closed before it was decoded."""
+        Raises `RingClosed` when the stream ended (its readers stop), `Unavailable` when the pool
+        closed before the batch was decoded (the stream's consumer gets it, in order)."""
         job = _Job(key, args, encoded, names, dst)
         with self._cv:
             if self._closed:
-                raise RingClosed("the server's decode pool is closed (shutting down)")
+                raise Unavailable(_CLOSED)
             q = self._queues.get(sid)
             if q is None:
                 raise RingClosed("the stream ended")
@@ -149,7 +152,7 @@ class DecodePool:
             self._cv.notify()
         while not job.done.wait(POLL_S):
             if self._closed and time.monotonic() - self._closed_at > self.close_timeout_s:
-                raise RingClosed("the server's decode pool closed and the batch was not decoded in time")
+                raise Unavailable(_CLOSED + " (the batch was not decoded in time)")
         if job.error is not None:
             raise job.error
         return job.result, job.waited
@@ -170,8 +173,8 @@ class DecodePool:
                 self._linger = None
             idle = self._take_free()
             self._cv.notify_all()
-        for job in waiting:
-            job.error = RingClosed("the server's decode pool is closed (shutting down)")
+        for job in waiting:  # an error their streams deliver in order (RingClosed would not be:
+            job.error = Unavailable(_CLOSED)  # a reader stops quietly on it, and its consumer waits)
             job.done.set()
         del idle  # destroyed here, not left to the interpreter's exit
         deadline = time.monotonic() + self.close_timeout_s

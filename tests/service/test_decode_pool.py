@@ -15,7 +15,7 @@ import pytest
 from feedkit import assert_same_batches, free_port, local_batches, spawn_server
 
 from gdsload.decode.image import ImageTransform
-from gdsload.errors import RingClosed
+from gdsload.errors import RingClosed, Unavailable
 from gdsload.service.client import RemoteLoader
 from gdsload.service.pool import DecodePool
 from gdsload.service.server import create_server
@@ -169,7 +169,8 @@ def test_a_stream_with_a_backlog_does_not_starve_another(roots, encoded):
 
 
 def test_ended_stream_and_closed_pool_fail_fast(roots, encoded):
-    """A stream that ended, or a pool that closed, answers RingClosed at once, never a wait."""
+    """A stream that ended answers RingClosed at once (its readers stop), a closed pool
+    Unavailable (the stream's consumer gets it in order), never a wait."""
     images, names = encoded
     pool = DecodePool(workers=1, threads=1, linger_s=0.05)
     loader = _decoding_loader(roots)
@@ -189,10 +190,12 @@ def test_ended_stream_and_closed_pool_fail_fast(roots, encoded):
         t0 = time.monotonic()
         assert pool.close()  # workers end, pipelines released
         assert time.monotonic() - t0 < 5 and not any(t.is_alive() for t in pool._threads)
-        with pytest.raises(RingClosed):
+        with pytest.raises(Unavailable, match="shutting down"):
             dec.decode_into(images, names, dst)
-        with pytest.raises(RingClosed):
-            pool.attach(_decoding_loader(roots), "imgs")
+        other = _decoding_loader(roots)
+        with pytest.raises(Unavailable):
+            pool.attach(other, "imgs")
+        other.close()
     finally:
         loader.close()
 
