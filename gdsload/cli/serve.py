@@ -81,6 +81,7 @@ def warm_up() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.errors import GdsloadError
+    from gdsload.host.malloc import keep_large_blocks
     from gdsload.service.auth import read_token
     from gdsload.service.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
     from gdsload.service.logs import configure, event
@@ -129,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    keep_large_blocks()  # messages of megabytes: no page faults per message (gdsload.host.malloc)
     warm_up()
     server.start()
     while not stop.wait(0.5):

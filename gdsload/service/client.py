@@ -51,6 +51,7 @@ import numpy as np
 
 from gdsload.errors import GdsloadError, require
 from gdsload.host.forksafe import ProcessLocal
+from gdsload.host.malloc import keep_large_blocks
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
@@ -317,6 +318,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
 
     def __iter__(self) -> _RemoteEpoch:
         self._enter_process()
+        keep_large_blocks()  # received messages of megabytes: no page faults each (gdsload.host.malloc)
         active = self._active_epoch()
         if active is not None:
             active.close()
