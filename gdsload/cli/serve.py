@@ -55,11 +55,14 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
                         "(UNAVAILABLE, its client retries)")
     s.add_argument("--workers", type=int, default=2, help="reader threads per stream (default 2)")
     s.add_argument("--prefetch", type=int, default=2, help="batches prefetched per reader thread (default 2)")
-    s.add_argument("--decode-threads", type=int, default=2, help="DALI threads per stream with --decode-pool 0 (default 2)")
-    s.add_argument("--decode-pool", type=int, default=0, metavar="N",
+    s.add_argument("--decode-threads", type=int, default=2,
+                   help="DALI threads per stream with --no-decode-pool (default 2)")
+    s.add_argument("--decode-pool", type=int, default=2, metavar="N",
                    help="decode every stream's images in one pool of N workers, each pipeline with as many "
-                        "DALI threads as the server has cores, streams served in turn (default 0: a "
-                        "pipeline of --decode-threads per stream)")
+                        "DALI threads as the server has cores, streams served in turn (default 2; 0: as "
+                        "--no-decode-pool)")
+    s.add_argument("--no-decode-pool", dest="decode_pool", action="store_const", const=0,
+                   help="no shared pool: each decoding stream builds a DALI pipeline of --decode-threads")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)
@@ -78,6 +81,7 @@ def warm_up() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.errors import GdsloadError
+    from gdsload.host.malloc import keep_large_blocks
     from gdsload.service.auth import read_token
     from gdsload.service.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
     from gdsload.service.logs import configure, event
@@ -126,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    keep_large_blocks()  # messages of megabytes: no page faults per message (gdsload.host.malloc)
     warm_up()
     server.start()
     while not stop.wait(0.5):

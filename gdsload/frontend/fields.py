@@ -186,7 +186,7 @@ def to_wire(value: Any) -> bytes | memoryview:
 def parse_columns(batch: dict[str, Any], *, decode: bool) -> dict[str, Any]:
     """A batch from the feed, its bytes columns parsed as `loader_kind` says (in place)."""
     for name, col in batch.items():
-        if name.startswith("__") or not isinstance(col, list):
+        if name.startswith("__") or not isinstance(col, (list, BytesColumn)):
             continue
         kind = loader_kind(name, decode=decode)
         kind = "ragged" if kind == "tensor" else kind  # a tensor field sent as items is ragged

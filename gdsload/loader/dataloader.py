@@ -230,16 +230,26 @@ class DataLoader(ProcessLocal, PlanCursor):
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): PlanCursor, over `self.cursor`
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
+    def batch_layout(self) -> Any:
+        """The `gdsload.loader.layout.BatchLayout` of this loader's batches, decided once, before
+        anything is allocated (the feed server sizes a stream's memory reservation from its
+        `slot_nbytes` before the loader's first batch)."""
+        if self._layout is None:
+            from gdsload.loader.layout import BatchLayout
+
+            opts, plan = self.options, self.plan
+            self._layout = BatchLayout.build(
+                self.dataset, batch_size=opts.batch_size, samples_per_rank=-(-plan.num_samples // plan.world_size),
+                decode=opts.decode, transform=opts.transform, on_device=opts.device == "cuda",
+                media=opts.media_for)
+        return self._layout
+
     def _setup(self) -> None:
         """On first iteration: the batch layout, then the resources sized for it."""
-        from gdsload.loader.layout import BatchLayout
         from gdsload.loader.resources import Resources
 
         opts, plan = self.options, self.plan
-        on_device = opts.device == "cuda"
-        self._layout = layout = BatchLayout.build(
-            self.dataset, batch_size=opts.batch_size, samples_per_rank=-(-plan.num_samples // plan.world_size),
-            decode=opts.decode, transform=opts.transform, on_device=on_device, media=opts.media_for)
+        layout = self.batch_layout()
         self._resources = Resources.open(
             self.dataset, layout, device=opts.device, device_index=opts.device_index, io=self.io_name,
             num_workers=self._num_workers, prefetch=self._prefetch_factor, pin_memory=self.pin_memory,

@@ -11,27 +11,18 @@ how long a batch took; `per_batch` divides each by the batches handed out.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Any
+
+from gdsload.frontend.stages import StageTimes as _StageTimes
 
 STAGES = ("read", "check", "decode", "map", "copy", "wait")
 
 
-class StageTimes:
+class StageTimes(_StageTimes):
+    """`gdsload.frontend.stages.StageTimes` of the loader's `STAGES`."""
+
     def __init__(self, stages: tuple[str, ...] = STAGES):
-        self._lock = threading.Lock()
-        self._s = dict.fromkeys(stages, 0.0)
-
-    def add(self, stage: str, seconds: float) -> None:
-        with self._lock:
-            self._s[stage] += seconds
-
-    def report(self, batches: int) -> dict[str, Any]:
-        with self._lock:
-            total = dict(self._s)
-        return {"total_s": total, "per_batch_s": {k: v / batches for k, v in total.items()} if batches else
-                {k: 0.0 for k in total}, "batches": batches}
+        super().__init__(stages)
 
 
 @dataclass

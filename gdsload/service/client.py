@@ -41,6 +41,7 @@ forkserver, continuing from the parent's cursor. grpc is imported here, not by `
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ import numpy as np
 
 from gdsload.errors import GdsloadError, require
 from gdsload.host.forksafe import ProcessLocal
+from gdsload.host.malloc import keep_large_blocks
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
@@ -58,6 +60,7 @@ from gdsload.frontend.cursor import PlanCursor
 from gdsload.frontend.fields import parse_columns
 from gdsload.frontend.options import LoaderOptions
 from gdsload.frontend.output import as_output
+from gdsload.frontend.stages import StageTimes
 from gdsload.frontend.usercode import MapStage
 from gdsload.service import mixwire, wire
 from gdsload.service.auth import metadata
@@ -67,6 +70,9 @@ from gdsload.service.receiver import _RemoteEpoch
 from gdsload.v1 import feed_pb2 as pb
 
 __all__ = ["RemoteLoader"]
+
+#: The stages of `RemoteLoader.stats()["stages"]` (the shape of `DataLoader.stats()["stages"]`).
+STAGES = ("receive", "map", "wait")
 
 
 class RemoteLoader(ProcessLocal, PlanCursor):
@@ -112,7 +118,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     and continues where the loader stood (`state_dict()`).
     """
 
-    _PROCESS_LOCAL = ("_active", "_stats")
+    _PROCESS_LOCAL = ("_active", "_stats", "_stages")
 
     def __init__(
         self,
@@ -242,6 +248,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     def _init_process_local(self) -> None:
         self._active: weakref.ref[_RemoteEpoch] | None = None  # weak: see "Lifetime" above
         self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0}
+        self._stages = StageTimes(STAGES)  # stats()["stages"]
 
     def _enter_process(self) -> None:
         """In a forked child, leave the parent's epoch, channels and locks alone and start afresh."""
@@ -311,6 +318,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
 
     def __iter__(self) -> _RemoteEpoch:
         self._enter_process()
+        keep_large_blocks()  # received messages of megabytes: no page faults each (gdsload.host.malloc)
         active = self._active_epoch()
         if active is not None:
             active.close()
@@ -328,9 +336,16 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         `stalls` (requests cancelled after `stall_timeout_s` of silence), `duplicates` (batches
         it sent that had arrived from another server already, dropped), `state` (new, ok,
         suspect: stalled, down: failing, refused: another dataset version or cannot serve this
-        request, gone: no longer resolved)."""
+        request, gone: no longer resolved).
+
+        `stages`, shaped as `DataLoader.stats()["stages"]` (`gdsload.frontend.stages.StageTimes`):
+        wall seconds since the loader was made, `total_s` and `per_batch_s` (over the batches
+        handed out), of `receive` (the receiving threads waiting for and assembling the chunks of
+        batches, server time and network included; with striping summed over the requests in
+        flight, so they overlap), `map` (`map` / `collate_fn`, in the caller's thread) and `wait`
+        (the caller waiting for a batch: `wait_s`)."""
         return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address(),
-                    servers=self._link.server_stats())
+                    servers=self._link.server_stats(), stages=self._stages.report(self._stats["batches"]))
 
     def close(self) -> None:
         self._enter_process()
@@ -369,7 +384,11 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         batch = parse_columns(batch, decode=self.decode)  # text, json, ragged .npy: as locally
         if self._stage is not None:
             names = [f"{k}" for k in batch[wire.KEY]]
-            return self._stage.start(0).run(batch, names, self._to_output)
+            t0 = time.perf_counter()
+            try:
+                return self._stage.start(0).run(batch, names, self._to_output)
+            finally:
+                self._stages.add("map", time.perf_counter() - t0)
         if self.output == "torch":
             for k, v in batch.items():
                 if isinstance(v, np.ndarray):

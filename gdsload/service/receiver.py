@@ -33,8 +33,9 @@ class _Receiver:
     """
 
     def __init__(self, link: _Link, template: pb.BatchRequest, *, epoch: int, position: int,
-                 global_batch: int, end: int, prefetch: int):
+                 global_batch: int, end: int, prefetch: int, stages: Any = None):
         self.link = link
+        self.stages = stages  # the loader's StageTimes: "receive" is timed here
         self.template = template
         self.epoch = epoch
         self.G = global_batch
@@ -101,7 +102,9 @@ class _Receiver:
                     link.mark(address, state="ok", in_flight=(self.end - self.next_request) // self.G)
                     asm = wire.BatchAssembler()
                     it = iter(call)
+                    stages = self.stages
                     while True:
+                        t0 = time.perf_counter()
                         self._waiting_since = time.monotonic()
                         try:
                             chunk, data = next(it)
@@ -110,6 +113,8 @@ class _Receiver:
                         finally:
                             self._waiting_since = None
                         batch = asm.add(chunk, data)
+                        if stages is not None:
+                            stages.add("receive", time.perf_counter() - t0)
                         if batch is None:
                             continue
                         expected = self.next_request + self.G
@@ -189,11 +194,11 @@ class _RemoteEpoch:
                 global_batch=plan.global_batch, end=plan.end_position, prefetch=loader.prefetch,
                 stripe_batches=loader.stripe_batches, server_window=loader.server_window,
                 stall_timeout_s=loader.stall_timeout_s, resolve_interval_s=loader.resolve_interval_s,
-                dataset_id=plan.dataset_id)
+                dataset_id=plan.dataset_id, stages=loader._stages)
         else:
             self.receiver = _Receiver(loader._link, loader._request(epoch, position), epoch=epoch,
                                       position=position, global_batch=plan.global_batch,
-                                      end=plan.end_position, prefetch=loader.prefetch)
+                                      end=plan.end_position, prefetch=loader.prefetch, stages=loader._stages)
         self.pid = os.getpid()  # the receiver thread and its call exist in this process only
         self._successor: _RemoteEpoch | None = None
         self._done = False
@@ -223,6 +228,7 @@ class _RemoteEpoch:
                                              code="INTERNAL") from None
         waited = time.perf_counter() - t0
         L._stats["wait_s"] += waited
+        L._stages.add("wait", waited)
         if not L.striped:  # striped: the receiver charges the servers of the batch it waits for
             L._link.bump(L._link.address(), wait_s=waited)
         if item[0] == "batch":
@@ -328,8 +334,10 @@ class _StripedReceiver:
 
     def __init__(self, link: _Link, template: pb.BatchRequest, *, epoch: int, position: int,
                  global_batch: int, end: int, prefetch: int, stripe_batches: int, server_window: int,
-                 stall_timeout_s: float, resolve_interval_s: float, dataset_id: str | None):
+                 stall_timeout_s: float, resolve_interval_s: float, dataset_id: str | None,
+                 stages: Any = None):
         self.link = link
+        self.stages = stages  # the loader's StageTimes: "receive" is timed in each request's thread
         self.template = template
         self.epoch = epoch
         self.G = global_batch
@@ -570,10 +578,15 @@ class _StripedReceiver:
             if self.stop.is_set() or f.reason is not None:
                 call.cancel()
             asm = wire.BatchAssembler()
+            stages = self.stages
+            t0 = time.perf_counter()
             for chunk, data in call:
                 f.last = time.monotonic()
                 batch = asm.add(chunk, data)
+                if stages is not None:
+                    stages.add("receive", time.perf_counter() - t0)
                 if batch is None:
+                    t0 = time.perf_counter()
                     continue
                 expected = (f.next + 1) * self.G
                 if chunk.epoch != self.epoch or chunk.position != expected:
@@ -583,6 +596,7 @@ class _StripedReceiver:
                 self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch)))
                 if f.reason is not None:
                     break  # cancelled (stall, a hedged copy done, stop): the call is being cancelled
+                t0 = time.perf_counter()
             with self.cond:
                 if f.reason in ("stall", "overtaken"):  # (a call cancelled after its last batch ends quietly)
                     self._stalled(f)

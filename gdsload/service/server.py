@@ -11,12 +11,14 @@ Concurrency: one gRPC worker thread per stream (up to `Limits.max_streams`, more
 each with its own loader (`workers` reader threads, a ring of `prefetch + 1` batches); the opened
 datasets are shared (see `gdsload.service.catalog`), and so is image decoding: the loaders of all
 decoding streams hand their batches to one `gdsload.service.pool.DecodePool` (`decode_pool`
-workers, DALI pipelines with a thread per core, streams served in turn) instead of each building a
-pipeline of its own (`decode_pool=0`). Reading stays per stream.
+workers, default 2, DALI pipelines with a thread per core, streams served in turn) instead of each
+building a pipeline of its own (`decode_pool=0`, `gdsload serve --no-decode-pool`). Reading stays
+per stream.
 
 Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
-hold (`FeedServicer.stream_memory`: the ring's slots sized from the index's largest members, the
-decoder's output and intermediate buffers, two chunks in gRPC) against one server-wide budget,
+hold (`FeedServicer.stream_memory`: the ring's slots as the loader sizes them,
+`BatchLayout.slot_nbytes`, its batches' own staging buffers, the decoder's output and
+intermediate buffers, two chunks in gRPC) against one server-wide budget,
 `Limits.max_memory_bytes`. A stream that does not fit next to the open ones is refused with
 UNAVAILABLE (the client retries later or elsewhere), one larger than the whole budget with
 RESOURCE_EXHAUSTED. A client that stops reading stalls its stream inside that reservation: gRPC's
@@ -274,22 +276,23 @@ class FeedServicer(pb_grpc.FeedServicer):
             from gdsload.service import mediawire
 
             media = mediawire.from_specs(req.media, {f: dataset.shards.fields.get(f, "") for f in dataset.fields})
-        memory = self.stream_memory(req, dataset.fields, transform) + _media_memory(media, req, self.prefetch)
-        if req.HasField("mix"):  # building its epoch's order takes memory too (gdsload.plan.mix)
-            memory += self._mix_order_memory(dataset, req)
+        # building a mix's epoch order takes memory too (gdsload.plan.mix); refused before anything is built
+        order_memory = self._mix_order_memory(dataset, req) if req.HasField("mix") else 0
         if media:
             images = [f for f in dataset.fields if dataset.shards.fields.get(f) == "image"]
             transform = {**media, **({images[0]: transform} if images and transform is not None else {})}
         key = _warm_key(req, dataset.dataset_id)
-        loader = self._take_warm(key)  # a loader of an earlier stream of the same request, if parked
+        loader, parked = self._take_warm(key)  # a loader of an earlier stream of the same request, if parked
         reused = loader is not None
         if loader is None:
-            loader = DataLoader(
+            loader = DataLoader(  # allocates nothing until iterated
                 dataset, **{**request.loader_kwargs(opts), "transform": transform},
                 num_workers=self.workers, prefetch_factor=self.prefetch, pin_memory=False, io="auto",
                 decode_threads=self.decode_threads,
             )
+        memory = parked  # what a parked loader holds reserved (the same figure: same request)
         try:
+            memory = self.stream_memory(loader, req) + order_memory
             # the plan's batches from the start, beside the loader's: they name skipped samples;
             # checking start_position here names the request's field in the message
             planned = loader.plan.batches(req.epoch, req.start_position)
@@ -304,16 +307,18 @@ class FeedServicer(pb_grpc.FeedServicer):
                         "key": key, "reused": reused}
 
     # -- warm loaders: a striping client opens a stream per block of batches ---------------------------
-    def _take_warm(self, key: tuple) -> DataLoader | None:
-        """A parked loader built for the same request (all but the position), or None. It keeps its
-        memory reservation while parked, so the caller does not reserve again."""
+    def _take_warm(self, key: tuple) -> tuple[DataLoader | None, int]:
+        """A parked loader built for the same request (all but the position) and the memory it
+        holds reserved, or (None, 0). It keeps its reservation while parked, so the caller does
+        not reserve again."""
         self._evict_warm(stale_only=True)
         with self._lock:
             for i in range(len(self._warm) - 1, -1, -1):
                 if self._warm[i][0] == key:
                     self.warm_hits += 1
-                    return self._warm.pop(i)[1]
-        return None
+                    _, loader, memory, _ = self._warm.pop(i)
+                    return loader, memory
+        return None, 0
 
     def _park(self, key: tuple, loader: DataLoader, memory: int) -> None:
         """Keep a loader whose stream ended well for the next stream of the same request, for
@@ -358,42 +363,51 @@ class FeedServicer(pb_grpc.FeedServicer):
             raise OverLimit(f"mix {req.dataset!r}: {exc}") from None
         return order_nbytes(mix.spec, G)
 
-    def stream_memory(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> int:
-        """Upper bound of the bytes a stream for `req` holds, checking `max_batch_bytes` on the way.
+    def stream_memory(self, loader: DataLoader, req: pb.BatchRequest) -> int:
+        """Upper bound of the bytes a stream of `loader` (built for `req`, not iterated yet) holds,
+        checking `max_batch_bytes` on the way.
 
-        The loader's ring has `prefetch + 1` slots, each holding a batch of outputs (decoded
-        images, tensors, int64 labels) plus a staging area of every non-tensor member rounded up
-        to 64 bytes, sized from the largest member of each field in the index, each field of a
-        slot 4 KiB-aligned. A decoding stream adds `_DECODE_BUFFERS` output batches inside DALI
-        and `DECODER_OVERHEAD_BYTES`, every stream `STREAM_OVERHEAD_BYTES`; gRPC holds at most
-        two chunks of `max_message_bytes` (the one being built and the one it has accepted but
-        not yet sent, waiting for the client's flow-control window).
+        The ring slot is the loader's own figure, `BatchLayout.slot_nbytes` (the one slot size
+        computation: the loader's memory check and autotune use it too), times `prefetch + 1`
+        slots. A loader that decodes nothing gives each batch its own staging buffer
+        (`gdsload.ring.staging.StagingPool`: at least 4 MiB, a quarter over the batch's staged
+        bytes), at most one per slot and the batch being sent; labels the index holds are not
+        staged (one staged label buffer is within `STREAM_OVERHEAD_BYTES`). A decoding stream
+        adds `_DECODE_BUFFERS` output batches inside DALI and `DECODER_OVERHEAD_BYTES` (also with
+        the decode pool: each decoding stream reserves a pipeline's share, so the pool, at most
+        one pipeline per attached stream, stays within the reservations), every stream
+        `STREAM_OVERHEAD_BYTES`; gRPC holds at most two chunks of `max_message_bytes` (the one
+        being built and the one it has accepted but not yet sent, waiting for the client's
+        flow-control window).
         """
-        from gdsload.format.manifest import field_kind
+        from gdsload.loader.gather import round_up
 
-        sizes = mixwire.max_member_nbytes(self.catalog, req)
-        per_sample = staging = image = 0
-        for f in fields:
-            kind = field_kind(f)
-            if transform is not None and kind == "image":
-                c, h, w = transform.output_shape()
-                image = c * h * w * np.dtype(transform.dtype).itemsize
-                per_sample += image
-            else:
-                per_sample += sizes.get(f, 0) + 8  # labels become int64
-            if kind != "tensor":
-                staging += -(-sizes.get(f, 0) // 64) * 64
-        B = req.batch_size
-        total = per_sample * B
-        if total > self.limits.max_batch_bytes:
+        layout = loader.batch_layout()
+        B = layout.rows
+        body = image = staged = 0
+        spec, host = layout.slot_fields(on_device=False, direct=False)
+        for name, (shape, dtype) in {**spec, **host}.items():
+            if name != "__staging__":  # batch tensors: .npy rows, decoded images and media, labels
+                body += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        for fp in layout.fields:
+            if fp.kind == "image":
+                image += int(np.prod(layout.transform.output_shape())) * np.dtype(layout.transform.dtype).itemsize
+            elif fp.kind not in ("tensor", "label", "video", "audio"):  # sent as they were read
+                body += B * fp.max_nbytes
+                staged += B * round_up(fp.max_nbytes)
+        if body > self.limits.max_batch_bytes:
             raise OverLimit(
-                f"a batch of {B} samples of {req.dataset!r} can take up to {total} bytes "
-                f"({per_sample} per sample), over the server's limit of {self.limits.max_batch_bytes} "
+                f"a batch of {B} samples of {req.dataset!r} can take up to {body} bytes "
+                f"({body // max(1, B)} per sample), over the server's limit of {self.limits.max_batch_bytes} "
                 f"bytes per batch; lower batch_size"
             )
-        slot = B * (per_sample + staging) + 4096 * (len(fields) + 1)  # each ring field is 4 KiB-aligned
-        decoder = _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES if transform is not None else 0
-        return (self.prefetch + 1) * slot + decoder + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
+        slots = self.prefetch + 1
+        memory = slots * layout.slot_nbytes()[1]
+        if layout.own_staging and staged:
+            memory += (slots + 1) * max(staged + staged // 4, 4 << 20)
+        if image:
+            memory += _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES
+        return memory + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
     def _enter(self, dataset: str, memory: int, *, reserved: bool = False) -> None:
         """Count a stream in and reserve its `memory` (unless its warm loader holds it: `reserved`)."""
@@ -637,13 +651,17 @@ class FeedServer:
             drained = self.servicer.wait_idle(grace)
             left = max(0.0, grace - (time.monotonic() - t0))
             # What is still open now is not a stream (health watches, unary calls): short grace.
-            self.grpc_server.stop(min(left, 1.0)).wait()
+            stop_grace = min(left, 1.0)
+            self.grpc_server.stop(stop_grace).wait(stop_grace + 5.0)
             self.servicer.close_warm()
-            if self.servicer.pool is not None:
+            if self.servicer.pool is not None:  # queued batches fail; its pipelines go now, not at exit
                 self.servicer.pool.close()
+            # the calls gRPC cancelled end their loaders (a stream's thread closes its loader)
+            ended = self.servicer.wait_idle(5.0)
             self.metrics.close()
             self._stopped.set()
-            event(self.log, "shutdown_done", drained=drained, open_streams=open_streams,
+            event(self.log, "shutdown_done", level=logging.INFO if ended else logging.WARNING, drained=drained,
+                  open_streams=open_streams, still_open=self.servicer.active_streams(),
                   seconds=round(time.monotonic() - t0, 3))
             return drained
 
@@ -711,7 +729,7 @@ def create_server(
     logger: logging.Logger | None = None,
     cache_dir: str | bool | None = None,
     cache_limit: int | str = "50GB",
-    decode_pool: int = 0,
+    decode_pool: int = 2,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -722,9 +740,9 @@ def create_server(
     does not expose its metrics to the network). `workers`/`prefetch`/`decode_threads`: per
     stream, as in `DataLoader` (>= 1). `grace_s`: how long `shutdown()` waits for open streams.
     `cache_dir`/`cache_limit`: the shard cache for roots that are URLs, as in `gdsload.Dataset`.
-    `decode_pool`: decode the images of every stream in one pool of this many workers, each
-    pipeline with as many DALI threads as the server has cores, taken by the streams in turn
-    (`gdsload.service.pool`); 0 (default): a pipeline of `decode_threads` threads per stream.
+    `decode_pool`: decode the images of every stream in one pool of this many workers (default
+    2), each pipeline with as many DALI threads as the server has cores, taken by the streams in
+    turn (`gdsload.service.pool`); 0: a pipeline of `decode_threads` threads per stream.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")

@@ -5,11 +5,24 @@ its layout, dtype, shape or item lengths, byte count) and a body, the fields' by
 another. The body is cut into chunks so that no message exceeds `max_chunk_bytes`; the header
 rides in chunk 0.
 
-Copies: the server serializes each chunk by hand, copying each byte of the batch once, straight
-from the loader's arrays and byte strings into the message; the client takes `data` out of the
-received message without protobuf (`split_chunk`, a view) and copies each byte once: into the
-arrays it returns (writable, so `torch.from_numpy` accepts them) and the byte strings, or, for a
-batch of several chunks, into one `bytearray` of which the arrays are views.
+Copies of each byte of a raw batch (what the wire benchmark moves), one by one:
+- server: (1) the kernel copies the shard bytes from the page cache into the batch's staging
+  buffer (the loader's read, as locally); (2) `encode_batch` joins the batch's fields straight
+  from there into the chunk message (one copy instead of protobuf's three: join, message,
+  serialization; a `BytesColumn` packed back to back goes as one piece); (3) gRPC Python copies the
+  message `bytes` into a gRPC slice (`grpc_slice_from_copied_buffer`); (4) the kernel copies it
+  into the socket.
+- client: (1) the kernel copies it out of the socket into gRPC core's read slices; (2) and (3)
+  gRPC Python makes a `bytes` of each slice and joins them into the message (grpcio 1.85 without
+  its zero-copy experiment); `split_chunk` takes `data` out of the message without a copy
+  (protobuf would copy twice); then a batch of one message is used where it lies: byte fields
+  are `BytesColumn`s over the message (no copy; a member becomes `bytes` when asked for, as in
+  the local loader's batches), tensor fields are copied once into writable arrays
+  (`torch.from_numpy` warns about read-only ones); (4) only a batch of several messages is
+  assembled, once, into one buffer its fields are views of (NumPy, not zero-filled: from 4 MiB on
+  the kernel backs it with huge pages instead of one fault per 4 KiB page).
+So a raw batch that fits in one message (`Limits.max_message_bytes`) costs the server two copies
+of its own and gRPC's one, and the client gRPC's two; the kernel's copies are the socket's.
 """
 
 from __future__ import annotations
@@ -72,9 +85,15 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
                 pieces.append(memoryview(arr.reshape(-1).view(np.uint8)))
         elif isinstance(value, BytesColumn):  # the loader's bytes fields: views of the ring slot
             lengths = value.sizes.tolist()
+            total = sum(lengths)
             fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_BYTES, item_nbytes=lengths,
-                                       nbytes=sum(lengths)))
-            pieces.extend(memoryview(value.view(i)) for i, n in enumerate(lengths) if n)
+                                       nbytes=total))
+            offsets = value.offsets
+            if total and len(lengths) > 1 and bool(np.all(offsets[1:] == offsets[:-1] + value.sizes[:-1])):
+                start = int(offsets[0])  # packed back to back (a batch's own buffer): one piece
+                pieces.append(memoryview(value.data[start : start + total]))
+            else:
+                pieces.extend(memoryview(value.view(i)) for i, n in enumerate(lengths) if n)
         elif isinstance(value, (list, tuple)):
             value = [v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v) for v in value]
             lengths = [memoryview(v).nbytes for v in value]  # text, json, ragged .npy: bytes items
@@ -141,7 +160,7 @@ def body_nbytes(batch: Mapping[str, Any]) -> int:
     n = 0
     for name, value in batch.items():
         if name not in (KEY, SOURCE):
-            n += value.nbytes if isinstance(value, np.ndarray) else sum(memoryview(
+            n += value.nbytes if isinstance(value, (np.ndarray, BytesColumn)) else sum(memoryview(
                 v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v)).nbytes for v in value)
     return n
 
@@ -201,7 +220,7 @@ class BatchAssembler:
 
     def __init__(self) -> None:
         self._header: pb.BatchHeader | None = None
-        self._body: bytearray | None = None
+        self._body: np.ndarray | None = None
         self._filled = 0
         self._next_chunk = 0
         self._step = -1
@@ -221,14 +240,15 @@ class BatchAssembler:
                 if len(data) != chunk.header.body_nbytes:
                     raise ProtocolError(f"step {chunk.step}: got {len(data)} of {chunk.header.body_nbytes} bytes")
                 return decode_body(chunk.header, data)
-            self._body = bytearray(chunk.header.body_nbytes)
+            # not zero-filled, and from 4 MiB on NumPy asks for huge pages: a few faults, not one per 4 KiB
+            self._body = np.empty(chunk.header.body_nbytes, np.uint8)
             self._filled = 0
         elif chunk.step != self._step:
             raise ProtocolError(f"chunk {chunk.chunk_index} is of step {chunk.step}, expected {self._step}")
         end = self._filled + len(data)
         if end > len(self._body):
             raise ProtocolError(f"step {chunk.step}: chunks carry more than the {len(self._body)} bytes announced")
-        self._body[self._filled:end] = data
+        self._body[self._filled:end] = np.frombuffer(data, np.uint8)
         self._filled = end
         if not chunk.last:
             self._next_chunk += 1
@@ -240,12 +260,15 @@ class BatchAssembler:
         return decode_body(self._header, body, owned=True)
 
 
-def decode_body(header: pb.BatchHeader, body: bytes | bytearray | memoryview, *, owned: bool = False) -> dict[str, Any]:
-    """The batch dict: tensors as writable arrays (views of `body` when `owned`, a bytearray the
-    caller gives away; else copies), byte fields as lists of bytes."""
+def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> dict[str, Any]:
+    """The batch dict: tensors as writable arrays (views of `body` when `owned`, a writable buffer
+    the caller gives away; else copies), byte fields as `BytesColumn`s over `body` (no copy: a
+    member becomes `bytes` when asked for, as in the local loader's batches; read-only views of
+    a received message that is not `owned`)."""
     out: dict[str, Any] = {}
     offset = 0
     view = memoryview(body)
+    data = None  # the body as uint8, once: byte fields are columns over it
     for f in header.fields:
         if f.layout == pb.FIELD_LAYOUT_TENSOR:
             dtype = np.dtype(f.dtype)
@@ -255,14 +278,18 @@ def decode_body(header: pb.BatchHeader, body: bytes | bytearray | memoryview, *,
                 raise ProtocolError(f"field {f.name!r}: {f.dtype}{list(shape)} is not {f.nbytes} bytes")
             src = view[offset : offset + f.nbytes] if owned else bytearray(view[offset : offset + f.nbytes])
             out[f.name] = np.frombuffer(src, dtype=dtype, count=count).reshape(shape)
-        elif f.layout == pb.FIELD_LAYOUT_BYTES:
-            items, pos = [], offset
-            for n in f.item_nbytes:
-                items.append(bytes(view[pos : pos + n]))
-                pos += n
-            if pos - offset != f.nbytes:
+        elif f.layout == pb.FIELD_LAYOUT_BYTES:  # a BytesColumn over the body, as the local loader's
+            sizes = np.array(f.item_nbytes, np.int64)
+            if int(sizes.sum()) != f.nbytes:
                 raise ProtocolError(f"field {f.name!r}: item lengths do not add up to {f.nbytes}")
-            out[f.name] = items
+            if data is None:
+                data = np.frombuffer(view, np.uint8)
+            offsets = np.empty(len(sizes), np.int64)
+            if len(sizes):
+                offsets[0] = offset
+                np.cumsum(sizes[:-1], out=offsets[1:])
+                offsets[1:] += offset
+            out[f.name] = BytesColumn(data, offsets, sizes)
         else:
             raise ProtocolError(f"field {f.name!r}: unknown layout {f.layout}")
         offset += f.nbytes

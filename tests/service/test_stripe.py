@@ -75,7 +75,8 @@ def test_striped_batches_equal_the_local_loaders(trio, roots, rank, world, block
     loader.close()
     # a stream per block: the servers park a finished stream's loader for the next block
     assert sum(srv.servicer.warm_hits for srv in TRIO) > 0
-    assert all(srv.servicer.active_streams() == 0 for srv in TRIO)
+    # cancelled requests (hedged copies, the block in flight at close) end on the server soon after
+    assert all(srv.servicer.wait_idle(5.0) for srv in TRIO)
 
 
 def test_resume_from_a_state_taken_mid_stripe(trio, roots):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdsload.decode.image import ImageTransform
+from gdsload.frontend.fields import BytesColumn
 from gdsload.service import wire
 from gdsload.service.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
@@ -52,6 +53,38 @@ def test_any_batch_round_trips_under_the_limit(n, shape, dtype, blobs, limit):
     assert out["npy"].dtype == arr.dtype and out["npy"].shape == arr.shape
     assert out["npy"].tobytes() == arr.tobytes() and out["npy"].flags.writeable
     assert out["jpg"] == blobs and out["__key__"] == batch["__key__"]
+    assert isinstance(out["jpg"], BytesColumn)  # as the local loader's bytes fields
+
+
+def test_a_one_chunk_batch_keeps_its_bytes_in_the_message():
+    """The client's copies of a raw batch: byte fields are views of the received message (none),
+    tensors one copy (writable arrays); a batch of several chunks is assembled once and both are
+    views of that buffer."""
+    blobs = [bytes([i]) * (1000 + i) for i in range(10)]
+    batch = {"jpg": blobs, "cls": np.arange(10, dtype=np.int64), "__key__": [str(i) for i in range(10)]}
+    (raw,) = wire.encode_batch(batch, epoch=0, step=0, position=10, max_chunk_bytes=1 << 20)
+    out = wire.BatchAssembler().add(*wire.split_chunk(raw))
+    message = np.frombuffer(raw, np.uint8)
+    assert out["jpg"] == blobs and np.shares_memory(out["jpg"].data, message)
+    assert out["cls"].flags.writeable and not np.shares_memory(out["cls"], message)
+    asm = wire.BatchAssembler()
+    chunks = list(wire.encode_batch(batch, epoch=0, step=0, position=10, max_chunk_bytes=4096 + 256))
+    assert len(chunks) > 1
+    for raw in chunks:
+        out = asm.add(*wire.split_chunk(raw))
+    assert out["jpg"] == blobs and out["cls"].tolist() == list(range(10))
+    assert np.shares_memory(out["jpg"].data, out["cls"]) and out["cls"].flags.writeable
+
+
+def test_packed_bytes_column_is_sent_as_one_piece():
+    """A BytesColumn whose members lie back to back (a batch's own staging buffer) goes out as
+    one piece; one with gaps (ring slot staging, 64-byte aligned) member by member: same bytes."""
+    data = np.arange(256, dtype=np.uint8)
+    packed = BytesColumn(data, np.array([0, 10, 30]), np.array([10, 20, 5]))
+    gaps = BytesColumn(data, np.array([0, 64, 128]), np.array([10, 20, 5]))
+    for col in (packed, gaps):
+        out, _ = _roundtrip({"jpg": col, "__key__": ["a", "b", "c"]}, 1 << 20)
+        assert out["jpg"] == col.tolist()
 
 
 def test_big_batch_is_chunked():
