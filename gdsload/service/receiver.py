@@ -101,6 +101,7 @@ class _Receiver:
                     link.mark(address, state="ok", in_flight=(self.end - self.next_request) // self.G)
                     asm = wire.BatchAssembler()
                     it = iter(call)
+                    shared = False
                     while True:
                         self._waiting_since = time.monotonic()
                         try:
@@ -109,6 +110,8 @@ class _Receiver:
                             break
                         finally:
                             self._waiting_since = None
+                        if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
+                            shared = chunk.header.shared
                         batch = asm.add(chunk, data)
                         if batch is None:
                             continue
@@ -118,7 +121,7 @@ class _Receiver:
                                 f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
                                 f"expected epoch {self.epoch} position {expected}")
                         nbytes = wire.body_nbytes(batch)
-                        if not self._put(("batch", batch, expected, nbytes)):
+                        if not self._put(("batch", batch, expected, nbytes, shared)):
                             return
                         link.bump(address, batches=1, bytes=nbytes)
                         self.next_request = expected
@@ -226,9 +229,10 @@ class _RemoteEpoch:
         if not L.striped:  # striped: the receiver charges the servers of the batch it waits for
             L._link.bump(L._link.address(), wait_s=waited)
         if item[0] == "batch":
-            _, batch, position, nbytes = item
+            _, batch, position, nbytes, shared = item
             L._position = position
             L._stats["batches"] += 1
+            L._stats["shared_batches"] += bool(shared)
             L._stats["bytes"] += nbytes
             return L._convert(batch)
         if item[0] == "end":
@@ -570,8 +574,11 @@ class _StripedReceiver:
             if self.stop.is_set() or f.reason is not None:
                 call.cancel()
             asm = wire.BatchAssembler()
+            shared = False
             for chunk, data in call:
                 f.last = time.monotonic()
+                if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
+                    shared = chunk.header.shared
                 batch = asm.add(chunk, data)
                 if batch is None:
                     continue
@@ -580,7 +587,7 @@ class _StripedReceiver:
                     raise wire.ProtocolError(
                         f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
                         f"expected epoch {self.epoch} position {expected}")
-                self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch)))
+                self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch), shared))
                 if f.reason is not None:
                     break  # cancelled (stall, a hedged copy done, stop): the call is being cancelled
             with self.cond:
