@@ -19,9 +19,10 @@ subscriber joins a producer whose window holds its start step, or whose next ste
 otherwise it gets a producer of its own from its start (others may join that one later): a job
 that starts late, resumes from an older `state_dict()`, or asks for another block. When producers
 of its key exist but all have gone past its start, that is a `behind` fallback. A new producer
-takes the loader of an idle producer of its key when there is one (a striping client's next block
-then costs no new loader, as with the server's parked loaders); the idle one keeps its window for
-late joiners, and a subscriber of it that needs more than its window moves to another producer.
+takes the loader of an idle producer of its key, or of the same request's previous epoch, when
+there is one (a striping client's next block, or the group's next epoch, then costs no new loader,
+as with the server's parked loaders); the idle one keeps its window for late joiners, and a
+subscriber of it that needs more than its window moves to another producer.
 
 No job waits for another. Before a producer makes step n with a full window, the subscribers that
 still need the window's oldest batch hold it back; they get `hold_s` to take it, then they are
@@ -95,13 +96,16 @@ def identity(context: Any) -> str:
     return h.hexdigest()[:32]
 
 
-def request_key(req: pb.BatchRequest) -> bytes:
-    """The request without what differs between the subscribers of one group."""
+def request_key(req: pb.BatchRequest, *, epoch: bool = True) -> bytes:
+    """The request without what differs between the subscribers of one group (and without the
+    epoch: what a loader is built from, so one producer's loader can serve the next epoch)."""
     r = pb.BatchRequest()
     r.CopyFrom(req)
     r.ClearField("start_position")
     r.ClearField("max_batches")
     r.ClearField("max_chunk_bytes")
+    if not epoch:
+        r.ClearField("epoch")
     return r.SerializeToString(deterministic=True)
 
 
@@ -142,9 +146,10 @@ class _Producer:
 
     _ids = itertools.count(1)
 
-    def __init__(self, key: tuple, start: int, dataset: str):
+    def __init__(self, key: tuple, start: int, dataset: str, loader_key: tuple = ()):
         self.id = next(self._ids)
         self.key = key
+        self.loader_key = loader_key  # the key without the epoch: whose loaders it may take
         self.dataset = dataset
         self.start = start
         self.next = start  # the step it makes next
@@ -206,6 +211,7 @@ class ShareHub:
         self.skip_remedy = skip_remedy
         self.cond = threading.Condition()
         self.groups: dict[tuple, list[_Producer]] = {}
+        self.handoffs = 0  # loaders handed from an idle producer to a new one (no loader built)
         self._closed = False
 
     # -- what the server and tests look at --------------------------------------------------------
@@ -226,13 +232,15 @@ class ShareHub:
             check_share(req.share)
         except ValueError as exc:
             raise BadRequest(f"BatchRequest.{exc}") from None
-        key = (identity(context), sv.chunk_bytes(req), request_key(req))
+        who, chunk = identity(context), sv.chunk_bytes(req)
+        key = (who, chunk, request_key(req))
+        lkey = (who, chunk, request_key(req, epoch=False))
         G = req.batch_size * (req.world_size or 1)
         if G < 1 or req.start_position % G:
             raise BadRequest(f"start_position {req.start_position} must be a multiple of batch_size * "
                              f"world_size ({req.batch_size} * {req.world_size or 1}), with batch_size >= 1")
         sub = _Sub(req.start_position // G)
-        p = self._subscribe(req, key, sub)
+        p = self._subscribe(req, key, lkey, sub)
         memory = p.batch_bytes + SUBSCRIBER_OVERHEAD_BYTES
         try:
             sv._enter(req.dataset, memory)
@@ -264,10 +272,10 @@ class ShareHub:
                     return
                 if got == "detached":
                     metrics.share_fallbacks.labels(req.dataset, "detached").inc()
-                    p = self._subscribe(req, key, sub, detached=True)
+                    p = self._subscribe(req, key, lkey, sub, detached=True)
                     continue
                 if got == "moved":
-                    p = self._subscribe(req, key, sub, moved=True)
+                    p = self._subscribe(req, key, lkey, sub, moved=True)
                     continue
                 batch, chunks, copy = got
                 m_read.observe(time.perf_counter() - t_read)
@@ -298,13 +306,14 @@ class ShareHub:
                   batches=sent, shared_batches=copies, bytes=sent_bytes, seconds=round(el, 3),
                   mb_per_s=round(sent_bytes / el / 1e6, 1) if el > 0 else None, share=req.share)
 
-    def _subscribe(self, req: pb.BatchRequest, key: tuple, sub: _Sub, *, detached: bool = False,
+    def _subscribe(self, req: pb.BatchRequest, key: tuple, lkey: tuple, sub: _Sub, *, detached: bool = False,
                    moved: bool = False) -> _Producer:
         """Attach `sub` to a producer of `key` that can serve its next step, or to a new one (with
         the loader of an idle producer of the key when there is one: a striping client's next block
         does not pay for a new loader, and the idle producer's window stays for late joiners).
-        `detached`: it fell out of a producer (joins none); `moved`: its producer handed its
-        loader on and cannot make its next step."""
+        `lkey`: the key without the epoch (whose idle loaders it may take). `detached`: it fell
+        out of a producer (joins none); `moved`: its producer handed its loader on and cannot make
+        its next step."""
         with self.cond:
             while True:
                 ps = self.groups.get(key, [])
@@ -318,9 +327,10 @@ class ShareHub:
                 return p
             if ps and not detached and not moved and any(sub.next < q.first() for q in ps if not q.closed):
                 self.sv.metrics.share_fallbacks.labels(req.dataset, "behind").inc()
-            p = _Producer(key, sub.next, req.dataset)
-            donor = next((q for q in ps if q.ready and not q.subs and not q.producing and q.loader is not None
-                          and q.failed is None and not q.closed and not q.ended), None)
+            p = _Producer(key, sub.next, req.dataset, lkey)
+            donor = next((q for qs in self.groups.values() for q in qs
+                          if q.loader_key == lkey and q.ready and not q.subs and not q.producing
+                          and q.loader is not None and q.failed is None and not q.closed and not q.ended), None)
             old_it = None
             if donor is not None:  # an idle producer's loader, positioned anew (its window stays)
                 p.loader, p.opts, p.loader_memory, p.pooled = donor.loader, donor.opts, donor.loader_memory, donor.pooled
@@ -328,6 +338,7 @@ class ShareHub:
                 donor.loader = donor.it = donor.pooled = None
                 donor.loader_memory = 0
                 donor.ended = donor.donated = True
+                self.handoffs += 1
             self.groups.setdefault(key, []).append(p)
             p.subs.add(sub)
             sub.producer = p

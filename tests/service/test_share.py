@@ -343,6 +343,54 @@ def test_late_job_behind_the_window_gets_its_own_producer(roots):
         late.close()
 
 
+def _steps(stub, **kw) -> list[tuple[int, list[str], bool]]:
+    """(step, keys, BatchHeader.shared) of each batch of one StreamBatches call of group "mv"."""
+    from gdsload.service import wire
+
+    req = pb.BatchRequest(dataset="feats", seed=SEED, shuffle=True, batch_size=BATCH, world_size=1,
+                          payload=pb.PAYLOAD_RAW, share="mv", **kw)
+    asm, out, shared = wire.BatchAssembler(), [], False
+    for chunk in stub.StreamBatches(req, timeout=30):
+        if chunk.chunk_index == 0:
+            shared = chunk.header.shared
+        batch = asm.add(chunk)
+        if batch is not None:
+            out.append((chunk.step, batch["__key__"], shared))
+    return out
+
+
+def test_a_new_block_takes_the_idle_producers_loader_and_its_window_stays(roots):
+    """Block requests as a striping client sends them: a block past an idle producer takes that
+    producer's loader (no new loader), the idle one keeps its window; a request that starts in
+    that window is served from it (as copies), then moves on to a producer for the rest."""
+    keys = [b["__key__"] for b in local_batches(roots / "feats", batch_size=BATCH, shuffle=True, seed=SEED)]
+    with _serve(roots, share_window=2, share_hold_s=10.0) as (srv, address), grpc.insecure_channel(address) as ch:
+        stub, hub = pb_grpc.FeedStub(ch), srv.servicer.share
+        assert [s for s, _, _ in _steps(stub, start_position=0, max_batches=4)] == [0, 1, 2, 3]
+        second = _steps(stub, start_position=8 * BATCH, max_batches=2)
+        assert [(s, k) for s, k, _ in second] == [(8, keys[8]), (9, keys[9])]
+        assert hub.handoffs == 1  # the block of steps 8-9 took the idle producer's loader
+        late = _steps(stub, start_position=2 * BATCH)
+        assert [s for s, _, _ in late] == list(range(2, len(keys)))
+        assert [k for _, k, _ in late] == keys[2:]
+        assert [sh for _, _, sh in late[:2]] == [True, True]  # steps 2, 3: the old window's copies
+        assert not any(sh for _, _, sh in late[2:])  # then made for it
+        assert hub.handoffs == 2  # ... by the loader of the idle 8-9 producer
+
+
+def test_the_next_epoch_takes_the_last_epochs_loader(roots):
+    with _serve(roots, share_window=64, share_hold_s=10.0) as (srv, address):
+        loaders = [_loader(address, share="epochs") for _ in range(2)]
+        for epoch in (0, 1):
+            ref = _local_epoch(roots / "feats", seed=SEED, epoch=epoch)
+            for got in _run(loaders):
+                assert_same_batches(got, ref)
+        assert srv.servicer.share.handoffs == 1  # epoch 1's producer took epoch 0's idle loader
+        assert sum(ld.stats()["shared_batches"] for ld in loaders) == 2 * len(ref)
+        for ld in loaders:
+            ld.close()
+
+
 def test_share_name_is_checked():
     with pytest.raises(ConfigError, match="share"):
         RemoteLoader("127.0.0.1:1", dataset="feats", share="")
