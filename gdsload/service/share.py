@@ -73,8 +73,9 @@ SUBSCRIBER_OVERHEAD_BYTES = 1 << 20
 
 def identity(context: Any) -> str:
     """Who is calling, as far as sharing is concerned: a hash of the bearer token the call carried
-    (the token itself is not kept) and of the TLS client identity (mutual TLS). Calls without
-    either (a server without token and TLS client certificates) all have the same identity."""
+    (the token itself is not kept) and of the TLS client certificate (mutual TLS: the certificate,
+    its common name and alternative names, from gRPC's auth context). Calls without either (a
+    server without token and TLS client certificates) all have the same identity."""
     h = hashlib.sha256(b"gdsload-share\0")
     try:
         meta = context.invocation_metadata() or ()
@@ -85,14 +86,14 @@ def identity(context: Any) -> str:
             _, _, token = str(v).strip().partition(" ")
             h.update(b"token\0" + token.strip().encode() + b"\0")
     try:
-        peers = context.peer_identities()
-        peer_key = context.peer_identity_key()
+        auth = context.auth_context() or {}
     except Exception:
-        peers, peer_key = None, None
-    if peers:
-        h.update(b"peer\0" + str(peer_key).encode() + b"\0")
-        for p in peers:
-            h.update(bytes(p) + b"\0")
+        auth = {}
+    # the client certificate itself (mutual TLS): two clients whose certificates name the same
+    # host (SAN) are still two identities
+    for name in ("x509_pem_cert", "x509_common_name", "x509_subject_alternative_name"):
+        for value in auth.get(name, ()):
+            h.update(name.encode() + b"\0" + bytes(value) + b"\0")
     return h.hexdigest()[:32]
 
 

@@ -11,7 +11,9 @@ SIGKILLed mid-epoch."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -308,6 +310,37 @@ def test_different_tokens_never_share(roots):
         assert alice1.stats()["shared_batches"] + alice2.stats()["shared_batches"] == steps
         assert bob.stats()["shared_batches"] == 0
         for ld in (alice1, alice2, bob):
+            ld.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_different_tls_client_certificates_never_share(roots, tmp_path):
+    """Mutual TLS: two jobs with client certificate A share; one with certificate B (same CA, same
+    alternative names) does not."""
+    from gdsload.service.config import TlsConfig
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=share CA")
+    (tmp_path / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name, cn in (("server", "localhost"), ("a", "trainer"), ("b", "trainer")):
+        openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
+    tls = TlsConfig.from_files(tmp_path / "server.pem", tmp_path / "server.key", client_ca=tmp_path / "ca.pem")
+    local = local_batches(roots / "feats", batch_size=BATCH, shuffle=True, seed=SEED)
+    with _serve(roots, tls=tls, share_window=64, share_hold_s=10.0) as (srv, address):
+        c0 = _counts(srv)
+        loaders = [_loader(address, share="tenant", tls_ca=tmp_path / "ca.pem", tls_cert=tmp_path / f"{c}.pem",
+                           tls_key=tmp_path / f"{c}.key") for c in ("a", "a", "b")]
+        for got in _run(loaders):
+            assert_same_batches(got, local)
+        d = _delta(c0, _counts(srv))
+        assert d["produced"] == 2 * len(local) and d["sent"] == 3 * len(local)
+        assert loaders[2].stats()["shared_batches"] == 0
+        for ld in loaders:
             ld.close()
 
 
