@@ -146,15 +146,16 @@ def test_sharing_jobs_each_get_the_local_order_from_one_producer(roots, jobs):
         assert "gdsload_feed_share_producers 0.0" in text
 
 
-def test_decoded_train_batches_are_the_same_crops_for_every_job(roots):
+@pytest.mark.parametrize("decode_pool", [0, 1])
+def test_decoded_train_batches_are_the_same_crops_for_every_job(roots, decode_pool):
     """Decoded tier, training transform: the jobs of a group get the very same pixels (one decode),
-    in the local loader's key order."""
+    in the local loader's key order; with a pipeline per stream or the server's decode pool."""
     pytest.importorskip("nvidia.dali")
     from gdsload.decode.image import ImageTransform
 
     tf = ImageTransform(size=32, train=True)
     local = local_batches(roots / "imgs", batch_size=BATCH, shuffle=True, seed=SEED, decode=True, transform=tf)
-    with _serve(roots, share_window=64, share_hold_s=10.0) as (srv, address):
+    with _serve(roots, share_window=64, share_hold_s=10.0, decode_pool=decode_pool) as (srv, address):
         c0 = _counts(srv, "imgs")
         loaders = [_loader(address, share="crops", dataset="imgs", decode=True, transform=tf) for _ in range(2)]
         a, b = _run(loaders)
@@ -422,6 +423,20 @@ def test_the_next_epoch_takes_the_last_epochs_loader(roots):
         assert sum(ld.stats()["shared_batches"] for ld in loaders) == 2 * len(ref)
         for ld in loaders:
             ld.close()
+
+
+def test_a_window_over_the_memory_budget_is_refused_naming_it(roots):
+    from gdsload.service.config import Limits
+    from gdsload.service.status import RemoteError
+
+    limits = Limits(max_message_bytes=64 * 1024, max_memory_bytes=64 << 20)
+    with _serve(roots, limits=limits, share_window=10_000) as (srv, address):
+        ld = _loader(address, share="huge", max_retries=0)
+        with pytest.raises(RemoteError) as err:
+            next(iter(ld))
+        assert err.value.code == "RESOURCE_EXHAUSTED" and "--share-window" in str(err.value)
+        assert srv.servicer._reserved == 0 and not srv.servicer.share.producers()
+        ld.close()
 
 
 def test_share_name_is_checked():
