@@ -63,6 +63,11 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
                         "--no-decode-pool)")
     s.add_argument("--no-decode-pool", dest="decode_pool", action="store_const", const=0,
                    help="no shared pool: each decoding stream builds a DALI pipeline of --decode-threads")
+    s.add_argument("--share-window", type=int, default=4, metavar="N",
+                   help="batches a share group's producer keeps for its jobs (RemoteLoader(share=...); default 4)")
+    s.add_argument("--share-hold", type=float, default=0.5, metavar="SECONDS",
+                   help="how long a share group waits for a job that holds its full window before that "
+                        "job gets a producer of its own (default 0.5)")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)
@@ -118,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.roots, address=args.listen, token=token, tls=tls, limits=limits,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
         prefetch=args.prefetch, decode_threads=args.decode_threads, decode_pool=args.decode_pool,
+        share_window=args.share_window, share_hold_s=args.share_hold,
         grace_s=args.grace, logger=log,
         cache_dir=False if args.cache_dir == "none" else args.cache_dir, cache_limit=args.cache_limit,
     )

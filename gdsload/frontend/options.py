@@ -48,6 +48,9 @@ class LoaderOptions:
     # video/audio transforms: ((field or None, transform), ...); None applies to every field of
     # the transform's kind. A media field without one comes back as bytes.
     media: tuple = ()
+    # the share group of a RemoteLoader (BatchRequest.share: see `check_share`); None: no sharing.
+    # A local DataLoader has nobody to share with and is never given one.
+    share: str | None = None
 
     @classmethod
     def create(
@@ -68,6 +71,7 @@ class LoaderOptions:
         output: str | None = None,
         device: Any = None,
         copy: bool = False,
+        share: str | None = None,
     ) -> LoaderOptions:
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("decode", decode), ("copy", copy)):
             if not isinstance(value, bool):
@@ -78,6 +82,7 @@ class LoaderOptions:
                 raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
             if value < least:
                 raise ConfigError(f"{name} must be >= {least}, got {value!r}")
+        share = check_share(share)
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if output is not None and output not in OUTPUTS:
@@ -106,7 +111,7 @@ class LoaderOptions:
         return cls(batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
                    world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform,
                    fields=fields, on_error=on_error, output=output, device=kind, device_index=index, copy=copy,
-                   media=media)
+                   media=media, share=share)
 
     def media_for(self, name: str, kind: str) -> Any:
         """The VideoTransform/AudioTransform for field `name` of `kind`, or None (bytes)."""
@@ -134,6 +139,25 @@ class LoaderOptions:
         """The keyword arguments of `Plan`/`MixPlan` these options fix."""
         return dict(batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
                     shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last)
+
+
+#: Longest share name, in characters (BatchRequest.share).
+MAX_SHARE_CHARS = 128
+
+
+def check_share(share: Any) -> str | None:
+    """A share name as given to `RemoteLoader(share=...)`: None (no sharing) or a string of 1 to
+    `MAX_SHARE_CHARS` characters without control characters (it travels in every request and is
+    echoed in server logs)."""
+    if share is None:
+        return None
+    if not isinstance(share, str) or not share:
+        raise ConfigError(f"share must be a non-empty name such as 'sweep-17' (or None), got {share!r}")
+    if len(share) > MAX_SHARE_CHARS:
+        raise ConfigError(f"share must be at most {MAX_SHARE_CHARS} characters, got {len(share)}")
+    if any(not c.isprintable() for c in share):
+        raise ConfigError(f"share must not contain control characters, got {share!r}")
+    return share
 
 
 def check_workers(num_workers: Any, prefetch_factor: Any) -> None:

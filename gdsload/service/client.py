@@ -114,6 +114,18 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     Training transforms are random: remote and local batches are the same crops only when both
     decode the same batches in the same sequence; evaluation transforms are deterministic.
 
+    Sharing: `share` (a name, e.g. "sweep-17"; None: no sharing) puts this loader's streams in a
+    share group on each server: loaders with the same dataset, seed, epoch, order, batch layout,
+    rank, world size, payload, transform and fields, the same share name and the same credentials
+    get the batches of one producer there, read and decoded once and sent to each. Every loader
+    still gets exactly its own batches, in its order (the same as without `share`), and never
+    waits for another: one that falls behind (paused, slower, started later, resumed from an older
+    state) is served from its own cursor by a producer of its own. Random crops and flips are
+    then the same for every loader of the group: right for sweeps and ablations, wrong for
+    ensembles that want independent augmentation (give those no share name). `stats()` counts
+    the batches that came as a copy of another loader's (`shared_batches`). See
+    `gdsload.service.share`.
+
     Processes: pickles to its configuration and cursor; a copy or a forked child connects afresh
     and continues where the loader stood (`state_dict()`).
     """
@@ -161,6 +173,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         server_window: int = 2,
         stall_timeout_s: float = 5.0,
         resolve_interval_s: float = 5.0,
+        share: str | None = None,
     ):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
@@ -188,7 +201,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.options = opts = LoaderOptions.create(
             remote=True, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
             world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform, fields=fields,
-            on_error=on_error, output=output, device=device)
+            on_error=on_error, output=output, device=device, share=share)
         for name, value in (("deadline_s", deadline_s), ("stream_deadline_s", stream_deadline_s),
                             ("retry_timeout_s", retry_timeout_s), ("backoff_s", backoff_s),
                             ("max_backoff_s", max_backoff_s)):
@@ -207,6 +220,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.shuffle_window = shuffle_window
         self.decode = decode
         self.transform = transform
+        self.share = opts.share
         self._spec = wire.transform_to_spec(opts.transform) if decode else None
         self._media = []  # video/audio decoded on the server (gdsload.service.mediawire)
         if opts.media:
@@ -247,7 +261,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
 
     def _init_process_local(self) -> None:
         self._active: weakref.ref[_RemoteEpoch] | None = None  # weak: see "Lifetime" above
-        self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0}
+        self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0, "shared_batches": 0}
         self._stages = StageTimes(STAGES)  # stats()["stages"]
 
     def _enter_process(self) -> None:
@@ -327,7 +341,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return ep
 
     def stats(self) -> dict[str, Any]:
-        """batches, bytes (batch bodies), reconnects, wait_s (time the caller waited), address (the
+        """batches, bytes (batch bodies), shared_batches (of those, the batches a server sent as a copy
+        of one it made for another loader of the share group: read and decoded once for both; 0
+        without `share`), reconnects, wait_s (time the caller waited), address (the
         one unary calls and an unstriped stream use), and `servers`: per server address (each
         address a `dns:///` name resolved to), since the loader was made: `batches` and `bytes`
         it delivered (first copies only), `in_flight` (batches asked of it and not received yet),

@@ -14,12 +14,25 @@ process, as in the tests), exposed over HTTP on `--metrics-port`.
 | gdsload_feed_decode_pool_busy           | gauge     |                   |
 | gdsload_feed_decode_pool_streams        | gauge     |                   |
 | gdsload_feed_decode_queue_seconds       | histogram | dataset           |
+| gdsload_feed_share_subscribers          | gauge     | dataset           |
+| gdsload_feed_share_subscriptions_total  | counter   | dataset           |
+| gdsload_feed_share_producers            | gauge     |                   |
+| gdsload_feed_share_produced_total       | counter   | dataset           |
+| gdsload_feed_share_sent_total           | counter   | dataset           |
+| gdsload_feed_share_fallbacks_total      | counter   | dataset, reason   |
+| gdsload_feed_share_window_bytes         | gauge     |                   |
 
 read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
 send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
 (serialization and flow control: a slow consumer shows up here).
 decode pool (`gdsload.service.pool`): workers decoding now (occupancy), decoding streams attached,
 and the time each batch waited in the pool's queue for a worker.
+share groups (`gdsload.service.share`, BatchRequest.share): subscribers (streams of a share group)
+attached now and started in all; producers running (each reads and decodes once for its
+subscribers); batches produced (read and decoded once) and sent (to each subscriber: sent /
+produced is how many times a batch was used); fallbacks: subscribers given a producer of their
+own because they arrived behind every producer's window (`behind`) or held a full window up too
+long (`detached`); bytes of serialized batches held in the windows now.
 """
 
 from __future__ import annotations
@@ -48,6 +61,20 @@ class Metrics:
                                        registry=r)
         self.queue_s = prom.Histogram("gdsload_feed_decode_queue_seconds", "Wait of a batch for a decode pool worker",
                                       ["dataset"], buckets=buckets, registry=r)
+        self.share_subscribers = prom.Gauge("gdsload_feed_share_subscribers", "Streams attached to a share group",
+                                            ["dataset"], registry=r)
+        self.share_subscriptions = prom.Counter("gdsload_feed_share_subscriptions", "Streams of a share group started",
+                                                ["dataset"], registry=r)
+        self.share_producers = prom.Gauge("gdsload_feed_share_producers", "Share group producers running", registry=r)
+        self.share_produced = prom.Counter("gdsload_feed_share_produced", "Batches read and decoded by share producers",
+                                           ["dataset"], registry=r)
+        self.share_sent = prom.Counter("gdsload_feed_share_sent", "Batches sent to share group subscribers",
+                                       ["dataset"], registry=r)
+        self.share_fallbacks = prom.Counter("gdsload_feed_share_fallbacks",
+                                            "Subscribers given a producer of their own (behind, detached)",
+                                            ["dataset", "reason"], registry=r)
+        self.share_window_bytes = prom.Gauge("gdsload_feed_share_window_bytes",
+                                             "Bytes of serialized batches in share windows", registry=r)
         self._http = None
         self.address: tuple[str, int] | None = None
 

@@ -103,6 +103,7 @@ class _Receiver:
                     asm = wire.BatchAssembler()
                     it = iter(call)
                     stages = self.stages
+                    shared = False
                     while True:
                         t0 = time.perf_counter()
                         self._waiting_since = time.monotonic()
@@ -112,6 +113,8 @@ class _Receiver:
                             break
                         finally:
                             self._waiting_since = None
+                        if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
+                            shared = chunk.header.shared
                         batch = asm.add(chunk, data)
                         if stages is not None:
                             stages.add("receive", time.perf_counter() - t0)
@@ -123,7 +126,7 @@ class _Receiver:
                                 f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
                                 f"expected epoch {self.epoch} position {expected}")
                         nbytes = wire.body_nbytes(batch)
-                        if not self._put(("batch", batch, expected, nbytes)):
+                        if not self._put(("batch", batch, expected, nbytes, shared)):
                             return
                         link.bump(address, batches=1, bytes=nbytes)
                         self.next_request = expected
@@ -232,9 +235,10 @@ class _RemoteEpoch:
         if not L.striped:  # striped: the receiver charges the servers of the batch it waits for
             L._link.bump(L._link.address(), wait_s=waited)
         if item[0] == "batch":
-            _, batch, position, nbytes = item
+            _, batch, position, nbytes, shared = item
             L._position = position
             L._stats["batches"] += 1
+            L._stats["shared_batches"] += bool(shared)
             L._stats["bytes"] += nbytes
             return L._convert(batch)
         if item[0] == "end":
@@ -580,8 +584,11 @@ class _StripedReceiver:
             asm = wire.BatchAssembler()
             stages = self.stages
             t0 = time.perf_counter()
+            shared = False
             for chunk, data in call:
                 f.last = time.monotonic()
+                if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
+                    shared = chunk.header.shared
                 batch = asm.add(chunk, data)
                 if stages is not None:
                     stages.add("receive", time.perf_counter() - t0)
@@ -593,7 +600,7 @@ class _StripedReceiver:
                     raise wire.ProtocolError(
                         f"got the batch of epoch {chunk.epoch} ending at position {chunk.position}, "
                         f"expected epoch {self.epoch} position {expected}")
-                self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch)))
+                self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch), shared))
                 if f.reason is not None:
                     break  # cancelled (stall, a hedged copy done, stop): the call is being cancelled
                 t0 = time.perf_counter()

@@ -31,7 +31,7 @@ def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch:
         batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size, start_position=position,
         payload=pb.PAYLOAD_DECODED if opts.decode else pb.PAYLOAD_RAW, transform=transform_spec,
         fields=fields, media=media, on_error=pb.ON_ERROR_SKIP if opts.on_error == "skip" else pb.ON_ERROR_RAISE,
-        max_chunk_bytes=max_chunk_bytes, max_batches=max_batches,
+        max_chunk_bytes=max_chunk_bytes, max_batches=max_batches, share=opts.share or "",
     )
 
 
@@ -44,6 +44,13 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
         raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
     if req.on_error not in ON_ERROR:
         raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
+    if req.share:  # the group is the server's business (gdsload.service.share); the name is checked here
+        from gdsload.frontend.options import check_share
+
+        try:
+            check_share(req.share)
+        except ConfigError as exc:
+            raise BadRequest(f"BatchRequest.{exc}") from None
     decode = PAYLOADS[req.payload] == "decoded"
     if not decode and req.HasField("transform"):
         raise BadRequest("BatchRequest.transform is set but payload is PAYLOAD_RAW (samples as "

@@ -15,6 +15,11 @@ workers, default 2, DALI pipelines with a thread per core, streams served in tur
 building a pipeline of its own (`decode_pool=0`, `gdsload serve --no-decode-pool`). Reading stays
 per stream.
 
+Sharing: a request with `BatchRequest.share` is served by `gdsload.service.share.ShareHub`:
+requests that agree on everything but their position, under one share name and the same
+credentials, take the batches of one loader (read and decoded once, serialized once, the same
+bytes sent to each), each from its own cursor; without a share name nothing of that runs.
+
 Memory: each stream reserves, before its loader allocates anything, an upper bound of what it will
 hold (`FeedServicer.stream_memory`: the ring's slots as the loader sizes them,
 `BatchLayout.slot_nbytes`, its batches' own staging buffers, the decoder's output and
@@ -70,6 +75,7 @@ from gdsload.service.config import (
 )
 from gdsload.service.logs import LOGGER, event
 from gdsload.service.metrics import Metrics
+from gdsload.service.share import ShareHub
 from gdsload.service.status import (
     BadRequest,
     DatasetChanged,
@@ -92,6 +98,9 @@ _DECODE_BUFFERS = 2
 #: 64 images at 224 px on the CPU, over what its ring and buffers take.
 STREAM_OVERHEAD_BYTES = 8 << 20
 DECODER_OVERHEAD_BYTES = 64 << 20
+#: Header bytes per sample of a serialized batch (its key, source name and framing), an estimate
+#: for share windows; a window holds no more than it reserved whatever the keys (gdsload.service.share).
+KEY_BYTES = 256
 
 
 def _cut(text: str, limit: int = 64) -> str:
@@ -139,7 +148,7 @@ class FeedServicer(pb_grpc.FeedServicer):
 
     def __init__(self, catalog: Catalog, limits: Limits, metrics: Metrics, *, workers: int = 2,
                  prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None,
-                 decode_pool: Any = None):
+                 decode_pool: Any = None, share_window: int = 4, share_hold_s: float = 0.5):
         self.catalog = catalog
         self.limits = limits
         self.metrics = metrics
@@ -158,6 +167,8 @@ class FeedServicer(pb_grpc.FeedServicer):
         self.warm_loaders = 8
         self.warm_hits = 0
         self._idle = threading.Condition(self._lock)
+        # streams with BatchRequest.share: one producer per share group (gdsload.service.share)
+        self.share = ShareHub(self, window=share_window, hold_s=share_hold_s, skip_remedy=_SKIP_REMEDY)
 
     # -- the one place where exceptions become statuses ----------------------------------------
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
@@ -234,7 +245,10 @@ class FeedServicer(pb_grpc.FeedServicer):
 
     def StreamBatches(self, request: pb.BatchRequest, context) -> Iterator[bytes]:
         try:
-            yield from self._stream(request, context)
+            if request.share:  # a share group's subscriber; without a share name, as before
+                yield from self.share.stream(request, context)
+            else:
+                yield from self._stream(request, context)
         except Exception as exc:
             self._fail(context, "StreamBatches", exc)
 
@@ -302,9 +316,15 @@ class FeedServicer(pb_grpc.FeedServicer):
             if reused:
                 self._release(memory)
             raise
-        chunk = min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
-        return loader, {"payload": payload, "max_chunk_bytes": chunk, "memory": memory, "planned": planned,
-                        "key": key, "reused": reused}
+        batch_bytes = self.batch_wire_bytes(req, dataset.fields, opts.transform, _media_memory(media, req, 0)
+                                            if media else 0) if req.share else 0  # a share window's unit
+        return loader, {"payload": payload, "max_chunk_bytes": self.chunk_bytes(req), "memory": memory,
+                        "planned": planned, "key": key, "reused": reused, "batch_bytes": batch_bytes}
+
+    def chunk_bytes(self, req: pb.BatchRequest) -> int:
+        """The largest chunk this server sends for `req` (max_chunk_bytes, at most the message limit)."""
+        L = self.limits
+        return min(req.max_chunk_bytes or L.max_message_bytes, L.max_message_bytes)
 
     # -- warm loaders: a striping client opens a stream per block of batches ---------------------------
     def _take_warm(self, key: tuple) -> tuple[DataLoader | None, int]:
@@ -409,13 +429,67 @@ class FeedServicer(pb_grpc.FeedServicer):
             memory += _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES
         return memory + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
+    def _sample_bytes(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> tuple[int, int, int]:
+        """Per sample, at most: the bytes of its outputs, of its staged members, of its image."""
+        from gdsload.format.manifest import field_kind
+
+        sizes = mixwire.max_member_nbytes(self.catalog, req)
+        per_sample = staging = image = 0
+        for f in fields:
+            kind = field_kind(f)
+            if transform is not None and kind == "image":
+                c, h, w = transform.output_shape()
+                image = c * h * w * np.dtype(transform.dtype).itemsize
+                per_sample += image
+            else:
+                per_sample += sizes.get(f, 0) + 8  # labels become int64
+            if kind != "tensor":
+                staging += -(-sizes.get(f, 0) // 64) * 64
+        return per_sample, staging, image
+
+    def batch_wire_bytes(self, req: pb.BatchRequest, fields: Sequence[str], transform, media_nbytes: int = 0) -> int:
+        """Upper bound of one batch of `req` serialized as chunks (what a share window holds per
+        batch): the body from the index's largest members (`media_nbytes`: decoded video/audio of
+        one batch), `KEY_BYTES` of keys and names per sample, and each chunk's framing."""
+        from gdsload.service.config import CHUNK_OVERHEAD_BYTES
+
+        body = self._sample_bytes(req, fields, transform)[0] * req.batch_size + media_nbytes
+        chunks = body // max(1, self.chunk_bytes(req) - CHUNK_OVERHEAD_BYTES) + 2
+        return body + req.batch_size * KEY_BYTES + 64 * (len(fields) + 1) + chunks * CHUNK_OVERHEAD_BYTES
+
+    def _reserve(self, memory: int) -> None:
+        """Reserve `memory` bytes of the budget for something that is not a stream (a share group's
+        producer: its loader and window), as `_enter` does for a stream."""
+        budget = self.limits.max_memory_bytes
+        self._make_room(memory)
+        if memory > budget:
+            raise OverLimit(f"a shared producer of this request holds up to {memory} bytes (its loader and "
+                            f"window of batches), over the server's memory budget of {budget} bytes "
+                            f"(--max-memory); lower batch_size or gdsload serve --share-window")
+        if self.draining.is_set():
+            raise Unavailable("the server is shutting down; retry on another server or after the restart")
+        with self._lock:
+            if self._reserved + memory > budget:
+                raise Unavailable(
+                    f"the server's memory budget is in use ({self._reserved} of {budget} bytes held by "
+                    f"{self._active} streams), a shared producer needs {memory}; retry later or on another server"
+                )
+            self._reserved += memory
+
+    def _make_room(self, memory: int) -> None:
+        """Close idle share producers, then parked loaders, while `memory` more does not fit."""
+        if self._reserved + memory > self.limits.max_memory_bytes:
+            self.share.evict_idle()
+        if self._warm:
+            self._evict_warm(need=memory)  # parked loaders make room for a new stream
+
     def _enter(self, dataset: str, memory: int, *, reserved: bool = False) -> None:
         """Count a stream in and reserve its `memory` (unless its warm loader holds it: `reserved`)."""
         budget = self.limits.max_memory_bytes
         if reserved:
             memory = 0
-        elif self._warm:
-            self._evict_warm(need=memory)  # parked loaders make room for a new stream
+        else:
+            self._make_room(memory)
         if memory > budget:
             raise OverLimit(
                 f"a stream of this request holds up to {memory} bytes (ring of {self.prefetch + 1} "
@@ -653,6 +727,7 @@ class FeedServer:
             # What is still open now is not a stream (health watches, unary calls): short grace.
             stop_grace = min(left, 1.0)
             self.grpc_server.stop(stop_grace).wait(stop_grace + 5.0)
+            self.servicer.share.close()
             self.servicer.close_warm()
             if self.servicer.pool is not None:  # queued batches fail; its pipelines go now, not at exit
                 self.servicer.pool.close()
@@ -673,6 +748,7 @@ class FeedServer:
 
         def done() -> None:
             ev.wait()
+            self.servicer.share.close()
             self.servicer.close_warm()
             if self.servicer.pool is not None:
                 self.servicer.pool.close()
@@ -730,6 +806,8 @@ def create_server(
     cache_dir: str | bool | None = None,
     cache_limit: int | str = "50GB",
     decode_pool: int = 2,
+    share_window: int = 4,
+    share_hold_s: float = 0.5,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -743,6 +821,9 @@ def create_server(
     `decode_pool`: decode the images of every stream in one pool of this many workers (default
     2), each pipeline with as many DALI threads as the server has cores, taken by the streams in
     turn (`gdsload.service.pool`); 0: a pipeline of `decode_threads` threads per stream.
+    `share_window`, `share_hold_s`: share groups (`BatchRequest.share`, `gdsload.service.share`):
+    batches each shared producer keeps for its subscribers (>= 1), and how long it waits for a
+    subscriber that holds a full window before that one is detached to a producer of its own.
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")
@@ -776,6 +857,10 @@ def create_server(
     log = logger or logging.getLogger(LOGGER)
     catalog = Catalog(roots, cache_dir=cache_dir, cache_limit=cache_limit)
     metrics = Metrics()
+    if isinstance(share_window, bool) or not isinstance(share_window, int) or share_window < 1:
+        raise GdsloadError(f"--share-window must be an integer >= 1 (batches), got {share_window!r}")
+    if not (isinstance(share_hold_s, (int, float)) and 0 <= share_hold_s < float("inf")):
+        raise GdsloadError(f"--share-hold must be >= 0 seconds, got {share_hold_s!r}")
     if isinstance(decode_pool, bool) or not isinstance(decode_pool, int) or decode_pool < 0:
         raise GdsloadError(f"--decode-pool must be an integer >= 0, got {decode_pool!r}")
     pool = None
@@ -787,7 +872,8 @@ def create_server(
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         pool = DecodePool(workers=decode_pool, threads=cores, metrics=metrics)
     servicer = FeedServicer(catalog, limits, metrics, workers=workers, prefetch=prefetch,
-                            decode_threads=decode_threads, logger=log, decode_pool=pool)
+                            decode_threads=decode_threads, logger=log, decode_pool=pool,
+                            share_window=share_window, share_hold_s=float(share_hold_s))
 
     def rejected(method: str, reason: str) -> None:
         metrics.errors.labels("UNAUTHENTICATED").inc()

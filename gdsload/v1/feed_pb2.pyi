@@ -145,7 +145,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "media")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "media")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class BatchRequest(_message.Message):
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIX_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
@@ -183,8 +184,9 @@ class BatchRequest(_message.Message):
     max_batches: int
     max_chunk_bytes: int
     mix: MixSpec
+    share: str
     media: _containers.RepeatedCompositeFieldContainer[MediaTransformSpec]
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
 
 class MixSpec(_message.Message):
     __slots__ = ("sources", "samples_per_epoch", "mix_by")
@@ -231,7 +233,7 @@ class BatchChunk(_message.Message):
     def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes", "sources", "skipped_keys", "end_position")
+    __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes", "sources", "skipped_keys", "end_position", "shared")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +242,7 @@ class BatchHeader(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
     END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     num_samples: int
     keys: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedCompositeFieldContainer[FieldData]
@@ -248,7 +251,8 @@ class BatchHeader(_message.Message):
     sources: _containers.RepeatedScalarFieldContainer[str]
     skipped_keys: _containers.RepeatedScalarFieldContainer[str]
     end_position: int
-    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., skipped_keys: _Optional[_Iterable[str]] = ..., end_position: _Optional[int] = ...) -> None: ...
+    shared: bool
+    def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., skipped_keys: _Optional[_Iterable[str]] = ..., end_position: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class FieldData(_message.Message):
     __slots__ = ("name", "layout", "dtype", "shape", "item_nbytes", "nbytes")
