@@ -156,15 +156,10 @@ class Servers:
         address = address or f"127.0.0.1:{_free_port()}"
         cpus = self.cpus
 
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         with open(self.work / "servers.log", "ab") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "gdsload.service", str(self.root), "--listen", address,
-                                     "--log-level", "WARNING", "--grace", "1"],
-                                    stdout=subprocess.DEVNULL, stderr=err,
-                                    preexec_fn=pin)  # noqa: PLW1509 (one syscall, no lock, before exec)
+            proc = popen_pinned([sys.executable, "-m", "gdsload.service", str(self.root), "--listen", address,
+                                 "--log-level", "WARNING", "--grace", "1"], cpus,
+                                stdout=subprocess.DEVNULL, stderr=err)
         self.procs[address] = proc
         _wait_serving(address, proc, self.work / "servers.log")
         self.throttle.limit(proc.pid, cores)  # after start-up: imports are not what is measured
@@ -195,6 +190,15 @@ class Servers:
             self.stop(address, signal.SIGKILL)
 
 
+def popen_pinned(cmd: list[str], cpus: set[int] | None, **kw) -> subprocess.Popen:
+    """`cmd` started on `cpus` (all when None) by `taskset`, not by a `preexec_fn`: Python code
+    between fork and exec in a process with gRPC's threads can die in gRPC's fork handlers (seen:
+    "epoll_wait error: Bad file descriptor" and a child that never ran the server)."""
+    if cpus:
+        cmd = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *cmd]
+    return subprocess.Popen(cmd, **kw)
+
+
 def _wait_serving(address: str, proc: subprocess.Popen, log: Path) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -204,7 +208,7 @@ def _wait_serving(address: str, proc: subprocess.Popen, log: Path) -> None:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise SystemExit(f"server exited: {log.read_text()[-2000:]}")
+                raise SystemExit(f"server exited with status {proc.returncode}: {log.read_text()[-2000:]}")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
                     return
@@ -259,12 +263,9 @@ def _socket_ceiling(transport: str, nbytes: int, work: Path, client_cpus, server
     me = str(Path(__file__).resolve())
 
     def spawn(role: str, cpus):
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-        return subprocess.Popen([sys.executable, me, "--socket-role", role, "--socket-address", addr,
-                                 "--socket-transport", transport, "--socket-bytes", str(nbytes)],
-                                stdout=subprocess.PIPE, preexec_fn=pin)  # noqa: PLW1509 (as above)
+        return popen_pinned([sys.executable, me, "--socket-role", role, "--socket-address", addr,
+                             "--socket-transport", transport, "--socket-bytes", str(nbytes)], cpus,
+                            stdout=subprocess.PIPE)
 
     recv = spawn("recv", client_cpus)
     line = recv.stdout.readline()  # "ready": listening

@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_bench import _free_port, _proc_cpu_s, _self_cpu_s
-from remote_scale_bench import Throttle, _plan_keys, _wait_serving
+from remote_scale_bench import Throttle, _plan_keys, _wait_serving, popen_pinned
 
 
 # -- one job (a client process) -------------------------------------------------------------------
@@ -118,16 +118,11 @@ class Case:
         a, cpus = self.a, self.server_cpus
         self.address = f"127.0.0.1:{_free_port()}"
 
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         cmd = [sys.executable, "-m", "gdsload.service", str(self.root), "--listen", self.address,
                "--log-level", "WARNING", "--grace", "1", "--share-window", str(a.share_window),
                "--decode-pool", str(a.decode_pool)]
         with open(self.work / "server.log", "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
-                                         preexec_fn=pin)  # noqa: PLW1509 (one syscall, before exec)
+            self.proc = popen_pinned(cmd, cpus, stdout=subprocess.DEVNULL, stderr=err)
         _wait_serving(self.address, self.proc, self.work / "server.log")
         if self.throttle is not None:
             self.throttle.limit(self.proc.pid, a.server_cores)
