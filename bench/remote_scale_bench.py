@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     ncpu = os.cpu_count() or 1
     pin = a.pin == "yes" or (a.pin == "auto" and ncpu >= 2)
     client_cpus, server_cpus = ({0}, {1}) if pin else (None, None)
-    if client_cpus:
+    before = os.sched_getaffinity(0)
+    if client_cpus:  # this process is the client; put back at the end (a test calls main() in-process)
         os.sched_setaffinity(0, client_cpus)
     throttle = Throttle("auto" if a.throttle == "auto" else a.throttle)
     servers = Servers(root, work, throttle, server_cpus)
@@ -533,6 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         servers.close()
         throttle.close()
+        os.sched_setaffinity(0, before)
 
     def rate(r: dict, payload: str) -> float:
         return (r["bytes"] / 1e6 if payload == "raw" else r["samples"]) / r["wall_s"]
