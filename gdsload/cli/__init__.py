@@ -57,6 +57,9 @@ def sigterm_interrupts() -> Iterator[None]:
 
 # -- commands ------------------------------------------------------------------------------------
 def cmd_convert(a: argparse.Namespace) -> int:
+    from gdsload.host.malloc import keep_large_blocks
+
+    keep_large_blocks()  # megabyte batches and write buffers: no page faults each (gdsload.host.malloc)
     with sigterm_interrupts():
         return _convert(a)
 

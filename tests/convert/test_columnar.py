@@ -199,7 +199,8 @@ def test_a_row_group_larger_than_the_memory_bound_is_streamed(tmp_path):
     samples, peak = map(int, out.stdout.split())
     row_group = (tmp_path / "big.parquet").stat().st_size
     assert samples == n and row_group > 40 << 20
-    assert 1 << 20 < peak < 12 << 20, f"Arrow peak {peak / 2**20:.1f} MiB reading a {row_group / 2**20:.0f} MiB row group"
+    # streamed: well under the row group (batches of 2 MiB, Arrow's 1 MiB read buffer and pages in its pool)
+    assert 1 << 20 < peak < 16 << 20, f"Arrow peak {peak / 2**20:.1f} MiB reading a {row_group / 2**20:.0f} MiB row group"
     ds = open_dataset(tmp_path / "ds")
     assert len(ds) == n and len(ds.shards) >= 4 and ds.verify(hashes=False) == {}
 
