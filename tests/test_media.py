@@ -266,6 +266,13 @@ def test_logmel_features(audio: Path) -> None:
     got = AudioDecoder(AudioTransform(features="logmel", n_mels=40), batch_size=2).features([x, x[:1600]])
     assert got[0].shape == (40, 26) and got[1].shape == (40, 11)
     np.testing.assert_allclose(got[0], ref, atol=0.5)  # dB
+    # more filters than bins can separate: some triangles hold no bin and must give -100 dB, not a neighbour
+    fb = mel_filters(16000, 64, 80)
+    assert (fb.sum(1) == 0).sum() > 0
+    spec = torch.stft(torch.from_numpy(x), 64, 16, window=torch.hann_window(64), center=True,
+                      pad_mode="reflect", return_complex=True).abs().pow(2).numpy()
+    got = AudioDecoder(AudioTransform(features="logmel", n_mels=80, n_fft=64, hop=16), batch_size=1).features([x])
+    np.testing.assert_allclose(got[0], 10 * np.log10(np.maximum(fb @ spec, 1e-10)), atol=0.5)
 
 
 def test_audio_limit_and_config_errors(audio: Path) -> None:
