@@ -1,4 +1,4 @@
-"""The video and audio step of a GPU check: NVDEC clips against PyAV by PSNR, DALI audio features.
+"""The video and audio step of a GPU check: NVDEC clips against PyAV by PSNR, DALI audio decoding and log-mel shapes.
 
     python bench/media_gpu_check.py make DIR                  # here (needs PyAV): clips + references
     python bench/media_gpu_check.py check DIR --device mixed  # on the GPU host (DALI only, no PyAV)
