@@ -111,6 +111,21 @@ def _consume(make, consumers: int, max_batches: int | None) -> dict:
     return {"samples": sum(c[0] for c in counts), "bytes": sum(c[1] for c in counts), "wall_s": wall, "cpu_s": cpu}
 
 
+def image_dataset(work: Path, images: int, tiny: bool) -> Path:
+    """`work`/root/imgs: `images` ImageNet-like JPEGs (small ones with `tiny`) converted once; the
+    remote benchmarks' dataset."""
+    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.sampledata import make_image_folder
+
+    ds = work / "root" / "imgs"
+    if not (ds / "manifest.json").exists():
+        kw = {"mean_size": (160, 120)} if tiny else {}
+        make_image_folder(work / "src", num_images=images, num_classes=10, seed=0, **kw)
+        convert(str(work / "src"), str(ds), ConvertOptions(workers=os.cpu_count(), progress=False,
+                                                           shard_size=2_000_000 if tiny else 16_000_000))
+    return ds
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=800, help="images in the dataset (~105 KB each)")
@@ -129,20 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
     if a.tiny:
         a.images, a.batch_size, a.raw_epochs, a.decoded_images, a.rounds = 48, 4, 1, 16, 1
 
-    from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.decode.image import ImageTransform
     from gdsload.loader.dataloader import DataLoader, Dataset
-    from gdsload.sampledata import make_image_folder
     from gdsload.service.client import RemoteLoader
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-remote-bench-"))
     root = work / "root"
-    ds = root / "imgs"
-    if not (ds / "manifest.json").exists():
-        kw = {"mean_size": (160, 120)} if a.tiny else {}
-        make_image_folder(work / "src", num_images=a.images, num_classes=10, seed=0, **kw)
-        convert(str(work / "src"), str(ds), ConvertOptions(workers=os.cpu_count(), progress=False,
-                                                           shard_size=2_000_000 if a.tiny else 16_000_000))
+    ds = image_dataset(work, a.images, a.tiny)
     dataset = Dataset(str(ds))
     n = len(dataset)
     print(f"dataset: {n} images, {len(dataset.shards.shards)} shards in {ds}", file=sys.stderr)

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from remote_bench import _body_nbytes, _free_port, _proc_cpu_s, _self_cpu_s
+from remote_bench import _body_nbytes, _free_port, _proc_cpu_s, _self_cpu_s, image_dataset
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 
@@ -349,20 +349,13 @@ def main(argv: list[str] | None = None) -> dict:
         a.images, a.batch_size, a.raw_epochs, a.decoded_images, a.rounds = 48, 4, 1, 16, 1
         a.stop_s, a.wire_gb = 1.0, 0.02
 
-    from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.decode.image import ImageTransform
     from gdsload.loader.dataloader import Dataset
-    from gdsload.sampledata import make_image_folder
     from gdsload.service.client import RemoteLoader
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-scale-bench-"))
     root = work / "root"
-    ds = root / "imgs"
-    if not (ds / "manifest.json").exists():
-        kw = {"mean_size": (160, 120)} if a.tiny else {}
-        make_image_folder(work / "src", num_images=a.images, num_classes=10, seed=0, **kw)
-        convert(str(work / "src"), str(ds), ConvertOptions(workers=os.cpu_count(), progress=False,
-                                                           shard_size=2_000_000 if a.tiny else 16_000_000))
+    ds = image_dataset(work, a.images, a.tiny)
     dataset = Dataset(str(ds))
     n = len(dataset)
     ds_bytes = dataset.shards.manifest["num_bytes"]

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from remote_bench import _free_port, _proc_cpu_s, _self_cpu_s
+from remote_bench import _free_port, _proc_cpu_s, _self_cpu_s, image_dataset
 from remote_scale_bench import Throttle, _plan_keys, _wait_serving, popen_pinned
 
 
@@ -261,18 +261,11 @@ def main(argv: list[str] | None = None) -> dict:
     if a.tiny:
         a.images, a.batch_size, a.epochs, a.rounds, a.pause_s, a.pause_after = 48, 4, 1, 1, 1.0, 2
 
-    from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.loader.dataloader import Dataset
-    from gdsload.sampledata import make_image_folder
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-share-bench-"))
     root = work / "root"
-    ds = root / "imgs"
-    if not (ds / "manifest.json").exists():
-        kw = {"mean_size": (160, 120)} if a.tiny else {}
-        make_image_folder(work / "src", num_images=a.images, num_classes=10, seed=0, **kw)
-        convert(str(work / "src"), str(ds), ConvertOptions(workers=os.cpu_count(), progress=False,
-                                                           shard_size=2_000_000 if a.tiny else 16_000_000))
+    ds = image_dataset(work, a.images, a.tiny)
     n = len(Dataset(str(ds)))
     ncpu = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     server_cpus = {ncpu[-1]} if len(ncpu) >= 2 else None

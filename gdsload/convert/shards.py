@@ -47,8 +47,7 @@ from gdsload.format.tar import end_of_archive, write_member
 
 
 PIPE_BYTES = 64 << 20  # bytes queued for the write and hash threads at most
-_SMALL = 256 << 10  # writes below this are gathered into one buffer before they are queued
-_GATHER = 1 << 20
+_GATHER = 1 << 20  # bytes of pieces per queue item
 
 
 class _Pipe:
@@ -56,7 +55,9 @@ class _Pipe:
 
     `put` blocks while more than `limit` bytes wait for either thread; the first exception of
     either thread is raised by the next `put` or by `finish` (the remaining items are dropped).
-    Small writes (tar headers, padding, small payloads) are gathered into one buffer first.
+    Writes are queued in groups of about `_GATHER` bytes (a list of the caller's pieces, not
+    copied: joining them cost two extra copies of every payload under 256 KiB, i.e. of nearly
+    every JPEG); a `bytearray` (or a view of one) is copied, since its owner may reuse it.
     """
 
     def __init__(self, write, update, limit: int = PIPE_BYTES):
@@ -64,7 +65,8 @@ class _Pipe:
         self._pending = [0, 0]  # bytes queued for the writer, the hasher
         self._limit = limit
         self._error: BaseException | None = None
-        self._small = bytearray()
+        self._parts: list = []  # pieces gathered for the next queue item
+        self._parts_n = 0
         self._queues = (queue.SimpleQueue(), queue.SimpleQueue())
         self._threads = [threading.Thread(target=self._run, args=(i, fn), daemon=True,
                                           name=f"gdsload-shard-{what}")
@@ -78,10 +80,11 @@ class _Pipe:
             item = q.get()
             if item is None:
                 return
-            data, n = item
+            parts, n = item
             if self._error is None:
                 try:
-                    fn(data)
+                    for data in parts:
+                        fn(data)
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                     with self._cv:
                         self._error = self._error or exc
@@ -91,20 +94,18 @@ class _Pipe:
 
     def put(self, data: bytes | memoryview) -> None:
         n = memoryview(data).nbytes
-        if n < _SMALL:
-            self._small += data
-            if len(self._small) >= _GATHER:
-                self._flush()
-            return
-        self._flush()
         if isinstance(data, bytearray) or (isinstance(data, memoryview) and isinstance(data.obj, bytearray)):
             data = bytes(data)  # the caller may reuse its bytearray once `put` returns
-        self._queue(data, n)
+        self._parts.append(data)
+        self._parts_n += n
+        if self._parts_n >= _GATHER:
+            self._flush()
 
     def _flush(self) -> None:
-        if self._small:
-            data, self._small = bytes(self._small), bytearray()
-            self._queue(data, len(data))
+        if self._parts:
+            parts, n = self._parts, self._parts_n
+            self._parts, self._parts_n = [], 0
+            self._queue(parts, n)
 
     def _queue(self, data, n: int) -> None:
         with self._cv:
