@@ -136,16 +136,11 @@ class _Pipe:
             t.join()
 
 
+_KINDS: dict[str, str] = {}  # field names already checked -> their kind (`manifest.field_kind`)
+
+
 def shard_name(prefix: str, i: int) -> str:
     return f"{prefix}-{i:06d}"
-
-
-def prepare_payload(ext: str, payload: bytes | memoryview) -> tuple[bytes | memoryview, bool]:
-    """Apply the format's per-field rules: `.npy` payloads are checked, stored in C order and
-    their array data realigned to 4 KiB. Returns the payload and whether it was Fortran-ordered."""
-    if mf.field_kind(ext) == "tensor":
-        return npy.normalize(payload)
-    return payload, False
 
 
 class ShardFile:
@@ -160,6 +155,7 @@ class ShardFile:
         self._offset = 0
         self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
         self._crc: list[int] = []  # per member, in tar order
+        self._sizes: dict[str, list[int]] = {}  # field -> [smallest, largest] payload
         self._labels: list[dict[str, int]] = []  # per sample: label field -> value
         self._media: list[dict[str, dict]] = []  # per sample: video/audio field -> probed metadata
         self.fortran_to_c: dict[str, int] = {}  # .npy field -> payloads rewritten in C order
@@ -200,11 +196,13 @@ class ShardFile:
         media: dict[str, dict] = {}
         fortran: list[str] = []
         for ext, payload in fields.items():
-            if not ext or "/" in ext or any(c.isspace() or not c.isprintable() for c in ext):
-                raise FormatError(f"sample {key!r}: invalid field name {ext!r} (no '/', whitespace "
-                                  f"or control characters)")
+            kind = _KINDS.get(ext)
+            if kind is None:  # a field name not seen before in this process: check it once
+                if not ext or "/" in ext or any(c.isspace() or not c.isprintable() for c in ext):
+                    raise FormatError(f"sample {key!r}: invalid field name {ext!r} (no '/', whitespace "
+                                      f"or control characters)")
+                kind = _KINDS[ext] = mf.field_kind(ext)
             try:
-                kind = mf.field_kind(ext)
                 if kind == "label":
                     labels[ext] = parse_label(payload)
                 elif kind in ("video", "audio"):  # stored unchanged; what the loader plans from
@@ -214,18 +212,27 @@ class ShardFile:
                         media[ext] = probe(payload, kind)
                     except ValueError as exc:
                         raise FormatError(str(exc)) from None
-                payload, was_fortran = prepare_payload(ext, payload)
+                payload, was_fortran = npy.normalize(payload) if kind == "tensor" else (payload, False)
             except FormatError as exc:
                 raise FormatError(f"sample {key!r}: field {ext!r}: {exc}") from None
             if was_fortran:
                 fortran.append(ext)
             prepared.append((ext, payload))
         members = []
+        sizes = self._sizes
         for ext, payload in prepared:
             hdr_start = self._offset
             data_off, _ = write_member(self._sink, hdr_start, f"{key}.{ext}", payload)
-            members.append((ext, data_off, len(payload)))
+            n = len(payload)
+            members.append((ext, data_off, n))
             self._crc.append(crc32(payload))
+            lo_hi = sizes.get(ext)
+            if lo_hi is None:
+                sizes[ext] = [n, n]
+            elif n < lo_hi[0]:
+                lo_hi[0] = n
+            elif n > lo_hi[1]:
+                lo_hi[1] = n
         self._keys.add(key)
         self._samples.append((key, members))
         self._labels.append(labels)
@@ -253,11 +260,7 @@ class ShardFile:
         if self.fortran_to_c:
             entry["fortran_to_c"] = dict(sorted(self.fortran_to_c.items()))
         # what a loader sizes its buffers from without loading every index (`ShardEntry`)
-        sizes: dict[str, list[int]] = {}
-        for _, members in self._samples:
-            for ext, _, n in members:
-                lo_hi = sizes.setdefault(ext, [n, n])
-                lo_hi[0], lo_hi[1] = min(lo_hi[0], n), max(lo_hi[1], n)
+        sizes = self._sizes
         entry["max_nbytes"] = {ext: hi for ext, (_, hi) in sorted(sizes.items())}
         entry["min_nbytes"] = {ext: lo for ext, (lo, _) in sorted(sizes.items())}
         entry["member_crc"] = entry["npy_c_order"] = True

@@ -54,6 +54,8 @@ _USTAR_MAX_SIZE = 8**11 - 1  # what 11 octal digits hold; tarfile refuses more i
 _MODE_IDS = b"0000644\0" + b"0000000\0" * 2  # mode 0644, uid 0, gid 0
 _MTIME_FIELD = b"%011o\0" % MTIME
 _TAIL = b"\0" * 100 + b"ustar\x0000" + b"\0" * (32 + 32 + 8 + 8 + 155 + 12)  # linkname .. padding
+# the header's checksum over its fixed fields; the checksum field itself counts as 8 spaces
+_CHECKSUM_FIXED = sum(_MODE_IDS) + sum(_MTIME_FIELD) + 8 * 32 + sum(_TAIL)
 
 
 def ustar_header(name: str, size: int, type_: bytes = tarfile.REGTYPE) -> bytes:
@@ -62,9 +64,9 @@ def ustar_header(name: str, size: int, type_: bytes = tarfile.REGTYPE) -> bytes:
     raw = name.encode("ascii")
     if len(raw) > _USTAR_NAME_MAX or size > _USTAR_MAX_SIZE or size < 0:
         return _ustar(_info(name, size, type_))
-    head = raw.ljust(100, b"\0") + _MODE_IDS + b"%011o\0" % size + _MTIME_FIELD
-    checksum = sum(head) + 8 * 32 + type_[0] + sum(_TAIL)  # the checksum field counts as spaces
-    return head + b"%06o\0 " % checksum + type_ + _TAIL
+    size_field = b"%011o\0" % size
+    checksum = _CHECKSUM_FIXED + sum(raw) + sum(size_field) + type_[0]  # (padding NULs add nothing)
+    return raw.ljust(100, b"\0") + _MODE_IDS + size_field + _MTIME_FIELD + b"%06o\0 " % checksum + type_ + _TAIL
 
 
 def _pax_block(records: bytes) -> bytes:
