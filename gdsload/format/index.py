@@ -330,10 +330,16 @@ class ShardIndex:
 
     # -- DALI's file ---------------------------------------------------------------------------
     def to_dali(self) -> str:
+        # one pass over plain lists (not per-sample slices of the arrays: a writer builds this
+        # for every shard it closes)
+        exts = self.extensions
+        member_ext, offsets, sizes = (self.member_ext.tolist(), self.member_offset.tolist(),
+                                      self.member_size.tolist())
+        start = self.sample_start.tolist()
         lines = [f"{DALI_INDEX_VERSION} {self.num_samples}"]
-        for i in range(self.num_samples):
-            key = self.key(i)
-            lines.append(" ".join(f"{e} {o} {s} {key}.{e}" for e, o, s in self.members(i)))
+        for key, a, b in zip(self.keys(), start, start[1:]):
+            lines.append(" ".join(f"{exts[e]} {offsets[j]} {sizes[j]} {key}.{exts[e]}"
+                                  for j, e in zip(range(a, b), member_ext[a:b])))
         return "\n".join(lines) + "\n"
 
 

@@ -258,6 +258,14 @@ class DataLoader(ProcessLocal, PlanCursor):
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        return self.iter_batches()
+
+    def iter_batches(self, max_batches: int | None = None) -> Iterator[Any]:
+        """`iter(loader)`, stopping after `max_batches` batches (None: the epoch's end). The
+        readers read nothing past them (a server's stream of one striped block), and stopping
+        there does not end the epoch: the cursor stays where the last batch left it."""
+        if max_batches is not None and max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1 or None, got {max_batches!r}")
         self._enter_process()
         active = self.cursor.live()
         if active is not None:
@@ -271,7 +279,8 @@ class DataLoader(ProcessLocal, PlanCursor):
         assembler = BatchAssembler(self._layout.fields, output=opts.output, device=device, copy=opts.copy,
                                    tuple_fields=opts.tuple_fields, resources=res)
         ep = Epoch(plan=self.plan, cursor=self.cursor, resources=res, layout=self._layout, source=self.dataset,
-                   assembler=assembler, stage=self._stage, tuner=self._tuner, restart=self.__iter__)
+                   assembler=assembler, stage=self._stage, tuner=self._tuner, restart=self.__iter__,
+                   max_batches=max_batches)
         self._progress = ep.progress
         return ep
 

@@ -17,6 +17,7 @@ epoch the training loop dropped (a `break`) is collected, and closing it ends th
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -38,8 +39,9 @@ class Epoch:
     """One pass: reader threads fill ring slots in plan order; `__next__` hands out batches."""
 
     def __init__(self, *, plan: Any, cursor: Any, resources: Any, layout: Any, source: Any, assembler: Any,
-                 stage: Any, tuner: Any, restart: Any):
+                 stage: Any, tuner: Any, restart: Any, max_batches: int | None = None):
         self.cursor = cursor
+        self.max_batches = max_batches
         self.res = resources
         self.tuner = tuner
         self._restart = restart  # the loader's `iter`, for the parent's iterator in a forked child
@@ -56,7 +58,14 @@ class Epoch:
     def _start(self, plan, position, resources, layout, source, assembler, stage, tuner) -> None:
         self.position = position
         self.G = plan.global_batch
-        self.batches = list(plan.batches(self.epoch, position))
+        batches = plan.batches(self.epoch, position)
+        if self.max_batches is None:
+            self.batches = list(batches)
+            self.ends_epoch = True
+        else:  # a part of the epoch (a server's stream of one block): read nothing past it
+            self.batches = list(itertools.islice(batches, self.max_batches + 1))
+            self.ends_epoch = len(self.batches) <= self.max_batches
+            del self.batches[self.max_batches:]
         self.ring = resources.ring
         self.ring.reset()
         if resources.cache is not None:  # the shards of every batch, so the cache can fetch ahead
@@ -148,7 +157,8 @@ class Epoch:
             self._release(self.handed)
             self.handed = None
         if self.next_seq >= len(self.batches):
-            self.cursor.end(self, self.epoch)  # the next pass is the next epoch
+            if self.ends_epoch:
+                self.cursor.end(self, self.epoch)  # the next pass is the next epoch
             self.close()
             raise StopIteration
         t0 = time.perf_counter()

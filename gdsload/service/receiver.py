@@ -292,6 +292,7 @@ class _Server:
         self.next_try = 0.0
         self.probing = False
         self.fetches: set[_Fetch] = set()
+        self.batch_s = 0.0  # EWMA of the time between batches of one of its requests (0: none yet)
 
 
 class _Fetch:
@@ -304,6 +305,7 @@ class _Fetch:
         self.end = end
         self.started = time.monotonic()
         self.last = self.started  # when the last message arrived (the stall clock)
+        self.delivered_at = self.started  # when its last whole batch arrived
         self.call: Any = None
         self.reason: str | None = None  # why it was cancelled: stall, done, gone, stop
 
@@ -510,10 +512,24 @@ class _StripedReceiver:
         ff = self.fetchers.get(b, set())
         if (b < last and start < min((b + 1) * self.K, self.end) and len(ff) == 1
                 and srv.address not in self.corrupt.get(b, ())
-                and all(f.server is not srv for f in ff) and self.block_s > 0
-                and time.monotonic() - next(iter(ff)).started > 2 * self.block_s):
+                and all(f.server is not srv for f in ff) and self._straggles(next(iter(ff)), srv, start)):
             return self._start(srv, b, start)
         return None
+
+    def _straggles(self, f: _Fetch, idle: _Server, start: int) -> bool:
+        """Whether the idle server `idle` should ask for the head block that `f` is fetching: `f`
+        has taken over twice the typical block time, or, by the servers' recent rates (time
+        between batches of a request), `idle` would deliver the rest (plus a batch's time to start)
+        in under half the time `f`'s server still needs (a server several times slower than the
+        others: it is overtaken at once instead of after two block times)."""
+        now = time.monotonic()
+        if self.block_s > 0 and now - f.started > 2 * self.block_s:
+            return True
+        slow, fast = f.server.batch_s, idle.batch_s
+        if not (slow > 0 and fast > 0):
+            return False
+        left = (f.end - f.next) * slow - (now - f.delivered_at)  # f's remaining time, by its server's rate
+        return (f.end - start + 1) * fast < 0.5 * left
 
     def _start(self, srv: _Server, block: int, start: int) -> _Fetch:
         f = _Fetch(srv, block, start, min((block + 1) * self.K, self.end))
@@ -652,6 +668,10 @@ class _StripedReceiver:
         step = f.next
         with self.cond:
             f.next += 1
+            now = time.monotonic()
+            gap, f.delivered_at = now - f.delivered_at, now
+            srv = f.server
+            srv.batch_s = gap if not srv.batch_s else 0.8 * srv.batch_s + 0.2 * gap
             if step in self.have or step < self.out:
                 self.link.bump(f.server.address, duplicates=1)
             else:

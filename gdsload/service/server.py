@@ -564,7 +564,7 @@ class FeedServicer(pb_grpc.FeedServicer):
                   world_size=loader.plan.world_size, batch_size=req.batch_size)
             if payload == "decoded" and self.pool is not None:
                 pooled = self.pool.attach(loader, req.dataset)
-            it = iter(loader)
+            it = loader.iter_batches(req.max_batches or None)  # nothing read past the stream's end
             m_batches = self.metrics.batches.labels(req.dataset, payload)
             m_samples = self.metrics.samples.labels(req.dataset, payload)
             m_bytes = self.metrics.bytes.labels(req.dataset, payload)

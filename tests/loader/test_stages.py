@@ -105,3 +105,20 @@ def test_remote_loader_refuses_the_same_options_with_the_same_error(kw, words):
 
     with pytest.raises(ConfigError, match=words):
         RemoteLoader("127.0.0.1:1", dataset="feats", **{"output": "numpy", **kw})
+
+
+def test_iter_batches_stops_early_without_ending_the_epoch(feats):
+    """A server's stream of one striped block: `iter_batches(n)` reads n batches and no further,
+    and the cursor stays mid-epoch (the next pass continues, the epoch is not counted done)."""
+    full = keys(DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy"))
+    dl = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy", prefetch_factor=4)
+    it = dl.iter_batches(2)
+    assert len(it.batches) == 2 and not it.ends_epoch  # the readers have nothing past the block to claim
+    got = [k for b in it for k in b["__key__"]]
+    assert got == full[:8]
+    assert (dl.state_dict()["epoch"], dl.state_dict()["position"]) == (0, 8)
+    rest = [k for b in dl.iter_batches(100) for k in b["__key__"]]  # over the end: the epoch ends
+    assert rest == full[8:]
+    assert (dl.state_dict()["epoch"], dl.state_dict()["position"]) == (1, 0)
+    with pytest.raises(ValueError, match="max_batches"):
+        dl.iter_batches(0)

@@ -273,3 +273,29 @@ def test_dns_name_resolved_again_picks_up_a_server_and_drops_one(roots, monkeypa
     finally:
         first.shutdown(grace_s=1)
         second.shutdown(grace_s=1)
+
+
+def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
+    """The head-block hedge by the servers' rates (`_StripedReceiver._straggles`): an idle server
+    asks for the head block when it would deliver the rest in under half the time its fetcher
+    still needs; equal servers never hedge on rates alone (only after two block times)."""
+    import time
+    from types import SimpleNamespace
+
+    from gdsload.service.receiver import _Fetch, _Server, _StripedReceiver
+
+    rx = object.__new__(_StripedReceiver)
+    rx.block_s = 10.0  # the two-block-times rule stays out of the way
+    slow, idle = _Server(SimpleNamespace(target="a:1")), _Server(SimpleNamespace(target="b:1"))
+    f = _Fetch(slow, block=0, next_step=0, end=4)
+    f.delivered_at = time.monotonic()
+    assert not rx._straggles(f, idle, 0)  # no rates yet
+    slow.batch_s = idle.batch_s = 0.1
+    assert not rx._straggles(f, idle, 0)  # equal: 0.5 s for the idle one against 0.4 s left
+    slow.batch_s = 0.4  # four times slower: 1.6 s left, 0.5 s for the idle server
+    assert rx._straggles(f, idle, 0)
+    f.next = 3  # one batch left: 0.4 s against 0.2 s to start and deliver it
+    assert not rx._straggles(f, idle, 3)
+    rx.block_s, f.started = 0.5, time.monotonic() - 2.0  # over two block times: always
+    slow.batch_s = idle.batch_s = 0.0
+    assert rx._straggles(f, idle, 3)
