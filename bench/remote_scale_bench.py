@@ -8,10 +8,11 @@ order):
              ~1 GB/s, what one client receives even from an unlimited server, so the client would
              bound N = 4), raw and decoded payloads; throughput and its ratio to N = 1 of the same
              round (the target: >= 0.9 N). N = 1 is one plain address (no striping: today's
-             single stream), N >= 2 stripe. The dataset (`--images`, default 3200: 100 batches an
+             single stream), N >= 2 stripe. The dataset (`--images`, default 4800: 150 batches an
              epoch) is long enough that an epoch is not mostly the start and tail of the stripe
              (4 servers x 2 requests x 4 batches in flight); decoded runs time batches after a
-             warm-up within one pass, as a training loop reads.
+             warm-up within one pass, as a training loop reads, and at least 3x the batches the
+             stripe holds (servers x window x block) so that a burst made earlier is not timed.
 - straggler: 4 servers, one limited to a quarter of the others' CPU (4x slower); throughput as a
              ratio of 4 healthy servers in the same round (ideal 0.81, target >= 0.7).
 - churn:     3 servers; after a third of the epoch one is SIGKILLed and another SIGSTOPped for
@@ -332,8 +333,8 @@ def _socket_role(a) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=3200,
-                    help="images in the dataset (~105 KB each; 100 batches an epoch: with 4 servers x 2 "
+    ap.add_argument("--images", type=int, default=4800,
+                    help="images in the dataset (~105 KB each; 150 batches an epoch: with 4 servers x 2 "
                          "requests x 4 batches in flight a much shorter epoch is mostly its start and tail)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--raw-epochs", type=int, default=1, help="epochs per raw scale/straggler run")
@@ -407,8 +408,11 @@ def main(argv: list[str] | None = None) -> dict:
                 # iterating again would restart every server's blocks in flight (work thrown away
                 # and a ramp timed that a training job has once per epoch, not per measurement)
                 steps = len(ld)  # within one epoch: an epoch's end drains the stripe as well
-                timed = max(1, min(a.decoded_images // B, steps // 2))
-                warm = max(1, min(len(addrs) * a.stripe_batches * 2, steps - timed))
+                # at least 3x what the stripe holds in flight and in its reorder buffer (servers x
+                # window x block): a shorter span can be a burst of batches made before it began
+                held = 3 * len(addrs) * a.server_window * a.stripe_batches if len(addrs) > 1 else 0
+                warm = max(1, min(len(addrs) * a.stripe_batches * 2, steps // 2))
+                timed = max(1, min(max(a.decoded_images // B, held), steps - warm))
                 marks: dict[int, tuple[float, float]] = {}
 
                 def mark(i: int) -> None:

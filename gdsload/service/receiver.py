@@ -323,8 +323,10 @@ class _StripedReceiver:
     into the epoch's queue (`prefetch`).
 
     Stealing: a server with none of its own blocks left in the window takes the lowest block no
-    one is fetching whose owner has all its requests in flight; when the head block is in flight on another server for over twice the
-    typical block time (a straggler), an idle server asks for it too. A request silent for
+    one is fetching whose owner has all its requests in flight; when the head block is in flight on
+    another server for over twice the typical block time, or when by the servers' measured rates
+    the idle server would deliver the rest in under half the time the other still needs (a
+    straggler: `_straggles`), an idle server asks for it too. A request silent for
     `stall_timeout_s`, or one overtaken by such a copy before it sent anything, is cancelled, its
     server is probed (a unary call bounded by `stall_timeout_s`) before it gets work again, and
     its block goes to whoever is idle. A batch that arrives twice (hedged, or after a stall) is dropped.
@@ -519,14 +521,16 @@ class _StripedReceiver:
     def _straggles(self, f: _Fetch, idle: _Server, start: int) -> bool:
         """Whether the idle server `idle` should ask for the head block that `f` is fetching: `f`
         has taken over twice the typical block time, or, by the servers' recent rates (time
-        between batches of a request), `idle` would deliver the rest (plus a batch's time to start)
-        in under half the time `f`'s server still needs (a server several times slower than the
-        others: it is overtaken at once instead of after two block times)."""
+        between batches of a request), `f`'s server is at least 3x slower and `idle` would deliver
+        the rest (plus a batch's time to start) in under half the time `f`'s server still needs (a
+        server several times slower than the others is overtaken at once instead of after two
+        block times; servers within 3x of each other, as decoding servers' rates jitter, are not:
+        a copy overtaken before it sent anything marks its server suspect)."""
         now = time.monotonic()
         if self.block_s > 0 and now - f.started > 2 * self.block_s:
             return True
         slow, fast = f.server.batch_s, idle.batch_s
-        if not (slow > 0 and fast > 0):
+        if not (slow > 0 and fast > 0) or slow < 3 * fast:  # rates this close: noise, not a straggler
             return False
         left = (f.end - f.next) * slow - (now - f.delivered_at)  # f's remaining time, by its server's rate
         return (f.end - start + 1) * fast < 0.5 * left

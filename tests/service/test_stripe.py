@@ -292,6 +292,8 @@ def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
     assert not rx._straggles(f, idle, 0)  # no rates yet
     slow.batch_s = idle.batch_s = 0.1
     assert not rx._straggles(f, idle, 0)  # equal: 0.5 s for the idle one against 0.4 s left
+    slow.batch_s = 0.25  # 2.5x slower: 1.0 s left, 0.5 s for the idle one, but within 3x: jitter
+    assert not rx._straggles(f, idle, 0)
     slow.batch_s = 0.4  # four times slower: 1.6 s left, 0.5 s for the idle server
     assert rx._straggles(f, idle, 0)
     f.next = 3  # one batch left: 0.4 s against 0.2 s to start and deliver it
