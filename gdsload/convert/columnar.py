@@ -447,8 +447,10 @@ def binary_views(a: Any) -> list[memoryview | bytes | None]:
     offs = np.frombuffer(offsets, np.int64 if pa.types.is_large_binary(a.type) else np.int32)
     offs = offs[a.offset: a.offset + len(a) + 1].tolist()
     view = memoryview(data) if data is not None else memoryview(b"")
-    nulls = a.is_null().to_pylist() if a.null_count else None
-    return [None if nulls and nulls[k] else view[offs[k]:offs[k + 1]] for k in range(len(a))]
+    if not a.null_count:
+        return [view[lo:hi] for lo, hi in zip(offs, offs[1:])]
+    nulls = a.is_null().to_pylist()
+    return [None if nulls[k] else view[offs[k]:offs[k + 1]] for k in range(len(a))]
 
 
 def _read_path(folder: str, path: str, column: str, row: int) -> tuple[bytes | None, str | None]:

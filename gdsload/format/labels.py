@@ -27,6 +27,8 @@ def is_label(ext: str) -> bool:
 def parse_label(data: bytes | memoryview) -> int:
     """The integer a label payload holds; FormatError (saying why, not where) when it holds none."""
     raw = bytes(data)
+    if 0 < len(raw) <= 18 and raw.isdigit():  # the common case: plain digits, within int64
+        return int(raw)
     if not raw.strip():
         raise FormatError("label is empty (a label is a decimal integer such as b'3')")
     if len(raw) > 64 or not _LABEL.fullmatch(raw):

@@ -15,6 +15,7 @@ input gives the same bytes on any machine.
 
 from __future__ import annotations
 
+import functools
 import tarfile
 from typing import BinaryIO
 
@@ -94,6 +95,15 @@ def member_header(name: str, size: int, offset: int, *, align: bool | None = Non
         align = needs_alignment(size)
     raw_name = name.encode("utf-8")
     long_name = len(raw_name) > _USTAR_NAME_MAX or not name.isascii()
+    if not long_name:  # the common case, per member of every shard: the loop below, worked out
+        main = ustar_header(name, size)
+        if not align or (offset + BLOCK) % ALIGN == 0:
+            return main
+        # k blocks of one comment record, the smallest k >= 1 that ends the run on ALIGN
+        k = (-(offset + 2 * BLOCK) // BLOCK) % (ALIGN // BLOCK) or ALIGN // BLOCK
+        buf = _align_pax(k) + main
+        if (offset + len(buf)) % ALIGN == 0:
+            return buf
     records = _pax_record("path", raw_name) if long_name else b""
     ustar_name = name if not long_name else raw_name[:_USTAR_NAME_MAX].decode("ascii", "replace")
     main = ustar_header(ustar_name if name.isascii() else "long-name", size)
@@ -119,6 +129,14 @@ def member_header(name: str, size: int, offset: int, *, align: bool | None = Non
         if (offset + len(buf)) % ALIGN == 0:
             return buf
     raise AssertionError(f"could not align member {name!r} at offset {offset}")  # unreachable
+
+
+@functools.lru_cache(maxsize=None)
+def _align_pax(k: int) -> bytes:
+    """The PAX block of `k` data blocks (one comment record) that `member_header`'s loop builds for
+    a short name: the same bytes, made once per k."""
+    pad = max(1, k * BLOCK - BLOCK // 2 - len(_pax_record("comment", b"")))
+    return _pax_block(_pax_record("comment", b"x" * pad))
 
 
 def end_of_archive() -> bytes:
