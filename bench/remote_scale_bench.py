@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             per = {"samples": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
             # Steady state, as in training: the first blocks of every server (a stream's loader and,
-            # decoded, its DALI pipeline built inside a 0.25-core quota: seconds) are not timed.
+            # decoded, its DALI pipeline built inside the server's CPU quota: seconds) are not timed.
             ld = loader(addrs, decode)  # one loader over the epochs, as in training
             if decode:
                 # warm-up and timed batches in one pass, as a training loop reads: stopping and

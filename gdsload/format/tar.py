@@ -95,48 +95,33 @@ def member_header(name: str, size: int, offset: int, *, align: bool | None = Non
         align = needs_alignment(size)
     raw_name = name.encode("utf-8")
     long_name = len(raw_name) > _USTAR_NAME_MAX or not name.isascii()
-    if not long_name:  # the common case, per member of every shard: the loop below, worked out
-        main = ustar_header(name, size)
-        if not align or (offset + BLOCK) % ALIGN == 0:
-            return main
-        # k blocks of one comment record, the smallest k >= 1 that ends the run on ALIGN
-        k = (-(offset + 2 * BLOCK) // BLOCK) % (ALIGN // BLOCK) or ALIGN // BLOCK
-        buf = _align_pax(k) + main
-        if (offset + len(buf)) % ALIGN == 0:
-            return buf
     records = _pax_record("path", raw_name) if long_name else b""
     ustar_name = name if not long_name else raw_name[:_USTAR_NAME_MAX].decode("ascii", "replace")
     main = ustar_header(ustar_name if name.isascii() else "long-name", size)
-
-    def layout(pad: int) -> bytes:
-        recs = records + (_pax_record("comment", b"x" * pad) if pad else b"")
-        return (_pax_block(recs) if recs else b"") + main
-
-    if not align:
-        return layout(0)
-    buf = layout(0)
-    if (offset + len(buf)) % ALIGN == 0:
-        return buf
-    # Grow the PAX data to k blocks so the header run ends on an ALIGN boundary. The record
-    # length is aimed mid-block so its own length digits cannot push it across a block boundary.
+    head = _pax_block(records) if records else b""
+    if not align or (offset + len(head) + len(main)) % ALIGN == 0:
+        return head + main
+    # The PAX data grows to k blocks, the smallest k that holds the records and ends the header
+    # run (PAX header block, k data blocks, main header) on an ALIGN boundary.
     min_blocks = max(1, -(-len(records) // BLOCK))
-    for k in range(min_blocks, min_blocks + ALIGN // BLOCK):
-        if (offset + BLOCK + k * BLOCK + len(main)) % ALIGN:
-            continue
-        overhead = len(_pax_record("comment", b""))
-        pad = max(1, k * BLOCK - BLOCK // 2 - len(records) - overhead)
-        buf = layout(pad)
-        if (offset + len(buf)) % ALIGN == 0:
-            return buf
-    raise AssertionError(f"could not align member {name!r} at offset {offset}")  # unreachable
+    k = min_blocks + (-(offset + BLOCK + len(main)) // BLOCK - min_blocks) % (ALIGN // BLOCK)
+    buf = (_padded_pax(records, k) if records else _align_pax(k)) + main
+    if (offset + len(buf)) % ALIGN:
+        raise AssertionError(f"could not align member {name!r} at offset {offset}")  # unreachable
+    return buf
+
+
+def _padded_pax(records: bytes, k: int) -> bytes:
+    """`records` and a comment record in a PAX block of `k` data blocks. The comment's length is
+    aimed mid-block, so its own length digits cannot push it across a block boundary."""
+    pad = max(1, k * BLOCK - BLOCK // 2 - len(records) - len(_pax_record("comment", b"")))
+    return _pax_block(records + _pax_record("comment", b"x" * pad))
 
 
 @functools.lru_cache(maxsize=None)
 def _align_pax(k: int) -> bytes:
-    """The PAX block of `k` data blocks (one comment record) that `member_header`'s loop builds for
-    a short name: the same bytes, made once per k."""
-    pad = max(1, k * BLOCK - BLOCK // 2 - len(_pax_record("comment", b"")))
-    return _pax_block(_pax_record("comment", b"x" * pad))
+    """`_padded_pax(b"", k)`, made once per k: what every short-named aligned member gets."""
+    return _padded_pax(b"", k)
 
 
 def end_of_archive() -> bytes:

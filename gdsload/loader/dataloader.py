@@ -55,7 +55,7 @@ from typing import Any, Literal
 from gdsload.dataset.dataset import Dataset
 from gdsload.dataset.mix import Mix
 from gdsload.dataset.source import open_source
-from gdsload.errors import GdsloadError
+from gdsload.errors import ConfigError, GdsloadError
 from gdsload.frontend import fields as _fieldkinds
 from gdsload.frontend.cursor import Cursor, PlanCursor
 from gdsload.frontend.options import LoaderOptions, check_workers
@@ -265,7 +265,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         readers read nothing past them (a server's stream of one striped block), and stopping
         there does not end the epoch: the cursor stays where the last batch left it."""
         if max_batches is not None and max_batches < 1:
-            raise ValueError(f"max_batches must be >= 1 or None, got {max_batches!r}")
+            raise ConfigError(f"max_batches must be >= 1 or None, got {max_batches!r}")
         self._enter_process()
         active = self.cursor.live()
         if active is not None:

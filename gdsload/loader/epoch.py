@@ -58,14 +58,9 @@ class Epoch:
     def _start(self, plan, position, resources, layout, source, assembler, stage, tuner) -> None:
         self.position = position
         self.G = plan.global_batch
-        batches = plan.batches(self.epoch, position)
-        if self.max_batches is None:
-            self.batches = list(batches)
-            self.ends_epoch = True
-        else:  # a part of the epoch (a server's stream of one block): read nothing past it
-            self.batches = list(itertools.islice(batches, self.max_batches + 1))
-            self.ends_epoch = len(self.batches) <= self.max_batches
-            del self.batches[self.max_batches:]
+        # with `max_batches`, a part of the epoch (a server's stream of one block): nothing past it is read
+        self.batches = list(itertools.islice(plan.batches(self.epoch, position), self.max_batches))
+        self.ends_epoch = self.max_batches is None or position + self.max_batches * self.G >= plan.end_position
         self.ring = resources.ring
         self.ring.reset()
         if resources.cache is not None:  # the shards of every batch, so the cache can fetch ahead
