@@ -49,6 +49,7 @@ the loader moves to the next epoch by itself; `set_epoch(n)` sets it explicitly 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -341,6 +342,8 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._layout = None
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # at exit daemon threads are frozen, maybe holding the locks close()
+            return  # takes (seen: a read-ahead thread's cache lock, a process hung); the OS frees fds and flocks
         try:
             self.close()
         except Exception:
