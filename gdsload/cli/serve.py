@@ -68,6 +68,10 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--share-hold", type=float, default=0.5, metavar="SECONDS",
                    help="how long a share group waits for a job that holds its full window before that "
                         "job gets a producer of its own (default 0.5)")
+    s.add_argument("--no-bulk", dest="bulk", action="store_false",
+                   help="send batches only inside the gRPC stream; by default a client may take them on a "
+                        "side connection (a TCP port chosen at start, on the --listen host; PATH.bulk for "
+                        "unix:PATH), which costs a third of the CPU per byte. Never offered with TLS")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)
@@ -123,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.roots, address=args.listen, token=token, tls=tls, limits=limits,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
         prefetch=args.prefetch, decode_threads=args.decode_threads, decode_pool=args.decode_pool,
-        share_window=args.share_window, share_hold_s=args.share_hold,
+        share_window=args.share_window, share_hold_s=args.share_hold, bulk=args.bulk,
         grace_s=args.grace, logger=log,
         cache_dir=False if args.cache_dir == "none" else args.cache_dir, cache_limit=args.cache_limit,
     )

@@ -109,7 +109,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     loader to resume. `prefetch`: batches received ahead.
     `batches_per_stream`: end each stream after this many batches and open the next one (0: one
     stream per epoch); short streams let a list of servers rebalance. `max_message_bytes`: the
-    largest message accepted (the server chunks below it).
+    largest message accepted (the server chunks below it). `bulk`: take the batches' bytes on the
+    server's side connection when it offers one (a plain socket beside the call, a third of the CPU
+    per byte of gRPC's; never with TLS; see `gdsload.service.bulk`); False: only inside gRPC.
 
     Training transforms are random: remote and local batches are the same crops only when both
     decode the same batches in the same sequence; evaluation transforms are deterministic.
@@ -174,6 +176,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         stall_timeout_s: float = 5.0,
         resolve_interval_s: float = 5.0,
         share: str | None = None,
+        bulk: bool = True,
     ):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
@@ -248,7 +251,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         self._link = _Link(
             addresses, self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0,
-            (pems, options), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
+            (pems, options, bool(bulk)), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
             stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
             max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
             max_backoff_s=float(max_backoff_s))

@@ -8,6 +8,7 @@ Nothing here refers to a loader or an epoch, so a thread holding a `_Link` keeps
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 import threading
@@ -23,19 +24,34 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 import grpc
 
 from gdsload.service import status, wire
+from gdsload.service.bulk import BulkCall, bulk_target
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
 
 class _FeedStub(pb_grpc.FeedStub):
     """The generated stub, but StreamBatches yields `(BatchChunk without data, data view)` from
-    `wire.split_chunk`: protobuf would copy every chunk's data twice."""
+    `wire.split_chunk` (protobuf would copy every chunk's data twice), and takes the batches from
+    the server's bulk connection when `bulk_target` is set and the server offers one
+    (`gdsload.service.bulk`)."""
 
-    def __init__(self, channel: grpc.Channel):
+    def __init__(self, channel: grpc.Channel, bulk_target: tuple[int, str] | None = None):
         super().__init__(channel)
-        self.StreamBatches = channel.unary_stream(
+        del self.StreamBatches  # the generated callable (an instance attribute): the method below instead
+        self._stream_batches = channel.unary_stream(
             "/gdsload.v1.Feed/StreamBatches", request_serializer=pb.BatchRequest.SerializeToString,
             response_deserializer=wire.split_chunk, _registered_method=True)
+        self.bulk_target = bulk_target
+        self.bulk_refused: str | None = None  # why this address's bulk port could not be reached
+
+    def StreamBatches(self, request: pb.BatchRequest, **kw: Any) -> Any:
+        start = functools.partial(self._stream_batches, **kw)
+        if self.bulk_target is None or self.bulk_refused is not None:
+            return start(request)
+        return BulkCall(start, request, self.bulk_target, on_refused=self._refused)
+
+    def _refused(self, why: str) -> None:
+        self.bulk_refused = why  # asked without bulk from now on
 
 
 class _Channels:
@@ -44,7 +60,9 @@ class _Channels:
     bytes (root certificates, private key, certificate chain) or None; the credentials are made
     here, since grpc's cannot be pickled."""
 
-    def __init__(self, tls: tuple[bytes | None, bytes | None, bytes | None] | None, options: list[tuple[str, Any]]):
+    def __init__(self, tls: tuple[bytes | None, bytes | None, bytes | None] | None, options: list[tuple[str, Any]],
+                 bulk: bool = True):
+        self._bulk = bulk and tls is None  # the bulk connection is plaintext: never beside TLS
         self._credentials = None
         if tls is not None:
             root, key, chain = tls
@@ -69,7 +87,7 @@ class _Channels:
                     channel = grpc.secure_channel(address, self._credentials, options=options)
                 else:
                     channel = grpc.insecure_channel(address, options=options)
-                entry = (channel, _FeedStub(channel))
+                entry = (channel, _FeedStub(channel, bulk_target(address) if self._bulk else None))
                 self._stubs[address] = entry
             return entry[1]
 

@@ -21,6 +21,7 @@ process, as in the tests), exposed over HTTP on `--metrics-port`.
 | gdsload_feed_share_sent_total           | counter   | dataset           |
 | gdsload_feed_share_fallbacks_total      | counter   | dataset, reason   |
 | gdsload_feed_share_window_bytes         | gauge     |                   |
+| gdsload_feed_bulk_streams_total         | counter   |                   |
 
 read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
 send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
@@ -33,6 +34,8 @@ subscribers); batches produced (read and decoded once) and sent (to each subscri
 produced is how many times a batch was used); fallbacks: subscribers given a producer of their
 own because they arrived behind every producer's window (`behind`) or held a full window up too
 long (`detached`); bytes of serialized batches held in the windows now.
+bulk streams: streams whose client took the side connection (`gdsload.service.bulk`); the others
+went inside gRPC.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class Metrics:
                                             ["dataset", "reason"], registry=r)
         self.share_window_bytes = prom.Gauge("gdsload_feed_share_window_bytes",
                                              "Bytes of serialized batches in share windows", registry=r)
+        self.bulk_streams = prom.Counter("gdsload_feed_bulk_streams",
+                                         "Streams sent on a bulk connection (BatchRequest.bulk)", registry=r)
         self._http = None
         self.address: tuple[str, int] | None = None
 

@@ -61,6 +61,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gdsload.loader.dataloader import DataLoader
 from gdsload.service import mixwire, request, wire
 from gdsload.service.auth import TokenInterceptor
+from gdsload.service.bulk import WAIT_S as BULK_WAIT_S
+from gdsload.service.bulk import BulkListener, BulkSink, ClientGone, offer_message
 from gdsload.service.catalog import Catalog
 from gdsload.service.config import (
     MIN_CHUNK_BYTES,
@@ -169,6 +171,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         self._idle = threading.Condition(self._lock)
         # streams with BatchRequest.share: one producer per share group (gdsload.service.share)
         self.share = ShareHub(self, window=share_window, hold_s=share_hold_s, skip_remedy=_SKIP_REMEDY)
+        self.bulk: BulkListener | None = None  # the side connections (BatchRequest.bulk); None: not offered
 
     # -- the one place where exceptions become statuses ----------------------------------------
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
@@ -244,13 +247,39 @@ class FeedServicer(pb_grpc.FeedServicer):
         return True
 
     def StreamBatches(self, request: pb.BatchRequest, context) -> Iterator[bytes]:
+        sink = None
         try:
+            if request.bulk and self.bulk is not None:  # the batches go on a side connection
+                sink = yield from self._bulk_sink(context)
+                if sink is None:
+                    return  # the call ended while the client connected
             if request.share:  # a share group's subscriber; without a share name, as before
-                yield from self.share.stream(request, context)
+                yield from self.share.stream(request, context, sink)
             else:
-                yield from self._stream(request, context)
+                yield from self._stream(request, context, sink)
+        except ClientGone:
+            return  # the client left (or the call ended) while its batches were being written
         except Exception as exc:
             self._fail(context, "StreamBatches", exc)
+        finally:
+            if sink is not None:
+                sink.close()
+
+    def _bulk_sink(self, context) -> Iterator[bytes]:
+        """Offer the bulk connection (`gdsload.service.bulk`) and wait for the client to take it."""
+        ticket, slot = self.bulk.expect()
+        yield offer_message(ticket, self.bulk.port)
+        conn = self.bulk.connection(ticket, slot, cancelled=lambda: not context.is_active())
+        if conn is None:
+            if not context.is_active():
+                return None
+            raise Unavailable(f"the client did not open the bulk connection within {BULK_WAIT_S:g} s "
+                              "(a firewall between it and the server's bulk port?)")
+        sink = BulkSink(conn)
+        self.metrics.bulk_streams.inc()
+        if not context.add_callback(sink.shutdown):  # a call that ends breaks a blocked write
+            sink.shutdown()
+        return sink
 
     def _open_loader(self, req: pb.BatchRequest) -> tuple[DataLoader, dict[str, Any]]:
         """Validate the request against the limits and build the loader positioned at its start."""
@@ -536,7 +565,7 @@ class FeedServicer(pb_grpc.FeedServicer):
                 out.append(key)
         return out
 
-    def _stream(self, req: pb.BatchRequest, context) -> Iterator[bytes]:
+    def _stream(self, req: pb.BatchRequest, context, sink: BulkSink | None = None) -> Iterator[bytes]:
         # Validate first (cheap: the loader allocates and reads only when iterated), so metrics are
         # labelled with served dataset names only.
         loader, opts = self._open_loader(req)
@@ -592,9 +621,13 @@ class FeedServicer(pb_grpc.FeedServicer):
                 skipped = self._left_out(loader.dataset, ids, keys) if len(keys) < len(ids) else []
                 t_send = time.perf_counter()
                 nbytes = wire.body_nbytes(batch)
-                yield from wire.encode_batch(batch, epoch=req.epoch, step=step, position=(step + 1) * G,
-                                             max_chunk_bytes=opts["max_chunk_bytes"],
-                                             skipped_keys=skipped, end_position=plan.end_position)
+                frames = wire.encode_frames(batch, epoch=req.epoch, step=step, position=(step + 1) * G,
+                                            max_chunk_bytes=opts["max_chunk_bytes"],
+                                            skipped_keys=skipped, end_position=plan.end_position)
+                if sink is not None:
+                    sink.send(frames)  # from the batch's memory, before the loader reuses it
+                else:
+                    yield from (b"".join(pieces) for pieces in frames)
                 m_send.observe(time.perf_counter() - t_send)
                 step += 1
                 sent_batches += 1
@@ -602,7 +635,7 @@ class FeedServicer(pb_grpc.FeedServicer):
                 m_batches.inc()
                 m_samples.inc(len(batch[wire.KEY]))
                 m_bytes.inc(nbytes)
-        except GeneratorExit:
+        except (GeneratorExit, ClientGone):
             outcome = "cancelled"
             raise
         except Exception as exc:
@@ -638,6 +671,7 @@ def _warm_key(req: pb.BatchRequest, dataset_id: str) -> tuple:
     r.ClearField("epoch")
     r.ClearField("max_batches")
     r.ClearField("max_chunk_bytes")
+    r.ClearField("bulk")
     return (dataset_id, r.SerializeToString(deterministic=True))
 
 
@@ -729,6 +763,8 @@ class FeedServer:
             self.grpc_server.stop(stop_grace).wait(stop_grace + 5.0)
             self.servicer.share.close()
             self.servicer.close_warm()
+            if self.servicer.bulk is not None:
+                self.servicer.bulk.close()
             if self.servicer.pool is not None:  # queued batches fail; its pipelines go now, not at exit
                 self.servicer.pool.close()
             # the calls gRPC cancelled end their loaders (a stream's thread closes its loader)
@@ -750,6 +786,8 @@ class FeedServer:
             ev.wait()
             self.servicer.share.close()
             self.servicer.close_warm()
+            if self.servicer.bulk is not None:
+                self.servicer.bulk.close()
             if self.servicer.pool is not None:
                 self.servicer.pool.close()
             self.metrics.close()
@@ -808,6 +846,7 @@ def create_server(
     decode_pool: int = 2,
     share_window: int = 4,
     share_hold_s: float = 0.5,
+    bulk: bool = True,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -824,6 +863,8 @@ def create_server(
     `share_window`, `share_hold_s`: share groups (`BatchRequest.share`, `gdsload.service.share`):
     batches each shared producer keeps for its subscribers (>= 1), and how long it waits for a
     subscriber that holds a full window before that one is detached to a producer of its own.
+    `bulk`: offer clients the side connection for batch bytes (`gdsload.service.bulk`; never
+    with `tls`).
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")
@@ -907,6 +948,14 @@ def create_server(
     if not port:
         problem = "gRPC refused the socket path" if unix else _bind_problem(host, listen_port)
         raise GdsloadError(f"cannot listen on {address}: {problem}")
+    if bulk and tls is None and not address.startswith("unix-abstract:"):
+        try:
+            servicer.bulk = BulkListener(unix_path=path) if unix else BulkListener(bind_host(host))
+        except OSError as exc:
+            server.stop(None)
+            where = f"{path}.bulk" if unix else f"{host}:0"
+            raise GdsloadError(f"cannot listen for bulk connections on {where}: {exc.strerror or exc} "
+                               "(--no-bulk serves without them)") from None
     fs = FeedServer(server, servicer, health_servicer, metrics, port=port,
                     address=address if unix else f"{host}:{port}",
                     metrics_port=metrics_port, metrics_address=metrics_address, grace_s=grace_s,

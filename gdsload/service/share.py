@@ -60,6 +60,7 @@ from typing import Any
 
 from gdsload.frontend.options import check_share
 from gdsload.service import wire
+from gdsload.service.bulk import ClientGone
 from gdsload.service.logs import event
 from gdsload.service.status import BadRequest
 from gdsload.v1 import feed_pb2 as pb
@@ -105,6 +106,7 @@ def request_key(req: pb.BatchRequest, *, epoch: bool = True) -> bytes:
     r.ClearField("start_position")
     r.ClearField("max_batches")
     r.ClearField("max_chunk_bytes")
+    r.ClearField("bulk")  # how the bytes travel, not which
     if not epoch:
         r.ClearField("epoch")
     return r.SerializeToString(deterministic=True)
@@ -227,7 +229,9 @@ class ShareHub:
             return sum(p.window_nbytes for p in ps), sum(p.window_memory for p in ps)
 
     # -- a subscriber ---------------------------------------------------------------------------
-    def stream(self, req: pb.BatchRequest, context: Any) -> Iterator[bytes]:
+    def stream(self, req: pb.BatchRequest, context: Any, sink: Any = None) -> Iterator[bytes]:
+        """The chunks of one subscriber's steps, yielded for gRPC or, with `sink` (a
+        `bulk.BulkSink`), written to its bulk connection."""
         sv, metrics = self.sv, self.sv.metrics
         try:
             check_share(req.share)
@@ -281,7 +285,12 @@ class ShareHub:
                 batch, chunks, copy = got
                 m_read.observe(time.perf_counter() - t_read)
                 t_send = time.perf_counter()
-                yield from chunks
+                if sink is None:
+                    yield from (chunks if not copy else batch.copy_chunks())
+                elif copy:  # chunk 0 flagged shared without joining a copy of it
+                    sink.send([[batch.chunks[0], SHARED_SUFFIX], *([c] for c in chunks[1:])])
+                else:
+                    sink.send([c] for c in chunks)
                 m_send.observe(time.perf_counter() - t_send)
                 sent += 1
                 copies += copy
@@ -290,7 +299,7 @@ class ShareHub:
                 m_batches.inc()
                 m_samples.inc(batch.samples)
                 m_bytes.inc(batch.nbytes)
-        except GeneratorExit:
+        except (GeneratorExit, ClientGone):
             outcome = "cancelled"
             raise
         except Exception as exc:
@@ -464,12 +473,12 @@ class ShareHub:
         return self._produce(p, sub)
 
     def _take(self, sub: _Sub, b: _Batch) -> tuple[_Batch, list[bytes], int]:
+        """The batch, its chunks, and whether this is a copy (chunk 0 is then flagged shared:
+        `_Batch.copy_chunks` over gRPC)."""
         sub.next += 1
         b.taken += 1
         self.cond.notify_all()  # the producer may be waiting for this subscriber
-        if b.taken == 1:
-            return b, b.chunks, 0
-        return b, b.copy_chunks(), 1
+        return b, b.chunks, int(b.taken > 1)
 
     def _wait_s(self, p: _Producer) -> float:
         if p.blocked_since is None:

@@ -70,6 +70,19 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
     strings. That is exactly protobuf's encoding of BatchChunk, with one copy of the data instead
     of three (join, message, serialization).
     """
+    for pieces in encode_frames(batch, epoch=epoch, step=step, position=position,
+                                max_chunk_bytes=max_chunk_bytes, skipped_keys=skipped_keys,
+                                end_position=end_position):
+        yield b"".join(pieces)
+
+
+def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: int,
+                  max_chunk_bytes: int, skipped_keys: Sequence[str] = (),
+                  end_position: int = 0) -> Iterator[list[Any]]:
+    """`encode_batch`'s messages unjoined: each a list of buffers (the message's head as bytes,
+    then views of the batch's own arrays and byte strings) whose concatenation is the message.
+    The bulk connection writes them with one `sendmsg` each; the views are valid until the
+    batch's memory is reused (the loader's next batch)."""
     keys = list(batch.get(KEY, ()))
     sources = list(batch.get(SOURCE, ()))
     fields: list[pb.FieldData] = []
@@ -147,9 +160,9 @@ def encode_batch(batch: Mapping[str, Any], *, epoch: int, step: int, position: i
         meta = pb.BatchChunk(step=step, position=position, epoch=epoch, chunk_index=chunk_index, last=last,
                              header=header if chunk_index == 0 else None).SerializeToString()
         if got:
-            yield b"".join([meta, _DATA_TAG, _varint(got), *parts])
+            yield [meta + _DATA_TAG + _varint(got), *parts]
         else:
-            yield meta
+            yield [meta]
         if last:
             return
         chunk_index += 1
@@ -239,7 +252,8 @@ class BatchAssembler:
             if chunk.last:  # the whole batch in one message: no staging copy
                 if len(data) != chunk.header.body_nbytes:
                     raise ProtocolError(f"step {chunk.step}: got {len(data)} of {chunk.header.body_nbytes} bytes")
-                return decode_body(chunk.header, data)
+                # a writable message (the bulk connection's buffer, given away) is used where it lies
+                return decode_body(chunk.header, data, owned=not memoryview(data).readonly)
             # not zero-filled, and from 4 MiB on NumPy asks for huge pages: a few faults, not one per 4 KiB
             self._body = np.empty(chunk.header.body_nbytes, np.uint8)
             self._filled = 0

@@ -145,7 +145,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "media")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "media")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class BatchRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIX_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
@@ -185,8 +186,9 @@ class BatchRequest(_message.Message):
     max_chunk_bytes: int
     mix: MixSpec
     share: str
+    bulk: bool
     media: _containers.RepeatedCompositeFieldContainer[MediaTransformSpec]
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
 
 class MixSpec(_message.Message):
     __slots__ = ("sources", "samples_per_epoch", "mix_by")
@@ -215,7 +217,7 @@ class MixSource(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., weight: _Optional[float] = ..., repeat: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class BatchChunk(_message.Message):
-    __slots__ = ("step", "position", "epoch", "chunk_index", "last", "header", "data")
+    __slots__ = ("step", "position", "epoch", "chunk_index", "last", "header", "data", "bulk")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,7 @@ class BatchChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     step: int
     position: int
     epoch: int
@@ -230,7 +233,16 @@ class BatchChunk(_message.Message):
     last: bool
     header: BatchHeader
     data: bytes
-    def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    bulk: BulkOffer
+    def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkOffer, _Mapping]] = ...) -> None: ...
+
+class BulkOffer(_message.Message):
+    __slots__ = ("ticket", "port")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    port: int
+    def __init__(self, ticket: _Optional[bytes] = ..., port: _Optional[int] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
     __slots__ = ("num_samples", "keys", "fields", "skipped", "body_nbytes", "sources", "skipped_keys", "end_position", "shared")

@@ -44,6 +44,9 @@ def test_tls(roots, pki):
     try:
         ok = RemoteLoader(address, dataset="feats", batch_size=64, tls_ca=pki / "ca.pem", output="numpy")
         assert sum(len(b["__key__"]) for b in ok) == 256
+        # the bulk connection is plaintext: a TLS server never offers it, its batches stay inside TLS
+        assert srv.servicer.bulk is None
+        assert not srv.metrics.registry.get_sample_value("gdsload_feed_bulk_streams_total")
         plain = RemoteLoader(address, dataset="feats", max_retries=0, deadline_s=1)
         with pytest.raises(RemoteError):
             len(plain)

@@ -1,0 +1,184 @@
+"""The bulk connection (`gdsload.service.bulk`): a stream's messages on a plain socket beside its
+call. Same batches as over gRPC and as the local loader; taken by default, refused cleanly, and
+every way of ending a stream ends both."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gdsload import DataLoader, RemoteLoader
+from gdsload.service import bulk
+from gdsload.service.server import create_server
+from gdsload.v1 import feed_pb2 as pb
+
+
+def _bulk_streams(srv) -> float:
+    return srv.metrics.registry.get_sample_value("gdsload_feed_bulk_streams_total") or 0.0
+
+
+def _batches(loader) -> list[dict]:
+    return [{k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else list(v)) for k, v in b.items()}
+            for b in loader]
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g["__key__"] == w["__key__"]
+        for k in w:
+            if k != "__key__":
+                assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k
+
+
+@pytest.fixture(scope="module")
+def big_server(roots):
+    """A server with the default message size: a batch is one message."""
+    srv, port = create_server([str(roots)])
+    srv.start()
+    yield srv, f"127.0.0.1:{port}"
+    srv.shutdown(grace_s=2)
+
+
+@pytest.mark.parametrize("fixture", ["big_server", "server"])  # one message per batch; many (64 KiB)
+def test_bulk_batches_equal_grpc_and_local(roots, request, fixture):
+    srv, address = request.getfixturevalue(fixture)
+    kw = dict(dataset="feats", batch_size=24, shuffle=True, seed=3, output="numpy")
+    local = _batches(DataLoader(str(roots / "feats"), batch_size=24, shuffle=True, seed=3, output="numpy"))
+    before = _bulk_streams(srv)
+    over_bulk = RemoteLoader(address, **kw)
+    got = _batches(over_bulk)
+    assert _bulk_streams(srv) == before + 1  # taken by default
+    _same(got, local)
+    # tensors are writable views of the received buffer (no copy), as over gRPC they are copies
+    assert all(b["npy"].flags.writeable for b in got)
+    plain = _batches(RemoteLoader(address, bulk=False, **kw))
+    assert _bulk_streams(srv) == before + 1  # bulk=False: inside gRPC
+    _same(plain, local)
+
+
+def test_raw_bytes_fields_over_bulk(big_server, roots):
+    srv, address = big_server
+    want = _batches(DataLoader(str(roots / "imgs"), batch_size=16, decode=False, output="numpy"))
+    got = list(RemoteLoader(address, dataset="imgs", batch_size=16, decode=False, output="numpy"))
+    assert [b["__key__"] for b in got] == [w["__key__"] for w in want]
+    for g, w in zip(got, want):
+        assert [bytes(x) for x in g["jpg"]] == [bytes(x) for x in w["jpg"]]
+
+
+def test_a_server_without_bulk_streams_inside_grpc(roots):
+    srv, port = create_server([str(roots)], bulk=False)
+    srv.start()
+    try:
+        assert srv.servicer.bulk is None
+        n = sum(len(b["__key__"]) for b in RemoteLoader(f"127.0.0.1:{port}", dataset="feats", batch_size=64,
+                                                      output="numpy"))
+        assert n == 256 and not _bulk_streams(srv)
+    finally:
+        srv.shutdown(grace_s=1)
+
+
+def test_an_unreachable_bulk_port_falls_back_to_grpc_once(roots):
+    """A client that cannot connect to the offered port (here: the listener is gone, as behind a
+    firewall) cancels the call, asks again without bulk, and does not try that address again."""
+    srv, port = create_server([str(roots)])
+    srv.start()
+    try:
+        srv.servicer.bulk.close()  # the port refuses connections from now on (the offer still goes out)
+        loader = RemoteLoader(f"127.0.0.1:{port}", dataset="feats", batch_size=64, output="numpy")
+        assert sum(len(b["__key__"]) for b in loader) == 256
+        assert sum(len(b["__key__"]) for b in loader) == 256  # a second epoch: straight to gRPC
+        stub = loader._link.channels.stub(f"127.0.0.1:{port}")
+        assert stub.bulk_refused  # why, e.g. "Connection refused"
+        assert not _bulk_streams(srv)
+        deadline = time.monotonic() + 5
+        while srv.servicer.active_streams() and time.monotonic() < deadline:  # the refused call ended
+            time.sleep(0.05)
+        assert srv.servicer.active_streams() == 0
+    finally:
+        srv.shutdown(grace_s=1)
+
+
+def test_a_wrong_ticket_is_closed_and_the_stream_goes_on(big_server):
+    srv, address = big_server
+    with socket.create_connection(("127.0.0.1", srv.servicer.bulk.port), timeout=5) as s:
+        s.sendall(os.urandom(bulk.TICKET_BYTES))
+        assert s.recv(1) == b""  # closed without a word
+    assert sum(len(b["__key__"]) for b in RemoteLoader(address, dataset="feats", batch_size=64,
+                                                       output="numpy")) == 256
+
+
+def test_a_client_that_never_connects_ends_its_stream(big_server, monkeypatch):
+    """The offer is taken but nobody connects: the server gives up after WAIT_S (shortened here)
+    with UNAVAILABLE, holding nothing."""
+    import grpc
+
+    srv, address = big_server
+    monkeypatch.setattr(srv.servicer.bulk, "connection",
+                        lambda ticket, slot, timeout=0.5, cancelled=None: bulk.BulkListener.connection(
+                            srv.servicer.bulk, ticket, slot, timeout=0.5, cancelled=cancelled))
+    with grpc.insecure_channel(address) as ch:
+        call = ch.unary_stream("/gdsload.v1.Feed/StreamBatches", request_serializer=pb.BatchRequest.SerializeToString,
+                               response_deserializer=pb.BatchChunk.FromString)(
+            pb.BatchRequest(dataset="feats", batch_size=8, bulk=True), timeout=10)
+        first = next(call)
+        assert first.HasField("bulk") and len(first.bulk.ticket) == bulk.TICKET_BYTES and first.bulk.port
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "bulk connection" in err.value.details()
+
+
+def test_cancelling_mid_stream_ends_the_server_side(big_server):
+    """A consumer that leaves mid-epoch (the loader's epoch closed) cancels the call; the server's
+    write, blocked on a full socket, breaks and the stream ends."""
+    srv, address = big_server
+    loader = RemoteLoader(address, dataset="feats", batch_size=8, output="numpy", prefetch=1)
+    it = iter(loader)
+    next(it)
+    time.sleep(0.3)  # the server fills the socket buffers and blocks
+    it.close()
+    deadline = time.monotonic() + 10
+    while srv.servicer.active_streams() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.servicer.active_streams() == 0
+
+
+def test_unix_server_bulk_socket_beside_its_own(roots, tmp_path):
+    path = tmp_path / "feed.sock"
+    srv, _ = create_server([str(roots)], address=f"unix:{path}")
+    srv.start()
+    try:
+        assert os.path.exists(f"{path}.bulk")
+        n = sum(len(b["__key__"]) for b in RemoteLoader(f"unix:{path}", dataset="feats", batch_size=64,
+                                                      output="numpy"))
+        assert n == 256 and _bulk_streams(srv) == 1
+    finally:
+        srv.shutdown(grace_s=1)
+    assert not os.path.exists(f"{path}.bulk")
+
+
+def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots, monkeypatch):
+    """The first bulk connection of the loader ends halfway through a message: the batch is
+    dropped, the stream resumed from the cursor, and every sample arrives once, in order."""
+    srv, address = big_server
+    real = bulk.BulkSink.send
+    cut = threading.Event()
+
+    def send_then_cut(self, frames):
+        if not cut.is_set():
+            pieces = next(iter(frames))
+            cut.set()
+            n = sum(memoryview(p).nbytes for p in pieces)
+            self.conn.sendall(bulk._LEN.pack(n) + b"".join(pieces)[: n // 2])
+            raise bulk.ClientGone("cut by the test")
+        return real(self, frames)
+
+    monkeypatch.setattr(bulk.BulkSink, "send", send_then_cut)
+    want = [b["__key__"] for b in DataLoader(str(roots / "feats"), batch_size=32, output="numpy")]
+    got = [b["__key__"] for b in RemoteLoader(address, dataset="feats", batch_size=32, output="numpy")]
+    assert cut.is_set() and got == want
