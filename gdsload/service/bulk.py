@@ -36,7 +36,7 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,11 @@ WAIT_S = 10.0
 TICKET_S = 5.0
 #: How long a client tries to connect before it streams over gRPC instead.
 CONNECT_S = 3.0
-_LEN = struct.Struct("<Q")
+#: Sanity bounds on what a server announces (a header of keys; a batch body).
+MAX_HEAD_BYTES = 1 << 30
+MAX_BODY_BYTES = 1 << 40
+#: Before each message: its length and the length of its head (the bytes before the data).
+_FRAME = struct.Struct("<QI")
 #: `sendmsg` takes at most IOV_MAX buffers per call (1024 on Linux).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -178,17 +182,15 @@ class BulkSink:
         self._lock = threading.Lock()
         self._shut = False
 
-    def send(self, frames: Iterator[Sequence[Any]]) -> None:
-        """Write each message (a list of buffers whose concatenation is one serialized BatchChunk)
-        with its length, straight from its buffers. Raises ClientGone when the connection broke."""
+    def send(self, frames: Iterable[Sequence[Any]]) -> None:
+        """Write messages, each a list of buffers whose concatenation is one serialized BatchChunk
+        and whose first buffer is its head (everything before the value of `data`, which is the
+        message's last field: `wire.encode_frames`' layout), framed with their lengths, straight
+        from the buffers. Raises ClientGone when the connection broke."""
         for pieces in frames:
-            n = sum(memoryview(p).nbytes for p in pieces)
-            self._sendmsg([_LEN.pack(n), *pieces])
-
-    def send_messages(self, messages: Sequence[bytes]) -> None:
-        """Write serialized BatchChunk messages (a share group's window)."""
-        for m in messages:
-            self._sendmsg([_LEN.pack(len(m)), m])
+            head = memoryview(pieces[0]).nbytes
+            n = head + sum(memoryview(p).nbytes for p in pieces[1:])
+            self._sendmsg([_FRAME.pack(n, head), *pieces])
 
     def _sendmsg(self, bufs: list[Any]) -> None:
         views = [memoryview(b).cast("B") for b in bufs]
@@ -343,13 +345,13 @@ class BulkCall:
             self._open(chunk.bulk)
             if self._plain:
                 return next(self._call)
-        frame = self._read()
-        if frame is None:  # the server closed the connection: the call says how the stream ended
+        got = self._read_batch()
+        if got is None:  # the server closed the connection: the call says how the stream ended
             self._close()
             for _ in self._call:
                 raise wire.ProtocolError("a message on the call after its bulk connection ended")
             raise StopIteration
-        return wire.split_chunk(frame)
+        return got
 
     def _open(self, offer: pb.BulkOffer) -> None:
         try:
@@ -373,22 +375,63 @@ class BulkCall:
             if self._cancelled:
                 self._shutdown()
 
-    def _read(self) -> np.ndarray | None:
+    def _frame(self, sock: socket.socket) -> tuple[pb.BatchChunk, int] | None:
+        """The next message's BatchChunk without `data`, and the length of its data (still to be
+        read); None at a clean end of the connection."""
+        prefix = _recv_exact(sock, _FRAME.size)
+        if prefix is None:
+            return None
+        n, head_n = _FRAME.unpack(prefix)
+        if head_n > n or head_n > MAX_HEAD_BYTES:
+            raise wire.ProtocolError(f"a bulk message of {n} bytes announces a head of {head_n}")
+        head = _recv_exact(sock, head_n) or b""
+        if len(head) != head_n:
+            raise EOFError("the bulk connection ended inside a message head")
+        size = n - head_n
+        if size:  # the head ends with data's tag and length: the message without data is before them
+            tail = wire.data_prefix(size)
+            if not head.endswith(tail):
+                raise wire.ProtocolError("a bulk message whose data is not its last field")
+            head = head[: -len(tail)]
+        meta, rest = wire.split_chunk(head)
+        if len(rest):
+            raise wire.ProtocolError("a bulk message with data in its head")
+        return meta, size
+
+    def _read_batch(self) -> tuple[pb.BatchChunk, np.ndarray] | None:
+        """One whole batch: its chunk 0 (flagged last) and its body, each chunk's data read
+        straight into the body's place (the batch's fields become views of it: no copy here)."""
         sock = self._sock
         try:
-            head = _recv_exact(sock, _LEN.size)
-            if head is None:
+            got = self._frame(sock)
+            if got is None:
                 return None
-            (n,) = _LEN.unpack(head)
-            buf = np.empty(n, np.uint8)  # the batch's fields become views of it (decode_body)
-            view = memoryview(buf)
-            got = 0
-            while got < n:
-                k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-                if not k:
-                    raise EOFError(f"the bulk connection ended inside a {n}-byte message")
-                got += k
-            return buf
+            first, size = got
+            if first.chunk_index != 0 or not first.HasField("header"):
+                raise wire.ProtocolError(f"a batch starts with chunk {first.chunk_index} (no header)")
+            total = first.header.body_nbytes if not first.last else size
+            if total > MAX_BODY_BYTES or size > total:
+                raise wire.ProtocolError(f"step {first.step}: {size} bytes in a body of {total}")
+            body = np.empty(total, np.uint8)  # not zero-filled; the batch's fields are views of it
+            view = memoryview(body)
+            filled = self._fill(sock, view, 0, size)
+            meta, k = first, 0
+            while not meta.last:
+                got = self._frame(sock)
+                if got is None:
+                    raise EOFError("the bulk connection ended inside a batch")
+                meta, size = got
+                k += 1
+                if meta.chunk_index != k or meta.step != first.step:
+                    raise wire.ProtocolError(f"expected chunk {k} of step {first.step}, got chunk "
+                                             f"{meta.chunk_index} of step {meta.step}")
+                if filled + size > total:
+                    raise wire.ProtocolError(f"step {first.step}: chunks carry more than the {total} bytes announced")
+                filled = self._fill(sock, view, filled, size)
+            if filled != total:
+                raise wire.ProtocolError(f"step {first.step}: got {filled} of {total} bytes")
+            first.last = True  # the whole batch, as one message
+            return first, body
         except (OSError, EOFError):
             # Cut (cancelled, or the server went away): the call's status tells what happened;
             # a call that ended well after a cut message is a protocol error.
@@ -396,3 +439,13 @@ class BulkCall:
             for _ in self._call:
                 pass
             raise wire.ProtocolError("the bulk connection broke inside a message") from None
+
+    @staticmethod
+    def _fill(sock: socket.socket, view: memoryview, at: int, n: int) -> int:
+        end = at + n
+        while at < end:
+            k = sock.recv_into(view[at:end], end - at, socket.MSG_WAITALL)
+            if not k:
+                raise EOFError("the bulk connection ended inside a message")
+            at += k
+        return at

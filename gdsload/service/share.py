@@ -115,11 +115,12 @@ def request_key(req: pb.BatchRequest, *, epoch: bool = True) -> bytes:
 class _Batch:
     """One batch in a window: its serialized chunks, as the first subscriber gets them."""
 
-    __slots__ = ("again", "chunks", "nbytes", "samples", "step", "taken", "wire_nbytes")
+    __slots__ = ("again", "chunks", "heads", "nbytes", "samples", "step", "taken", "wire_nbytes")
 
-    def __init__(self, step: int, chunks: list[bytes], nbytes: int, samples: int):
+    def __init__(self, step: int, chunks: list[bytes], nbytes: int, samples: int, heads: list[int]):
         self.step = step
         self.chunks = chunks
+        self.heads = heads  # per chunk, the bytes before its data (a bulk connection's frame needs it)
         self.nbytes = nbytes  # batch body
         self.samples = samples
         self.wire_nbytes = sum(len(c) for c in chunks)
@@ -130,6 +131,15 @@ class _Batch:
         if self.again is None:
             self.again = [self.chunks[0] + SHARED_SUFFIX, *self.chunks[1:]]
         return self.again
+
+    def frames(self, copy: bool) -> list[list[Any]]:
+        """The chunks as `bulk.BulkSink.send` takes them (head, data), without copying the data; a
+        copy's chunk 0 gets `SHARED_SUFFIX` before its head instead of after its data (protobuf
+        merges the two headers either way)."""
+        out = [[memoryview(c)[:h], memoryview(c)[h:]] for c, h in zip(self.chunks, self.heads)]
+        if copy:
+            out[0][0] = SHARED_SUFFIX + bytes(out[0][0])
+        return out
 
 
 class _Sub:
@@ -287,10 +297,8 @@ class ShareHub:
                 t_send = time.perf_counter()
                 if sink is None:
                     yield from (chunks if not copy else batch.copy_chunks())
-                elif copy:  # chunk 0 flagged shared without joining a copy of it
-                    sink.send([[batch.chunks[0], SHARED_SUFFIX], *([c] for c in chunks[1:])])
                 else:
-                    sink.send([c] for c in chunks)
+                    sink.send(batch.frames(copy))
                 m_send.observe(time.perf_counter() - t_send)
                 sent += 1
                 copies += copy
@@ -541,10 +549,11 @@ class ShareHub:
             ids = next(p.planned)
             keys = batch[wire.KEY]
             skipped = sv._left_out(p.loader.dataset, ids, keys) if len(keys) < len(ids) else []
-            chunks = list(wire.encode_batch(batch, epoch=p.epoch, step=step, position=(step + 1) * p.G,
-                                            max_chunk_bytes=p.opts["max_chunk_bytes"], skipped_keys=skipped,
-                                            end_position=p.end_position))
-            b = _Batch(step, chunks, wire.body_nbytes(batch), len(keys))
+            frames = list(wire.encode_frames(batch, epoch=p.epoch, step=step, position=(step + 1) * p.G,
+                                             max_chunk_bytes=p.opts["max_chunk_bytes"], skipped_keys=skipped,
+                                             end_position=p.end_position))
+            b = _Batch(step, [b"".join(f) for f in frames], wire.body_nbytes(batch), len(keys),
+                       [len(f[0]) for f in frames])
         except StopIteration:  # the epoch ended before this step: cannot happen for a valid plan
             with self.cond:
                 p.ended = True

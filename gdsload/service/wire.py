@@ -47,6 +47,11 @@ SOURCE = "__source__"  # per sample, the dataset of a mix it comes from (BatchHe
 _DATA_TAG = bytes([(7 << 3) | 2])  # BatchChunk.data: field 7, wire type 2 (length-delimited)
 
 
+def data_prefix(n: int) -> bytes:
+    """What precedes `n` bytes of BatchChunk.data in a serialized message: its tag and length."""
+    return _DATA_TAG + _varint(n)
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:
@@ -160,7 +165,7 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
         meta = pb.BatchChunk(step=step, position=position, epoch=epoch, chunk_index=chunk_index, last=last,
                              header=header if chunk_index == 0 else None).SerializeToString()
         if got:
-            yield [meta + _DATA_TAG + _varint(got), *parts]
+            yield [meta + data_prefix(got), *parts]
         else:
             yield [meta]
         if last:

@@ -173,8 +173,9 @@ def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots
         if not cut.is_set():
             pieces = next(iter(frames))
             cut.set()
-            n = sum(memoryview(p).nbytes for p in pieces)
-            self.conn.sendall(bulk._LEN.pack(n) + b"".join(pieces)[: n // 2])
+            whole = b"".join(bytes(memoryview(p)) for p in pieces)
+            head = memoryview(pieces[0]).nbytes
+            self.conn.sendall(bulk._FRAME.pack(len(whole), head) + whole[: head + (len(whole) - head) // 2])
             raise bulk.ClientGone("cut by the test")
         return real(self, frames)
 
