@@ -72,6 +72,9 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
                    help="send batches only inside the gRPC stream; by default a client may take them on a "
                         "side connection (a TCP port chosen at start, on the --listen host; PATH.bulk for "
                         "unix:PATH), which costs a third of the CPU per byte. Never offered with TLS")
+    s.add_argument("--bulk-port", type=int, default=0, metavar="PORT",
+                   help="the TCP port of the bulk connections, on the --listen host (default 0: any free "
+                        "port; fix it where a firewall or NetworkPolicy must let it through)")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)
@@ -128,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
         prefetch=args.prefetch, decode_threads=args.decode_threads, decode_pool=args.decode_pool,
         share_window=args.share_window, share_hold_s=args.share_hold, bulk=args.bulk,
+        bulk_port=args.bulk_port,
         grace_s=args.grace, logger=log,
         cache_dir=False if args.cache_dir == "none" else args.cache_dir, cache_limit=args.cache_limit,
     )

@@ -36,6 +36,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -49,6 +50,10 @@ TICKET_BYTES = 16
 WAIT_S = 10.0
 #: How long an accepted connection has to send its ticket.
 TICKET_S = 5.0
+#: How long a server keeps a client's idle connection for its next stream; the client keeps it
+#: for less (`KEEP_S`), so it does not pick one the server is closing.
+IDLE_S = 30.0
+KEEP_S = 20.0
 #: How long a client tries to connect before it streams over gRPC instead.
 CONNECT_S = 3.0
 #: Sanity bounds on what a server announces (a header of keys; a batch body).
@@ -56,6 +61,9 @@ MAX_HEAD_BYTES = 1 << 30
 MAX_BODY_BYTES = 1 << 40
 #: Before each message: its length and the length of its head (the bytes before the data).
 _FRAME = struct.Struct("<QI")
+#: The server's answer to a ticket it accepts.
+ACK = b"\x01"
+END = object()  # `_frame`: the end marker (a frame of length 0) after a stream's last message
 #: `sendmsg` takes at most IOV_MAX buffers per call (1024 on Linux).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -77,10 +85,10 @@ class ClientGone(Exception):
 
 # -- server ------------------------------------------------------------------------------------------
 class BulkListener:
-    """The server's bulk socket (TCP on the feed's host, any free port; or `PATH.bulk`) and the
-    streams waiting for their client's connection."""
+    """The server's bulk socket (TCP on the feed's host, on `port` or any free port; or
+    `PATH.bulk`), the streams waiting for their client's connection, and the connections."""
 
-    def __init__(self, host: str | None = None, *, unix_path: str | None = None):
+    def __init__(self, host: str | None = None, port: int = 0, *, unix_path: str | None = None):
         if unix_path is not None:
             self.path: str | None = unix_bulk_path(unix_path)
             try:
@@ -92,7 +100,7 @@ class BulkListener:
             self.port = 0
         else:
             self.path = None
-            infos = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             family, kind, proto, _, addr = infos[0]
             sock = socket.socket(family, kind, proto)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -103,14 +111,15 @@ class BulkListener:
         sock.listen(64)
         self._sock = sock
         self._lock = threading.Lock()
-        self._waiting: dict[bytes, list] = {}  # ticket -> [event, socket or None]
+        self._waiting: dict[bytes, list] = {}  # ticket -> [presented, BulkSink or None]
+        self._conns: set[socket.socket] = set()  # accepted connections (idle or lent to a stream)
+        self.accepted = 0
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="gdsload-bulk-accept", daemon=True)
         self._thread.start()
 
     def expect(self) -> tuple[bytes, list]:
-        """A new ticket and its slot ([event, socket]); give the ticket to the client, then
-        `connection(slot)`."""
+        """A new ticket and its slot; give the ticket to the client, then `connection`."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         slot = [threading.Event(), None]
         with self._lock:
@@ -118,21 +127,17 @@ class BulkListener:
         return ticket, slot
 
     def connection(self, ticket: bytes, slot: list, timeout: float = WAIT_S,
-                   cancelled: Any = None) -> socket.socket | None:
-        """The client's connection for `ticket`, or None when it did not come within `timeout`
-        (or `cancelled()` turned true)."""
-        try:
-            waited = 0.0
-            while not slot[0].wait(0.1):
-                waited += 0.1
-                if waited >= timeout or self._closed or (cancelled is not None and cancelled()):
-                    return None
-            return slot[1]
-        finally:
-            with self._lock:
-                self._waiting.pop(ticket, None)
-            if not slot[0].is_set():
-                return None
+                   cancelled: Any = None) -> BulkSink | None:
+        """The sink on the client's connection for `ticket`, or None when it did not come within
+        `timeout` (or `cancelled()` turned true)."""
+        deadline = time.monotonic() + timeout
+        while not slot[0].wait(0.05):
+            if time.monotonic() >= deadline or self._closed or (cancelled is not None and cancelled()):
+                with self._lock:
+                    if self._waiting.pop(ticket, None) is not None:
+                        return None  # withdrawn before any connection presented it
+                break  # presented just now: take it
+        return slot[1]
 
     def _accept(self) -> None:
         while not self._closed:
@@ -142,23 +147,47 @@ class BulkListener:
                 if self._closed:
                     return
                 continue
-            threading.Thread(target=self._handshake, args=(conn,), name="gdsload-bulk-ticket",
-                             daemon=True).start()
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(conn,), name="gdsload-bulk-conn", daemon=True).start()
 
-    def _handshake(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(TICKET_S)
-            ticket = _recv_exact(conn, TICKET_BYTES)
-            conn.settimeout(None)
-        except OSError:
-            ticket = None
+    def _serve(self, conn: socket.socket) -> None:
+        """One client connection: wait for a ticket, lend the connection to its stream, and when
+        that stream ended cleanly, wait for the next ticket (the client keeps idle connections for
+        its next streams: a striping client opens one per block)."""
         with self._lock:
-            slot = self._waiting.pop(ticket, None) if ticket is not None else None
-            if slot is not None:
-                slot[1] = conn
-                slot[0].set()
-                return
-        conn.close()  # not a waiting ticket: nothing is said to an unknown peer
+            self._conns.add(conn)
+        try:
+            self._serve_tickets(conn)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+
+    def _serve_tickets(self, conn: socket.socket) -> None:
+        wait_s = TICKET_S
+        while not self._closed:
+            try:
+                conn.settimeout(wait_s)
+                ticket = _recv_exact(conn, TICKET_BYTES)
+                conn.settimeout(None)
+            except (OSError, EOFError):
+                ticket = None
+            with self._lock:
+                slot = self._waiting.pop(ticket, None) if ticket is not None else None
+            if slot is None:
+                break  # closed, idle too long, or not a waiting ticket: nothing is said to the peer
+            try:
+                conn.sendall(ACK)
+            except OSError:
+                with self._lock:  # the stream goes on waiting for another connection with its ticket
+                    self._waiting.setdefault(ticket, slot)
+                break
+            sink = BulkSink(conn)
+            slot[1] = sink
+            slot[0].set()
+            if not sink.wait_released():
+                return  # the stream closed the connection
+            wait_s = IDLE_S
+        conn.close()
 
     def close(self) -> None:
         self._closed = True
@@ -167,6 +196,13 @@ class BulkListener:
         except OSError:
             pass
         self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:  # idle ones end now (streams still open end with their calls)
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self.path is not None:
             try:
                 os.unlink(self.path)
@@ -175,12 +211,21 @@ class BulkListener:
 
 
 class BulkSink:
-    """The server's end of one stream's bulk connection."""
+    """The server's end of one stream's bulk connection: `send` its messages, then `finish` (the
+    end marker; the connection goes back to wait for the client's next stream) or `close`."""
 
     def __init__(self, conn: socket.socket):
         self.conn = conn
         self._lock = threading.Lock()
         self._shut = False
+        self._released = threading.Event()
+        self._reuse = False
+
+    def wait_released(self) -> bool:
+        """(The connection's thread) block until the stream is done with the connection; True when
+        it ended cleanly and the connection can carry the client's next stream."""
+        self._released.wait()
+        return self._reuse
 
     def send(self, frames: Iterable[Sequence[Any]]) -> None:
         """Write messages, each a list of buffers whose concatenation is one serialized BatchChunk
@@ -219,16 +264,26 @@ class BulkSink:
             except OSError:
                 pass
 
-    def close(self) -> None:
-        """The stream is done: the client reads to the end, then takes the call's status."""
+    def finish(self) -> None:
+        """The stream ended cleanly: the end marker, and the connection waits for the client's
+        next ticket. Raises ClientGone when the connection broke."""
+        self._sendmsg([_FRAME.pack(0, 0)])
         with self._lock:
-            if not self._shut:
-                self._shut = True
-                try:
-                    self.conn.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
+            if self._shut:  # the call ended meanwhile (cancelled): not reused
+                raise ClientGone("the call ended")
+            self._shut = True  # no later shutdown from this stream's call
+            self._reuse = True
+        self._released.set()
+
+    def close(self) -> None:
+        """The stream is done without its end marker (an error, a cancel): the connection closes,
+        the client takes the call's status."""
+        with self._lock:
+            if self._reuse:
+                return
+            self._shut = True
             self.conn.close()
+        self._released.set()
 
 
 # -- client ------------------------------------------------------------------------------------------
@@ -284,16 +339,49 @@ def _connect(target: tuple[int, str], port: int) -> socket.socket:
     return sock
 
 
+class IdleConnections:
+    """A client's bulk connections to one server that are between streams (per process and
+    address), kept `KEEP_S` for its next stream: a striping client opens one stream per block."""
+
+    def __init__(self, keep: int = 8):
+        self._lock = threading.Lock()
+        self._socks: list[tuple[socket.socket, float]] = []
+        self.keep = keep
+
+    def take(self) -> socket.socket | None:
+        now = time.monotonic()
+        with self._lock:
+            while self._socks:
+                sock, since = self._socks.pop()
+                if now - since < KEEP_S:
+                    return sock
+                sock.close()
+        return None
+
+    def give(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.append((sock, time.monotonic()))
+            while len(self._socks) > self.keep:
+                self._socks.pop(0)[0].close()
+
+    def close(self) -> None:
+        with self._lock:
+            for sock, _ in self._socks:
+                sock.close()
+            self._socks = []
+
+
 class BulkCall:
     """A StreamBatches call that takes its messages from the bulk connection when the server
-    offers one: iterates `(BatchChunk without data, data)` as the gRPC call does, `cancel()` as
-    the gRPC call's. `restart(request)` makes the call again without bulk (the client could not
-    connect); `refused` then tells its owner not to ask that address for bulk again."""
+    offers one: iterates `(BatchChunk without data, data)` as the gRPC call does (a whole batch
+    at a time), `cancel()` as the gRPC call's. A client that cannot connect makes the call again
+    without bulk and reports why to `on_refused` (its owner then stops asking that address)."""
 
     def __init__(self, start: Any, request: pb.BatchRequest, target: tuple[int, str], *,
-                 on_refused: Any = None):
+                 on_refused: Any = None, idle: IdleConnections | None = None):
         self._start = start  # request -> a gRPC call
         self._on_refused = on_refused
+        self._idle = idle
         self._request = request
         self._target = target
         req = pb.BatchRequest()
@@ -302,6 +390,7 @@ class BulkCall:
         self._call = start(req)
         self._sock: socket.socket | None = None
         self._plain = False  # the server did not offer bulk: the gRPC call carries the batches
+        self._ended = False  # the connection said the stream is over (or broke)
         self._cancelled = False
         self._lock = threading.Lock()
         self.refused: str | None = None  # why the offered connection could not be made
@@ -321,10 +410,17 @@ class BulkCall:
             except OSError:
                 pass
 
-    def _close(self) -> None:
+    def _let_go(self, reuse: bool) -> None:
+        """Done with the connection: back to the idle ones (a clean end) or closed."""
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
+            sock, self._sock = self._sock, None
+            self._ended = True
+            if sock is None:
+                return
+            if reuse and not self._cancelled and self._idle is not None:
+                self._idle.give(sock)
+            else:
+                sock.close()
 
     def __del__(self) -> None:  # a call dropped mid-stream (its consumer left after cancelling it)
         sock = getattr(self, "_sock", None)
@@ -334,46 +430,75 @@ class BulkCall:
     def __iter__(self) -> BulkCall:
         return self
 
+    def _status(self) -> None:
+        """The stream's end on the connection: the call says how it ended (raises its error, or
+        StopIteration)."""
+        for _ in self._call:
+            raise wire.ProtocolError("a message on the call after its bulk connection ended")
+        raise StopIteration
+
     def __next__(self) -> tuple[pb.BatchChunk, Any]:
         if self._plain:
             return next(self._call)
+        if self._ended:
+            self._status()
         if self._sock is None:
             chunk, data = next(self._call)
             if not chunk.HasField("bulk"):
                 self._plain = True  # a server that does not offer bulk
                 return chunk, data
-            self._open(chunk.bulk)
-            if self._plain:
-                return next(self._call)
+            if not self._open(chunk.bulk):
+                if self._plain:
+                    return next(self._call)
+                self._status()  # the ticket was refused (withdrawn): the call's status says why
         got = self._read_batch()
-        if got is None:  # the server closed the connection: the call says how the stream ended
-            self._close()
-            for _ in self._call:
-                raise wire.ProtocolError("a message on the call after its bulk connection ended")
-            raise StopIteration
+        if got is None:
+            self._status()
         return got
 
-    def _open(self, offer: pb.BulkOffer) -> None:
-        try:
-            sock = _connect(self._target, offer.port)
-            sock.sendall(offer.ticket)
-        except OSError as exc:
-            # Cannot reach the bulk port (a firewall): the same request over gRPC alone.
-            self.refused = f"{exc.strerror or exc}"
-            if self._on_refused is not None:
-                self._on_refused(self.refused)
-            self._call.cancel()
+    def _open(self, offer: pb.BulkOffer) -> bool:
+        """Present the ticket on an idle connection (else on a new one) and wait for the server's
+        acceptance. False: the server refused the ticket, or the port cannot be reached (then
+        `_plain`: the request goes again over gRPC alone)."""
+        for fresh in (False, True):
+            sock = None if fresh or self._idle is None else self._idle.take()
+            if sock is None:
+                if not fresh:
+                    continue
+                try:
+                    sock = _connect(self._target, offer.port)
+                except OSError as exc:
+                    self._fall_back(f"{exc.strerror or exc}")
+                    return False
             with self._lock:
+                self._sock = sock
                 if self._cancelled:
-                    self._plain = True
-                    return
-                self._call = self._start(self._request)
-                self._plain = True
-            return
-        with self._lock:
-            self._sock = sock
+                    self._shutdown()
+            try:
+                sock.sendall(offer.ticket)
+                ack = sock.recv(1)
+            except OSError:
+                ack = b""
+            if ack == ACK:
+                return True
+            self._let_go(reuse=False)
+            self._ended = False
             if self._cancelled:
-                self._shutdown()
+                break
+            # an idle connection the server had closed: a new one; a new one refused: the call says why
+        self._ended = True
+        return False
+
+    def _fall_back(self, why: str) -> None:
+        """The bulk port cannot be reached (a firewall): the same request over gRPC alone."""
+        self.refused = why
+        if self._on_refused is not None:
+            self._on_refused(why)
+        self._call.cancel()
+        with self._lock:
+            self._plain = True
+            if not self._cancelled:
+                self._call = self._start(self._request)
 
     def _frame(self, sock: socket.socket) -> tuple[pb.BatchChunk, int] | None:
         """The next message's BatchChunk without `data`, and the length of its data (still to be
@@ -382,6 +507,8 @@ class BulkCall:
         if prefix is None:
             return None
         n, head_n = _FRAME.unpack(prefix)
+        if n == 0:
+            return END
         if head_n > n or head_n > MAX_HEAD_BYTES:
             raise wire.ProtocolError(f"a bulk message of {n} bytes announces a head of {head_n}")
         head = _recv_exact(sock, head_n) or b""
@@ -404,7 +531,8 @@ class BulkCall:
         sock = self._sock
         try:
             got = self._frame(sock)
-            if got is None:
+            if got is None or got is END:  # closed (the call ends with its status), or the end marker
+                self._let_go(reuse=got is END)
                 return None
             first, size = got
             if first.chunk_index != 0 or not first.HasField("header"):
@@ -418,7 +546,7 @@ class BulkCall:
             meta, k = first, 0
             while not meta.last:
                 got = self._frame(sock)
-                if got is None:
+                if got is None or got is END:
                     raise EOFError("the bulk connection ended inside a batch")
                 meta, size = got
                 k += 1
@@ -432,12 +560,14 @@ class BulkCall:
                 raise wire.ProtocolError(f"step {first.step}: got {filled} of {total} bytes")
             first.last = True  # the whole batch, as one message
             return first, body
-        except (OSError, EOFError):
+        except (OSError, EOFError, wire.ProtocolError) as exc:
             # Cut (cancelled, or the server went away): the call's status tells what happened;
             # a call that ended well after a cut message is a protocol error.
-            self._close()
+            self._let_go(reuse=False)
             for _ in self._call:
                 pass
+            if isinstance(exc, wire.ProtocolError):
+                raise
             raise wire.ProtocolError("the bulk connection broke inside a message") from None
 
     @staticmethod

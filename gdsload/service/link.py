@@ -24,7 +24,7 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 import grpc
 
 from gdsload.service import status, wire
-from gdsload.service.bulk import BulkCall, bulk_target
+from gdsload.service.bulk import BulkCall, IdleConnections, bulk_target
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
@@ -43,12 +43,13 @@ class _FeedStub(pb_grpc.FeedStub):
             response_deserializer=wire.split_chunk, _registered_method=True)
         self.bulk_target = bulk_target
         self.bulk_refused: str | None = None  # why this address's bulk port could not be reached
+        self.idle = IdleConnections()  # bulk connections between streams
 
     def StreamBatches(self, request: pb.BatchRequest, **kw: Any) -> Any:
         start = functools.partial(self._stream_batches, **kw)
         if self.bulk_target is None or self.bulk_refused is not None:
             return start(request)
-        return BulkCall(start, request, self.bulk_target, on_refused=self._refused)
+        return BulkCall(start, request, self.bulk_target, on_refused=self._refused, idle=self.idle)
 
     def _refused(self, why: str) -> None:
         self.bulk_refused = why  # asked without bulk from now on
@@ -97,11 +98,13 @@ class _Channels:
             entry = self._stubs.pop(address, None)
         if entry is not None:
             entry[0].close()
+            entry[1].idle.close()
 
     def close(self) -> None:
         with self._lock:
-            for channel, _ in self._stubs.values():
+            for channel, stub in self._stubs.values():
                 channel.close()
+                stub.idle.close()
             self._stubs = {}
 
 

@@ -257,6 +257,8 @@ class FeedServicer(pb_grpc.FeedServicer):
                 yield from self.share.stream(request, context, sink)
             else:
                 yield from self._stream(request, context, sink)
+            if sink is not None:
+                sink.finish()  # the end marker; the connection waits for the client's next stream
         except ClientGone:
             return  # the client left (or the call ended) while its batches were being written
         except Exception as exc:
@@ -269,13 +271,12 @@ class FeedServicer(pb_grpc.FeedServicer):
         """Offer the bulk connection (`gdsload.service.bulk`) and wait for the client to take it."""
         ticket, slot = self.bulk.expect()
         yield offer_message(ticket, self.bulk.port)
-        conn = self.bulk.connection(ticket, slot, cancelled=lambda: not context.is_active())
-        if conn is None:
+        sink = self.bulk.connection(ticket, slot, cancelled=lambda: not context.is_active())
+        if sink is None:
             if not context.is_active():
                 return None
             raise Unavailable(f"the client did not open the bulk connection within {BULK_WAIT_S:g} s "
                               "(a firewall between it and the server's bulk port?)")
-        sink = BulkSink(conn)
         self.metrics.bulk_streams.inc()
         if not context.add_callback(sink.shutdown):  # a call that ends breaks a blocked write
             sink.shutdown()
@@ -847,6 +848,7 @@ def create_server(
     share_window: int = 4,
     share_hold_s: float = 0.5,
     bulk: bool = True,
+    bulk_port: int = 0,
 ) -> tuple[FeedServer, int]:
     """A feed server for every dataset below `roots`, bound to `address` (port 0: any free port).
 
@@ -864,7 +866,7 @@ def create_server(
     batches each shared producer keeps for its subscribers (>= 1), and how long it waits for a
     subscriber that holds a full window before that one is detached to a producer of its own.
     `bulk`: offer clients the side connection for batch bytes (`gdsload.service.bulk`; never
-    with `tls`).
+    with `tls`) on `bulk_port` of the listen host (0: any free port).
     Invalid arguments raise `GdsloadError` naming them (as the `gdsload serve` flags).
     """
     unix = address.startswith("unix:")
@@ -902,6 +904,10 @@ def create_server(
         raise GdsloadError(f"--share-window must be an integer >= 1 (batches), got {share_window!r}")
     if not (isinstance(share_hold_s, (int, float)) and 0 <= share_hold_s < float("inf")):
         raise GdsloadError(f"--share-hold must be >= 0 seconds, got {share_hold_s!r}")
+    if isinstance(bulk_port, bool) or not isinstance(bulk_port, int) or not 0 <= bulk_port <= 65535:
+        raise GdsloadError(f"--bulk-port must be a port in 0..65535, got {bulk_port!r}")
+    if bulk_port and bulk_port == listen_port:
+        raise GdsloadError(f"--bulk-port {bulk_port} is the port of --listen {address}: give it a port of its own")
     if isinstance(decode_pool, bool) or not isinstance(decode_pool, int) or decode_pool < 0:
         raise GdsloadError(f"--decode-pool must be an integer >= 0, got {decode_pool!r}")
     pool = None
@@ -950,10 +956,10 @@ def create_server(
         raise GdsloadError(f"cannot listen on {address}: {problem}")
     if bulk and tls is None and not address.startswith("unix-abstract:"):
         try:
-            servicer.bulk = BulkListener(unix_path=path) if unix else BulkListener(bind_host(host))
+            servicer.bulk = BulkListener(unix_path=path) if unix else BulkListener(bind_host(host), bulk_port)
         except OSError as exc:
             server.stop(None)
-            where = f"{path}.bulk" if unix else f"{host}:0"
+            where = f"{path}.bulk" if unix else f"{host}:{bulk_port}"
             raise GdsloadError(f"cannot listen for bulk connections on {where}: {exc.strerror or exc} "
                                "(--no-bulk serves without them)") from None
     fs = FeedServer(server, servicer, health_servicer, metrics, port=port,

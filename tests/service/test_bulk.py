@@ -183,3 +183,21 @@ def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots
     want = [b["__key__"] for b in DataLoader(str(roots / "feats"), batch_size=32, output="numpy")]
     got = [b["__key__"] for b in RemoteLoader(address, dataset="feats", batch_size=32, output="numpy")]
     assert cut.is_set() and got == want
+
+
+def test_a_clients_next_stream_reuses_its_connection(big_server, roots, monkeypatch):
+    """Streams that end cleanly leave their connection to the client's next stream (a striping
+    client opens one per block); one the server closed while idle is replaced, nothing lost."""
+    srv, address = big_server
+    want = [b["__key__"] for b in DataLoader(str(roots / "feats"), batch_size=32, output="numpy")]
+    loader = RemoteLoader(address, dataset="feats", batch_size=32, output="numpy", batches_per_stream=2)
+    accepted, streams = srv.servicer.bulk.accepted, _bulk_streams(srv)
+    assert [b["__key__"] for b in loader] == want  # 4 streams of 2 batches
+    assert _bulk_streams(srv) == streams + 4
+    assert srv.servicer.bulk.accepted == accepted + 1
+    # the server drops idle connections after IDLE_S: the client's kept one is then dead
+    monkeypatch.setattr(bulk, "IDLE_S", 0.2)
+    assert [b["__key__"] for b in loader] == want
+    time.sleep(0.6)
+    assert [b["__key__"] for b in loader] == want
+    assert srv.servicer.bulk.accepted >= accepted + 2
