@@ -4,13 +4,17 @@ Why: gRPC Python sends each message through a copy into a gRPC slice, HTTP/2 fra
 flow-control window updates, and hand-offs between the calling thread and gRPC's event engine;
 on the wire benchmark that cost the server ~0.9 CPU-s/GB where `sendall` of the same bytes costs
 ~0.25. A RemoteLoader therefore asks for `BatchRequest.bulk`, and a server that offers it answers
-with one message, `BatchChunk{bulk: BulkOffer{ticket, port}}`; the client connects to the offered
-port on the same host (to `PATH.bulk` beside a `unix:PATH` feed socket), writes the 16-byte
-ticket, and from then on reads the stream's BatchChunk messages from that connection, each framed
-as an 8-byte little-endian length and the serialized message: exactly the messages the call would
-have carried. After the last batch the server closes the connection and ends the call; the call's
-status is the stream's (an error, a cancellation or a deadline end the call and the connection
-together). Nothing else changes: the request, the batches, `state_dict()`, the errors.
+with one message, `BatchChunk{bulk: BulkOffer{ticket, port}}`; the client writes the 16-byte
+ticket on a connection to the offered port on the same host (`PATH.bulk` beside a `unix:PATH`
+feed socket): one of its idle ones, else a new one. The server answers `ACK` and from then on
+writes the stream's BatchChunk messages there, exactly the messages the call would have carried,
+each framed with its length and the length of its head (everything before `data`, its last
+field), so the client reads each chunk's data straight into its place in the batch's body. After
+the last batch the server writes an end marker (a frame of length 0), ends the call (whose status
+is the stream's), and waits on the connection for the client's next ticket: a striping client
+opens a stream per block, and the connection outlives them. An error, a cancellation or a
+deadline end the call and close the connection instead. Nothing else changes: the request, the
+batches, `state_dict()`, the errors.
 
 What it saves, per byte of a raw batch: gRPC's copy into its slices and its per-message work on
 the server (`sendmsg` takes the batch's pieces where they lie: the ring slot's bytes; the kernel's
@@ -23,7 +27,7 @@ ignores it), a `unix-abstract:` address, a client with `RemoteLoader(bulk=False)
 that cannot connect to the offered port within `CONNECT_S` (a firewall): that address is then
 asked without bulk for the rest of the loader's life. A ticket is 128 random bits, sent only over
 the (authenticated) call, valid once and for `WAIT_S`: a connection that does not present a
-waiting ticket within `TICKET_S` is closed.
+waiting ticket within `TICKET_S` (`IDLE_S` between streams) is closed without a word.
 
 Memory stays as bounded as over gRPC: the server writes a message only when the kernel took the
 previous one (`sendmsg` blocks while the client does not read).
@@ -148,6 +152,8 @@ class BulkListener:
                     return
                 continue
             self.accepted += 1
+            if conn.family != socket.AF_UNIX:  # a message's last segment goes out at once
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="gdsload-bulk-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -336,6 +342,7 @@ def _connect(target: tuple[int, str], port: int) -> socket.socket:
         return sock
     sock = socket.create_connection((where, port), timeout=CONNECT_S)
     sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 

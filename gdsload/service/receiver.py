@@ -491,7 +491,7 @@ class _StripedReceiver:
         the lowest block no one fetches whose owner has no free slot, else (a straggler at the
         head) the head block."""
         live = self._live()
-        if srv.address not in live:
+        if srv.address not in live or len(srv.fetches) >= self._window(srv):
             return None
         head = self.out // self.K
         last = min(head + len(live) * self.W, -(-self.end // self.K))
@@ -504,7 +504,7 @@ class _StripedReceiver:
                 owner = live[b % len(live)]
                 if owner == srv.address:
                     return self._start(srv, b, start)
-                if (len(self.servers[owner].fetches) >= self.W  # its owner is busy: steal it
+                if (len(self.servers[owner].fetches) >= self._window(self.servers[owner])  # owner busy: steal it
                         or owner in self.corrupt.get(b, ())):  # or cannot serve it
                     free.append((b, start))
         if free:
@@ -517,6 +517,16 @@ class _StripedReceiver:
                 and all(f.server is not srv for f in ff) and self._straggles(next(iter(ff)), srv, start)):
             return self._start(srv, b, start)
         return None
+
+    def _window(self, srv: _Server) -> int:
+        """Requests `srv` may have in flight: `server_window`, or 1 while its batches come over
+        2.5x slower than the median server's (a straggler then works on one block at a time,
+        which it finishes in a quarter of the time two would take, and the others take the
+        blocks it would have held)."""
+        rates = sorted(s.batch_s for s in self.servers.values() if s.batch_s > 0 and s.state == "ok")
+        if self.W > 1 and srv.batch_s > 0 and len(rates) >= 2 and srv.batch_s > 2.5 * rates[(len(rates) - 1) // 2]:
+            return 1
+        return self.W
 
     def _straggles(self, f: _Fetch, idle: _Server, start: int) -> bool:
         """Whether the idle server `idle` should ask for the head block that `f` is fetching: `f`
@@ -689,8 +699,9 @@ class _StripedReceiver:
             self.progress_at = time.monotonic()
             if self._first_missing(block) >= min((block + 1) * self.K, self.end):
                 for other in list(self.fetchers.get(block, ())):  # a hedged copy: no longer needed
-                    if other is not f:  # one that sent nothing at all was overtaken: a stall
-                        self._cancel(other, "overtaken" if other.last == other.started else "done")
+                    if other is not f:  # one that sent nothing at all, though asked first, was overtaken: a stall
+                        stalled = other.last == other.started and other.started <= f.started
+                        self._cancel(other, "overtaken" if stalled else "done")
 
     # -- the hand-out loop (the receiver thread) ----------------------------------------------------
     def watchdog(self) -> None:

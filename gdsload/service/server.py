@@ -645,7 +645,12 @@ class FeedServicer(pb_grpc.FeedServicer):
         finally:
             if pooled is not None:
                 pooled.detach()
-            if outcome == "ok" and self.warm_loaders and not self.draining.is_set() and it is not None:
+            # A stream that ended well or was cancelled (a striping client's hedged copy, a
+            # consumer that left) leaves a loader as usable as a `for` loop left with `break`:
+            # parked, a slow server's next block does not pay for a new one (which could make it
+            # too slow ever to deliver a batch before being overtaken again).
+            if (outcome in ("ok", "cancelled") and self.warm_loaders and not self.draining.is_set()
+                    and it is not None):
                 it.close()  # its readers stop; the ring, backends and threads stay for the next stream
                 self._park(opts["key"], loader, memory)
                 self._leave(req.dataset, 0)

@@ -133,19 +133,40 @@ def test_a_client_that_never_connects_ends_its_stream(big_server, monkeypatch):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "bulk connection" in err.value.details()
 
 
-def test_cancelling_mid_stream_ends_the_server_side(big_server):
+def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
     """A consumer that leaves mid-epoch (the loader's epoch closed) cancels the call; the server's
     write, blocked on a full socket, breaks and the stream ends."""
     srv, address = big_server
+    real_init, real_connect = bulk.BulkSink.__init__, bulk._connect
+
+    def small_sink(self, conn):  # socket buffers far smaller than the epoch: the server blocks
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        real_init(self, conn)
+
+    def small_connect(target, port):
+        sock = real_connect(target, port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        return sock
+
+    monkeypatch.setattr(bulk.BulkSink, "__init__", small_sink)
+    monkeypatch.setattr(bulk, "_connect", small_connect)
     loader = RemoteLoader(address, dataset="feats", batch_size=8, output="numpy", prefetch=1)
     it = iter(loader)
     next(it)
     time.sleep(0.3)  # the server fills the socket buffers and blocks
+    assert srv.servicer.active_streams() == 1  # blocked in its write
     it.close()
     deadline = time.monotonic() + 10
     while srv.servicer.active_streams() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert srv.servicer.active_streams() == 0
+    # the cancelled stream's loader was parked, as one that ended well: the same request's next
+    # stream (a hedged block's next try, say) does not build a new one
+    monkeypatch.undo()
+    hits = srv.servicer.warm_hits
+    again = RemoteLoader(address, dataset="feats", batch_size=8, output="numpy", prefetch=1)
+    assert sum(len(b["__key__"]) for b in again) == 256
+    assert srv.servicer.warm_hits == hits + 1
 
 
 def test_unix_server_bulk_socket_beside_its_own(roots, tmp_path):

@@ -301,3 +301,28 @@ def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
     rx.block_s, f.started = 0.5, time.monotonic() - 2.0  # over two block times: always
     slow.batch_s = idle.batch_s = 0.0
     assert rx._straggles(f, idle, 3)
+
+
+def test_a_straggler_works_on_one_block_at_a_time():
+    """`_StripedReceiver._window`: a server whose batches come over 2.5x slower than the median
+    server's has one request in flight (its other blocks go to the others), the rest
+    `server_window`; without rates for two servers, everyone has the full window."""
+    from types import SimpleNamespace
+
+    from gdsload.service.receiver import _Server, _StripedReceiver
+
+    rx = object.__new__(_StripedReceiver)
+    rx.W = 2
+    servers = [_Server(SimpleNamespace(target=f"s{i}:1")) for i in range(4)]
+    for s in servers:
+        s.state = "ok"
+    rx.servers = {s.address: s for s in servers}
+    assert [rx._window(s) for s in servers] == [2, 2, 2, 2]  # no rates yet
+    for s, rate in zip(servers, (0.1, 0.12, 0.09, 0.4)):
+        s.batch_s = rate
+    assert [rx._window(s) for s in servers] == [2, 2, 2, 1]
+    servers[3].batch_s = 0.2  # 2x the median: jitter, not a straggler
+    assert rx._window(servers[3]) == 2
+    rx.W = 1
+    servers[3].batch_s = 0.4
+    assert rx._window(servers[3]) == 1
