@@ -137,11 +137,18 @@ class BulkListener:
         deadline = time.monotonic() + timeout
         while not slot[0].wait(0.05):
             if time.monotonic() >= deadline or self._closed or (cancelled is not None and cancelled()):
-                with self._lock:
-                    if self._waiting.pop(ticket, None) is not None:
-                        return None  # withdrawn before any connection presented it
-                break  # presented just now: take it
+                if self.withdraw(ticket):
+                    return None  # withdrawn before any connection presented it
+                if slot[0].wait(TICKET_S):  # presented just now: its connection's thread lends it at once
+                    break
+                self.withdraw(ticket)  # (its acknowledgement failed; it was put back)
+                return None
         return slot[1]
+
+    def withdraw(self, ticket: bytes) -> bool:
+        """Take back a ticket no connection presented yet (True), e.g. of a call that ended."""
+        with self._lock:
+            return self._waiting.pop(ticket, None) is not None
 
     def _accept(self) -> None:
         while not self._closed:

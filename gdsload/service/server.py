@@ -270,7 +270,11 @@ class FeedServicer(pb_grpc.FeedServicer):
     def _bulk_sink(self, context) -> Iterator[bytes]:
         """Offer the bulk connection (`gdsload.service.bulk`) and wait for the client to take it."""
         ticket, slot = self.bulk.expect()
-        yield offer_message(ticket, self.bulk.port)
+        try:
+            yield offer_message(ticket, self.bulk.port)
+        except GeneratorExit:  # the call ended before the client connected
+            self.bulk.withdraw(ticket)
+            raise
         sink = self.bulk.connection(ticket, slot, cancelled=lambda: not context.is_active())
         if sink is None:
             if not context.is_active():

@@ -222,3 +222,19 @@ def test_a_clients_next_stream_reuses_its_connection(big_server, roots, monkeypa
     time.sleep(0.6)
     assert [b["__key__"] for b in loader] == want
     assert srv.servicer.bulk.accepted >= accepted + 2
+
+
+def test_a_call_cancelled_after_the_offer_leaves_no_ticket(big_server):
+    import grpc
+
+    srv, address = big_server
+    with grpc.insecure_channel(address) as ch:
+        call = ch.unary_stream("/gdsload.v1.Feed/StreamBatches", request_serializer=pb.BatchRequest.SerializeToString,
+                               response_deserializer=pb.BatchChunk.FromString)(
+            pb.BatchRequest(dataset="feats", batch_size=8, bulk=True), timeout=10)
+        assert next(call).HasField("bulk")
+        call.cancel()
+    deadline = time.monotonic() + 5
+    while (srv.servicer.bulk._waiting or srv.servicer.active_streams()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not srv.servicer.bulk._waiting
