@@ -238,3 +238,25 @@ def test_a_call_cancelled_after_the_offer_leaves_no_ticket(big_server):
     while (srv.servicer.bulk._waiting or srv.servicer.active_streams()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not srv.servicer.bulk._waiting
+
+
+def test_a_fixed_bulk_port_and_bad_ones(roots):
+    from gdsload.errors import GdsloadError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    srv, port = create_server([str(roots)], bulk_port=free)
+    srv.start()
+    try:
+        assert srv.servicer.bulk.port == free
+        assert sum(len(b["__key__"]) for b in RemoteLoader(f"127.0.0.1:{port}", dataset="feats", batch_size=64,
+                                                         output="numpy")) == 256
+        assert _bulk_streams(srv) == 1
+    finally:
+        srv.shutdown(grace_s=1)
+    for bad in (70000, -1, True):
+        with pytest.raises(GdsloadError, match="--bulk-port"):
+            create_server([str(roots)], bulk_port=bad)
+    with pytest.raises(GdsloadError, match="--bulk-port"):
+        create_server([str(roots)], address=f"127.0.0.1:{free}", bulk_port=free)
