@@ -674,6 +674,8 @@ class _StripedReceiver:
         """`f` was cancelled as stalled: its server is probed before it gets work again."""
         srv = f.server
         self.link.bump(srv.address, stalls=1)
+        if f.reason == "overtaken":  # its next batch takes at least this long: a rate for `_window`/`_straggles`
+            srv.batch_s = max(srv.batch_s, time.monotonic() - f.started)
         self._failed(srv, f"no message for {self.stall_s:g} s from {srv.address} (stalled)"
                      if f.reason == "stall" else f"{srv.address} sent nothing while another "
                      f"server sent its block (stalled?)", state="suspect")

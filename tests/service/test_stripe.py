@@ -326,3 +326,33 @@ def test_a_straggler_works_on_one_block_at_a_time():
     rx.W = 1
     servers[3].batch_s = 0.4
     assert rx._window(servers[3]) == 1
+
+
+def test_an_overtaken_server_gets_a_rate_from_its_silence():
+    """A copy overtaken before its first batch (`_stalled`, reason "overtaken") says its server's
+    next batch takes at least the copy's age: a server that never delivered (so had no rate) is
+    then a straggler to `_window` and `_straggles`, not a server with the full window."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from gdsload.service.receiver import _Fetch, _Server, _StripedReceiver
+
+    rx = object.__new__(_StripedReceiver)
+    rx.W, rx.stall_s, rx.cond = 2, 5.0, threading.Condition()
+    rx.link = SimpleNamespace(bump=lambda *a, **k: None, mark=lambda *a, **k: None, backoff=lambda n: 0.1)
+    rx.attempts = SimpleNamespace(fail=lambda: None)
+    servers = [_Server(SimpleNamespace(target=f"s{i}:1")) for i in range(4)]
+    for s, rate in zip(servers, (0.05, 0.06, 0.05, 0.0)):
+        s.state, s.batch_s = "ok", rate
+    rx.servers = {s.address: s for s in servers}
+    slow = servers[3]
+    assert rx._window(slow) == 2  # no rate: the full window
+    f = _Fetch(slow, block=3, next_step=12, end=16)
+    f.started -= 0.8
+    f.reason = "overtaken"
+    with rx.cond:  # as the receiver calls it
+        rx._stalled(f)
+    assert slow.batch_s >= 0.8 and slow.state == "suspect"
+    slow.state = "ok"  # probed
+    assert rx._window(slow) == 1
