@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.service import wire
+from gdsload.service.config import bind_host, dns_rest, unix_path
 from gdsload.v1 import feed_pb2 as pb
 
 TICKET_BYTES = 16
@@ -246,12 +247,12 @@ class BulkSink:
         message's last field: `wire.encode_frames`' layout), framed with their lengths, straight
         from the buffers. Raises ClientGone when the connection broke."""
         for pieces in frames:
-            head = memoryview(pieces[0]).nbytes
-            n = head + sum(memoryview(p).nbytes for p in pieces[1:])
-            self._sendmsg([_FRAME.pack(n, head), *pieces])
+            views = [memoryview(p).cast("B") for p in pieces]
+            n = sum(v.nbytes for v in views)
+            self._sendmsg([memoryview(_FRAME.pack(n, views[0].nbytes)), *views])
 
-    def _sendmsg(self, bufs: list[Any]) -> None:
-        views = [memoryview(b).cast("B") for b in bufs]
+    def _sendmsg(self, views: list[memoryview]) -> None:
+        """Write every byte of `views` (byte-format memoryviews), as many per call as IOV_MAX allows."""
         try:
             while views:
                 sent = self.conn.sendmsg(views[:_IOV_MAX])
@@ -280,7 +281,7 @@ class BulkSink:
     def finish(self) -> None:
         """The stream ended cleanly: the end marker, and the connection waits for the client's
         next ticket. Raises ClientGone when the connection broke."""
-        self._sendmsg([_FRAME.pack(0, 0)])
+        self._sendmsg([memoryview(_FRAME.pack(0, 0))])
         with self._lock:
             if self._shut:  # the call ended meanwhile (cancelled): not reused
                 raise ClientGone("the call ended")
@@ -320,19 +321,11 @@ def bulk_target(address: str) -> tuple[int, str] | None:
     """(socket family, host or socket path) to connect to for a feed `address`; None when bulk is
     not possible for it (unix-abstract:)."""
     if address.startswith("unix:"):
-        path = address[len("unix:"):]
-        path = "/" + path.lstrip("/") if path.startswith("//") else path
-        return socket.AF_UNIX, unix_bulk_path(path)
+        return socket.AF_UNIX, unix_bulk_path(unix_path(address))
     if address.startswith("unix-abstract:"):
         return None
-    rest = address
-    if rest.startswith("dns:"):
-        rest = rest[len("dns:"):]
-        if rest.startswith("//"):
-            rest = rest[2:].partition("/")[2]
-    host = rest.rpartition(":")[0]
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return socket.AF_INET, host  # the family is chosen by getaddrinfo in `_connect`
+    # the family is chosen by getaddrinfo in `_connect`
+    return socket.AF_INET, bind_host(dns_rest(address).rpartition(":")[0])
 
 
 def _connect(target: tuple[int, str], port: int) -> socket.socket:

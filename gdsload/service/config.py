@@ -79,6 +79,21 @@ def split_address(address: str, what: str = "--listen") -> tuple[str, int]:
     return host, int(port)
 
 
+def dns_rest(address: str) -> str:
+    """`HOST:PORT` of a `dns:[//AUTHORITY]/HOST:PORT` address (the authority, a DNS server, is not
+    used); any other address as it is."""
+    if not address.startswith("dns:"):
+        return address
+    rest = address[len("dns:"):]
+    return rest[2:].partition("/")[2] if rest.startswith("//") else rest
+
+
+def unix_path(address: str) -> str:
+    """The socket path of a `unix:PATH` address (`unix:///run/x` and `unix:/run/x` alike)."""
+    path = address[len("unix:"):]
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
 def bind_host(host: str) -> str:
     """A host as sockets take it: `[::1]` -> `::1`."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host

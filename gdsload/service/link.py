@@ -25,6 +25,7 @@ import grpc
 
 from gdsload.service import status, wire
 from gdsload.service.bulk import BulkCall, IdleConnections, bulk_target
+from gdsload.service.config import bind_host, dns_rest
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
@@ -131,12 +132,7 @@ def check_address(address: str) -> None:
         return
     if address.startswith("unix-abstract:"):
         return
-    rest = address
-    if address.startswith("dns:"):
-        rest = address[len("dns:"):]
-        if rest.startswith("//"):  # dns://AUTHORITY/HOST:PORT: the authority (a DNS server) is not used
-            rest = rest[2:].partition("/")[2]
-    host, sep, port = rest.rpartition(":")
+    host, sep, port = dns_rest(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise GdsloadError(f"address {address!r} must be HOST:PORT, [IPv6]:PORT, unix:PATH or "
                            f"dns:///HOST:PORT (e.g. 127.0.0.1:50051, dns:///feed.ns.svc:50051)")
@@ -152,11 +148,8 @@ def resolve(address: str) -> list[Endpoint]:
     OSError when the name does not resolve."""
     if not is_dns(address):
         return [Endpoint(address, None, address)]
-    rest = address[len("dns:"):]
-    if rest.startswith("//"):
-        rest = rest[2:].partition("/")[2]
-    host, _, port = rest.rpartition(":")
-    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    host, _, port = dns_rest(address).rpartition(":")
+    name = bind_host(host)
     out: list[Endpoint] = []
     for family, _, _, _, sockaddr in socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM):
         ip = sockaddr[0]

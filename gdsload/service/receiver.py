@@ -491,7 +491,8 @@ class _StripedReceiver:
         the lowest block no one fetches whose owner has no free slot, else (a straggler at the
         head) the head block."""
         live = self._live()
-        if srv.address not in live or len(srv.fetches) >= self._window(srv):
+        median = self._median_batch_s()
+        if srv.address not in live or len(srv.fetches) >= self._window(srv, median):
             return None
         head = self.out // self.K
         last = min(head + len(live) * self.W, -(-self.end // self.K))
@@ -504,7 +505,7 @@ class _StripedReceiver:
                 owner = live[b % len(live)]
                 if owner == srv.address:
                     return self._start(srv, b, start)
-                if (len(self.servers[owner].fetches) >= self._window(self.servers[owner])  # owner busy: steal it
+                if (len(self.servers[owner].fetches) >= self._window(self.servers[owner], median)  # owner busy: steal it
                         or owner in self.corrupt.get(b, ())):  # or cannot serve it
                     free.append((b, start))
         if free:
@@ -518,13 +519,18 @@ class _StripedReceiver:
             return self._start(srv, b, start)
         return None
 
-    def _window(self, srv: _Server) -> int:
-        """Requests `srv` may have in flight: `server_window`, or 1 while its batches come over
-        2.5x slower than the median server's (a straggler then works on one block at a time,
-        which it finishes in a quarter of the time two would take, and the others take the
-        blocks it would have held)."""
+    def _median_batch_s(self) -> float:
+        """The median time between batches of the healthy servers with a rate; 0 with fewer than two."""
         rates = sorted(s.batch_s for s in self.servers.values() if s.batch_s > 0 and s.state == "ok")
-        if self.W > 1 and srv.batch_s > 0 and len(rates) >= 2 and srv.batch_s > 2.5 * rates[(len(rates) - 1) // 2]:
+        return rates[(len(rates) - 1) // 2] if len(rates) >= 2 else 0.0
+
+    def _window(self, srv: _Server, median: float | None = None) -> int:
+        """Requests `srv` may have in flight: `server_window`, or 1 while its batches come over
+        2.5x slower than the median server's (`median`: `_median_batch_s()`, computed once per
+        pick). A straggler then works on one block at a time, which it finishes in half the time
+        two would take, and the others take the blocks it would have held."""
+        median = self._median_batch_s() if median is None else median
+        if self.W > 1 and srv.batch_s > 0 and median > 0 and srv.batch_s > 2.5 * median:
             return 1
         return self.W
 

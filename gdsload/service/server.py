@@ -74,10 +74,11 @@ from gdsload.service.config import (
     check_tls,
     server_options,
     split_address,
+    unix_path,
 )
 from gdsload.service.logs import LOGGER, event
 from gdsload.service.metrics import Metrics
-from gdsload.service.share import ShareHub
+from gdsload.service.share import ShareHub, request_key
 from gdsload.service.status import (
     BadRequest,
     DatasetChanged,
@@ -674,15 +675,9 @@ WARM_S = 10.0
 
 
 def _warm_key(req: pb.BatchRequest, dataset_id: str) -> tuple:
-    """What a loader is built from: the request without its position, epoch and stream limits."""
-    r = pb.BatchRequest()
-    r.CopyFrom(req)
-    r.ClearField("start_position")
-    r.ClearField("epoch")
-    r.ClearField("max_batches")
-    r.ClearField("max_chunk_bytes")
-    r.ClearField("bulk")
-    return (dataset_id, r.SerializeToString(deterministic=True))
+    """What a loader is built from: the request without its position, epoch, stream limits and
+    transport (what a share group's producers of one request have in common too)."""
+    return (dataset_id, request_key(req, epoch=False))
 
 
 def _add_feed(servicer: FeedServicer, server: grpc.Server) -> None:
@@ -880,8 +875,7 @@ def create_server(
     """
     unix = address.startswith("unix:")
     if unix:  # a unix socket for clients on this host (RemoteLoader("unix:PATH")): no port, no TCP
-        path = address[len("unix:"):]
-        path = "/" + path.lstrip("/") if path.startswith("//") else path
+        path = unix_path(address)
         if not path:
             raise GdsloadError(f"--listen {address!r}: a unix: address needs a socket path (unix:/run/feed.sock)")
         host, listen_port = "127.0.0.1", 0  # what metrics bind to by default

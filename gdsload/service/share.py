@@ -292,11 +292,15 @@ class ShareHub:
                 if got == "moved":
                     p = self._subscribe(req, key, lkey, sub, moved=True)
                     continue
-                batch, chunks, copy = got
+                batch, copy = got
                 m_read.observe(time.perf_counter() - t_read)
                 t_send = time.perf_counter()
                 if sink is None:
-                    yield from (chunks if not copy else batch.copy_chunks())
+                    chunks = batch.chunks
+                    if copy:
+                        with self.cond:  # made once per batch, under the lock, for every gRPC copy
+                            chunks = batch.copy_chunks()
+                    yield from chunks
                 else:
                     sink.send(batch.frames(copy))
                 m_send.observe(time.perf_counter() - t_send)
@@ -451,7 +455,7 @@ class ShareHub:
 
     # -- serving --------------------------------------------------------------------------------
     def _next(self, sub: _Sub, context: Any):
-        """The next batch of `sub`: (batch, chunks to send, 1 if a copy else 0); "detached" when it
+        """The next batch of `sub`: (batch, 1 if a copy else 0); "detached" when it
         must move to a producer of its own; None when its stream ends here (done, draining,
         cancelled). Makes the batch when `sub` is the one that needs the producer's next step."""
         sv = self.sv
@@ -480,13 +484,13 @@ class ShareHub:
                 self.cond.wait(self._wait_s(p))
         return self._produce(p, sub)
 
-    def _take(self, sub: _Sub, b: _Batch) -> tuple[_Batch, list[bytes], int]:
-        """The batch, its chunks, and whether this is a copy (chunk 0 is then flagged shared:
-        `_Batch.copy_chunks` over gRPC)."""
+    def _take(self, sub: _Sub, b: _Batch) -> tuple[_Batch, int]:
+        """The batch, and whether this is a copy (its chunk 0 is then flagged shared: over gRPC
+        `_Batch.copy_chunks`, over a bulk connection `_Batch.frames`)."""
         sub.next += 1
         b.taken += 1
         self.cond.notify_all()  # the producer may be waiting for this subscriber
-        return b, b.chunks, int(b.taken > 1)
+        return b, int(b.taken > 1)
 
     def _wait_s(self, p: _Producer) -> float:
         if p.blocked_since is None:
@@ -534,7 +538,7 @@ class ShareHub:
         p.window_nbytes -= b.wire_nbytes
         self.sv.metrics.share_window_bytes.dec(b.wire_nbytes)
 
-    def _produce(self, p: _Producer, sub: _Sub) -> tuple[_Batch, list[bytes], int]:
+    def _produce(self, p: _Producer, sub: _Sub) -> tuple[_Batch, int]:
         """Make step `p.next` (this thread alone holds `p.producing`), put it in the window and
         take it for `sub`."""
         from gdsload.decode.image import DecodeError

@@ -23,6 +23,9 @@ Copies of each byte of a raw batch (what the wire benchmark moves), one by one:
   the kernel backs it with huge pages instead of one fault per 4 KiB page).
 So a raw batch that fits in one message (`Limits.max_message_bytes`) costs the server two copies
 of its own and gRPC's one, and the client gRPC's two; the kernel's copies are the socket's.
+Over the bulk connection (`gdsload.service.bulk`, the default where the server offers it) the
+server's (2) and (3) and the client's (2) and (3) are gone: `encode_frames`' pieces go to
+`sendmsg` where they lie, and the client reads each chunk's data into its place in the body.
 """
 
 from __future__ import annotations
