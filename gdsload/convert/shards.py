@@ -160,6 +160,7 @@ class ShardFile:
         self._media: list[dict[str, dict]] = []  # per sample: video/audio field -> probed metadata
         self.fortran_to_c: dict[str, int] = {}  # .npy field -> payloads rewritten in C order
         self._keys: set[str] = set()
+        self._indexes: tuple[bytes, bytes] | None = None  # built by `finish`, written by `publish`
         self._sink = _Tee(self)
         self._pipe = _Pipe(self._f.write, self._hash.update)
 
@@ -242,13 +243,18 @@ class ShardFile:
 
     def close(self) -> mf.ShardEntry:
         """Finish the archive, write both indexes, and rename the shard into place."""
+        entry = self.finish()
+        self.publish()
+        return entry
+
+    def finish(self) -> mf.ShardEntry:
+        """End the archive: every byte written and hashed, the indexes built; returns the
+        manifest entry. The shard is not in place until `publish()` (or dropped by `abort()`)."""
         self._write(end_of_archive())
         self._pipe.finish()
         index = ShardIndex.build(self._samples, crc=self._crc, labels=self._labels, npy_c_order=True,
                                  media=self._media)
-        self.store.write(f"{self.name}.idx", index.to_bytes())
-        self.store.write(f"{self.name}.dali.idx", index.to_dali().encode())
-        self._f.commit()
+        self._indexes = (index.to_bytes(), index.to_dali().encode())
         entry: mf.ShardEntry = {
             "name": f"{self.name}.tar",
             "index": f"{self.name}.idx",
@@ -265,6 +271,15 @@ class ShardFile:
         entry["min_nbytes"] = {ext: lo for ext, (lo, _) in sorted(sizes.items())}
         entry["member_crc"] = entry["npy_c_order"] = True
         return entry
+
+    def publish(self) -> None:
+        """After `finish()`: write both indexes and put the tar in place (durably: each file is
+        fsynced before its rename, the tar last). May run on another thread than `finish()`."""
+        assert self._indexes is not None, "publish() before finish()"
+        idx, dali = self._indexes
+        self.store.write(f"{self.name}.idx", idx)
+        self.store.write(f"{self.name}.dali.idx", dali)
+        self._f.commit()
 
     def abort(self) -> None:
         self._pipe.stop()

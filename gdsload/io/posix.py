@@ -38,7 +38,7 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
+def aligned_empty(nbytes: int) -> np.ndarray:
     """A uint8 array of `nbytes` whose data address is a multiple of PAGE (over-allocate, slice)."""
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     skip = (-raw.ctypes.data) % PAGE
@@ -262,7 +262,7 @@ class PosixBackend(PooledBackend):
     def _scratch(self, attr: str, nbytes: int, aligned: bool) -> np.ndarray:
         buf = getattr(self._local, attr, None)
         if buf is None or len(buf) < nbytes:
-            buf = _aligned_empty(nbytes) if aligned else np.empty(nbytes, dtype=np.uint8)
+            buf = aligned_empty(nbytes) if aligned else np.empty(nbytes, dtype=np.uint8)
             setattr(self._local, attr, buf)
         return buf
 

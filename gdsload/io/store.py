@@ -33,6 +33,7 @@ ENOSPC carries no file name) is re-raised with the path, and a failed file leave
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gdsload.errors import DestinationError, FormatError, GdsloadError, MissingDependencyError, StorageError, require
+from gdsload.io.posix import aligned_empty
 from gdsload.io import is_remote, local_path  # the one "where is this?" (re-exported here)
 
 
@@ -151,31 +153,112 @@ class Store(ABC):
 
 
 # -- a local folder ------------------------------------------------------------------------------
+DIRECT_BYTES = 8 << 20  # the staging buffer of a file written with O_DIRECT
+_DIRECT_ALIGN = 4096  # offsets and lengths of O_DIRECT writes: a multiple of every block size in use
+
+
 class _LocalPending(PendingFile):
+    """A local file written under a temporary name, renamed into place by `commit()`.
+
+    Written with `O_DIRECT` where the platform and filesystem take it (Linux; ext4, xfs, ...; not
+    tmpfs): the bytes are gathered in a page-aligned buffer of `DIRECT_BYTES` and each full buffer
+    goes to the disk by DMA, so the kernel copies nothing into the page cache (that copy, and the
+    page reclaim it causes, was the largest CPU cost of writing shards: ~1.1 CPU-s/GB against 0.2
+    for the gather here) and `commit()`'s fsync has only metadata left to write. The new file is
+    then not in the page cache: its first read comes from the disk. The tail that does not fill an
+    aligned block is written after clearing `O_DIRECT`. Elsewhere, or when the first direct write
+    is refused (EINVAL), it is an ordinary buffered file.
+    """
+
     def __init__(self, path: Path):
         self.path = path
         self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        self._f: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 - closed by commit/abort
-
-    def write(self, data: bytes | memoryview) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        self._fd = -1
         try:
-            return self._f.write(data)
+            if direct:
+                try:
+                    self._fd = os.open(self.tmp, flags | direct, 0o644)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    direct = 0  # the filesystem does not take O_DIRECT (tmpfs)
+            if self._fd < 0:
+                self._fd = os.open(self.tmp, flags, 0o644)
         except OSError as exc:
             raise named(exc, self.tmp) from exc
+        self._direct = bool(direct)
+        self._view = memoryview(aligned_empty(DIRECT_BYTES)) if direct else None  # staging
+        self._pos = 0  # bytes staged in the buffer
+
+    def _write_all(self, data: memoryview) -> None:
+        while data.nbytes:
+            n = os.write(self._fd, data)
+            data = data[n:]
+
+    def _write_direct(self, data: memoryview) -> None:
+        """A whole aligned buffer with O_DIRECT; on EINVAL (a filesystem that opened the file but
+        refuses its writes) the file goes on buffered."""
+        if self._direct:
+            try:
+                return self._write_all(data)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or os.lseek(self._fd, 0, os.SEEK_CUR) % _DIRECT_ALIGN:
+                    raise
+                self._buffered()
+        self._write_all(data)
+
+    def _buffered(self) -> None:
+        import fcntl
+
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._direct = False
+
+    def write(self, data: bytes | memoryview) -> int:
+        data = memoryview(data).cast("B")
+        n = data.nbytes
+        try:
+            view = self._view
+            if view is None:
+                self._write_all(data)
+                return n
+            while data.nbytes:
+                k = min(data.nbytes, DIRECT_BYTES - self._pos)
+                view[self._pos:self._pos + k] = data[:k]
+                self._pos += k
+                data = data[k:]
+                if self._pos == DIRECT_BYTES:
+                    self._write_direct(view)
+                    self._pos = 0
+        except OSError as exc:
+            raise named(exc, self.tmp) from exc
+        return n
 
     def commit(self) -> None:
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            if self._view is not None and self._pos:
+                aligned = self._pos - self._pos % _DIRECT_ALIGN
+                if aligned:
+                    self._write_direct(self._view[:aligned])
+                if self._direct and aligned < self._pos:
+                    self._buffered()
+                self._write_all(self._view[aligned:self._pos])
+            os.fsync(self._fd)
+            self._close()
             os.replace(self.tmp, self.path)
         except OSError as exc:
             raise named(exc, self.tmp) from exc
 
+    def _close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+        self._view = None
+
     def abort(self) -> None:
         try:
-            if not self._f.closed:
-                self._f.close()  # on a full disk its flush fails again (the file is closed anyway)
+            self._close()
         except OSError:
             pass
         finally:

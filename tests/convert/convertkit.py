@@ -62,3 +62,10 @@ def convert_and_kill(argv: list[str], ready: Callable[[], bool], *, timeout: flo
     assert proc.returncode == -signal.SIGKILL, (
         f"the conversion was not killed mid-run (rc {proc.returncode}): {out.decode()[-2000:]} {err.decode()[-2000:]}"
     )
+
+
+def die(writer) -> None:
+    """A `ShardWriter`'s process "dies" after the shards it finished are in place: its publisher
+    thread has ended (a real death ends it too), its lock is released, and nothing else runs."""
+    writer._published(wait=True)
+    writer._stack.close()

@@ -15,6 +15,7 @@ import gdsload
 from gdsload.cli import main
 from gdsload.dataset.sharded import open_dataset
 from gdsload.errors import DestinationError, InputError, StateError
+from convertkit import die
 
 
 def samples(start: int, n: int, *, dtype=np.float32, shape=(4,)):
@@ -147,7 +148,7 @@ def test_an_interrupted_append_is_resumed_or_dropped(tmp_path):
     w = gdsload.ShardWriter(root, shard_size="20KB", append=True)
     for s in samples(10, 30):
         w.write(s)
-    w._stack.close()  # the writer dies: some shards finished, no new manifest
+    die(w)  # the writer dies: some shards finished, no new manifest
     assert open_dataset(root).manifest["num_samples"] == 10  # readers still see the old version
     with gdsload.ShardWriter(root, shard_size="20KB", append=True, resume=True) as w2:
         for s in samples(10, 30):
@@ -159,7 +160,7 @@ def test_an_interrupted_append_is_resumed_or_dropped(tmp_path):
     w3 = gdsload.ShardWriter(root, shard_size="20KB", append=True)
     for s in samples(40, 20):
         w3.write(s)
-    w3._stack.close()
+    die(w3)
     with gdsload.ShardWriter(root, shard_size="20KB", append=True) as w4:
         for s in samples(60, 2):
             w4.write(s)

@@ -141,9 +141,11 @@ class _FullDisk(io.RawIOBase):
         super().close()
 
 
-def full_disk(monkeypatch, free_nbytes: int):
-    """Every file the store writes from now on (in this process and forked workers) goes to a
-    disk with `free_nbytes` free; returns the shared counter of free bytes."""
+def full_disk(monkeypatch, free_nbytes: int, root: Path):
+    """Every file the store writes under `root` from now on (in this process and forked workers)
+    goes to a disk with `free_nbytes` free; returns the shared counter of free bytes. Both ways the
+    store writes are covered: Python file objects (`open`, small files) and `os.write` on a file
+    descriptor (shards, written with O_DIRECT), the latter told apart by the descriptor's path."""
     free = multiprocessing.get_context("fork").Value("q", free_nbytes)
 
     def open_on_full_disk(path, mode="r", *args, **kwargs):
@@ -151,7 +153,25 @@ def full_disk(monkeypatch, free_nbytes: int):
             return open(path, mode, *args, **kwargs)
         return io.BufferedWriter(_FullDisk(io.FileIO(path, "w"), free))
 
+    real_write = os.write
+
+    def write_on_full_disk(fd, data):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if not path.startswith(str(root)):
+            return real_write(fd, data)
+        want = memoryview(data).nbytes
+        with free.get_lock():
+            n = min(want, free.value)
+            if n == 0 and want:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            free.value -= n
+        return real_write(fd, memoryview(data).cast("B")[:n])
+
     monkeypatch.setattr(store_mod, "open", open_on_full_disk, raising=False)
+    monkeypatch.setattr(os, "write", write_on_full_disk)
     return free
 
 
@@ -172,7 +192,7 @@ def test_injected_enospc_names_dst_cleans_up_and_resumes(small, tmp_path, monkey
     not the manifest, for one writer)."""
     dst = tmp_path / "dst"
     argv = ["convert", str(small["src"]), str(dst), *OPTS, "--workers", workers]
-    free = full_disk(monkeypatch, int(where * small["total"]))
+    free = full_disk(monkeypatch, int(where * small["total"]), dst)
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert str(dst) in err and "No space left on device" in err and "--resume" in err, err
@@ -182,7 +202,7 @@ def test_injected_enospc_names_dst_cleans_up_and_resumes(small, tmp_path, monkey
     # hits ENOSPC the driver stops the other with SIGTERM; a worker that dies holding the
     # counter's lock never releases it, and the next run's workers would wait on it for ever.
     # CI timed out once in this resume run (300 s, workers=2) with one shared counter.
-    full_disk(monkeypatch, free.get_obj().value)
+    full_disk(monkeypatch, free.get_obj().value, dst)
     assert main([*argv, "--resume"]) == 1
     assert "No space left on device" in capsys.readouterr().err
     assert temporaries(dst) == []
@@ -197,7 +217,7 @@ def test_injected_enospc_names_dst_cleans_up_and_resumes(small, tmp_path, monkey
 
 def test_write_errors_name_the_file(tmp_path, monkeypatch):
     """An ENOSPC from write() carries no file name; the store's error does."""
-    full_disk(monkeypatch, 100)
+    full_disk(monkeypatch, 100, tmp_path)
     store = store_mod.open_store(tmp_path)
     with pytest.raises(OSError) as exc:
         store.write("a.bin", b"x" * 10_000)

@@ -19,6 +19,7 @@ import gdsload
 from gdsload.convert.writer import WriteFnError
 from gdsload.dataset.sharded import open_dataset
 from gdsload.errors import DestinationError, FormatError, InputError
+from convertkit import die
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -195,7 +196,7 @@ def test_shardwriter_resume_skips_what_was_written(tmp_path):
     w = gdsload.ShardWriter(tmp_path / "ds", shard_size="20KB")
     for s in samples[:20]:
         w.write(s)
-    w._stack.close()  # the process "dies": lock released, nothing finished
+    die(w)  # the process "dies": lock released, nothing finished
     kept = sorted(n for n in os.listdir(tmp_path / "ds" / ".gdsload-convert" / "done"))
     assert kept
     with gdsload.ShardWriter(tmp_path / "ds", shard_size="20KB", resume=True) as w2:
