@@ -19,9 +19,15 @@ round runs every case once, in a rotating order (`--rounds`, >= 5 for the figure
             it) / that job's throughput in `shared` of the same round (target >= 0.9: slowed by at
             most 10%); and whether the paused job got exactly its epoch in plan order.
 
-Throughput is steady state: samples after a job's first batch over the time from its first batch
-to its last (the start-up of a stream, its loader and DALI pipeline is left out of every case
-alike).
+Throughput and server CPU are steady state, as in a training job that runs for many epochs: every
+job first reads `--warmup-epochs` (1) epochs untimed, then all start the timed epochs together
+(the server's CPU is read at that moment); throughput is the samples after a job's first timed
+batch over the time from it to its last. What the warm-up leaves out, in every case alike: the
+server's loaders and DALI pipelines being built, and the first touch of the memory it then reuses
+(rings, the share window). On this VM that first touch is expensive: writing 380 MB of memory a
+process never touched took 1.9 s (~200 MB/s, the hypervisor backing the pages), against ~1 ms per
+19 MB once they are there, so in a 2-epoch case it was up to a third of the server's CPU, and
+varied from run to run. `--warmup-epochs 0` measures from the jobs' start, as before.
 
     python bench/share_bench.py --rounds 5          # the lead's run (~10 min on 2 cores)
     python bench/share_bench.py --tiny              # smoke run (< 1 min; figures mean nothing)
@@ -68,6 +74,13 @@ def _client(a) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
+    if a.warmup_epochs:  # untimed; then wait for every job to be there
+        for _ in range(a.warmup_epochs):
+            for _batch in loader:
+                pass
+        print("warm", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return
 
     def watch_stdin() -> None:
         for line in sys.stdin:
@@ -161,10 +174,14 @@ class Case:
             lines = [_Lines(p) for p in procs]
             for x in lines:
                 x.expect("ready", 120)
-            s0 = _proc_cpu_s(self.proc.pid)
-            for p in procs:
-                p.stdin.write("go\n")
-                p.stdin.flush()
+            for i in range(2 if a.warmup_epochs else 1):
+                if i:  # the second "go": every job has read its warm-up epochs
+                    for x in lines:
+                        x.expect("warm", 600)
+                s0 = _proc_cpu_s(self.proc.pid)
+                for p in procs:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
             if pause_job:
                 lines[-1].expect("paused", 600)
                 lines[-1].expect("resumed", a.pause_s + 60)
@@ -232,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "uint8"),
                     help="output dtype (uint8: a quarter of the bytes to send)")
     ap.add_argument("--epochs", type=int, default=2, help="epochs per job in solo, shared, unshared")
+    ap.add_argument("--warmup-epochs", type=int, default=1,
+                    help="epochs every job reads before the clock starts, all together (0: none)")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--share-window", type=int, default=4, help="gdsload serve --share-window")
     ap.add_argument("--decode-pool", type=int, default=0, help="gdsload serve --decode-pool")
@@ -272,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     client_cpus = set(ncpu[:-1]) if len(ncpu) >= 2 else None
     throttle = Throttle() if a.server_cores < 1.0 else None
     cases = a.cases.split(",")
-    plan = [[k for k in _plan_keys(ds, a.batch_size, epoch=0)]]  # seed 0, shuffled: the jobs' epoch 0
+    # seed 0, shuffled: the jobs' first timed epoch (after the warm-up)
+    plan = [[k for k in _plan_keys(ds, a.batch_size, epoch=a.warmup_epochs)]]
     print(f"dataset: {n} images; server CPUs {server_cpus}, clients {client_cpus}; throttle: "
           f"{throttle.kind if throttle else 'pinned only'}", file=sys.stderr)
     runs: dict[str, list[dict]] = {c: [] for c in cases}

@@ -21,8 +21,12 @@ that starts late, resumes from an older `state_dict()`, or asks for another bloc
 of its key exist but all have gone past its start, that is a `behind` fallback. A new producer
 takes the loader of an idle producer of its key, or of the same request's previous epoch, when
 there is one (a striping client's next block, or the group's next epoch, then costs no new loader,
-as with the server's parked loaders); the idle one keeps its window for late joiners, and a
-subscriber of it that needs more than its window moves to another producer.
+as with the server's parked loaders). A producer that has made its last step counts as idle even
+while subscribers still read its window: the first job into the next epoch takes its loader while
+the others finish the last one, instead of a second loader, ring and DALI pipeline being built
+(and, decoded, their memory touched for the first time) at every epoch boundary. The idle one
+keeps its window for late joiners, and a subscriber of it that needs more than its window moves
+to another producer.
 
 No job waits for another. Before a producer makes step n with a full window, the subscribers that
 still need the window's oldest batch hold it back; they get `hold_s` to take it, then they are
@@ -351,8 +355,9 @@ class ShareHub:
                 self.sv.metrics.share_fallbacks.labels(req.dataset, "behind").inc()
             p = _Producer(key, sub.next, req.dataset, lkey)
             donor = next((q for qs in self.groups.values() for q in qs
-                          if q.loader_key == lkey and q.ready and not q.subs and not q.producing
-                          and q.loader is not None and q.failed is None and not q.closed and not q.ended), None)
+                          if q.loader_key == lkey and q.ready and (not q.subs or q.next >= q.end_step)
+                          and not q.producing and q.loader is not None and q.failed is None and not q.closed
+                          and not q.ended), None)
             old_it = None
             if donor is not None:  # an idle producer's loader, positioned anew (its window stays)
                 p.loader, p.opts, p.loader_memory, p.pooled = donor.loader, donor.opts, donor.loader_memory, donor.pooled
