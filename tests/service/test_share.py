@@ -428,33 +428,38 @@ def test_the_next_epoch_takes_the_last_epochs_loader(roots):
 def test_the_next_epoch_takes_the_loader_while_a_slower_job_reads_the_last_window(roots):
     """A job that reaches the next epoch while another still reads the last one's window takes
     the producer's loader (it has made its last step): no second loader at the epoch boundary,
-    and the slower job still gets exactly its epoch from the window. The slow job is a plain
-    gRPC call read one batch at a time (its server thread waits on gRPC's flow control)."""
-    from gdsload.service import wire
-
-    keys0 = [b["__key__"] for b in _local_epoch(roots / "feats", seed=SEED, epoch=0)]
-    with _serve(roots, share_window=64, share_hold_s=10.0) as (srv, address), grpc.insecure_channel(address) as ch:
+    and the slower job still gets exactly its epoch from the window. The slow job's server side
+    is held after its first batch (a gate in the hub) until the fast job is into epoch 1."""
+    with _serve(roots, share_window=64, share_hold_s=10.0) as (srv, address):
         hub = srv.servicer.share
-        fast = _loader(address, share="boundary")
-        len(fast)
-        # the request `fast` sends for epoch 0 (the same share key), without the bulk connection
-        slow = pb_grpc.FeedStub(ch).StreamBatches(fast._request(0, 0), timeout=60)
-        asm, got_slow = wire.BatchAssembler(), []
-        while not got_slow:
-            got_slow += [b["__key__"] for b in [asm.add(next(slow))] if b is not None]
+        gate, first = threading.Event(), []
+        take = hub._next
+
+        def gated(sub, context):
+            if not first:
+                first.append(sub)  # the slow job's stream subscribes first
+            if sub is first[0] and sub.next >= 1:
+                gate.wait(30)
+            return take(sub, context)
+
+        hub._next = gated
+        slow, fast = _loader(address, share="boundary"), _loader(address, share="boundary")
+        len(slow), len(fast)
+        it_slow = iter(slow)
+        got_slow = [next(it_slow)]
         got_fast0 = list(fast)  # the producer makes every step of epoch 0: all in its window
-        assert [len(p.subs) for p in hub.producers()] == [1]  # the slow call is still on it
-        got_fast1 = list(fast)  # epoch 1, while the slow call still reads epoch 0
+        assert [len(p.subs) for p in hub.producers()] == [1]  # the slow job is still on it
+        got_fast1 = list(fast)  # epoch 1, while the slow job still reads epoch 0
         assert hub.handoffs == 1  # epoch 1 took epoch 0's loader: no second one built
-        for chunk in slow:
-            b = asm.add(chunk)
-            if b is not None:
-                got_slow.append(b["__key__"])
-        assert got_slow == keys0
-        assert [b["__key__"] for b in got_fast0] == keys0
+        gate.set()
+        got_slow += list(it_slow)
+        ref0 = _local_epoch(roots / "feats", seed=SEED, epoch=0)
+        assert_same_batches(got_slow, ref0)
+        assert_same_batches(got_fast0, ref0)
         assert_same_batches(got_fast1, _local_epoch(roots / "feats", seed=SEED, epoch=1))
         assert _counts(srv)["behind"] == _counts(srv)["detached"] == 0
         fast.close()
+        slow.close()
 
 
 def test_a_window_over_the_memory_budget_is_refused_naming_it(roots):
