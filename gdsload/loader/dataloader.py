@@ -261,12 +261,22 @@ class DataLoader(ProcessLocal, PlanCursor):
     def __iter__(self) -> Iterator[Any]:
         return self.iter_batches()
 
-    def iter_batches(self, max_batches: int | None = None) -> Iterator[Any]:
+    def iter_batches(self, max_batches: int | None = None, *, steps: Sequence[int] | None = None) -> Iterator[Any]:
         """`iter(loader)`, stopping after `max_batches` batches (None: the epoch's end). The
         readers read nothing past them (a server's stream of one striped block), and stopping
-        there does not end the epoch: the cursor stays where the last batch left it."""
+        there does not end the epoch: the cursor stays where the last batch left it.
+
+        `steps`: instead, these steps of the cursor's epoch (batch indices, increasing), read
+        ahead across gaps as if consecutive (a server's blocks of a stripe, `gdsload.service`);
+        the cursor moves to the position after each batch handed out."""
         if max_batches is not None and max_batches < 1:
             raise ConfigError(f"max_batches must be >= 1 or None, got {max_batches!r}")
+        if steps is not None:
+            steps = [int(s) for s in steps]
+            n = len(self.plan)
+            if not steps or any(b <= a for a, b in zip(steps, steps[1:])) or steps[0] < 0 or steps[-1] >= n:
+                raise ConfigError(f"steps must be increasing batch indices in 0..{n - 1}, got "
+                                  f"{len(steps)} from {steps[:1]} to {steps[-1:]}")
         self._enter_process()
         active = self.cursor.live()
         if active is not None:
@@ -281,7 +291,7 @@ class DataLoader(ProcessLocal, PlanCursor):
                                    tuple_fields=opts.tuple_fields, resources=res)
         ep = Epoch(plan=self.plan, cursor=self.cursor, resources=res, layout=self._layout, source=self.dataset,
                    assembler=assembler, stage=self._stage, tuner=self._tuner, restart=self.__iter__,
-                   max_batches=max_batches)
+                   max_batches=max_batches, steps=steps)
         self._progress = ep.progress
         return ep
 

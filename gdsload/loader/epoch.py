@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,9 +39,11 @@ class Epoch:
     """One pass: reader threads fill ring slots in plan order; `__next__` hands out batches."""
 
     def __init__(self, *, plan: Any, cursor: Any, resources: Any, layout: Any, source: Any, assembler: Any,
-                 stage: Any, tuner: Any, restart: Any, max_batches: int | None = None):
+                 stage: Any, tuner: Any, restart: Any, max_batches: int | None = None,
+                 steps: Sequence[int] | None = None):
         self.cursor = cursor
         self.max_batches = max_batches
+        self.steps = None if steps is None else list(steps)
         self.res = resources
         self.tuner = tuner
         self._restart = restart  # the loader's `iter`, for the parent's iterator in a forked child
@@ -58,9 +60,14 @@ class Epoch:
     def _start(self, plan, position, resources, layout, source, assembler, stage, tuner) -> None:
         self.position = position
         self.G = plan.global_batch
-        # with `max_batches`, a part of the epoch (a server's stream of one block): nothing past it is read
-        self.batches = list(itertools.islice(plan.batches(self.epoch, position), self.max_batches))
-        self.ends_epoch = self.max_batches is None or position + self.max_batches * self.G >= plan.end_position
+        if self.steps is not None:  # these steps of the epoch, in this order (a server's blocks of a stripe)
+            every = list(plan.batches(self.epoch, 0))
+            self.batches = [every[s] for s in self.steps]
+            self.ends_epoch = bool(self.steps) and self.steps[-1] + 1 >= len(every)
+        else:
+            # with `max_batches`, a part of the epoch (a server's stream of one block): nothing past it is read
+            self.batches = list(itertools.islice(plan.batches(self.epoch, position), self.max_batches))
+            self.ends_epoch = self.max_batches is None or position + self.max_batches * self.G >= plan.end_position
         self.ring = resources.ring
         self.ring.reset()
         if resources.cache is not None:  # the shards of every batch, so the cache can fetch ahead
@@ -177,7 +184,7 @@ class Epoch:
         batch = self.assembler.make(slot)
         if streams is not None and slot.meta["batch"].mapped is not UNSET:  # map's tensors: the consumer's now
             streams.record_consumer(batch)
-        self.position += self.G
+        self.position = (self.steps[self.next_seq - 1] + 1) * self.G if self.steps is not None else self.position + self.G
         self.cursor.advance(self, self.epoch, self.position)
         info = slot.meta["batch"]
         p = self.progress

@@ -228,7 +228,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             max_streams=L.max_streams, active_streams=active, decode_available=_decode_available(),
             decode_device="cpu", num_datasets=len(self.catalog.names()),
             media_available=_media_available(),
-            max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=reserved,
+            max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=reserved, serves_block_stride=True,
         )
 
     # -- streams ---------------------------------------------------------------------------------
@@ -295,6 +295,9 @@ class FeedServicer(pb_grpc.FeedServicer):
         if req.batch_size > L.max_batch_size:
             raise OverLimit(f"batch_size {req.batch_size} is over the server's limit of "
                             f"{L.max_batch_size} samples per batch")
+        if req.block_stride > 1 and (not req.block_batches or req.share):
+            raise BadRequest("block_stride needs block_batches >= 1 and no share name, got block_batches "
+                             f"{req.block_batches} and share {_cut(req.share)!r}")
         if req.max_chunk_bytes and req.max_chunk_bytes < MIN_CHUNK_BYTES:
             raise BadRequest(f"max_chunk_bytes must be 0 (server default) or >= {MIN_CHUNK_BYTES}, "
                              f"got {req.max_chunk_bytes}")
@@ -346,6 +349,13 @@ class FeedServicer(pb_grpc.FeedServicer):
             # checking start_position here names the request's field in the message
             planned = loader.plan.batches(req.epoch, req.start_position)
             loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
+            steps = None
+            if req.block_stride > 1:  # blocks b, b + stride, ... of the epoch (one stream per server of a stripe)
+                steps = stride_steps(req.start_position // loader.plan.global_batch, len(loader.plan),
+                                     req.block_batches, req.block_stride, req.max_batches)
+                every = list(planned)
+                first = req.start_position // loader.plan.global_batch
+                planned = iter([every[s - first] for s in steps])
         except Exception:
             loader.close()
             if reused:
@@ -354,7 +364,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         batch_bytes = self.batch_wire_bytes(req, dataset.fields, opts.transform, _media_memory(media, req, 0)
                                             if media else 0) if req.share else 0  # a share window's unit
         return loader, {"payload": payload, "max_chunk_bytes": self.chunk_bytes(req), "memory": memory,
-                        "planned": planned, "key": key, "reused": reused, "batch_bytes": batch_bytes}
+                        "planned": planned, "steps": steps, "key": key, "reused": reused, "batch_bytes": batch_bytes}
 
     def chunk_bytes(self, req: pb.BatchRequest) -> int:
         """The largest chunk this server sends for `req` (max_chunk_bytes, at most the message limit)."""
@@ -599,7 +609,12 @@ class FeedServicer(pb_grpc.FeedServicer):
                   world_size=loader.plan.world_size, batch_size=req.batch_size)
             if payload == "decoded" and self.pool is not None:
                 pooled = self.pool.attach(loader, req.dataset)
-            it = loader.iter_batches(req.max_batches or None)  # nothing read past the stream's end
+            steps = opts["steps"]
+            if steps is None:
+                it = loader.iter_batches(req.max_batches or None)  # nothing read past the stream's end
+            else:  # the stripe's blocks of this server, read ahead across the gaps
+                it = loader.iter_batches(steps=steps) if steps else iter(())
+                steps = iter(steps)
             m_batches = self.metrics.batches.labels(req.dataset, payload)
             m_samples = self.metrics.samples.labels(req.dataset, payload)
             m_bytes = self.metrics.bytes.labels(req.dataset, payload)
@@ -622,6 +637,8 @@ class FeedServicer(pb_grpc.FeedServicer):
                 except DecodeError as exc:  # word the remedy in protocol terms
                     raise DecodeError(exc.reason, remedy=_SKIP_REMEDY) from exc
                 m_read.observe(time.perf_counter() - t_read)
+                if steps is not None:
+                    step = next(steps)
                 ids = next(planned)
                 keys = batch[wire.KEY]
                 skipped = self._left_out(loader.dataset, ids, keys) if len(keys) < len(ids) else []
@@ -672,6 +689,19 @@ class FeedServicer(pb_grpc.FeedServicer):
 
 #: How long a parked loader waits for the next stream of its request before it is closed.
 WARM_S = 10.0
+
+
+def stride_steps(first: int, num_steps: int, block: int, stride: int, limit: int = 0) -> list[int]:
+    """The steps of a `BatchRequest.block_stride` stream: from `first` to the end of its block of
+    `block` steps, then every `stride`-th block after it, at most `limit` steps (0: no limit)."""
+    steps: list[int] = []
+    b, step = first // block, first
+    while step < num_steps and (not limit or len(steps) < limit):
+        end = min((b + 1) * block, num_steps)
+        steps.extend(range(step, end)[: (limit - len(steps)) if limit else None])
+        b += stride
+        step = b * block
+    return steps
 
 
 def _warm_key(req: pb.BatchRequest, dataset_id: str) -> tuple:
