@@ -315,6 +315,11 @@ class _Fetch:
         self.call: Any = None
         self.reason: str | None = None  # why it was cancelled: stall, done, gone, stop
 
+    def claims(self, block: int) -> bool:
+        """Whether `block` is a later block of this stream (one of its server's, still to come)."""
+        return (self.stride > 0 and self.reason is None and block > self.block
+                and (block - self.block) % self.stride == 0)
+
 
 class _StripedReceiver:
     """The receiving half of one epoch drawn from several servers at once.
@@ -525,12 +530,12 @@ class _StripedReceiver:
         head = self.out // self.K
         last = min(head + len(live) * self.W, -(-self.end // self.K))
         free: list[tuple[int, int]] = []
-        streams = [f for s in self.servers.values() for f in s.fetches if f.stride and f.reason is None]
+        streams = [f for s in self.servers.values() for f in s.fetches if f.stride]
         for b in range(head, last):
             start = self._first_missing(b)
             if start >= min((b + 1) * self.K, self.end) or srv.address in self.corrupt.get(b, ()):
                 continue
-            claim = next((f for f in streams if b > f.block and (b - f.block) % f.stride == 0), None)
+            claim = next((f for f in streams if f.claims(b)), None)
             if claim is not None and (claim.server is srv or self._window(claim.server, median) == self.W):
                 continue  # a later block of a server's stream (stolen only from a straggler)
             if not self.fetchers.get(b):
@@ -677,7 +682,7 @@ class _StripedReceiver:
                     self._hold(f)
                 self._deliver(f, ("batch", batch, expected, wire.body_nbytes(batch), shared))
                 if f.stride and f.next >= f.end and f.reason is None:
-                    self._advance(f, req)
+                    self._advance(f)
                 if f.reason is not None:
                     break  # cancelled (stall, a hedged copy done, stop): the call is being cancelled
                 t0 = time.perf_counter()
@@ -745,15 +750,14 @@ class _StripedReceiver:
     def _orphan(self, below: int) -> bool:
         """Whether a block from the head to `below` is missing, fetched by nobody and not claimed
         by a healthy server's stream (lock held)."""
-        streams = [g for s in self.servers.values() if s.state == "ok" for g in s.fetches
-                   if g.stride and g.reason is None]
+        streams = [g for s in self.servers.values() if s.state == "ok" for g in s.fetches if g.stride]
         for b in range(self.out // self.K, below):
             if (self._first_missing(b) < min((b + 1) * self.K, self.end) and not self.fetchers.get(b)
-                    and not any(b > g.block and (b - g.block) % g.stride == 0 for g in streams)):
+                    and not any(g.claims(b) for g in streams)):
                 return True
         return False
 
-    def _advance(self, f: _Fetch, req: pb.BatchRequest) -> None:
+    def _advance(self, f: _Fetch) -> None:
         """`f`'s block is whole: move it to its server's next block, or end it (the call is
         cancelled and the server asked again) when that block is done or fetched elsewhere or
         the healthy servers changed."""

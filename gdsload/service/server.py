@@ -351,10 +351,9 @@ class FeedServicer(pb_grpc.FeedServicer):
             loader.load_state_dict(loader.plan.state(req.epoch, req.start_position))
             steps = None
             if req.block_stride > 1:  # blocks b, b + stride, ... of the epoch (one stream per server of a stripe)
-                steps = stride_steps(req.start_position // loader.plan.global_batch, len(loader.plan),
-                                     req.block_batches, req.block_stride, req.max_batches)
-                every = list(planned)
                 first = req.start_position // loader.plan.global_batch
+                steps = stride_steps(first, len(loader.plan), req.block_batches, req.block_stride, req.max_batches)
+                every = list(planned)
                 planned = iter([every[s - first] for s in steps])
         except Exception:
             loader.close()
