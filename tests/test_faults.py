@@ -227,8 +227,10 @@ def _sizes(local: Path) -> list[int]:
 def test_four_processes_share_one_folder_and_all_finish(remote, proxy, tmp_path):
     """Four jobs on one node, one cache folder, a limit of the 9 largest shards (four windows of
     2, and one more): all four finish both epochs
-    key-exact, within twice (plus a second of start-up noise on a shared machine) the time one
-    process alone takes, and the folder never holds more than the limit."""
+    key-exact, and the folder never holds more than the limit. None waits out another's
+    reservation: each finishes within 4x the time one process alone takes, plus 5 s (four
+    processes share two cores here, and CI runs other work beside them; a wait that ends only at
+    the cache's 120 s timeout, or a hang, fails). Speed itself is bench's business."""
     local, url = remote
     proxy.delay_s = 0.02  # a store with some latency per shard
     limit = sum(_sizes(local)[:9])
@@ -243,7 +245,7 @@ def test_four_processes_share_one_folder_and_all_finish(remote, proxy, tmp_path)
     assert [o.get("error") for o in outs] == [None] * 4
     for o in outs:
         assert o["keys"] == want
-        assert o["wall_s"] < 2 * alone["wall_s"] + 1.0, ([o["wall_s"] for o in outs], alone["wall_s"])
+        assert o["wall_s"] < 4 * alone["wall_s"] + 5.0, ([o["wall_s"] for o in outs], alone["wall_s"])
     assert 0 < most <= limit, (most, limit)
 
 

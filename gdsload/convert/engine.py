@@ -181,6 +181,7 @@ def validate_image(data: bytes) -> None:
 
 _progress: Any = None  # a multiprocessing queue in worker processes, set by _init_worker
 _in_unit = False  # a worker is inside `_pool_unit`: SIGTERM unwinds it instead of exiting at once
+_stop_requested = False  # a worker got SIGTERM inside a unit (see `_on_sigterm`)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_POLL_S = 1.0  # where there is no parent-death signal: how often a worker checks its parent
 
@@ -193,11 +194,25 @@ class _Stopped(BaseException):
 def _on_sigterm(signum: int, frame: Any) -> None:
     """A worker told to stop (by the driver, or by the kernel as its driver died). It exits with
     `os._exit`, skipping the interpreter's exit handlers: they would wait on queues that no one
-    reads any more."""
+    reads any more.
+
+    Inside a unit it raises `_Stopped` to unwind the unit's writers. The exception can land while
+    the interpreter runs a finalizer (a weakref callback, a `__del__`), which swallows it: the
+    unit then goes on to its end. `_stop_requested` remembers the signal, so `_pool_unit` exits
+    once the unit is over either way (its shard is then whole, which `--resume` keeps)."""
+    global _stop_requested
     if _in_unit:
+        _stop_requested = True
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the pool's own teardown sends another
         raise _Stopped
     os._exit(128 + signum)
+
+
+def _quiet_stop(args: Any) -> None:
+    """`sys.unraisablehook` of a worker: a `_Stopped` swallowed by a finalizer is not an error
+    to print (see `_on_sigterm`); anything else goes to the default hook."""
+    if not isinstance(args.exc_value, _Stopped):
+        sys.__unraisablehook__(args)
 
 
 def _pool_unit(dst: str, name: str, samples: list[Sample], validate: bool) -> dict[str, Any]:
@@ -207,10 +222,13 @@ def _pool_unit(dst: str, name: str, samples: list[Sample], validate: bool) -> di
         _in_unit = True
         return write_shard(dst, name, samples, validate)
     except _Stopped:
-        remove_temporaries(open_store(dst), name)
-        os._exit(128 + signal.SIGTERM)
+        pass  # the exit below
     finally:
         _in_unit = False
+        if _stop_requested:  # also when a finalizer swallowed `_Stopped` and the unit went on
+            remove_temporaries(open_store(dst), name)
+            os._exit(128 + signal.SIGTERM)
+    raise AssertionError("unreachable: _Stopped is raised only after _stop_requested is set")
 
 
 def remove_temporaries(dst: Store, name: str) -> None:
@@ -250,6 +268,7 @@ def _init_worker(queue: Any, parent_pid: int) -> None:
     _progress = queue
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the driver stops us
     signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.unraisablehook = _quiet_stop
     _die_with_parent(parent_pid)
 
 

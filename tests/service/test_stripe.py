@@ -193,7 +193,12 @@ def test_server_killed_and_another_stalled_mid_epoch(roots, tmp_path):
         servers = loader.stats()["servers"]
         assert servers[killed]["failures"] >= 1 and servers[killed]["state"] != "ok"
         assert servers[stalled]["stalls"] >= 1 and servers[stalled]["state"] != "ok"
-        assert servers[addresses[2]]["batches"] >= 64 - 12
+        # each batch counted once, on the server whose copy was handed out. The killed and the
+        # stopped server may have sent more than the 12 batches read before their signals: a
+        # server's stream runs ahead into the socket's buffers, within gRPC's flow control. The
+        # third, never faulted, served at least its own share.
+        assert sum(s["batches"] for s in servers.values()) == 64
+        assert servers[addresses[2]]["batches"] >= 64 // 3
         loader.close()
     finally:
         procs[1].send_signal(signal.SIGCONT)
