@@ -63,8 +63,6 @@ def _client(a) -> None:
     from gdsload.decode.image import ImageTransform
     from gdsload.service.client import RemoteLoader
 
-    if a.cpus:
-        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     tf = ImageTransform(size=a.size, train=True, dtype=a.dtype)
     loader = RemoteLoader(a.address, dataset="imgs", batch_size=a.batch_size, shuffle=True, seed=0, rank=0,
                           world_size=1, output="numpy", decode=True, transform=tf, share=a.share or None,
@@ -164,13 +162,14 @@ class Case:
                        "--epochs", str(epochs)]
                 if share:
                     cmd += ["--share", share]
-                if self.client_cpus:
-                    cmd += ["--cpus", ",".join(map(str, sorted(self.client_cpus)))]
                 if pause_job and j == jobs - 1:
                     cmd += ["--job-pause-after", str(a.pause_after), "--job-pause-s", str(a.pause_s)]
                 elif pause_job:
                     cmd += ["--until-stop"]
-                procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                # pinned from exec on (taskset): a thread started while importing, before an
+                # affinity set by the job itself, kept every CPU (seen: one per job on the server's)
+                procs.append(popen_pinned(cmd, self.client_cpus, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          text=True))
             lines = [_Lines(p) for p in procs]
             for x in lines:
                 x.expect("ready", 120)
@@ -269,7 +268,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--share", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     ap.add_argument("--until-stop", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job-pause-after", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--job-pause-s", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -31,6 +31,7 @@ class StagingPool:
 
     def __init__(self, keep: int = 4):
         self.keep = keep
+        self.allocated = 0  # buffers made (not taken from the free ones): what reuse saves shows here
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
 
@@ -42,6 +43,7 @@ class StagingPool:
             buf = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
         if buf is None:  # headroom: the next batch may be a bit bigger
             buf = np.empty(max(nbytes + nbytes // 4, 4 << 20), np.uint8)
+            self.allocated += 1
         # the owner spans the whole buffer: ctypes keeps every array type it makes (c_char * n)
         # for the life of the process, so a type per batch size added ~10 GC-tracked objects per
         # batch for good (a type per pool buffer size instead: a few per process)

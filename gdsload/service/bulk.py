@@ -385,8 +385,9 @@ class BulkCall:
     without bulk and reports why to `on_refused` (its owner then stops asking that address)."""
 
     def __init__(self, start: Any, request: pb.BatchRequest, target: tuple[int, str], *,
-                 on_refused: Any = None, idle: IdleConnections | None = None):
+                 on_refused: Any = None, idle: IdleConnections | None = None, bodies: Any = None):
         self._start = start  # request -> a gRPC call
+        self._bodies = bodies  # a `StagingPool` the batch bodies come from (reused memory), or None
         self._on_refused = on_refused
         self._idle = idle
         self._request = request
@@ -547,7 +548,8 @@ class BulkCall:
             total = first.header.body_nbytes if not first.last else size
             if total > MAX_BODY_BYTES or size > total:
                 raise wire.ProtocolError(f"step {first.step}: {size} bytes in a body of {total}")
-            body = np.empty(total, np.uint8)  # not zero-filled; the batch's fields are views of it
+            # the batch's fields are views of it; from the loader's pool: memory touched before
+            body = self._bodies.take(total) if self._bodies is not None else np.empty(total, np.uint8)
             view = memoryview(body)
             filled = self._fill(sock, view, 0, size)
             meta, k = first, 0

@@ -100,7 +100,7 @@ class _Receiver:
                         call.cancel()
                         return
                     link.mark(address, state="ok", in_flight=(self.end - self.next_request) // self.G)
-                    asm = wire.BatchAssembler()
+                    asm = wire.BatchAssembler(link.channels.bodies)
                     it = iter(call)
                     stages = self.stages
                     shared = False
@@ -659,7 +659,7 @@ class _StripedReceiver:
             f.call = call
             if self.stop.is_set() or f.reason is not None:
                 call.cancel()
-            asm = wire.BatchAssembler()
+            asm = wire.BatchAssembler(link.channels.bodies)
             stages = self.stages
             t0 = time.perf_counter()
             shared = False

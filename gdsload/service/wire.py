@@ -239,7 +239,8 @@ def split_chunk(raw: bytes) -> tuple[pb.BatchChunk, memoryview]:
 class BatchAssembler:
     """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, bodies: Any = None) -> None:
+        self._bodies = bodies  # a `StagingPool` for the bodies of batches of several chunks, or None
         self._header: pb.BatchHeader | None = None
         self._body: np.ndarray | None = None
         self._filled = 0
@@ -262,8 +263,9 @@ class BatchAssembler:
                     raise ProtocolError(f"step {chunk.step}: got {len(data)} of {chunk.header.body_nbytes} bytes")
                 # a writable message (the bulk connection's buffer, given away) is used where it lies
                 return decode_body(chunk.header, data, owned=not memoryview(data).readonly)
-            # not zero-filled, and from 4 MiB on NumPy asks for huge pages: a few faults, not one per 4 KiB
-            self._body = np.empty(chunk.header.body_nbytes, np.uint8)
+            # not zero-filled; from the pool: memory touched before (a new buffer's pages are cleared)
+            n = chunk.header.body_nbytes
+            self._body = self._bodies.take(n) if self._bodies is not None else np.empty(n, np.uint8)
             self._filled = 0
         elif chunk.step != self._step:
             raise ProtocolError(f"chunk {chunk.chunk_index} is of step {chunk.step}, expected {self._step}")

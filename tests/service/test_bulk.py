@@ -62,6 +62,37 @@ def test_bulk_batches_equal_grpc_and_local(roots, request, fixture):
     _same(plain, local)
 
 
+def test_received_bodies_are_reused_only_once_their_batch_is_gone(big_server, roots):
+    """A loader receives into buffers of its own pool (`_Channels.bodies`): a batch the training
+    loop still holds is never written over, and one it let go of gives its buffer to a later
+    batch instead of a new one (whose pages the kernel would clear again)."""
+    srv, address = big_server
+    kw = dict(batch_size=16, shuffle=True, seed=5, output="numpy")
+    local = _batches(_epoch(roots, kw, 0))
+    loader = RemoteLoader(address, dataset="feats", **kw)
+    held = list(loader)  # every batch of the epoch kept, as received (views of their bodies)
+    _same(held, local)
+    pool = loader._link.channels.bodies
+    assert pool.allocated >= len(held)  # each held batch has a buffer of its own
+    made = pool.allocated
+    del held
+    loader.set_epoch(1)
+    local = _batches(_epoch(roots, kw, 1))
+    got = []
+    for b in loader:  # dropped batch by batch (copies kept for the check)
+        got.append({k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else list(v)) for k, v in b.items()})
+        del b
+    _same(got, local)
+    assert pool.allocated == made  # the second epoch only reused buffers
+    loader.close()
+
+
+def _epoch(roots, kw, epoch):
+    dl = DataLoader(str(roots / "feats"), **kw)
+    dl.set_epoch(epoch)
+    return dl
+
+
 def test_raw_bytes_fields_over_bulk(big_server, roots):
     srv, address = big_server
     want = _batches(DataLoader(str(roots / "imgs"), batch_size=16, decode=False, output="numpy"))
