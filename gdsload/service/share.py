@@ -62,10 +62,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from gdsload.frontend.options import check_share
-from gdsload.ring.staging import StagingPool
 from gdsload.service import wire
 from gdsload.service.bulk import ClientGone
 from gdsload.service.logs import event
@@ -122,12 +119,11 @@ def request_key(req: pb.BatchRequest, *, epoch: bool = True) -> bytes:
 
 
 class _Batch:
-    """One batch in a window: its serialized chunks (views of one buffer of the producer's
-    `bodies` pool), as the first subscriber gets them."""
+    """One batch in a window: its serialized chunks, as the first subscriber gets them."""
 
-    __slots__ = ("again", "chunks", "heads", "nbytes", "plain", "samples", "step", "taken", "wire_nbytes")
+    __slots__ = ("again", "chunks", "heads", "nbytes", "samples", "step", "taken", "wire_nbytes")
 
-    def __init__(self, step: int, chunks: list[Any], nbytes: int, samples: int, heads: list[int]):
+    def __init__(self, step: int, chunks: list[bytes], nbytes: int, samples: int, heads: list[int]):
         self.step = step
         self.chunks = chunks
         self.heads = heads  # per chunk, the bytes before its data (a bulk connection's frame needs it)
@@ -135,17 +131,11 @@ class _Batch:
         self.samples = samples
         self.wire_nbytes = sum(len(c) for c in chunks)
         self.taken = 0
-        self.plain: list[bytes] | None = None  # the chunks as bytes, for gRPC (made once, when asked)
         self.again: list[bytes] | None = None  # the chunks of a copy (chunk 0 flagged shared)
 
-    def grpc_chunks(self, copy: bool) -> list[bytes]:
-        """The messages for a gRPC call (which takes `bytes`), made once per batch (the lock is held)."""
-        if self.plain is None:
-            self.plain = [bytes(c) for c in self.chunks]
-        if not copy:
-            return self.plain
+    def copy_chunks(self) -> list[bytes]:
         if self.again is None:
-            self.again = [self.plain[0] + SHARED_SUFFIX, *self.plain[1:]]
+            self.again = [self.chunks[0] + SHARED_SUFFIX, *self.chunks[1:]]
         return self.again
 
     def frames(self, copy: bool) -> list[list[Any]]:
@@ -156,27 +146,6 @@ class _Batch:
         if copy:
             out[0][0] = SHARED_SUFFIX + bytes(out[0][0])
         return out
-
-
-def _join(frames: list[list[Any]], bodies: StagingPool) -> list[np.ndarray]:
-    """The messages of `frames` (`wire.encode_frames`), each joined, as views of one buffer from
-    `bodies`: memory reused once no subscriber sends from it any more (a fresh multi-MB buffer
-    per batch had its pages cleared by the kernel at first touch)."""
-    sizes = [sum(memoryview(piece).nbytes for piece in f) for f in frames]
-    buf = bodies.take(sum(sizes))
-    out, at = [], 0
-    for f, n in zip(frames, sizes):
-        chunk = buf[at : at + n]
-        k = 0
-        for piece in f:
-            mv = memoryview(piece)
-            if mv.format != "B" or mv.ndim != 1:
-                mv = mv.cast("B")
-            chunk[k : k + mv.nbytes] = np.frombuffer(mv, np.uint8)
-            k += mv.nbytes
-        out.append(chunk)
-        at += n
-    return out
 
 
 class _Sub:
@@ -262,13 +231,6 @@ class ShareHub:
         self.cond = threading.Condition()
         self.groups: dict[tuple, list[_Producer]] = {}
         self.handoffs = 0  # loaders handed from an idle producer to a new one (no loader built)
-        # The windows' buffers, of every producer: a batch that left its window and every
-        # subscriber's send frees its buffer for a later batch, the next epoch's included (a new
-        # buffer's pages are cleared by the kernel at first touch: up to a third of a sharing
-        # server's CPU on the 2-core VM, `perf`). Free buffers kept: two windows' worth, memory
-        # that windows had reserved until the next ones take it (at an epoch boundary the new
-        # producer fills its window while the last epoch's keeps its own for slower jobs).
-        self.bodies = StagingPool(keep=2 * window)
         self._closed = False
 
     # -- what the server and tests look at --------------------------------------------------------
@@ -340,8 +302,10 @@ class ShareHub:
                 m_read.observe(time.perf_counter() - t_read)
                 t_send = time.perf_counter()
                 if sink is None:
-                    with self.cond:  # made once per batch, under the lock, for every gRPC subscriber
-                        chunks = batch.grpc_chunks(copy)
+                    chunks = batch.chunks
+                    if copy:
+                        with self.cond:  # made once per batch, under the lock, for every gRPC copy
+                            chunks = batch.copy_chunks()
                     yield from chunks
                 else:
                     sink.send(batch.frames(copy))
@@ -529,7 +493,7 @@ class ShareHub:
 
     def _take(self, sub: _Sub, b: _Batch) -> tuple[_Batch, int]:
         """The batch, and whether this is a copy (its chunk 0 is then flagged shared: over gRPC
-        `_Batch.grpc_chunks`, over a bulk connection `_Batch.frames`)."""
+        `_Batch.copy_chunks`, over a bulk connection `_Batch.frames`)."""
         sub.next += 1
         b.taken += 1
         self.cond.notify_all()  # the producer may be waiting for this subscriber
@@ -599,8 +563,8 @@ class ShareHub:
             frames = list(wire.encode_frames(batch, epoch=p.epoch, step=step, position=(step + 1) * p.G,
                                              max_chunk_bytes=p.opts["max_chunk_bytes"], skipped_keys=skipped,
                                              end_position=p.end_position))
-            b = _Batch(step, _join(frames, self.bodies), wire.body_nbytes(batch), len(keys),
-                       [memoryview(f[0]).nbytes for f in frames])
+            b = _Batch(step, [b"".join(f) for f in frames], wire.body_nbytes(batch), len(keys),
+                       [len(f[0]) for f in frames])
         except StopIteration:  # the epoch ended before this step: cannot happen for a valid plan
             with self.cond:
                 p.ended = True

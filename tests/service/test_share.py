@@ -425,30 +425,6 @@ def test_the_next_epoch_takes_the_last_epochs_loader(roots):
             ld.close()
 
 
-def test_window_buffers_are_reused_across_batches_and_epochs(roots):
-    """A window's batches are serialized into buffers of the hub's pool, which later batches and
-    the next epoch's producer reuse: after the first epoch no batch needs a new buffer (a new
-    one's pages are cleared by the kernel at first touch), and every job still gets its exact
-    epoch (a buffer comes back only when no subscriber sends from it). The last epoch's producer
-    keeps its window for late joiners while it lingers: here epochs last longer than that (as a
-    training epoch does), so its buffers are back before the next boundary."""
-    with _serve(roots, share_window=4, share_hold_s=10.0) as (srv, address):
-        hub = srv.servicer.share
-        hub.linger_s = 0.2
-        loaders = [_loader(address, share="reuse") for _ in range(2)]
-        made = []
-        for epoch in range(4):
-            time.sleep(0.5)  # the rest of a training epoch: the last one's producer has gone
-            ref = _local_epoch(roots / "feats", seed=SEED, epoch=epoch)
-            for got in _run(loaders):
-                assert_same_batches(got, ref)
-            made.append(hub.bodies.allocated)
-        assert made[0] < len(ref)  # 64 batches of epoch 0 in a few buffers
-        assert made[3] == made[0]  # epochs 1-3: every buffer reused
-        for ld in loaders:
-            ld.close()
-
-
 def test_the_next_epoch_takes_the_loader_while_a_slower_job_reads_the_last_window(roots):
     """A job that reaches the next epoch while another still reads the last one's window takes
     the producer's loader (it has made its last step): no second loader at the epoch boundary,
