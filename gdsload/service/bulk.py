@@ -548,8 +548,7 @@ class BulkCall:
             total = first.header.body_nbytes if not first.last else size
             if total > MAX_BODY_BYTES or size > total:
                 raise wire.ProtocolError(f"step {first.step}: {size} bytes in a body of {total}")
-            # the batch's fields are views of it; from the loader's pool: memory touched before
-            body = self._bodies.take(total) if self._bodies is not None else np.empty(total, np.uint8)
+            body = wire.new_body(total, self._bodies)  # the batch's fields are views of it
             view = memoryview(body)
             filled = self._fill(sock, view, 0, size)
             meta, k = first, 0

@@ -236,6 +236,22 @@ def split_chunk(raw: bytes) -> tuple[pb.BatchChunk, memoryview]:
     return meta, data
 
 
+#: Received bodies from this size on come from the loader's pool (`link._Channels.bodies`); a
+#: pooled buffer is at least 4 MiB (`StagingPool`), so smaller bodies, whose pages glibc's heap
+#: reuses anyway, are allocated as they are: a consumer that keeps many small batches does not
+#: hold 4 MiB for each.
+POOLED_BODY_BYTES = 2 << 20
+
+
+def new_body(nbytes: int, bodies: Any = None) -> np.ndarray:
+    """A buffer for a received batch body of `nbytes` (not zero-filled): from `bodies`, a
+    `StagingPool` (memory touched before: a new buffer's pages are cleared by the kernel at first
+    touch), when there is one and the body is large."""
+    if bodies is not None and nbytes >= POOLED_BODY_BYTES:
+        return bodies.take(nbytes)
+    return np.empty(nbytes, np.uint8)
+
+
 class BatchAssembler:
     """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived."""
 
@@ -263,9 +279,7 @@ class BatchAssembler:
                     raise ProtocolError(f"step {chunk.step}: got {len(data)} of {chunk.header.body_nbytes} bytes")
                 # a writable message (the bulk connection's buffer, given away) is used where it lies
                 return decode_body(chunk.header, data, owned=not memoryview(data).readonly)
-            # not zero-filled; from the pool: memory touched before (a new buffer's pages are cleared)
-            n = chunk.header.body_nbytes
-            self._body = self._bodies.take(n) if self._bodies is not None else np.empty(n, np.uint8)
+            self._body = new_body(chunk.header.body_nbytes, self._bodies)
             self._filled = 0
         elif chunk.step != self._step:
             raise ProtocolError(f"chunk {chunk.chunk_index} is of step {chunk.step}, expected {self._step}")

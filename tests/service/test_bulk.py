@@ -62,10 +62,14 @@ def test_bulk_batches_equal_grpc_and_local(roots, request, fixture):
     _same(plain, local)
 
 
-def test_received_bodies_are_reused_only_once_their_batch_is_gone(big_server, roots):
+def test_received_bodies_are_reused_only_once_their_batch_is_gone(big_server, roots, monkeypatch):
     """A loader receives into buffers of its own pool (`_Channels.bodies`): a batch the training
     loop still holds is never written over, and one it let go of gives its buffer to a later
-    batch instead of a new one (whose pages the kernel would clear again)."""
+    batch instead of a new one (whose pages the kernel would clear again). (Bodies from 2 MiB
+    on are pooled; here every one is.)"""
+    from gdsload.service import wire
+
+    monkeypatch.setattr(wire, "POOLED_BODY_BYTES", 0)
     srv, address = big_server
     kw = dict(batch_size=16, shuffle=True, seed=5, output="numpy")
     local = _batches(_epoch(roots, kw, 0))
