@@ -210,6 +210,12 @@ class ShardedDataset:
                     self._fds[shard] = fd
         return fd
 
+    def local_fd(self, shard: int) -> int | None:
+        """The open descriptor of shard `shard` when the dataset is in a local folder (None for an
+        object store), owned by this object (closed with it): for `os.pread` and `os.sendfile` at
+        explicit offsets from any thread."""
+        return None if self._fs is not None else self._fd(shard)
+
     def _cached_extent(self, shard: int, offset: int, nbytes: int) -> bytes | None:
         """The bytes from the shard cache's complete copy of `shard` (named by its SHA-256, put
         there only once verified) where the cache folder has one; None otherwise."""

@@ -147,6 +147,18 @@ class BatchReads:
     tensor_checks: list[TensorChecks]
 
 
+@dataclass(slots=True)
+class BatchSpans:
+    """Where a batch's members are, for sending them as stored (`BatchPlanner.spans`): per sample,
+    its key and global shard; `members[f]`: (file offset, nbytes, expected CRC32 or None) of each
+    sample's member of bytes field `f`, in batch order; `labels[f]`: the index's label column."""
+
+    keys: list[str]
+    shard: np.ndarray
+    members: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+    labels: dict[str, np.ndarray]
+
+
 class BatchPlanner:
     """Plans batches of one dataset (`ShardedDataset` or a Mix's `ConcatShards`) for the loader's
     fields. `fields`: (name, kind, TensorField or None) in batch order; `shard_verify[s]`: the
@@ -175,6 +187,64 @@ class BatchPlanner:
                 self._headers.setdefault(s, headers)
                 cols = self._cols.setdefault(s, cols)
         return cols
+
+    def spans_unsupported(self) -> str | None:
+        """Why `spans` cannot plan these batches (None: it can). It plans batches of members sent
+        as stored (bytes fields) and index labels: every label field has its column in every
+        shard's index, and the CRC32s are checked on all shards (each index has them) or none."""
+        checked = set()
+        for s in range(len(self.ds.shards)):
+            idx = self.ds.index(s)
+            for name, kind, _ in self.fields:
+                if kind == "label" and name not in idx.labels:
+                    return f"field {name!r} has no label column in the index of {self.ds.shards[s]['name']}"
+                if kind not in ("label", "bytes"):
+                    return f"field {name!r} is read as {kind}"
+            checked.add(bool(self.crc_shards[s]) and idx.member_crc is not None)
+        if len(checked) > 1:
+            return "some shards have member CRC32s to check and others not"
+        return None
+
+    def spans(self, ids: np.ndarray) -> BatchSpans:
+        """The members of batch `ids` where they lie in the shards, for a loader whose
+        `spans_unsupported()` is None: nothing is read, and no CRC32 is checked (the members'
+        expected CRC32s come with them, for whoever reads them)."""
+        ids = np.asarray(ids, np.int64)
+        B = len(ids)
+        shard = np.searchsorted(self.starts, ids, side="right") - 1
+        local = ids - self.starts[shard]
+        members: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+        labels: dict[str, np.ndarray] = {}
+        keys: list[Any] = [None] * B
+        shards = distinct(shard)
+        for s in shards:
+            sel = np.flatnonzero(shard == s) if len(shards) > 1 else slice(None)
+            js = local[sel]
+            cols = self.columns(s)
+            idx = cols.index
+            if len(shards) > 1:
+                for i, k in zip(sel.tolist(), cols.keys(js)):
+                    keys[i] = k
+            else:
+                keys = cols.keys(js)
+            crc = idx.member_crc if self.crc_shards[s] else None
+            for name, kind, _ in self.fields:
+                rows = cols.rows[name][js]
+                if rows.min() < 0:
+                    bad = int(js[int(np.argmax(rows < 0))])
+                    raise FormatError(f"sample {idx.key(bad)!r} in {self.ds.shards[s]['name']} has no field {name!r}")
+                if kind == "label":
+                    labels.setdefault(name, np.zeros(B, np.int64))[sel] = idx.labels[name][js]
+                    continue
+                m = members.get(name)
+                if m is None:
+                    m = members[name] = (np.zeros(B, np.int64), np.zeros(B, np.int64),
+                                         None if crc is None else np.zeros(B, np.uint32))
+                m[0][sel] = idx.member_offset[rows]
+                m[1][sel] = idx.member_size[rows]
+                if crc is not None:
+                    m[2][sel] = crc[rows]
+        return BatchSpans(keys, shard, members, labels)
 
     def plan(self, ids: np.ndarray, *, packed: bool = False, lock: Any = None) -> BatchReads:
         """The reads of batch `ids`. Staged members start on STAGE_ALIGN-byte boundaries, or with

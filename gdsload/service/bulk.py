@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from gdsload.errors import CorruptDataError, StorageError
 from gdsload.service import wire
 from gdsload.service.config import bind_host, dns_rest, unix_path
 from gdsload.v1 import feed_pb2 as pb
@@ -247,15 +248,47 @@ class BulkSink:
         message's last field: `wire.encode_frames`' layout), framed with their lengths, straight
         from the buffers. Raises ClientGone when the connection broke."""
         for pieces in frames:
-            views = [memoryview(p).cast("B") for p in pieces]
+            views = [p if type(p) is wire.FileSpan else memoryview(p).cast("B") for p in pieces]
             n = sum(v.nbytes for v in views)
-            self._sendmsg([memoryview(_FRAME.pack(n, views[0].nbytes)), *views])
+            views.insert(0, memoryview(_FRAME.pack(n, views[0].nbytes)))
+            start = 0
+            for i, v in enumerate(views):  # buffers with sendmsg, members as stored with sendfile
+                if type(v) is wire.FileSpan:
+                    if i > start:
+                        self._sendmsg(views[start:i], socket.MSG_MORE)
+                    self._sendfile(v)
+                    start = i + 1
+            if start < len(views):
+                self._sendmsg(views[start:])
 
-    def _sendmsg(self, views: list[memoryview]) -> None:
-        """Write every byte of `views` (byte-format memoryviews), as many per call as IOV_MAX allows."""
+    def _sendfile(self, span: wire.FileSpan) -> None:
+        """Write `span`'s bytes from its file (the page cache's pages go to the socket: no copy
+        here). A file shorter than the span is a `CorruptDataError` naming it; the connection is
+        then cut mid-message, so the client takes the call's status, never a short batch."""
+        fd, off, n = span
+        out = self.conn.fileno()
+        while n:
+            try:
+                k = os.sendfile(out, fd, off, n)
+            except (BrokenPipeError, ConnectionError) as exc:
+                raise ClientGone(str(exc)) from None
+            except OSError as exc:
+                if self._shut:  # shut down by the call's end (fileno -1, or a broken socket)
+                    raise ClientGone(str(exc)) from None
+                raise StorageError(f"sending a stored member (offset {off}) of {_fd_path(fd)} "
+                                   f"failed: {exc.strerror or exc}") from exc
+            if not k:
+                raise CorruptDataError(f"{_fd_path(fd)}: truncated (it ends before offset {off + n}, "
+                                       f"where its index has a member): run gdsload verify")
+            off += k
+            n -= k
+
+    def _sendmsg(self, views: list[memoryview], flags: int = 0) -> None:
+        """Write every byte of `views` (byte-format memoryviews), as many per call as IOV_MAX allows
+        (`flags`: MSG_MORE when a `sendfile` follows)."""
         try:
             while views:
-                sent = self.conn.sendmsg(views[:_IOV_MAX])
+                sent = self.conn.sendmsg(views[:_IOV_MAX], [], flags)
                 while sent and views:
                     k = views[0].nbytes
                     if sent >= k:
@@ -301,6 +334,14 @@ class BulkSink:
 
 
 # -- client ------------------------------------------------------------------------------------------
+def _fd_path(fd: int) -> str:
+    """The file an open descriptor is (for messages)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"file descriptor {fd}"
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     """`n` bytes, or None at a clean end of stream before the first byte; raises EOFError when
     the stream ends inside them."""

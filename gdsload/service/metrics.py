@@ -22,6 +22,7 @@ process, as in the tests), exposed over HTTP on `--metrics-port`.
 | gdsload_feed_share_fallbacks_total      | counter   | dataset, reason   |
 | gdsload_feed_share_window_bytes         | gauge     |                   |
 | gdsload_feed_bulk_streams_total         | counter   |                   |
+| gdsload_feed_stored_streams_total       | counter   |                   |
 
 read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
 send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
@@ -80,6 +81,9 @@ class Metrics:
                                              "Bytes of serialized batches in share windows", registry=r)
         self.bulk_streams = prom.Counter("gdsload_feed_bulk_streams",
                                          "Streams sent on a bulk connection (BatchRequest.bulk)", registry=r)
+        self.stored_streams = prom.Counter("gdsload_feed_stored_streams",
+                                           "Raw streams sent as stored, from the page cache "
+                                           "(gdsload.service.stored)", registry=r)
         self._http = None
         self.address: tuple[str, int] | None = None
 

@@ -115,7 +115,7 @@ class _Receiver:
                             self._waiting_since = None
                         if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
                             shared = chunk.header.shared
-                        batch = asm.add(chunk, data)
+                        batch = _assemble(asm, call, chunk, data)
                         if stages is not None:
                             stages.add("receive", time.perf_counter() - t0)
                         if batch is None:
@@ -180,6 +180,16 @@ class _Receiver:
         except BaseException as exc:  # a bug: hand it to the consumer instead of hanging it
             self._put(("error", exc))
 
+
+
+def _assemble(asm: wire.BatchAssembler, call: Any, chunk: pb.BatchChunk, data: Any) -> Any:
+    """`asm.add`; a batch that fails its CRC32 check (`status.CorruptCopy`, handled as its
+    server's DATA_LOSS) cancels its call first: the server would go on sending."""
+    try:
+        return asm.add(chunk, data)
+    except status.CorruptCopy:
+        call.cancel()
+        raise
 
 
 class _RemoteEpoch:
@@ -667,7 +677,7 @@ class _StripedReceiver:
                 f.last = time.monotonic()
                 if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
                     shared = chunk.header.shared
-                batch = asm.add(chunk, data)
+                batch = _assemble(asm, call, chunk, data)
                 if stages is not None:
                     stages.add("receive", time.perf_counter() - t0)
                 if batch is None:

@@ -32,6 +32,7 @@ def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch:
         payload=pb.PAYLOAD_DECODED if opts.decode else pb.PAYLOAD_RAW, transform=transform_spec,
         fields=fields, media=media, on_error=pb.ON_ERROR_SKIP if opts.on_error == "skip" else pb.ON_ERROR_RAISE,
         max_chunk_bytes=max_chunk_bytes, max_batches=max_batches, share=opts.share or "",
+        checks_item_crc32=True,  # wire.decode_body checks FieldData.item_crc32
     )
 
 

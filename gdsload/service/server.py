@@ -79,6 +79,7 @@ from gdsload.service.config import (
 from gdsload.service.logs import LOGGER, event
 from gdsload.service.metrics import Metrics
 from gdsload.service.share import ShareHub, request_key
+from gdsload.service.stored import StoredBatches
 from gdsload.service.status import (
     BadRequest,
     DatasetChanged,
@@ -596,7 +597,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         sent_batches = sent_bytes = 0
         outcome = "ok"
         pooled = None
-        it = None
+        it = stored = None
         try:
             payload = opts["payload"]
             plan = loader.plan
@@ -609,10 +610,15 @@ class FeedServicer(pb_grpc.FeedServicer):
             if payload == "decoded" and self.pool is not None:
                 pooled = self.pool.attach(loader, req.dataset)
             steps = opts["steps"]
-            if steps is None:
+            # raw members sent from the page cache, unread (gdsload.service.stored), else the loader's batches
+            stored = StoredBatches.open(loader, req) if sink is not None else None
+            if stored is not None:
+                self.metrics.stored_streams.inc()
+            elif steps is None:
                 it = loader.iter_batches(req.max_batches or None)  # nothing read past the stream's end
             else:  # the stripe's blocks of this server, read ahead across the gaps
                 it = loader.iter_batches(steps=steps) if steps else iter(())
+            if steps is not None:
                 steps = iter(steps)
             m_batches = self.metrics.batches.labels(req.dataset, payload)
             m_samples = self.metrics.samples.labels(req.dataset, payload)
@@ -630,7 +636,12 @@ class FeedServicer(pb_grpc.FeedServicer):
                     return
                 t_read = time.perf_counter()
                 try:
-                    batch = next(it)
+                    if stored is not None:
+                        ids = next(planned)
+                        batch = stored.batch(ids)
+                    else:
+                        batch = next(it)
+                        ids = next(planned)
                 except StopIteration:
                     return
                 except DecodeError as exc:  # word the remedy in protocol terms
@@ -638,7 +649,6 @@ class FeedServicer(pb_grpc.FeedServicer):
                 m_read.observe(time.perf_counter() - t_read)
                 if steps is not None:
                     step = next(steps)
-                ids = next(planned)
                 keys = batch[wire.KEY]
                 skipped = self._left_out(loader.dataset, ids, keys) if len(keys) < len(ids) else []
                 t_send = time.perf_counter()
@@ -671,8 +681,9 @@ class FeedServicer(pb_grpc.FeedServicer):
             # parked, a slow server's next block does not pay for a new one (which could make it
             # too slow ever to deliver a batch before being overtaken again).
             if (outcome in ("ok", "cancelled") and self.warm_loaders and not self.draining.is_set()
-                    and it is not None):
-                it.close()  # its readers stop; the ring, backends and threads stay for the next stream
+                    and (it is not None or stored is not None)):
+                if it is not None:
+                    it.close()  # its readers stop; the ring, backends and threads stay for the next stream
                 self._park(opts["key"], loader, memory)
                 self._leave(req.dataset, 0)
             else:

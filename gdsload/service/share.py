@@ -111,6 +111,7 @@ def request_key(req: pb.BatchRequest, *, epoch: bool = True) -> bytes:
     r.ClearField("max_batches")
     r.ClearField("max_chunk_bytes")
     r.ClearField("bulk")  # how the bytes travel, not which
+    r.ClearField("checks_item_crc32")  # who checks them
     r.ClearField("block_batches")  # which steps of the epoch a stream takes
     r.ClearField("block_stride")
     if not epoch:

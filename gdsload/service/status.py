@@ -24,6 +24,8 @@ serve now; the loader reconnects (with backoff, failing over to the next address
 its cursor. `ELSEWHERE` (DATA_LOSS) is not retried on the same server, but another address may hold
 an intact copy: the loader tries each of its other addresses once, and raises when all of them
 answered it. Every other code is raised as a `RemoteError` carrying the code and the server's message.
+A batch sent as stored (`gdsload.service.stored`) is CRC32-checked on the client instead of the
+server: one that fails is a `CorruptCopy`, which the receivers take for its server's DATA_LOSS.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from gdsload.errors import DecodeError, ServiceError, UnknownDataset, BadRequest, OverLimit, DatasetChanged, Unavailable, Unauthenticated, RemoteError  # noqa: F401 (re-exported: defined in errors.py)
-from gdsload.errors import FormatError, GdsloadError, MissingDependencyError, StorageError, require
+from gdsload.errors import CorruptDataError, FormatError, GdsloadError, MissingDependencyError, StorageError, require
 
 require("grpc", extra="serve", purpose="the remote feed (gdsload serve, RemoteLoader)")
 
@@ -103,6 +105,17 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
         message = data[: MAX_DETAILS_BYTES - 4].decode(errors="ignore") + " ..."
     context.abort(code, message)
     raise AssertionError("unreachable: grpc's context.abort raises")  # pragma: no cover
+
+
+class CorruptCopy(CorruptDataError, grpc.RpcError):
+    """(Client) a received batch whose members fail their CRC32 check (`wire.decode_body`): the
+    server's copy of a shard is corrupt, as if it had answered DATA_LOSS (`is_elsewhere`)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DATA_LOSS
+
+    def details(self) -> str:
+        return str(self)
 
 
 def is_retryable(err: grpc.RpcError) -> bool:

@@ -26,20 +26,25 @@ of its own and gRPC's one, and the client gRPC's two; the kernel's copies are th
 Over the bulk connection (`gdsload.service.bulk`, the default where the server offers it) the
 server's (2) and (3) and the client's (2) and (3) are gone: `encode_frames`' pieces go to
 `sendmsg` where they lie, and the client reads each chunk's data into its place in the body.
+A raw batch sent as stored (`gdsload.service.stored`: its fields `StoredColumn`s, their pieces
+`FileSpan`s that the bulk connection writes with `sendfile`) skips the server's (1) as well: the
+kernel's copy into the socket takes the page cache's bytes. Its members' CRC32s then travel in
+`FieldData.item_crc32` and `decode_body` checks them on the client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gdsload.errors import ProtocolError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.decode.image import ImageTransform
+from gdsload.format.crc import crc32
 from gdsload.frontend.fields import BytesColumn, to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
-from gdsload.service.status import BadRequest, OverLimit
+from gdsload.service.status import BadRequest, CorruptCopy, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
 KEY = "__key__"
@@ -47,6 +52,58 @@ SOURCE = "__source__"  # per sample, the dataset of a mix it comes from (BatchHe
 
 
 # -- server: batch -> chunks ---------------------------------------------------------------------
+class FileSpan(NamedTuple):
+    """`nbytes` bytes at `offset` of the open file `fd`: a piece of a message that the bulk
+    connection sends with `os.sendfile` (`gdsload.service.bulk.BulkSink`)."""
+
+    fd: int
+    offset: int
+    nbytes: int
+
+
+class StoredColumn(NamedTuple):
+    """A batch's bytes field whose members are still in their files, sent as stored: member i is
+    `sizes[i]` bytes at `offsets[i]` of descriptor `fds[i]`; `crc32`: each member's CRC32 as
+    the index has it (`FieldData.item_crc32`; None: nothing to check)."""
+
+    fds: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    crc32: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def spans(self) -> list[FileSpan]:
+        """The members as `FileSpan`s, one per run of members that follow each other in a file."""
+        fds, offs, sizes = self.fds.tolist(), self.offsets.tolist(), self.sizes.tolist()
+        out: list[FileSpan] = []
+        for fd, off, n in zip(fds, offs, sizes):
+            if not n:
+                continue
+            if out and out[-1].fd == fd and out[-1].offset + out[-1].nbytes == off:
+                last = out[-1]
+                out[-1] = FileSpan(fd, last.offset, last.nbytes + n)
+            else:
+                out.append(FileSpan(fd, off, n))
+        return out
+
+
+def _piece_nbytes(piece: Any) -> int:
+    return piece.nbytes if type(piece) is FileSpan else memoryview(piece).nbytes
+
+
+def _cut(piece: Any, start: int, n: int) -> Any:
+    """Bytes `[start, start + n)` of a message piece."""
+    if type(piece) is FileSpan:
+        return FileSpan(piece.fd, piece.offset + start, n)
+    view = memoryview(piece)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view[start : start + n]
+
+
 _DATA_TAG = bytes([(7 << 3) | 2])  # BatchChunk.data: field 7, wire type 2 (length-delimited)
 
 
@@ -115,6 +172,12 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
                 pieces.append(memoryview(value.data[start : start + total]))
             else:
                 pieces.extend(memoryview(value.view(i)) for i, n in enumerate(lengths) if n)
+        elif isinstance(value, StoredColumn):  # members still in their files: FileSpans
+            lengths = value.sizes.tolist()
+            fields.append(pb.FieldData(name=name, layout=pb.FIELD_LAYOUT_BYTES, item_nbytes=lengths,
+                                       nbytes=sum(lengths),
+                                       item_crc32=() if value.crc32 is None else value.crc32.tolist()))
+            pieces.extend(value.spans())
         elif isinstance(value, (list, tuple)):
             value = [v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v) for v in value]
             lengths = [memoryview(v).nbytes for v in value]  # text, json, ragged .npy: bytes items
@@ -138,8 +201,8 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
     chunk_index = 0
     sent = 0
     queue = iter(pieces)
-    current: Any = None  # the piece being cut, and how much of it is left
-    left = 0
+    current: Any = None  # the piece being cut, its size and how much of it is left
+    n = left = 0
     while True:
         want = first_room if chunk_index == 0 else room
         parts: list[Any] = []
@@ -149,18 +212,14 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
                 current = next(queue, None)
                 if current is None:
                     break
-                left = memoryview(current).nbytes
-            view = memoryview(current)
-            n = view.nbytes
+                n = left = _piece_nbytes(current)
             if left == n and left <= want - got:
                 parts.append(current)  # the whole piece: no slicing
                 got += n
                 left = 0
             else:
                 take = min(left, want - got)
-                if view.format != "B" or view.ndim != 1:
-                    view = view.cast("B")
-                parts.append(view[n - left : n - left + take])
+                parts.append(_cut(current, n - left, take))
                 got += take
                 left -= take
         sent += got
@@ -181,7 +240,7 @@ def body_nbytes(batch: Mapping[str, Any]) -> int:
     n = 0
     for name, value in batch.items():
         if name not in (KEY, SOURCE):
-            n += value.nbytes if isinstance(value, (np.ndarray, BytesColumn)) else sum(memoryview(
+            n += value.nbytes if isinstance(value, (np.ndarray, BytesColumn, StoredColumn)) else sum(memoryview(
                 v if isinstance(v, (bytes, bytearray, memoryview)) else to_wire(v)).nbytes for v in value)
     return n
 
@@ -327,6 +386,8 @@ def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> di
                 offsets[0] = offset
                 np.cumsum(sizes[:-1], out=offsets[1:])
                 offsets[1:] += offset
+            if f.item_crc32:  # sent as stored, unchecked by the server (gdsload.service.stored)
+                _check_items(f, view, offsets, sizes, header.keys)
             out[f.name] = BytesColumn(data, offsets, sizes)
         else:
             raise ProtocolError(f"field {f.name!r}: unknown layout {f.layout}")
@@ -335,6 +396,24 @@ def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> di
     if header.sources:
         out[SOURCE] = list(header.sources)
     return out
+
+
+def _check_items(f: pb.FieldData, view: memoryview, offsets: np.ndarray, sizes: np.ndarray,
+                 keys: Sequence[str]) -> None:
+    """The CRC32 of each item of bytes field `f` (in `view`, the body) against `f.item_crc32`."""
+    if len(f.item_crc32) != len(sizes):
+        raise ProtocolError(f"field {f.name!r}: {len(f.item_crc32)} CRC32s for {len(sizes)} items")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    for i, (a, n, want) in enumerate(zip(offsets.tolist(), sizes.tolist(), f.item_crc32)):
+        got = crc32(view[a : a + n])
+        if got != want:
+            key = keys[i] if i < len(keys) else f"item {i}"
+            raise CorruptCopy(
+                f"sample {key!r}: field {f.name!r} as the server sent it has CRC32 {got:08x}, the "
+                f"dataset's index says {want:08x}: the server's copy of the shard changed on disk "
+                f"(run gdsload verify there)"
+            )
 
 
 # -- transforms ------------------------------------------------------------------------------------

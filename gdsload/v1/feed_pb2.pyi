@@ -147,7 +147,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "block_batches", "block_stride", "media")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "block_batches", "block_stride", "checks_item_crc32", "media")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class BatchRequest(_message.Message):
     BULK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_ITEM_CRC32_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
@@ -193,8 +194,9 @@ class BatchRequest(_message.Message):
     bulk: bool
     block_batches: int
     block_stride: int
+    checks_item_crc32: bool
     media: _containers.RepeatedCompositeFieldContainer[MediaTransformSpec]
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., checks_item_crc32: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
 
 class MixSpec(_message.Message):
     __slots__ = ("sources", "samples_per_epoch", "mix_by")
@@ -273,20 +275,22 @@ class BatchHeader(_message.Message):
     def __init__(self, num_samples: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldData, _Mapping]]] = ..., skipped: _Optional[int] = ..., body_nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., skipped_keys: _Optional[_Iterable[str]] = ..., end_position: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class FieldData(_message.Message):
-    __slots__ = ("name", "layout", "dtype", "shape", "item_nbytes", "nbytes")
+    __slots__ = ("name", "layout", "dtype", "shape", "item_nbytes", "nbytes", "item_crc32")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     ITEM_NBYTES_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ITEM_CRC32_FIELD_NUMBER: _ClassVar[int]
     name: str
     layout: FieldLayout
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     item_nbytes: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[FieldLayout, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., item_nbytes: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    item_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[FieldLayout, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., item_nbytes: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., item_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MediaTransformSpec(_message.Message):
     __slots__ = ("field", "video", "audio")

@@ -41,3 +41,12 @@ def server(roots):
     srv.start()
     yield srv, f"127.0.0.1:{port}"
     srv.shutdown(grace_s=2)
+
+
+@pytest.fixture(scope="module")
+def big_server(roots):
+    """A server with the default message size: a batch is one message."""
+    srv, port = create_server([str(roots)])
+    srv.start()
+    yield srv, f"127.0.0.1:{port}"
+    srv.shutdown(grace_s=2)

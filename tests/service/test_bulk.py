@@ -36,15 +36,6 @@ def _same(got: list[dict], want: list[dict]) -> None:
                 assert np.array_equal(np.asarray(g[k]), np.asarray(w[k])), k
 
 
-@pytest.fixture(scope="module")
-def big_server(roots):
-    """A server with the default message size: a batch is one message."""
-    srv, port = create_server([str(roots)])
-    srv.start()
-    yield srv, f"127.0.0.1:{port}"
-    srv.shutdown(grace_s=2)
-
-
 @pytest.mark.parametrize("fixture", ["big_server", "server"])  # one message per batch; many (64 KiB)
 def test_bulk_batches_equal_grpc_and_local(roots, request, fixture):
     srv, address = request.getfixturevalue(fixture)
