@@ -9,6 +9,7 @@ dropped mid-epoch is therefore collected, and its finalizer cancels the stream a
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -289,6 +290,11 @@ class _RemoteEpoch:
 
 
 # -- striping ----------------------------------------------------------------------------------------
+#: The span a server's pace is measured over (`_Server.pace`): several periods of a CPU quota, and
+#: short enough to see a straggler within a second or two.
+PACE_S = 1.0
+
+
 class _Server:
     """One endpoint of a striped epoch: its health and the requests it has in flight."""
 
@@ -302,8 +308,28 @@ class _Server:
         self.next_try = 0.0
         self.probing = False
         self.fetches: set[_Fetch] = set()
-        self.batch_s = 0.0  # EWMA of the time between batches of one of its requests (0: none yet)
+        self.batch_s = 0.0  # the time between batches of one of its requests (`pace`; 0: none yet)
+        self._paced = (0.0, 0.0)  # (seconds, batches) behind batch_s, decayed
         self.strided = False  # it serves BatchRequest.block_stride (ServerInfo.serves_block_stride)
+
+    def pace(self, gap: float) -> None:
+        """A batch came `gap` s after the one before it of its request: `batch_s` becomes the
+        time per batch of the last ~`PACE_S` seconds, each gap weighed down by the time that came
+        after it. Not per gap: a server held to a CPU quota (a 0.1-core container runs 10 ms of
+        every 100 ms) sends bursts of batches 1 ms apart and then nothing for 90 ms, so a gap's
+        average put servers of one speed up to ~6x apart (0.37x-2.1x of a steady one) and hedged
+        their blocks all the time."""
+        t, n = self._paced
+        keep = math.exp(-gap / PACE_S)
+        self._paced = (t * keep + gap, n * keep + 1.0)
+        self.batch_s = self._paced[0] / self._paced[1]
+
+    def at_least(self, batch_s: float) -> None:
+        """Its next batch takes at least `batch_s` (a request of it was overtaken)."""
+        if batch_s > self.batch_s:
+            n = max(self._paced[1], 1.0)
+            self._paced = (batch_s * n, n)
+            self.batch_s = batch_s
 
 
 class _Fetch:
@@ -796,7 +822,7 @@ class _StripedReceiver:
         srv = f.server
         self.link.bump(srv.address, stalls=1)
         if f.reason == "overtaken":  # its next batch takes at least this long: a rate for `_window`/`_straggles`
-            srv.batch_s = max(srv.batch_s, time.monotonic() - f.started)
+            srv.at_least(time.monotonic() - f.started)
         self._failed(srv, f"no message for {self.stall_s:g} s from {srv.address} (stalled)"
                      if f.reason == "stall" else f"{srv.address} sent nothing while another "
                      f"server sent its block (stalled?)", state="suspect")
@@ -809,7 +835,7 @@ class _StripedReceiver:
             now = time.monotonic()
             gap, f.delivered_at = now - f.delivered_at, now
             srv = f.server
-            srv.batch_s = gap if not srv.batch_s else 0.8 * srv.batch_s + 0.2 * gap
+            srv.pace(gap)
             if step in self.have or step < self.out:
                 self.link.bump(f.server.address, duplicates=1)
             else:

@@ -369,3 +369,28 @@ def test_an_overtaken_server_gets_a_rate_from_its_silence():
     assert slow.batch_s >= 0.8 and slow.state == "suspect"
     slow.state = "ok"  # probed
     assert rx._window(slow) == 1
+
+
+def test_a_servers_pace_averages_quota_bursts_but_shows_a_straggler():
+    """`_Server.pace`: a server held to a CPU quota sends bursts (here 9 batches 1 ms apart, then
+    91 ms of nothing: ~10 ms a batch); it reads as fast as a steady one of the same rate, whatever
+    the moment, while a steady server 4x slower reads over 3x slower (the straggler rule's bar)."""
+    from gdsload.service.receiver import _Server
+
+    class _Ep:
+        target = "x"
+
+    bursty, steady, slow = _Server(_Ep()), _Server(_Ep()), _Server(_Ep())
+    seen = []
+    for period in range(30):
+        for i in range(10):
+            bursty.pace(0.091 if i == 0 else 0.001)
+            steady.pace(0.010)
+            if period >= 10:
+                seen.append(bursty.batch_s / steady.batch_s)
+        for _ in range(3):
+            slow.pace(0.040)
+    assert 0.6 < min(seen) and max(seen) < 1.6  # a per-gap average (0.8/0.2) swung 0.37x-2.1x here
+    assert slow.batch_s > 3 * bursty.batch_s
+    steady.at_least(0.5)  # overtaken: its next batch takes at least that long
+    assert steady.batch_s == 0.5
