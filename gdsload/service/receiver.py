@@ -9,7 +9,7 @@ dropped mid-epoch is therefore collected, and its finalizer cancels the stream a
 
 from __future__ import annotations
 
-import math
+import collections
 import os
 import queue
 import threading
@@ -290,9 +290,13 @@ class _RemoteEpoch:
 
 
 # -- striping ----------------------------------------------------------------------------------------
-#: The span a server's pace is measured over (`_Server.pace`): several periods of a CPU quota, and
+#: The span a server's pace is measured over (`_Server.pace`): many periods of a CPU quota, and
 #: short enough to see a straggler within a second or two.
-PACE_S = 1.0
+PACE_S = 2.0
+#: A request at the head of the plan silent this long (and over 2 block times old) is hedged
+#: (`_StripedReceiver._straggles`): longer than a CPU quota's pause (a 0.1-core container stands
+#: still 90 ms of every 100 ms), far shorter than `stall_timeout_s`.
+SILENT_S = 0.25
 
 
 class _Server:
@@ -308,28 +312,38 @@ class _Server:
         self.next_try = 0.0
         self.probing = False
         self.fetches: set[_Fetch] = set()
-        self.batch_s = 0.0  # the time between batches of one of its requests (`pace`; 0: none yet)
-        self._paced = (0.0, 0.0)  # (seconds, batches) behind batch_s, decayed
+        self.batch_s = 0.0  # its time per batch (`pace`; 0: none yet)
+        self.arrivals: collections.deque[float] = collections.deque()  # its batches' arrival times, PACE_S
+        self._floor = (0.0, 0.0)  # (batch_s at least, until when): `at_least`
         self.strided = False  # it serves BatchRequest.block_stride (ServerInfo.serves_block_stride)
 
-    def pace(self, gap: float) -> None:
-        """A batch came `gap` s after the one before it of its request: `batch_s` becomes the
-        time per batch of the last ~`PACE_S` seconds, each gap weighed down by the time that came
-        after it. Not per gap: a server held to a CPU quota (a 0.1-core container runs 10 ms of
-        every 100 ms) sends bursts of batches 1 ms apart and then nothing for 90 ms, so a gap's
-        average put servers of one speed up to ~6x apart (0.37x-2.1x of a steady one) and hedged
-        their blocks all the time."""
-        t, n = self._paced
-        keep = math.exp(-gap / PACE_S)
-        self._paced = (t * keep + gap, n * keep + 1.0)
-        self.batch_s = self._paced[0] / self._paced[1]
+    def pace(self, now: float) -> None:
+        """A batch of it arrived at `now`: `batch_s` becomes its time per batch over the last
+        `PACE_S` seconds, counting every request it serves. Not per request, nor from single gaps:
+        a server held to a CPU quota (a 0.1-core container runs 10 ms of every 100 ms) sends
+        bursts of batches 1 ms apart and then nothing for 90 ms, and one serving two requests
+        sends each half as often; read per request and per gap, servers of one speed looked 3-10x
+        apart and had their blocks hedged all the time (a stream, and work, each)."""
+        a = self.arrivals
+        a.append(now)
+        while now - a[0] > PACE_S:
+            a.popleft()
+        if len(a) >= 2:
+            self.batch_s = (now - a[0]) / (len(a) - 1)
+        floor, until = self._floor
+        if now < until and floor > self.batch_s:
+            self.batch_s = floor
+
+    def pause(self, seconds: float) -> None:
+        """None of its batches were asked for during the `seconds` just past (a stream held back
+        by the reorder window): that time is not its slowness."""
+        self.arrivals = collections.deque(t + seconds for t in self.arrivals)
 
     def at_least(self, batch_s: float) -> None:
-        """Its next batch takes at least `batch_s` (a request of it was overtaken)."""
-        if batch_s > self.batch_s:
-            n = max(self._paced[1], 1.0)
-            self._paced = (batch_s * n, n)
-            self.batch_s = batch_s
+        """Its next batch takes at least `batch_s` (a request of it was overtaken before it sent
+        anything), for the next `PACE_S` seconds."""
+        self._floor = (batch_s, time.monotonic() + PACE_S)
+        self.batch_s = max(self.batch_s, batch_s)
 
 
 class _Fetch:
@@ -577,10 +591,10 @@ class _StripedReceiver:
             if not self.fetchers.get(b):
                 owner = live[b % len(live)]
                 if owner == srv.address:
-                    if srv.strided and len(live) > 1 and not any(f.stride for f in srv.fetches):
+                    if srv.strided and len(live) > 1 and not any(f.stride and f.reason is None for f in srv.fetches):
                         return self._start(srv, b, start, stride=len(live))
                     return self._start(srv, b, start)
-                if (len(self.servers[owner].fetches) >= self._window(self.servers[owner], median)  # owner busy: steal it
+                if (self._busy(self.servers[owner]) >= self._window(self.servers[owner], median)  # owner busy: steal it
                         or owner in self.corrupt.get(b, ())):  # or cannot serve it
                     free.append((b, start))
         if free:
@@ -593,6 +607,14 @@ class _StripedReceiver:
                 and all(f.server is not srv for f in ff) and self._straggles(next(iter(ff)), srv, start)):
             return self._start(srv, b, start)
         return None
+
+    @staticmethod
+    def _busy(srv: _Server) -> int:
+        """`srv`'s requests that are not being cancelled. A cancelled stream of its own blocks
+        (its block was done elsewhere) leaves its slot free to start the next one at once: its
+        blocks are not stolen meanwhile (each steal, and each stream that finds its next block
+        stolen, is one more request: at 0.1 core, chains of them cost a tenth of the server's CPU)."""
+        return sum(1 for f in srv.fetches if f.reason is None)
 
     def _median_batch_s(self) -> float:
         """The median time between batches of the healthy servers with a rate; 0 with fewer than two."""
@@ -611,14 +633,14 @@ class _StripedReceiver:
 
     def _straggles(self, f: _Fetch, idle: _Server, start: int) -> bool:
         """Whether the idle server `idle` should ask for the head block that `f` is fetching: `f`
-        has taken over twice the typical block time, or, by the servers' recent rates (time
-        between batches of a request), `f`'s server is at least 3x slower and `idle` would deliver
+        has taken over twice the typical block time and sent nothing for `SILENT_S` (a block time,
+        if longer), or, by the servers' paces (`_Server.pace`), `f`'s server is at least 3x slower and `idle` would deliver
         the rest (plus a batch's time to start) in under half the time `f`'s server still needs (a
         server several times slower than the others is overtaken at once instead of after two
         block times; servers within 3x of each other, as decoding servers' rates jitter, are not:
         a copy overtaken before it sent anything marks its server suspect)."""
         now = time.monotonic()
-        if self.block_s > 0 and now - f.started > 2 * self.block_s:
+        if self.block_s > 0 and now - f.started > 2 * self.block_s and now - f.last > max(SILENT_S, self.block_s):
             return True
         slow, fast = f.server.batch_s, idle.batch_s
         if not (slow > 0 and fast > 0) or slow < 3 * fast:  # rates this close: noise, not a straggler
@@ -780,6 +802,7 @@ class _StripedReceiver:
                         and self._orphan(f.block)):
                     self._cancel(f, "done")
             if held:  # the block's clock and its server's rate start now, not while it was held
+                f.server.pause(f.last - since)
                 f.started = f.delivered_at = f.last
                 f.held = True
 
@@ -833,9 +856,9 @@ class _StripedReceiver:
             f.next += 1
             f.got += 1
             now = time.monotonic()
-            gap, f.delivered_at = now - f.delivered_at, now
+            f.delivered_at = now
             srv = f.server
-            srv.pace(gap)
+            srv.pace(now)
             if step in self.have or step < self.out:
                 self.link.bump(f.server.address, duplicates=1)
             else:

@@ -291,7 +291,8 @@ def test_dns_name_resolved_again_picks_up_a_server_and_drops_one(roots, monkeypa
 def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
     """The head-block hedge by the servers' rates (`_StripedReceiver._straggles`): an idle server
     asks for the head block when it would deliver the rest in under half the time its fetcher
-    still needs; equal servers never hedge on rates alone (only after two block times)."""
+    still needs; equal servers never hedge on rates alone (only after two block times, and
+    `SILENT_S` without a message)."""
     import time
     from types import SimpleNamespace
 
@@ -311,8 +312,11 @@ def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
     assert rx._straggles(f, idle, 0)
     f.next = 3  # one batch left: 0.4 s against 0.2 s to start and deliver it
     assert not rx._straggles(f, idle, 3)
-    rx.block_s, f.started = 0.5, time.monotonic() - 2.0  # over two block times: always
+    rx.block_s, f.started = 0.1, time.monotonic() - 2.0  # over two block times,
     slow.batch_s = idle.batch_s = 0.0
+    f.last = time.monotonic() - 0.05  # but it sent something 50 ms ago (a CPU quota's pause): no
+    assert not rx._straggles(f, idle, 3)
+    f.last = time.monotonic() - 0.3  # and silent for over SILENT_S: always
     assert rx._straggles(f, idle, 3)
 
 
@@ -372,9 +376,10 @@ def test_an_overtaken_server_gets_a_rate_from_its_silence():
 
 
 def test_a_servers_pace_averages_quota_bursts_but_shows_a_straggler():
-    """`_Server.pace`: a server held to a CPU quota sends bursts (here 9 batches 1 ms apart, then
-    91 ms of nothing: ~10 ms a batch); it reads as fast as a steady one of the same rate, whatever
-    the moment, while a steady server 4x slower reads over 3x slower (the straggler rule's bar)."""
+    """`_Server.pace`: a server held to a CPU quota sends bursts (here 10 batches 1 ms apart in
+    every 100 ms); it reads as fast as a steady one of the same rate at every moment, also when it
+    serves two requests at once, while a steady server 4x slower reads over 3x slower (the
+    straggler rule's bar). Time held back by the reorder window is not slowness."""
     from gdsload.service.receiver import _Server
 
     class _Ep:
@@ -382,15 +387,18 @@ def test_a_servers_pace_averages_quota_bursts_but_shows_a_straggler():
 
     bursty, steady, slow = _Server(_Ep()), _Server(_Ep()), _Server(_Ep())
     seen = []
-    for period in range(30):
-        for i in range(10):
-            bursty.pace(0.091 if i == 0 else 0.001)
-            steady.pace(0.010)
-            if period >= 10:
-                seen.append(bursty.batch_s / steady.batch_s)
-        for _ in range(3):
-            slow.pace(0.040)
-    assert 0.6 < min(seen) and max(seen) < 1.6  # a per-gap average (0.8/0.2) swung 0.37x-2.1x here
+    for k in range(600):  # 6 s of 100 batches/s
+        t = k * 0.010
+        bursty.pace((k // 10) * 0.100 + (k % 10) * 0.001)
+        steady.pace(t)
+        if k % 4 == 0:
+            slow.pace(t)
+        if k >= 300:
+            seen.append(bursty.batch_s / steady.batch_s)
+    assert 0.8 < min(seen) and max(seen) < 1.25  # a per-gap average (0.8/0.2) swung 0.37x-2.1x here
     assert slow.batch_s > 3 * bursty.batch_s
+    steady.pause(10.0)  # held 10 s: its last batches were not 10 s apart
+    steady.pace(6.0 + 10.0)
+    assert steady.batch_s < 0.02
     steady.at_least(0.5)  # overtaken: its next batch takes at least that long
     assert steady.batch_s == 0.5
