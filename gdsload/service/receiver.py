@@ -612,12 +612,12 @@ class _StripedReceiver:
     def _busy(srv: _Server) -> int:
         """`srv`'s requests that are not being cancelled. A cancelled stream of its own blocks
         (its block was done elsewhere) leaves its slot free to start the next one at once: its
-        blocks are not stolen meanwhile (each steal, and each stream that finds its next block
-        stolen, is one more request: at 0.1 core, chains of them cost a tenth of the server's CPU)."""
+        blocks are not stolen meanwhile (each steal, and each stream that then finds its next
+        block stolen, is one more request for a server)."""
         return sum(1 for f in srv.fetches if f.reason is None)
 
     def _median_batch_s(self) -> float:
-        """The median time between batches of the healthy servers with a rate; 0 with fewer than two."""
+        """The median pace (`_Server.batch_s`) of the healthy servers with one; 0 with fewer than two."""
         rates = sorted(s.batch_s for s in self.servers.values() if s.batch_s > 0 and s.state == "ok")
         return rates[(len(rates) - 1) // 2] if len(rates) >= 2 else 0.0
 
@@ -634,8 +634,9 @@ class _StripedReceiver:
     def _straggles(self, f: _Fetch, idle: _Server, start: int) -> bool:
         """Whether the idle server `idle` should ask for the head block that `f` is fetching: `f`
         has taken over twice the typical block time and sent nothing for `SILENT_S` (a block time,
-        if longer), or, by the servers' paces (`_Server.pace`), `f`'s server is at least 3x slower and `idle` would deliver
-        the rest (plus a batch's time to start) in under half the time `f`'s server still needs (a
+        if longer), or, by the servers' paces (`_Server.pace`), `f`'s server is at least 3x slower
+        and `idle` would deliver the rest (plus a batch's time to start) in under half the time
+        `f`'s server still needs (a
         server several times slower than the others is overtaken at once instead of after two
         block times; servers within 3x of each other, as decoding servers' rates jitter, are not:
         a copy overtaken before it sent anything marks its server suspect)."""
