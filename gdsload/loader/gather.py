@@ -16,6 +16,10 @@ What comes out (`BatchReads`) is arrays plus one key list: the loader turns it i
 `gdsload.io.table.ExtentTable`s (coalesced and read with array operations) and, once the bytes
 have landed, `gdsload.dataset.verify.check_crcs` compares the staged members' CRC32s against the index in one pass.
 
+`BatchPlanner.spans` is the same planning for a batch of stored members and index labels only,
+reading and checking nothing: where each member lies and its expected CRC32, for the feed server
+to send from the page cache (`gdsload.service.stored`).
+
 Every batch is planned here, also those whose `.npy` headers must be read (`verify="full"`,
 indexes from before conversion guaranteed C order: `needs_headers`): those headers are staged like
 any member (4 KiB each) and listed in a `TensorChecks`, with, under `verify="full"`, each
