@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 from feedkit import assert_same_batches, local_batches
 
@@ -55,6 +56,18 @@ def test_raw_batches_go_as_stored_and_equal_the_local_loader(request, fixture, w
     again.load_state_dict(state)
     rest = [list(b["__key__"]) for b in again]
     assert rest == [list(b["__key__"]) for b in want[2:]]
+
+
+def test_a_stripe_over_two_servers_is_sent_as_stored_and_in_plan_order(big_server, server, want):
+    """Striping (one stream of blocks per server, `block_stride`) over two servers that both
+    send as stored: the local loader's batches, in its order."""
+    (a, first), (b, second) = big_server, server
+    before = _stored(a), _stored(b)
+    got = _epoch([first, second], stripe_batches=1)
+    assert _stored(a) > before[0] and _stored(b) > before[1]
+    assert [list(x["__key__"]) for x in got] == [list(w["__key__"]) for w in want]
+    assert [list(x["jpg"]) for x in got] == [list(w["jpg"]) for w in want]
+    assert all(np.array_equal(x["cls"], w["cls"]) for x, w in zip(got, want))
 
 
 def test_others_are_read_by_the_loader(big_server, want, monkeypatch):
