@@ -181,6 +181,7 @@ class BatchPlanner:
         self._cols: dict[int, ShardColumns] = {}
         self._headers: dict[int, bool] = {}
         self._lock = threading.Lock()
+        self._spans_why: tuple[str | None] | None = None  # spans_unsupported(), once decided
 
     def columns(self, s: int) -> ShardColumns:
         cols = self._cols.get(s)
@@ -192,10 +193,26 @@ class BatchPlanner:
                 cols = self._cols.setdefault(s, cols)
         return cols
 
+    def _rows(self, s: int, cols: ShardColumns, name: str, js: np.ndarray) -> np.ndarray:
+        """The index rows of field `name` of shard `s`'s samples `js`; a sample without it is a
+        FormatError naming it."""
+        rows = cols.rows[name][js]
+        if rows.min() < 0:
+            bad = int(js[int(np.argmax(rows < 0))])
+            raise FormatError(f"sample {cols.index.key(bad)!r} in {self.ds.shards[s]['name']} has no field {name!r}")
+        return rows
+
     def spans_unsupported(self) -> str | None:
         """Why `spans` cannot plan these batches (None: it can). It plans batches of members sent
         as stored (bytes fields) and index labels: every label field has its column in every
-        shard's index, and the CRC32s are checked on all shards (each index has them) or none."""
+        shard's index, and the CRC32s are checked on all shards (each index has them) or none.
+        Decided once per planner (its fields and shards do not change): a parked loader's next
+        stream does not walk every index again."""
+        if self._spans_why is None:
+            self._spans_why = (self._spans_check(),)
+        return self._spans_why[0]
+
+    def _spans_check(self) -> str | None:
         checked = set()
         for s in range(len(self.ds.shards)):
             idx = self.ds.index(s)
@@ -233,10 +250,7 @@ class BatchPlanner:
                 keys = cols.keys(js)
             crc = idx.member_crc if self.crc_shards[s] else None
             for name, kind, _ in self.fields:
-                rows = cols.rows[name][js]
-                if rows.min() < 0:
-                    bad = int(js[int(np.argmax(rows < 0))])
-                    raise FormatError(f"sample {idx.key(bad)!r} in {self.ds.shards[s]['name']} has no field {name!r}")
+                rows = self._rows(s, cols, name, js)
                 if kind == "label":
                     labels.setdefault(name, np.zeros(B, np.int64))[sel] = idx.labels[name][js]
                     continue
@@ -287,10 +301,7 @@ class BatchPlanner:
                 heads[sel] = True
                 full[sel] = self.shard_verify[s] == "full" and idx.member_crc is not None
             for fi, (name, kind, _) in enumerate(self.fields):
-                rows = cols.rows[name][js]
-                if rows.min() < 0:
-                    bad = int(js[int(np.argmax(rows < 0))])
-                    raise FormatError(f"sample {idx.key(bad)!r} in {self.ds.shards[s]['name']} has no field {name!r}")
+                rows = self._rows(s, cols, name, js)
                 if kind == "label" and name in idx.labels:
                     labels[name][sel] = idx.labels[name][js]
                     continue
