@@ -44,7 +44,7 @@ from typing import Any, Literal, Optional
 from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 import numpy as np
 
-from gdsload.format.crc import crc32, crc32_combine
+from gdsload.format.crc import crc32, first_mismatch
 from gdsload.format.labels import parse_label
 from gdsload.dataset.sharded import ShardedDataset
 
@@ -102,13 +102,9 @@ def check_crcs(reads: Any, staging: Any, rows: Any = None) -> None:
 
     1. `.npy` headers staged (`reads.tensor_checks`: `verify="full"`, indexes without
        `npy_c_order`) parsed against their field: dtype, shape, C order (`TensorField.check_header`).
-    2. The CRC32 of every staged member against the index (`gdsload.format.crc`). Members that
-       follow each other in `staging` with no byte between them (the dense layout of
-       `plan(..., packed=True)`) are checked as one run: one `crc32` call over the run against the
-       members' CRCs combined (`crc32_combine`). Per member, `crc32` gives the GIL up and takes it
-       back once per call past 5 KiB, and with other reader threads busy in Python each take-back
-       waits for them: measured on 2 cores at 35 KB per member, that cost a third of the R tier's
-       samples/s. A run that differs is checked member by member, to name the culprit.
+    2. The CRC32 of every staged member against the index (`gdsload.format.crc.first_mismatch`):
+       members that follow each other in `staging` with no byte between them (the dense layout
+       of `plan(..., packed=True)`) are checked as one run, in one `crc32` call.
     3. Under `verify="full"`, the CRC32 of every `.npy` member: its staged header, then its row of
        the batch tensor; `rows[field]` is (flat array, offset of row 0) of that tensor, NumPy or,
        on a device ring, CuPy (each row copied to the host for the check).
@@ -137,29 +133,13 @@ def check_crcs(reads: Any, staging: Any, rows: Any = None) -> None:
 
 
 def _check_staged(reads: Any, staging: Any) -> None:
-    """Step 2 of `check_crcs`: the staged members' CRC32s, by runs."""
+    """Step 2 of `check_crcs`: the staged members' CRC32s, by runs (`first_mismatch`)."""
     pos, nb, expected, smp, fields = reads.crc
-    mv = memoryview(staging)
-    if crc32_combine is not None and len(pos) > 1:
-        cut = np.flatnonzero(pos[1:] != pos[:-1] + nb[:-1]) + 1
-        P, N, E = pos.tolist(), nb.tolist(), expected.tolist()
-        ok = True
-        for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(P)]):
-            want = E[a]
-            for k in range(a + 1, b):
-                want = crc32_combine(want, E[k], N[k])
-            if crc32(mv[P[a] : P[b - 1] + N[b - 1]]) != want:
-                ok = False
-                break
-        if ok:
-            return
-    got = np.fromiter((crc32(mv[a : a + n]) for a, n in zip(pos.tolist(), nb.tolist())),
-                      np.int64, len(pos))
-    bad = got != expected
-    if bad.any():
-        k = int(np.argmax(bad))
-        raise _mismatch(reads.names[int(smp[k])], fields[k], int(got[k]), int(expected[k]),
-                        f" ({int(bad.sum())} such members in this batch)")
+    bad = first_mismatch(memoryview(staging), pos, nb, expected)
+    if bad is not None:
+        k, got, count = bad
+        raise _mismatch(reads.names[int(smp[k])], fields[k], got, int(expected[k]),
+                        f" ({count} such members in this batch)")
 
 
 def label(buf: Any, start: int, nbytes: int, where: str, field: str) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 
 from gdsload.errors import ProtocolError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.decode.image import ImageTransform
-from gdsload.format.crc import crc32
+from gdsload.format.crc import first_mismatch
 from gdsload.frontend.fields import BytesColumn, to_wire
 from gdsload.service.config import CHUNK_OVERHEAD_BYTES
 from gdsload.service.status import BadRequest, CorruptCopy, OverLimit
@@ -400,20 +400,23 @@ def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> di
 
 def _check_items(f: pb.FieldData, view: memoryview, offsets: np.ndarray, sizes: np.ndarray,
                  keys: Sequence[str]) -> None:
-    """The CRC32 of each item of bytes field `f` (in `view`, the body) against `f.item_crc32`."""
+    """The CRC32 of each item of bytes field `f` (in `view`, the body) against `f.item_crc32`,
+    the field's items (back to back) in one run, as the loader checks staged members
+    (`gdsload.format.crc.first_mismatch`)."""
     if len(f.item_crc32) != len(sizes):
         raise ProtocolError(f"field {f.name!r}: {len(f.item_crc32)} CRC32s for {len(sizes)} items")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
-    for i, (a, n, want) in enumerate(zip(offsets.tolist(), sizes.tolist(), f.item_crc32)):
-        got = crc32(view[a : a + n])
-        if got != want:
-            key = keys[i] if i < len(keys) else f"item {i}"
-            raise CorruptCopy(
-                f"sample {key!r}: field {f.name!r} as the server sent it has CRC32 {got:08x}, the "
-                f"dataset's index says {want:08x}: the server's copy of the shard changed on disk "
-                f"(run gdsload verify there)"
-            )
+    bad = first_mismatch(view, offsets, sizes, np.array(f.item_crc32, np.int64))
+    if bad is not None:
+        i, got, _ = bad
+        want = f.item_crc32[i]
+        key = keys[i] if i < len(keys) else f"item {i}"
+        raise CorruptCopy(
+            f"sample {key!r}: field {f.name!r} as the server sent it has CRC32 {got:08x}, the "
+            f"dataset's index says {want:08x}: the server's copy of the shard changed on disk "
+            f"(run gdsload verify there)"
+        )
 
 
 # -- transforms ------------------------------------------------------------------------------------
