@@ -17,8 +17,9 @@ to `__key__` gives the sample keys); without it they are detected:
 Keys are the row number over all files (`%010d`), or the `__key__` column. Bad input is refused
 before anything is written (a column that does not exist, a string column mapped to an image
 field, ...). A null in a used column rejects its row, with the reason, into `rejected.jsonl`; an
-image struct with only a `path` is read from that path (relative to the Parquet file's folder),
-or rejected when it cannot be read.
+image struct with only a `path` is read from that path, relative to the Parquet file's folder and
+only inside it (an absolute path, a URL, `file://` included, a `..` component or a link on the way
+is a rejected row naming the row and the path, as is a file that cannot be read).
 
 Memory: a unit of work is a Parquet row group (or an Arrow file); it is read in batches of about
 `batch_nbytes` through a buffered stream (`buffer_size`, no pre-buffering), so a row group larger
@@ -29,6 +30,7 @@ batches are read whole: `datasets` writes them at 100-1000 rows.) Local paths an
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ _MAGIC = [(b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"GIF8", "gi
           (b"II*\x00", "tiff"), (b"MM\x00*", "tiff"), (b"\x00\x00\x00\x0cjP  ", "jp2"),
           (b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"), (b"\xff\xfb", "mp3"), (b"\xff\xf3", "mp3"),
           (b"\x93NUMPY", "npy")]
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")  # file://, s3://, https://, ...
+_DRIVE = re.compile(r"^[A-Za-z]:[/\\]")  # C:\, C:/
 
 
 def sniff(data: bytes | None) -> str | None:
@@ -421,10 +425,7 @@ class Rows:
                     elif v is None:
                         problem = f"column {c.name!r} is null in row {row + r}"
                     elif c.how == "npy":
-                        arr = np.asarray(v, dtype=c.dtype)
-                        if arr.dtype.hasobject:
-                            problem = f"column {c.name!r}: row {row + r} is a ragged list"
-                        v = arr
+                        v, problem = _as_array(v, c, row + r)
                     elif c.how == "json":
                         v = json.dumps(v, ensure_ascii=False, default=str)
                     if problem:
@@ -435,6 +436,18 @@ class Rows:
                     continue
                 yield sample
             row += batch.num_rows
+
+
+def _as_array(value: Any, c: Column, row: int) -> tuple[Any, str | None]:
+    """A list value of an `npy` column as an array of the column's dtype, or (None, the reason)
+    when it is not one: ragged (`[[1, 2], [3]]`) or holding a null, which NumPy refuses with a
+    message that names neither the row nor the column."""
+    try:
+        arr = np.asarray(value, dtype=c.dtype)
+    except (ValueError, TypeError) as exc:
+        return None, f"column {c.name!r} in row {row} is not a rectangular list of numbers " \
+                     f"(ragged, or a null inside): {str(exc).partition('.')[0]}"
+    return arr, None
 
 
 def binary_views(a: Any) -> list[memoryview | bytes | None]:
@@ -454,11 +467,29 @@ def binary_views(a: Any) -> list[memoryview | bytes | None]:
 
 
 def _read_path(folder: str, path: str, column: str, row: int) -> tuple[bytes | None, str | None]:
-    """An image struct with a path but no bytes: the file at that path (relative to the Parquet
-    file's folder)."""
-    full = path if is_remote(path) or local_path(path).is_absolute() else f"{folder}/{path}"
+    """An image struct with a path but no bytes: the file at that path, relative to the Parquet
+    (or Arrow) file's folder and inside it, as tar members are inside their tar: an absolute path,
+    a URL (`file://` too), a `..` component or a symbolic link on the way (links inside the input
+    are not followed) is refused, and so is a file that cannot be read. Refused: (None, the reason,
+    naming the column, the row and the path)."""
+    where = f"column {column!r} in row {row} has no bytes and its path {path!r}"
+    parts = path.replace("\\", "/").split("/")
+    if "\x00" in path:
+        return None, f"{where} holds a NUL byte"
+    if _URL.match(path):
+        return None, f"{where} is a URL; a path in an image struct is relative to the Parquet file's folder"
+    if path.startswith(("/", "\\")) or _DRIVE.match(path):
+        return None, f"{where} is absolute; a path in an image struct is relative to the Parquet file's folder"
+    if ".." in parts:
+        return None, f"{where} leaves the Parquet file's folder with '..'"
     try:
-        return read_range(full, follow_link=True), None
+        if is_remote(folder):  # an object store: no links, and `..` is refused above
+            return read_range(f"{folder}/{path}"), None
+        base = os.path.realpath(local_path(folder))
+        full = os.path.normpath(os.path.join(base, path))
+        real = os.path.realpath(full)
+        if real != full:  # a link on the way: its target is not followed, inside the folder or not
+            return None, f"{where} goes through a symbolic link (to {real!r}); links inside the input are not followed"
+        return read_range(full), None  # O_NOFOLLOW: a file swapped for a link since is not followed either
     except OSError as exc:
-        return None, (f"column {column!r} in row {row} has no bytes and its path {path!r} cannot be read "
-                      f"({exc.strerror or exc})")
+        return None, f"{where} cannot be read ({exc.strerror or exc})"

@@ -234,3 +234,22 @@ def test_detection_of_audio_structs_plain_binary_and_json(tmp_path):
     s = ds.sample(2)
     assert s["wav"] == wav() and s["png"] == jpeg(1, "PNG") and json.loads(s["json"]) == 9
     assert s["notes.txt"] == b"z" and ds.classes is None
+
+
+def test_a_ragged_nested_list_rejects_its_row_and_the_convert_goes_on(tmp_path):
+    """Row 9 of issue 46: a `list<list<int>>` value that is not a rectangle (or holds a null) is
+    a rejected row naming the row and the column, not NumPy's "setting an array element with a
+    sequence" ending the whole convert."""
+    t = hf_table(6)
+    arr = t.column("arr").to_pylist()
+    arr[2] = [[1, 2, 3], [4]]  # ragged
+    arr[4] = [[1, None, 3], [4, 5, 6]]  # a null inside
+    t = t.set_column(4, "arr", pa.array(arr, pa.list_(pa.list_(pa.int16()))))
+    pq.write_table(t, tmp_path / "t.parquet", row_group_size=3)
+    assert convert(tmp_path / "t.parquet", tmp_path / "ds", "--workers", "2") == 0
+    ds = open_dataset(tmp_path / "ds")
+    check_rows(ds, [0, 1, 3, 5])
+    rejects = [json.loads(x) for x in (tmp_path / "ds" / "rejected.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in rejects] == ["0000000002", "0000000004"]
+    assert rejects[0]["reason"].startswith("column 'arr' in row 2 is not a rectangular list of numbers"), rejects[0]
+    assert rejects[1]["reason"].startswith("column 'arr' in row 4 is not a rectangular list of numbers"), rejects[1]

@@ -431,3 +431,39 @@ def test_decompression_bomb_is_a_reject_under_validate(tmp_path, capsys):
     assert "too large to decode safely" in rej[str(src / "c0" / "bomb.png")]
     assert "1600000000 pixels" in rej[str(src / "c0" / "bomb.png")]
     assert "GIF images are not decoded by DALI" in rej[str(src / "c0" / "gif.png")]
+
+
+# -- 46.1: a path in a Parquet image struct stays inside the Parquet file's folder ---------------
+def test_parquet_struct_paths_resolve_only_inside_the_input_folder(tmp_path, capsys, secret):
+    """An image struct with no bytes is read from its `path` relative to the Parquet file's folder;
+    an absolute path, a URL (`file://` too), a `..` component or a link inside the folder is a
+    rejected row naming the row and the path, and the file it names never reaches a shard."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = tmp_path / "src"
+    write(src / "img" / "ok.jpg", image_bytes(1))
+    os.symlink(secret, src / "img" / "link.jpg")
+    hostile = [str(secret), "../outside/passwd", "img/../../outside/passwd", f"file://{secret}",
+               "img/link.jpg", "memory://x/passwd", ""]
+    structs = [{"bytes": image_bytes(0), "path": None}, {"bytes": None, "path": "img/ok.jpg"}] + \
+        [{"bytes": None, "path": p} for p in hostile]
+    t = pa.table({"image": pa.array(structs, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                  "label": list(range(len(structs)))})
+    pq.write_table(t, src / "train.parquet")
+    dst = tmp_path / "dst"
+    out = ok(capsys, src / "train.parquet", dst)
+    got = samples(dst)
+    assert sorted(got) == ["0000000000", "0000000001"]
+    assert got["0000000001"]["jpg"] == image_bytes(1)  # a relative path inside the folder still works
+    assert SECRET[:32] not in shard_bytes(dst)
+    rej = {r["key"]: r["reason"] for r in map(json.loads, (dst / "rejected.jsonl").read_text().splitlines())}
+    assert sorted(rej) == [f"{k:010d}" for k in range(2, len(structs))]
+    for k, path in enumerate(hostile, start=2):
+        reason = rej[f"{k:010d}"]
+        assert f"row {k}" in reason and "column 'image'" in reason, reason
+        if path:
+            assert repr(path) in reason, reason
+    assert "absolute" in rej["0000000002"] and "'..'" in rej["0000000003"] and "'..'" in rej["0000000004"]
+    assert "URL" in rej["0000000005"] and "URL" in rej["0000000007"]
+    assert "symbolic link" in rej["0000000006"]
+    assert f"{len(hostile)} inputs rejected" in out
