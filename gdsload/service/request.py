@@ -10,6 +10,7 @@ the client's to choose and are not in the request.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gdsload.errors import BadRequest, ConfigError
@@ -36,11 +37,33 @@ def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch:
     )
 
 
+def check_finite(msg: Any, path: str = "BatchRequest") -> None:
+    """Refuse (BadRequest, INVALID_ARGUMENT) a NaN or infinite value in any `float`/`double`
+    field of `msg` or of the messages in it (image, video and audio transforms, mix weights),
+    naming the field, e.g. `BatchRequest.media[0].video.scale_min`. No float field of the
+    protocol means anything when not finite, and NaN passes every `<`/`>` range check after it."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    for fd, value in msg.ListFields():
+        repeated = fd.is_repeated
+        items = list(enumerate(value)) if repeated else [(None, value)]
+        for i, item in items:
+            where = f"{path}.{fd.name}" + (f"[{i}]" if repeated else "")
+            if fd.type == F.TYPE_MESSAGE:
+                if fd.message_type.GetOptions().map_entry:
+                    continue  # (no map of the protocol has float values)
+                check_finite(item, where)
+            elif fd.type in (F.TYPE_DOUBLE, F.TYPE_FLOAT) and not math.isfinite(item):
+                raise BadRequest(f"{where} must be a finite number, got {item!r}")
+
+
 def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
-    """The loader options of a request, checked as a local loader's are. The request's `fields`
-    select the served dataset's fields (the catalog does that); the server's batches are dicts."""
+    """The loader options of a request, checked as a local loader's are (first: every float
+    field finite, `check_finite`). The request's `fields` select the served dataset's fields
+    (the catalog does that); the server's batches are dicts."""
     from gdsload.service import wire
 
+    check_finite(req)
     if req.payload not in PAYLOADS:
         raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
     if req.on_error not in ON_ERROR:

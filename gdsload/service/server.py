@@ -617,7 +617,9 @@ class FeedServicer(pb_grpc.FeedServicer):
             elif steps is None:
                 it = loader.iter_batches(req.max_batches or None)  # nothing read past the stream's end
             else:  # the stripe's blocks of this server, read ahead across the gaps
-                it = loader.iter_batches(steps=steps) if steps else iter(())
+                # (no steps: a start at or past the stripe's last block, an empty stream; a
+                # generator, which `close()`s in `finally` as the loader's iterator does)
+                it = loader.iter_batches(steps=steps) if steps else (b for b in ())
             if steps is not None:
                 steps = iter(steps)
             m_batches = self.metrics.batches.labels(req.dataset, payload)

@@ -156,3 +156,44 @@ def test_failover_to_the_next_address(server, stripe):
     assert servers[address]["batches"] == 4
     if not stripe:  # one server at a time: the dead one is left for the next
         assert loader.stats()["address"] == address and loader.stats()["reconnects"] >= 1
+
+
+def test_a_striped_stream_from_the_end_of_the_epoch_is_empty(server):
+    """Issue 46 row 8: a `block_stride` request whose start is the end of the epoch (no block of
+    its stripe is left) is an empty stream with status OK (it was INTERNAL: an AttributeError)."""
+    _, address = server
+    stub = pb_grpc.FeedStub(grpc.insecure_channel(address))
+    for start in (256, 248):  # the end of the epoch (64 steps of 4 samples); its last step
+        call = stub.StreamBatches(pb.BatchRequest(dataset="feats", batch_size=4, block_stride=2, block_batches=1,
+                                                  start_position=start), timeout=10)
+        chunks = list(call)
+        assert call.code() == grpc.StatusCode.OK
+        assert len(chunks) == (0 if start == 256 else 1)
+
+
+@pytest.mark.parametrize("field, req", [
+    ("BatchRequest.media[0].video.scale_min", pb.BatchRequest(
+        dataset="feats", batch_size=4, payload=pb.PAYLOAD_DECODED,
+        media=[pb.MediaTransformSpec(video=pb.VideoTransformSpec(scale_min=float("nan"), scale_max=1.0))])),
+    ("BatchRequest.media[0].audio.seconds", pb.BatchRequest(
+        dataset="feats", batch_size=4, payload=pb.PAYLOAD_DECODED,
+        media=[pb.MediaTransformSpec(field="wav", audio=pb.AudioTransformSpec(seconds=float("inf")))])),
+    ("BatchRequest.transform.mean[1]", pb.BatchRequest(
+        dataset="imgs", batch_size=4, payload=pb.PAYLOAD_DECODED,
+        transform=pb.ImageTransformSpec(size=8, resize=8, mean=[0.5, float("nan"), 0.5], std=[1, 1, 1]))),
+    ("BatchRequest.transform.flip", pb.BatchRequest(
+        dataset="imgs", batch_size=4, payload=pb.PAYLOAD_DECODED,
+        transform=pb.ImageTransformSpec(size=8, resize=8, flip=float("-inf")))),
+    ("BatchRequest.mix.sources[1].weight", pb.BatchRequest(
+        batch_size=4, mix=pb.MixSpec(sources=[pb.MixSource(dataset="feats", weight=1.0),
+                                              pb.MixSource(dataset="imgs", weight=float("nan"))]))),
+])
+def test_nan_or_inf_in_a_request_is_invalid_argument_naming_the_field(server, field, req):
+    """Issue 46 row 8: any float field of a request that is NaN or infinite is refused before
+    anything is built (a NaN video scale was accepted: it passes every range check)."""
+    _, address = server
+    stub = pb_grpc.FeedStub(grpc.insecure_channel(address))
+    with pytest.raises(grpc.RpcError) as e:
+        next(iter(stub.StreamBatches(req, timeout=10)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert field in e.value.details() and "finite" in e.value.details(), e.value.details()
