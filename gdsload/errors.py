@@ -77,6 +77,11 @@ class RingTimeout(RingError, TimeoutError):
     """A blocking ring call ran out of time (`timeout` seconds; 0 means do not block)."""
 
 
+class PassStopped(GdsloadError):
+    """`next()` on a pass that `load_state_dict()` or `set_epoch()` stopped: the loader's next
+    `iter()` starts from the loaded (or set) state; the stopped pass hands out nothing more."""
+
+
 # -- decode, cache, user code ---------------------------------------------------------------------
 class DecodeError(GdsloadError):
     """An image could not be decoded; the message names its shard and key.

@@ -1,15 +1,22 @@
 """Where a loader stands in its plan: the epoch and the global position the training loop consumed.
 
 Both loaders keep one `Cursor` and expose it through `PlanCursor` (`len()`, `set_epoch()`,
-`epoch`, `state_dict()`, `load_state_dict()`). The iterator of a pass is the only thing that moves
-it (`advance`, `end`), and only while it is the cursor's live pass:
+`epoch`, `state_dict()`, `load_state_dict()`). A pass (the iterator of one `iter()`) registers
+with `begin` and is the cursor's live pass until it ends, closes or is stopped; only the live pass
+moves the cursor (`advance`, `end`). The rules (DESIGN.md, "Prefetch ring": a pass is owned by one
+iterator):
 
-- `set_epoch(n)` while a pass is live applies to the **next** `iter()`: the live pass keeps its
-  epoch and goes on advancing the cursor, so `state_dict()` always describes what the loop
-  consumed (resuming it continues that pass). Without a live pass (before the first `iter()`,
-  after a pass ended, or after a `break` dropped it) it applies at once, as `DistributedSampler`'s.
-- `load_state_dict()` detaches the live pass (it no longer moves the cursor); the next `iter()`
-  starts from the loaded state.
+- `state_dict()` always says what the next `iter()` will do: while a pass is live, that is to
+  continue it after the last batch it handed out.
+- `load_state_dict()` and a `set_epoch(n)` that changes the epoch **stop** the live pass first
+  (`stop`): its producers end and its slots are freed before the call returns, so no thread of
+  the old pass can write into the slots of the next one (Lightning loads a checkpoint's state
+  after it called `iter()`). A `next()` on the stopped iterator raises `PassStopped`; the next
+  `iter()` starts from the loaded state, or at position 0 of epoch n. `set_epoch` with the epoch
+  the cursor is at changes nothing (a trainer that sets the epoch each time it starts one does
+  not restart a resumed pass).
+- A new `iter()` while a pass is live closes that pass (its iterator then ends with
+  `StopIteration`) and continues from the cursor.
 - A pass that ran to its end moves the cursor to the next epoch, position 0.
 """
 
@@ -17,14 +24,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
+
+
+class Pass(Protocol):
+    """What a cursor needs of a pass: `stop(why)` closes it (producers ended, slots freed) and
+    makes its later `next()` raise `PassStopped` naming `why`."""
+
+    def stop(self, why: str) -> None: ...
 
 
 class Cursor:
     def __init__(self, epoch: int = 0, position: int = 0):
         self.epoch = epoch
         self.position = position  # global samples consumed in `epoch` (a multiple of the global batch)
-        self.pending: int | None = None  # set_epoch() during a live pass, for the next one
         self._live: weakref.ref | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # a copy (another process) has no live pass
@@ -34,17 +47,23 @@ class Cursor:
         return self._live() if self._live is not None else None
 
     def set_epoch(self, epoch: int) -> None:
-        if self.live() is not None:
-            self.pending = epoch
-        elif epoch != self.epoch:
-            self.epoch, self.position, self.pending = epoch, 0, None
+        if epoch != self.epoch:
+            self.stop(f"set_epoch({epoch})")
+            self.epoch, self.position = epoch, 0
 
-    def begin(self, it: Any) -> tuple[int, int]:
-        """A new pass `it` starts: the (epoch, position) it starts from (a pending `set_epoch` first)."""
-        if self.pending is not None:
-            if self.pending != self.epoch:
-                self.epoch, self.position = self.pending, 0
-            self.pending = None
+    def load(self, epoch: int, position: int) -> None:
+        self.stop("load_state_dict()")
+        self.epoch, self.position = epoch, position
+
+    def stop(self, why: str) -> None:
+        """Stop the live pass, if any (it detaches itself; detached here too if it did not)."""
+        it = self.live()
+        if it is not None:
+            it.stop(why)
+        self._live = None
+
+    def begin(self, it: Pass) -> tuple[int, int]:
+        """A new pass `it` starts: the (epoch, position) it starts from."""
         self._live = weakref.ref(it)
         return self.epoch, self.position
 
@@ -62,9 +81,6 @@ class Cursor:
     def detach(self, it: Any) -> None:
         if self.live() is it:
             self._live = None
-
-    def load(self, epoch: int, position: int) -> None:
-        self.epoch, self.position, self.pending, self._live = epoch, position, None, None
 
 
 class PlanCursor:
@@ -96,8 +112,7 @@ class PlanCursor:
         return c
 
     def __len__(self) -> int:
-        c = self._cursor()
-        return self.plan.num_batches(c.pending if c.pending is not None else c.epoch)
+        return self.plan.num_batches(self._cursor().epoch)
 
     def set_epoch(self, epoch: int) -> None:
         self._cursor().set_epoch(epoch)

@@ -42,8 +42,9 @@ Order and resumption come from `gdsload.plan.plan`: the order of an epoch depend
 seed, epoch); `state_dict()` records the global position, and `load_state_dict()` resumes the
 exact remaining order, also on another world size with the same global batch. After a full epoch
 the loader moves to the next epoch by itself; `set_epoch(n)` sets it explicitly (as with
-`DistributedSampler`; while a pass is live it applies to the next `iter()`, see
-`gdsload.frontend.cursor`).
+`DistributedSampler`). `load_state_dict()`, or a `set_epoch()` that changes the epoch, while a
+pass is live stops that pass first (its readers end and its slots are freed before the call
+returns; the next `iter()` starts from the new state): see `gdsload.frontend.cursor`.
 """
 
 from __future__ import annotations
@@ -351,8 +352,11 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._resources = None
         self._layout = None
 
-    def __del__(self) -> None:
-        if sys.is_finalizing():  # at exit daemon threads are frozen, maybe holding the locks close()
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:
+        # `sys.is_finalizing` is bound at definition: at exit this module's globals may already be
+        # None when a module-level loader is collected (seen: `'NoneType' object has no attribute
+        # 'is_finalizing'` printed at exit)
+        if _finalizing():  # at exit daemon threads are frozen, maybe holding the locks close()
             return  # takes (seen: a read-ahead thread's cache lock, a process hung); the OS frees fds and flocks
         try:
             self.close()

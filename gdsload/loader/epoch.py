@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.errors import RingClosed
+from gdsload.errors import PassStopped, RingClosed
 from gdsload.loader.assemble import UNSET
 from gdsload.loader.decoding import OrderedDecoder
 from gdsload.loader.fill import SlotFiller
@@ -50,6 +50,7 @@ class Epoch:
         self.pid = os.getpid()  # the reader threads and the ring state exist in this process only
         self._successor: Iterator[Any] | None = None
         self._closed = True  # until the readers start: `close()` has nothing to stop
+        self._stopped_by: str | None = None  # `stop(why)`: the loader's call that ended this pass
         self.epoch, position = cursor.begin(self)
         try:
             self._start(plan, position, resources, layout, source, assembler, stage, tuner)
@@ -153,8 +154,11 @@ class Epoch:
     def __next__(self) -> Any:
         if self.pid != os.getpid():
             return self._next_in_forked_child()
-        if self._closed:  # finished, failed, closed, or replaced by a newer iter(): the ring
-            raise StopIteration  # may carry another epoch now, never touch it again
+        if self._closed:  # finished, failed, closed, stopped or replaced by a newer iter(): the
+            if self._stopped_by is not None:  # ring may carry another epoch now, never touch it again
+                raise PassStopped(f"this pass was stopped by the loader's {self._stopped_by}: call "
+                                  "iter(loader) again for the pass it set up")
+            raise StopIteration
         if self.handed is not None:
             self._release(self.handed)
             self.handed = None
@@ -229,6 +233,13 @@ class Epoch:
         streams = self.res.streams
         fence = streams.release_fence(same_thread=same_thread) if streams is not None else None
         self.ring.release(slot, fence=fence)
+
+    def stop(self, why: str) -> None:
+        """`load_state_dict()` or `set_epoch()` while this pass is live (`gdsload.frontend.cursor`):
+        close it now (readers joined, slots released) and make a later `next()` say why."""
+        if not self._closed:
+            self._stopped_by = why
+        self.close()
 
     def close(self) -> None:
         if self._closed:

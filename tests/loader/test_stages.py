@@ -1,5 +1,6 @@
 """The loader as composed stages (issue "One layout a newcomer can walk"): one options object and
-error type for both loaders, the cursor rules of `set_epoch` during a live pass, per-stage times
+error type for both loaders, `set_epoch` after a drained pass (during a live one:
+`tests/loader/test_live_pass.py`), per-stage times
 in `stats()`, and autotune changing the loader's resources, not its configuration."""
 
 from __future__ import annotations
@@ -39,27 +40,6 @@ def test_invalid_options_raise_one_error_type_naming_the_option(feats, kw, words
         DataLoader(feats, device="cpu", **{"output": "numpy", **kw}) if "device" not in kw else \
             DataLoader(feats, output="numpy", **kw)
     assert isinstance(err.value, ValueError) and isinstance(err.value, GdsloadError)
-
-
-def test_set_epoch_during_a_live_pass_applies_to_the_next_iter(feats):
-    dl = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy")
-    full0 = keys(DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy"))
-    ref = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy")
-    ref.set_epoch(5)
-    full5 = keys(ref)
-    it = iter(dl)
-    got = list(next(it)["__key__"]) + list(next(it)["__key__"])
-    dl.set_epoch(5)  # the live pass keeps epoch 0 and its cursor
-    got += next(it)["__key__"]
-    state = dl.state_dict()
-    assert (state["epoch"], state["position"]) == (0, 12)  # what the loop consumed
-    assert got == full0[:12]
-    # resuming that state continues epoch 0 exactly
-    other = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy")
-    other.load_state_dict(state)
-    assert keys(other) == full0[12:]
-    # the next iter() starts epoch 5 from its beginning (the break-then-set_epoch pattern)
-    assert keys(dl) == full5 and dl.epoch == 6
 
 
 def test_a_drained_pass_moves_on_and_set_epoch_after_it_applies_at_once(feats):
