@@ -168,3 +168,38 @@ def test_a_bad_state_leaves_the_live_pass_alone(feats):
     keys += [k for b in it for k in b["__key__"]]
     assert keys == order
     lo.close()
+
+
+@pytest.mark.parametrize("state", ["live", "stopped", "closed", "closed-live", "kept"])
+def test_a_module_level_loader_exits_cleanly_whatever_its_state(feats, tmp_path, state):
+    """Row 12: torch imported, a loader at module level, the script ends: nothing on stderr (was
+    `Exception ignored in DataLoader.__del__ ... 'NoneType' object has no attribute
+    'is_finalizing'`, module globals already cleared)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(f"""
+import torch
+import gdsload
+loader = gdsload.DataLoader({feats!r}, batch_size=4, shuffle=True, device="cpu", num_workers=2)
+it = iter(loader)
+first = next(it)
+state = {state!r}
+if state == "stopped":
+    loader.load_state_dict(loader.state_dict())
+    it2 = iter(loader)
+    next(it2)
+elif state == "closed":
+    loader.close()
+elif state == "closed-live":
+    it2 = iter(loader)
+    next(it2)
+    loader.close()
+elif state == "kept":
+    kept = [b["npy"] for b in it]
+print("ok")
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr == ""
