@@ -7,9 +7,14 @@ DALI index, shards published whole, the manifest last, one writer per destinatio
 crash-safe resume, rejects with reasons in `rejected.jsonl`.
 
 Samples are dicts: `"__key__"` (a str, unique in the dataset) and fields named by extension
-(`jpg`, `cls`, `caption.txt`, `emb.npy`). Values: bytes as they are; str as UTF-8; an int as a
-decimal label (`.cls`); a NumPy array (or a list of numbers for a `.npy` field) as an aligned
-`.npy`; dicts, lists, floats, bools and None as JSON. Other keys starting with `__` are ignored;
+(`jpg`, `cls`, `caption.txt`, `emb.npy`): the extension says how a field is stored and decoded, so
+a name without one (`image`, `label`) is refused naming the `NAME.EXT` form (`.bin` for raw
+bytes). A dataset's fields are its first sample's: every later sample has exactly those (no
+optional fields: the loader reads every field of every sample), and one with a field missing or
+extra is refused naming the sample and the field (`write`: an error, as a key collision is, not a
+reject). Values: bytes as they are; str as UTF-8; an int as a decimal label (`.cls`); a NumPy
+array (or a list of numbers for a `.npy` field) as an aligned `.npy`; dicts, lists, floats, bools
+and None as JSON. Other keys starting with `__` are ignored;
 in `write`, a sample `{"__key__": k, "__reject__": "why"}` is left out and recorded as a reject.
 
 Order and determinism: samples are written in the order given (`write`: input order, then the
@@ -120,6 +125,27 @@ def encode_sample(sample: Mapping[str, Any]) -> tuple[str, Payloads]:
     if not out:
         raise FormatError(f"sample {key!r} has no fields")
     return key, out  # type: ignore[return-value]
+
+
+def has_extension(name: str) -> bool:
+    """Whether a field name says how the field is stored: `NAME.EXT`, or a known extension alone
+    (`jpg`, `cls`, `txt`, `npy`, `json`, `bin`, `mp4`, `wav`, ...)."""
+    base, dot, ext = name.rpartition(".")
+    if dot:
+        return bool(base and ext)
+    return mf.field_kind(name) != "bytes" or name.lower() == "bin"
+
+
+def _check_names(key: str, payloads: Mapping[str, Any], where: str) -> None:
+    """The first sample's field names (the dataset's) each have an extension."""
+    bare = [name for name in payloads if not has_extension(name)]
+    if bare:
+        named = "" if where == f"sample {key!r}" else f" ({where})"
+        raise InputError(
+            f"sample {key!r}{named}: field{'s' if len(bare) > 1 else ''} {', '.join(map(repr, bare))} "
+            f"{'have' if len(bare) > 1 else 'has'} no extension; name a field NAME.EXT (e.g. "
+            f"'{bare[0]}.jpg', '{bare[0]}.cls', '{bare[0]}.txt', '{bare[0]}.npy', or '{bare[0]}.bin' for raw bytes) "
+            f"or by its extension alone ('jpg', 'cls'): the extension says how it is stored and decoded")
 
 
 def sample_nbytes(payloads: Mapping[str, bytes | memoryview]) -> int:
@@ -400,8 +426,13 @@ class ShardWriter:
         other = self._keys.get(key)
         if other is not None:
             raise InputError(f"duplicate sample key {key!r}: {other} and {where}")
-        if self._base is not None:
-            self._check_schema(key, payloads)
+        want = self.fields or self._cur_fields  # the dataset's fields: its first sample's (or the base's)
+        if not want:
+            _check_names(key, payloads, where)
+        elif payloads.keys() != want.keys():
+            self._fields_differ(key, payloads, want, where)
+        if self._npy:
+            self._check_npy(key, payloads)
         try:
             if self.validate:
                 for ext, data in payloads.items():
@@ -438,14 +469,20 @@ class ShardWriter:
     def _first_index(self) -> int:
         return len(self._base["shards"]) if self._base is not None else 0
 
-    def _check_schema(self, key: str, payloads: Mapping[str, bytes | memoryview]) -> None:
-        have, want = set(payloads), set(self.fields)
-        if have != want:
-            diff = "; ".join(x for x in (
-                f"missing {sorted(want - have)}" if want - have else "",
-                f"not in the dataset {sorted(have - want)}" if have - want else "") if x)
-            raise InputError(f"sample {key!r}: its fields {sorted(have)} are not the dataset's {sorted(want)} "
-                             f"({diff}); appended samples must have the same fields")
+    def _fields_differ(self, key: str, payloads: Mapping[str, Any], fields: Mapping[str, str], where: str) -> None:
+        """Raise the InputError of a sample whose fields are not the dataset's, naming the fields."""
+        have, want = set(payloads), set(fields)
+        diff = "; ".join(x for x in (
+            f"missing {sorted(want - have)}" if want - have else "",
+            f"not in the dataset {sorted(have - want)}" if have - want else "") if x)
+        rule = "appended samples must have the same fields" if self._base is not None else \
+            "a dataset's fields are its first sample's, and every sample has exactly those"
+        named = "" if where == f"sample {key!r}" else f" ({where})"
+        raise InputError(f"sample {key!r}{named}: its fields {sorted(have)} are not the dataset's {sorted(want)} "
+                         f"({diff}); {rule}")
+
+    def _check_npy(self, key: str, payloads: Mapping[str, bytes | memoryview]) -> None:
+        """An appended sample's `.npy` fields have the dataset's dtypes (and fixed shapes)."""
         for ext, (dtype, shape) in self._npy.items():
             try:
                 got_dtype, got_shape = _npy_spec(payloads[ext])

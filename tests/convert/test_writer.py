@@ -88,6 +88,57 @@ def test_values_that_cannot_be_stored_are_refused(tmp_path):
         assert not [n for n in os.listdir(tmp_path / d) if n.endswith(".tar")]
 
 
+def nothing_written(root: Path) -> bool:
+    """No dataset and no shard at `root` (a refused write leaves nothing that looks like one)."""
+    return not (root / "manifest.json").exists() and not [n for n in os.listdir(root) if n.endswith(".tar")]
+
+
+@pytest.mark.parametrize("second, message", [
+    ({"__key__": "k1", "jpg": b"x"}, r"sample 'k1': its fields \['jpg'\] are not the dataset's \['cls', 'jpg'\] "
+                                     r"\(missing \['cls'\]\); a dataset's fields are its first sample's"),
+    ({"__key__": "k1", "jpg": b"x", "cls": 1, "txt": "hi"}, r"sample 'k1': .*\(not in the dataset \['txt'\]\)"),
+    ({"__key__": "k1", "png": b"x", "cls": 1}, r"sample 'k1': .*\(missing \['jpg'\]; not in the dataset \['png'\]\)"),
+])
+def test_a_sample_with_other_fields_than_the_first_is_refused_at_write_time(tmp_path, second, message):
+    """Issue 46 row 13: the dataset's fields are the first sample's; a later sample with a field
+    missing or extra is refused when written, naming the sample and the field (it used to be
+    written, and the loader failed on it)."""
+    with pytest.raises(InputError, match=message), gdsload.ShardWriter(tmp_path / "ds") as w:
+        w.write({"__key__": "k0", "jpg": b"x", "cls": 0})
+        w.write(second)
+    assert nothing_written(tmp_path / "ds")
+
+
+def test_a_field_name_without_an_extension_is_refused(tmp_path):
+    """Issue 46 row 13: `{"image": ..., "label": 1}` is refused naming the fields and the NAME.EXT
+    form (it used to be stored as raw bytes, a field no loader decodes); a known extension alone
+    (`jpg`, `cls`, `bin`) or NAME.EXT (`raw.bin`, `x.foo`) is a field name."""
+    with pytest.raises(InputError, match=r"sample 'k0': fields 'image', 'label' have no extension; name a field "
+                                         r"NAME.EXT \(e.g. 'image.jpg', .*'image.bin' for raw bytes\)"):
+        with gdsload.ShardWriter(tmp_path / "a") as w:
+            w.write({"__key__": "k0", "image": b"\xff\xd8\xff", "label": 1})
+    assert nothing_written(tmp_path / "a")
+    with pytest.raises(InputError, match=r"field 'caption.' has no extension"), gdsload.ShardWriter(tmp_path / "b") as w:
+        w.write({"__key__": "k0", "jpg": b"x", "caption.": "hi"})
+    with gdsload.ShardWriter(tmp_path / "c") as w:
+        w.write({"__key__": "k0", "jpg": b"x", "cls": 1, "bin": b"y", "raw.bin": b"z", "x.foo": b"w"})
+    assert sorted(w.manifest["fields"]) == ["bin", "cls", "jpg", "raw.bin", "x.foo"]
+
+
+@pytest.mark.parametrize("workers, executor", [(1, "process"), (2, "process"), (2, "thread")])
+def test_write_refuses_a_sample_whose_fields_differ_naming_it_and_its_input(tmp_path, workers, executor):
+    def fn(i):
+        return {"__key__": f"k{i}", "bin": b"x" * 3000, **({"cls": i} if i != 7 else {})}
+
+    with pytest.raises(InputError, match=r"sample 'k7' \(input 7 \(7\)\): .*\(missing \['cls'\]\)"):
+        gdsload.write(fn, range(10), tmp_path / "ds", shard_size="20KB", workers=workers, executor=executor,
+                      progress=False)
+    assert nothing_written(tmp_path / "ds")
+    with pytest.raises(InputError, match=r"sample 'k0' \(input 0 \(0\)\): field 'label' has no extension"):
+        gdsload.write(lambda i: {"__key__": f"k{i}", "label": i}, range(3), tmp_path / "ds2", workers=workers,
+                      executor=executor, progress=False)
+
+
 def gen(i: int):
     """Zero to three samples per input (filtering is free); sizes vary so shards cut unevenly."""
     for j in range(i % 4):
