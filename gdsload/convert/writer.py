@@ -10,9 +10,9 @@ Samples are dicts: `"__key__"` (a str, unique in the dataset) and fields named b
 (`jpg`, `cls`, `caption.txt`, `emb.npy`): the extension says how a field is stored and decoded, so
 a name without one (`image`, `label`) is refused naming the `NAME.EXT` form (`.bin` for raw
 bytes). A dataset's fields are its first sample's: every later sample has exactly those (no
-optional fields: the loader reads every field of every sample), and one with a field missing or
-extra is refused naming the sample and the field (`write`: an error, as a key collision is, not a
-reject). Values: bytes as they are; str as UTF-8; an int as a decimal label (`.cls`); a NumPy
+optional fields: a loader reads the fields it is given from every sample), and one with a field
+missing or extra is refused naming the sample and the field (`write`: an error, as a key
+collision is, not a reject). Values: bytes as they are; str as UTF-8; an int as a decimal label (`.cls`); a NumPy
 array (or a list of numbers for a `.npy` field) as an aligned `.npy`; dicts, lists, floats, bools
 and None as JSON. Other keys starting with `__` are ignored;
 in `write`, a sample `{"__key__": k, "__reject__": "why"}` is left out and recorded as a reject.
