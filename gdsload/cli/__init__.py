@@ -102,11 +102,21 @@ def _convert(a: argparse.Namespace) -> int:
     classes = f"{n} class{'es' if n != 1 else ''}" if n else "no classes"
     print(f"input: {m['created']['source_format']} ({'--format' if a.format else 'detected'}), {classes}"
           + (", labels from .cls" if "cls" in m["fields"] and not m.get("classes") else ""))
+    print(convert_fields(m))
     if r["rejected"]:
         print(f"{r['rejected']} inputs rejected and left out: see {os.path.join(a.dst, 'rejected.jsonl')}")
     for field, count in m["created"].get("fortran_to_c", {}).items():
         print(f"{count} Fortran-ordered .{field} arrays stored in C order (same values)")
     return 0
+
+
+def convert_fields(m: dict[str, Any]) -> str:
+    """The summary's line naming the dataset's fields (the keys of a loader's batches), each with
+    its kind and, for a Parquet/Arrow input, the column it came from: an HF `Image` column is named
+    by its images' type (`png`), which a user looking for `jpg` needs to see."""
+    columns = {f: c for c, f in (m["created"].get("columns") or {}).items()}
+    return "fields: " + ", ".join(f"{f} ({kind}" + (f", column {columns[f]!r})" if f in columns else ")")
+                                  for f, kind in m["fields"].items())
 
 
 def media_summary(ds: Any) -> dict[str, Any]:

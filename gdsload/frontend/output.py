@@ -3,6 +3,11 @@
 `output="torch"` (the default when torch imports) gives torch tensors, `"numpy"` NumPy arrays (CuPy
 arrays for a loader whose batches are on a GPU). Torch is looked up, never imported at
 `import gdsload` time, so a NumPy-output loader never loads it.
+
+A batch is a `Batch`: a dict (torch's `default_collate` and `pin_memory` keep its type, and it
+pickles as a dict does) whose missing field is a `MissingFieldError`, a `KeyError` naming the fields
+the batch has (a converted HuggingFace `Image` column is named by its images' type, `png` say,
+where a user may look for `jpg`).
 """
 
 from __future__ import annotations
@@ -41,3 +46,25 @@ def as_output(arr: Any, output: str, device: str = "cpu", *, copy: bool = False)
         with cupy.cuda.Device(int(device.partition(":")[2] or 0)):
             return cupy.asarray(arr)
     return arr.copy() if copy else arr
+
+
+class MissingFieldError(KeyError):
+    """A `KeyError` for a field a batch does not have; its message names the fields there are."""
+
+    def __str__(self) -> str:  # the message as it is, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
+class Batch(dict):
+    """What a loader hands out (without `fields=` tuples or a `collate_fn`): field -> column, plus
+    `"__key__"`. A plain dict but for a missing field, whose `KeyError` lists the fields there are."""
+
+    def __missing__(self, key: Any) -> Any:
+        from gdsload.format.manifest import field_kind
+
+        alike = [k for k in self if isinstance(key, str) and isinstance(k, str) and not k.startswith("__")
+                 and field_kind(k) == field_kind(key) != "bytes"]
+        raise MissingFieldError(
+            f"{key!r} is not a field of this batch; its fields are {', '.join(map(repr, self)) or 'none'}"
+            + (f"; did you mean {alike[0]!r}? (a converted image column is named by its images' type)"
+               if alike else ""))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gdsload.frontend import fields as _fieldkinds
-from gdsload.frontend.output import as_output
+from gdsload.frontend.output import Batch, as_output
 from gdsload.frontend.usercode import host_copy
 
 
@@ -71,7 +71,7 @@ class BatchAssembler:
             return info.mapped
         n = info.n
         keep = info.keep
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = Batch()  # a missing field's KeyError names the fields there are
         for fp in self.fields:
             if fp.kind == "bytes":  # a BytesColumn owning its buffer (never a view of the ring)
                 col = info.extra[fp.name]

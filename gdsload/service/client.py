@@ -59,7 +59,7 @@ from gdsload.dataset.mix import Mix
 from gdsload.frontend.cursor import PlanCursor
 from gdsload.frontend.fields import parse_columns
 from gdsload.frontend.options import LoaderOptions
-from gdsload.frontend.output import as_output
+from gdsload.frontend.output import Batch, as_output
 from gdsload.frontend.stages import StageTimes
 from gdsload.frontend.usercode import MapStage
 from gdsload.service import mixwire, wire
@@ -400,7 +400,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
                           max_batches=self.batches_per_stream)
 
     def _convert(self, batch: dict[str, Any]) -> Any:
-        batch = parse_columns(batch, decode=self.decode)  # text, json, ragged .npy: as locally
+        batch = Batch(parse_columns(batch, decode=self.decode))  # text, json, ragged .npy: as locally
         if self._stage is not None:
             names = [f"{k}" for k in batch[wire.KEY]]
             t0 = time.perf_counter()

@@ -253,3 +253,22 @@ def test_a_ragged_nested_list_rejects_its_row_and_the_convert_goes_on(tmp_path):
     assert [r["key"] for r in rejects] == ["0000000002", "0000000004"]
     assert rejects[0]["reason"].startswith("column 'arr' in row 2 is not a rectangular list of numbers"), rejects[0]
     assert rejects[1]["reason"].startswith("column 'arr' in row 4 is not a rectangular list of numbers"), rejects[1]
+
+
+def test_the_summary_lists_the_fields_and_the_columns_they_came_from(tmp_path, capsys):
+    """Row 14 of issue 46: an HF `Image` column of PNGs becomes the field `png`; the summary says
+    so (a user reading `batch["jpg"]` in an example needs to see it), for any input."""
+    schema = pa.schema([("image", IMAGE), ("label", pa.int64()), ("caption", pa.string())],
+                       metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})})
+    t = pa.table({"image": [{"bytes": jpeg(i, "PNG"), "path": None} for i in range(3)], "label": [0, 1, 2],
+                  "caption": ["a", "b", "c"]}, schema=schema)
+    pq.write_table(t, tmp_path / "t.parquet")
+    capsys.readouterr()
+    assert convert(tmp_path / "t.parquet", tmp_path / "ds") == 0
+    out = capsys.readouterr().out
+    assert "fields: cls (label, column 'label'), png (image, column 'image'), txt (text, column 'caption')\n" in out
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "k0.txt").write_text("hi")
+    (tmp_path / "files" / "k0.json").write_text("{}")
+    assert convert(tmp_path / "files", tmp_path / "ds2") == 0
+    assert "fields: json (json), txt (text)\n" in capsys.readouterr().out
