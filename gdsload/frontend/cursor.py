@@ -88,23 +88,6 @@ class PlanCursor:
 
     cursor: Cursor
 
-    # the remote loader's receiver still reads and writes these two by name
-    @property
-    def _epoch(self) -> int:
-        return self._cursor().epoch
-
-    @_epoch.setter
-    def _epoch(self, value: int) -> None:
-        self._cursor().epoch = value
-
-    @property
-    def _position(self) -> int:
-        return self._cursor().position
-
-    @_position.setter
-    def _position(self, value: int) -> None:
-        self._cursor().position = value
-
     def _cursor(self) -> Cursor:
         c = self.__dict__.get("cursor")
         if c is None:

@@ -14,13 +14,16 @@ server whose copy of the data is corrupt (DATA_LOSS) is not asked again; each ot
 once. The retry budget is time: `retry_timeout_s` (default 120 s, enough for a server restart)
 without a batch, optionally also `max_retries` attempts; the error it ends with says how to resume.
 `state_dict()` / `load_state_dict()` are the local loader's (same format, checked by
-`gdsload.plan.plan.Plan`), so a state saved by either loader resumes in the other.
+`gdsload.plan.plan.Plan`), so a state saved by either loader resumes in the other. The cursor is
+the local loader's `gdsload.frontend.cursor.Cursor`, with its rules: an iteration registers as its
+live pass, `load_state_dict()` or a `set_epoch()` that changes the epoch while it is live cancels
+its stream first, and `state_dict()` says what the next `iter()` will do.
 
 Modules: this one is the facade (arguments, plan, cursor, conversion); `link.py` holds the channels
 and the retry policy, `receiver.py` the receiving threads and the epoch iterator.
 
 Lifetime: the receiver thread holds the connection state (`_Link`) and its own queue, never the
-loader nor the epoch iterator, and the loader refers to its epoch weakly. A loader or iterator
+loader nor the epoch iterator, and the loader's cursor refers to its epoch weakly. A loader or iterator
 dropped mid-epoch is therefore collected, and its finalizer cancels the stream at once (a thread
 that kept the loader alive held the server's stream slot for `stream_deadline_s`).
 
@@ -42,7 +45,6 @@ forkserver, continuing from the parent's cursor. grpc is imported here, not by `
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -56,7 +58,7 @@ from gdsload.host.malloc import keep_large_blocks
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
 from gdsload.dataset.mix import Mix
-from gdsload.frontend.cursor import PlanCursor
+from gdsload.frontend.cursor import Cursor, PlanCursor
 from gdsload.frontend.fields import parse_columns
 from gdsload.frontend.options import LoaderOptions
 from gdsload.frontend.output import Batch, as_output
@@ -132,7 +134,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     and continues where the loader stood (`state_dict()`).
     """
 
-    _PROCESS_LOCAL = ("_active", "_stats", "_stages")
+    _PROCESS_LOCAL = ("_stats", "_stages")
 
     def __init__(
         self,
@@ -258,12 +260,10 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self._link.resolve_names = self.striped
         self._plan = None
         self._info: pb.DatasetInfo | None = None
-        self._epoch = 0
-        self._position = 0
+        self.cursor = Cursor()
         self._start_process()
 
     def _init_process_local(self) -> None:
-        self._active: weakref.ref[_RemoteEpoch] | None = None  # weak: see "Lifetime" above
         self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0, "shared_batches": 0}
         self._stages = StageTimes(STAGES)  # stats()["stages"]
 
@@ -328,10 +328,10 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         if epoch >= 1 << 64:
             raise StateError(f"state field 'epoch' is {epoch}, over the feed's limit of 2**64 - 1 "
                              "(BatchRequest.epoch is a uint64)")
-        self._epoch, self._position = epoch, position
+        self.cursor.load(epoch, position)  # stops a live pass first (gdsload.frontend.cursor)
 
     def _active_epoch(self) -> _RemoteEpoch | None:
-        return self._active() if self._active is not None else None
+        return self.cursor.live()
 
     def __iter__(self) -> _RemoteEpoch:
         self._enter_process()
@@ -339,9 +339,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         active = self._active_epoch()
         if active is not None:
             active.close()
-        ep = _RemoteEpoch(self, self._epoch, self._position)
-        self._active = weakref.ref(ep)
-        return ep
+        return _RemoteEpoch(self)
 
     def stats(self) -> dict[str, Any]:
         """batches, bytes (batch bodies), shared_batches (of those, the batches a server sent as a copy
@@ -371,7 +369,6 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         active = self._active_epoch()
         if active is not None:
             active.close()
-        self._active = None
         self._link.channels.close()
 
     def __del__(self) -> None:

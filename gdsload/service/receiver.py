@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from gdsload.errors import PassStopped
 from gdsload.service import status, wire
 from gdsload.service.link import _Attempts, _Link, _Retry, resolve
 from gdsload.v1 import feed_pb2 as pb
@@ -197,10 +198,21 @@ class _RemoteEpoch:
     """One pass, the consumer's side: `__next__` hands out what the receiver thread queued and
     moves the loader's cursor. Dropping it (or its loader) cancels the receiver's stream."""
 
-    def __init__(self, loader: Any, epoch: int, position: int):  # a RemoteLoader (no import: no cycle)
+    def __init__(self, loader: Any):  # a RemoteLoader (no import: no cycle)
         self.loader = loader
-        self.epoch = epoch
         plan = loader.plan
+        self._done = True  # until the receiver starts: `close()` has nothing to stop
+        self._stopped_by: str | None = None  # `stop(why)`: the loader's call that ended this pass
+        self.cursor = loader.cursor
+        epoch, position = self.cursor.begin(self)  # the live pass (gdsload.frontend.cursor)
+        self.epoch = epoch
+        try:
+            self._start(loader, plan, epoch, position)
+        except BaseException:
+            self.cursor.detach(self)
+            raise
+
+    def _start(self, loader: Any, plan: Any, epoch: int, position: int) -> None:
         self.receiver: _Receiver | _StripedReceiver
         if loader.striped:
             self.receiver = _StripedReceiver(
@@ -227,6 +239,9 @@ class _RemoteEpoch:
         if self.pid != os.getpid():
             return self._next_in_forked_child()
         if self._done:
+            if self._stopped_by is not None:
+                raise PassStopped(f"this pass was stopped by the loader's {self._stopped_by}: call "
+                                  "iter(loader) again for the pass it set up")
             raise StopIteration
         L = self.loader
         t0 = time.perf_counter()
@@ -247,7 +262,7 @@ class _RemoteEpoch:
             L._link.bump(L._link.address(), wait_s=waited)
         if item[0] == "batch":
             _, batch, position, nbytes, shared = item
-            L._position = position
+            self.cursor.advance(self, self.epoch, position)
             L._stats["batches"] += 1
             L._stats["shared_batches"] += bool(shared)
             L._stats["bytes"] += nbytes
@@ -274,9 +289,15 @@ class _RemoteEpoch:
                         "continues from the loader's state_dict()")
 
     def _finish(self) -> None:
+        self.cursor.end(self, self.epoch)  # the next pass is the next epoch
         self.close()
-        self.loader._epoch = self.epoch + 1
-        self.loader._position = 0
+
+    def stop(self, why: str) -> None:
+        """`load_state_dict()` or `set_epoch()` while this pass is live (`gdsload.frontend.cursor`):
+        cancel its stream now and make a later `next()` say why."""
+        if not self._done:
+            self._stopped_by = why
+        self.close()
 
     def close(self) -> None:
         if self._done:
@@ -285,8 +306,7 @@ class _RemoteEpoch:
         self._finalizer()  # cancels the call (the parent's is left alone in a forked child)
         if os.getpid() == self.pid and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
-        if self.loader._active_epoch() is self:
-            self.loader._active = None
+        self.cursor.detach(self)
 
 
 # -- striping ----------------------------------------------------------------------------------------
