@@ -75,6 +75,10 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--bulk-port", type=int, default=0, metavar="PORT",
                    help="the TCP port of the bulk connections, on the --listen host (default 0: any free "
                         "port; fix it where a firewall or NetworkPolicy must let it through)")
+    s.add_argument("--max-pending-connections", type=int, default=d.max_pending_connections, metavar="N",
+                   help="bulk connections that have not presented their ticket yet, at most; more are "
+                        f"closed as they are accepted (default {d.max_pending_connections}; each has "
+                        f"{d.bulk_ticket_s:g} s for its whole ticket)")
     s.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM (default 10)")
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     s.set_defaults(func=cmd_serve)
@@ -104,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError:
         raise GdsloadError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {args.log_level!r}") from None
     lowest = {"max_message_bytes": MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES, "max_batch_size": 1,
-              "max_batch_bytes": 1, "max_streams": 1}
+              "max_batch_bytes": 1, "max_streams": 1, "max_pending_connections": 1}
     for flag, least in lowest.items():
         value = getattr(args, flag)
         if value < least:
@@ -125,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = read_token(args.token_file) if args.token_file else None
     limits = Limits(max_message_bytes=args.max_message_bytes, max_batch_size=args.max_batch_size,
                     max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams,
-                    max_memory_bytes=max_memory)
+                    max_memory_bytes=max_memory, max_pending_connections=args.max_pending_connections)
     server, _ = create_server(
         args.roots, address=args.listen, token=token, tls=tls, limits=limits,
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,

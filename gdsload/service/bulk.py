@@ -29,7 +29,10 @@ ignores it), a `unix-abstract:` address, a client with `RemoteLoader(bulk=False)
 that cannot connect to the offered port within `CONNECT_S` (a firewall): that address is then
 asked without bulk for the rest of the loader's life. A ticket is 128 random bits, sent only over
 the (authenticated) call, valid once and for `WAIT_S`: a connection that does not present a
-waiting ticket within `TICKET_S` (`IDLE_S` between streams) is closed without a word.
+waiting ticket, all 16 bytes of it, within `TICKET_S` of its accept (`IDLE_S` between streams)
+is closed without a word. Connections without a ticket yet cost no thread (one selector thread
+reads every ticket) and are at most `MAX_PENDING` (`gdsload serve --max-pending-connections`):
+more are closed as they are accepted (`BulkListener`).
 
 Memory stays as bounded as over gRPC: the server writes a message only when the kernel took the
 previous one (`sendmsg` blocks while the client does not read).
@@ -37,8 +40,10 @@ previous one (`sendmsg` blocks while the client does not read).
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -56,8 +61,10 @@ from gdsload.v1 import feed_pb2 as pb
 TICKET_BYTES = 16
 #: How long a stream waits for its client to connect and present the ticket.
 WAIT_S = 10.0
-#: How long an accepted connection has to send its ticket.
+#: How long an accepted connection has for its whole ticket (`Limits.bulk_ticket_s`).
 TICKET_S = 5.0
+#: Accepted connections without a ticket yet, at most (`Limits.max_pending_connections`).
+MAX_PENDING = 64
 #: How long a server keeps a client's idle connection for its next stream; the client keeps it
 #: for less (`KEEP_S`), so it does not pick one the server is closing.
 IDLE_S = 30.0
@@ -92,11 +99,46 @@ class ClientGone(Exception):
 
 
 # -- server ------------------------------------------------------------------------------------------
+class _Pending:
+    """A connection waiting for a ticket: the bytes of it so far, and until when it may send the rest."""
+
+    __slots__ = ("buf", "got", "deadline", "fresh")
+
+    def __init__(self, deadline: float, fresh: bool):
+        self.buf = bytearray(TICKET_BYTES)
+        self.got = 0
+        self.deadline = deadline
+        self.fresh = fresh  # never presented a ticket: counts against `max_pending`
+
+
 class BulkListener:
     """The server's bulk socket (TCP on the feed's host, on `port` or any free port; or
-    `PATH.bulk`), the streams waiting for their client's connection, and the connections."""
+    `PATH.bulk`), the streams waiting for their client's connection, and the connections.
 
-    def __init__(self, host: str | None = None, port: int = 0, *, unix_path: str | None = None):
+    One thread (`gdsload-bulk`) does everything but a stream's writes: a selector accepts and
+    reads tickets, without blocking, for every connection waiting for one (new ones, and idle ones
+    between a client's streams); a connection whose ticket is complete and waiting gets `ACK` and
+    is lent to its stream (the stream's own thread writes to it); a stream that ends cleanly gives
+    it back. So a connection costs a descriptor and a few bytes, never a thread.
+
+    Unauthenticated connections (accepted, no valid ticket presented yet) are capped at
+    `max_pending` (`gdsload serve --max-pending-connections`): one over the cap is closed as soon as
+    it is accepted; and each has `ticket_s` for its whole ticket, from its accept (not per read: a
+    peer trickling a byte at a time is closed at the deadline too). An idle connection that carried
+    a stream waits `IDLE_S` for its next ticket, whose bytes must then all come within `ticket_s`
+    of its first; idle connections are not capped (each one carried a stream of a ticket handed
+    out on an authenticated call). While the cap is full, a client's new connection is closed too:
+    its stream fails with UNAVAILABLE (`WAIT_S`) and the client retries.
+    """
+
+    def __init__(self, host: str | None = None, port: int = 0, *, unix_path: str | None = None,
+                 max_pending: int = MAX_PENDING, ticket_s: float = TICKET_S):
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an integer >= 1, got {max_pending!r}")
+        if not 0 < ticket_s < float("inf"):
+            raise ValueError(f"ticket_s must be a finite number of seconds > 0, got {ticket_s!r}")
+        self.max_pending = max_pending
+        self.ticket_s = float(ticket_s)
         if unix_path is not None:
             self.path: str | None = unix_bulk_path(unix_path)
             try:
@@ -116,14 +158,27 @@ class BulkListener:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # as gRPC's [::] takes IPv4 too
             sock.bind(addr)
             self.port = sock.getsockname()[1]
-        sock.listen(64)
+        sock.listen(128)
+        sock.setblocking(False)
         self._sock = sock
         self._lock = threading.Lock()
         self._waiting: dict[bytes, list] = {}  # ticket -> [presented, BulkSink or None]
-        self._conns: set[socket.socket] = set()  # accepted connections (idle or lent to a stream)
-        self.accepted = 0
+        self._pending: dict[socket.socket, _Pending] = {}  # (the selector thread's) waiting for a ticket
+        self._fresh = 0  # of them, connections that never presented a ticket (capped)
+        self._lent: set[BulkSink] = set()  # connections lent to streams
+        self._returned: list[socket.socket] = []  # given back by streams that ended cleanly
+        self.accepted = 0  # connections taken in (under the cap)
+        self.refused = 0  # connections closed at accept (over the cap)
+        self.expired = 0  # connections closed at their deadline (a ticket's, or an idle one's)
         self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="gdsload-bulk-accept", daemon=True)
+        self._paused_until: float | None = None  # accepting again then (out of descriptors)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="gdsload-bulk", daemon=True)
         self._thread.start()
 
     def expect(self) -> tuple[bytes, list]:
@@ -143,7 +198,7 @@ class BulkListener:
             if time.monotonic() >= deadline or self._closed or (cancelled is not None and cancelled()):
                 if self.withdraw(ticket):
                     return None  # withdrawn before any connection presented it
-                if slot[0].wait(TICKET_S):  # presented just now: its connection's thread lends it at once
+                if slot[0].wait(self.ticket_s):  # presented just now: the selector lends it at once
                     break
                 self.withdraw(ticket)  # (its acknowledgement failed; it was put back)
                 return None
@@ -154,72 +209,180 @@ class BulkListener:
         with self._lock:
             return self._waiting.pop(ticket, None) is not None
 
+    def pending(self) -> int:
+        """Connections waiting for a ticket now (new and idle ones)."""
+        return len(self._pending)
+
+    # (everything below runs on the selector thread, but `_give_back`: a stream's thread)
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                if self._paused_until is not None and now >= self._paused_until:
+                    self._paused_until = None
+                    self._sel.register(self._sock, selectors.EVENT_READ)
+                nearest = min((p.deadline for p in self._pending.values()), default=now + 1.0)
+                if self._paused_until is not None:
+                    nearest = min(nearest, self._paused_until)
+                for key, _ in self._sel.select(max(0.0, nearest - now)):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        self._woken()
+                    else:
+                        self._read(key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, p in self._pending.items() if p.deadline <= now]:
+                    self.expired += 1
+                    self._drop(conn)
+        finally:
+            self._shut_all()
+
     def _accept(self) -> None:
-        while not self._closed:
+        for _ in range(256):  # then the tickets of those accepted get their turn
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors: the backlog keeps the connection; the listener, still
+                    # readable, is left alone a moment instead of spinning this thread
+                    self._sel.unregister(self._sock)
+                    self._paused_until = time.monotonic() + 0.1
                     return
+                if exc.errno == errno.ECONNABORTED:
+                    continue
+                return  # the listener was shut (closing)
+            if self._fresh >= self.max_pending:
+                self.refused += 1
+                conn.close()  # over the cap: without a word
                 continue
             self.accepted += 1
-            if conn.family != socket.AF_UNIX:  # a message's last segment goes out at once
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="gdsload-bulk-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        """One client connection: wait for a ticket, lend the connection to its stream, and when
-        that stream ended cleanly, wait for the next ticket (the client keeps idle connections for
-        its next streams: a striping client opens one per block)."""
-        with self._lock:
-            self._conns.add(conn)
-        try:
-            self._serve_tickets(conn)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-
-    def _serve_tickets(self, conn: socket.socket) -> None:
-        wait_s = TICKET_S
-        while not self._closed:
             try:
-                conn.settimeout(wait_s)
-                ticket = _recv_exact(conn, TICKET_BYTES)
-                conn.settimeout(None)
-            except (OSError, EOFError):
-                ticket = None
-            with self._lock:
-                slot = self._waiting.pop(ticket, None) if ticket is not None else None
-            if slot is None:
-                break  # closed, idle too long, or not a waiting ticket: nothing is said to the peer
-            try:
-                conn.sendall(ACK)
-            except OSError:
-                with self._lock:  # the stream goes on waiting for another connection with its ticket
-                    self._waiting.setdefault(ticket, slot)
-                break
-            sink = BulkSink(conn)
-            slot[1] = sink
-            slot[0].set()
-            if not sink.wait_released():
-                return  # the stream closed the connection
-            wait_s = IDLE_S
+                conn.setblocking(False)
+                if conn.family != socket.AF_UNIX:  # a message's last segment goes out at once
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # (reset already)
+                conn.close()
+                continue
+            self._wait_ticket(conn, time.monotonic() + self.ticket_s, fresh=True)
+
+    def _wait_ticket(self, conn: socket.socket, deadline: float, fresh: bool) -> None:
+        self._pending[conn] = _Pending(deadline, fresh)
+        self._fresh += fresh
+        self._sel.register(conn, selectors.EVENT_READ)
+
+    def _unwait(self, conn: socket.socket) -> _Pending:
+        p = self._pending.pop(conn)
+        self._fresh -= p.fresh
+        self._sel.unregister(conn)
+        return p
+
+    def _drop(self, conn: socket.socket) -> None:
+        """Close a waiting connection: nothing is said to the peer."""
+        self._unwait(conn)
         conn.close()
 
+    def _woken(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        with self._lock:
+            back, self._returned = self._returned, []
+        idle = time.monotonic() + IDLE_S
+        for conn in back:
+            conn.setblocking(False)
+            self._wait_ticket(conn, idle, fresh=False)
+
+    def _read(self, conn: socket.socket) -> None:
+        p = self._pending[conn]
+        try:
+            k = conn.recv_into(memoryview(p.buf)[p.got:], TICKET_BYTES - p.got)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            k = 0
+        if not k:
+            self._drop(conn)  # the peer closed it (or it broke)
+            return
+        if not p.got and not p.fresh:  # an idle connection's next ticket: all of it within ticket_s
+            p.deadline = min(p.deadline, time.monotonic() + self.ticket_s)
+        p.got += k
+        if p.got < TICKET_BYTES:
+            return
+        ticket = bytes(p.buf)
+        with self._lock:
+            slot = self._waiting.pop(ticket, None)
+        if slot is None:
+            self._drop(conn)  # not a waiting ticket: nothing is said to the peer
+            return
+        self._unwait(conn)
+        try:
+            if conn.send(ACK) != len(ACK):  # (an empty send buffer takes a byte at once)
+                raise BlockingIOError
+        except OSError:
+            with self._lock:  # the stream goes on waiting for another connection with its ticket
+                self._waiting.setdefault(ticket, slot)
+            conn.close()
+            return
+        conn.setblocking(True)  # the stream's thread writes with blocking sends
+        sink = BulkSink(conn, on_done=self._give_back)
+        with self._lock:
+            self._lent.add(sink)
+        slot[1] = sink
+        slot[0].set()
+
+    def _give_back(self, sink: BulkSink, reuse: bool) -> None:
+        """(A stream's thread) the stream is done with `sink`'s connection: it waits for the
+        client's next ticket (`reuse`: the stream ended cleanly), or it was closed."""
+        with self._lock:
+            self._lent.discard(sink)
+            if reuse and not self._closed:
+                self._returned.append(sink.conn)
+                reuse = False
+            elif reuse:
+                sink.conn.close()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # (a full wake pipe wakes the selector all the same; a closed one: closing)
+
+    def _shut_all(self) -> None:
+        """(The selector thread, on its way out) close the listener and every connection that is
+        not lent to a stream."""
+        with self._lock:
+            back, self._returned = self._returned, []
+        for conn in list(self._pending) + back:
+            conn.close()
+        self._pending.clear()
+        self._sel.close()
+        self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
     def close(self) -> None:
-        self._closed = True
+        """Stop accepting, close the connections waiting for a ticket and break the lent ones (the
+        streams still open end with their calls)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            lent = list(self._lent)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:  # idle ones end now (streams still open end with their calls)
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+        for sink in lent:
+            sink.shutdown()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)  # the port is free once close() returns
         if self.path is not None:
             try:
                 os.unlink(self.path)
@@ -231,18 +394,13 @@ class BulkSink:
     """The server's end of one stream's bulk connection: `send` its messages, then `finish` (the
     end marker; the connection goes back to wait for the client's next stream) or `close`."""
 
-    def __init__(self, conn: socket.socket):
+    def __init__(self, conn: socket.socket, on_done: Any = None):
         self.conn = conn
         self._lock = threading.Lock()
         self._shut = False
-        self._released = threading.Event()
-        self._reuse = False
+        self._done = False
+        self._on_done = on_done  # (sink, reuse): the listener takes the connection back, or forgets it
 
-    def wait_released(self) -> bool:
-        """(The connection's thread) block until the stream is done with the connection; True when
-        it ended cleanly and the connection can carry the client's next stream."""
-        self._released.wait()
-        return self._reuse
 
     def send(self, frames: Iterable[Sequence[Any]]) -> None:
         """Write messages, each a list of buffers whose concatenation is one serialized BatchChunk
@@ -321,18 +479,20 @@ class BulkSink:
             if self._shut:  # the call ended meanwhile (cancelled): not reused
                 raise ClientGone("the call ended")
             self._shut = True  # no later shutdown from this stream's call
-            self._reuse = True
-        self._released.set()
+            self._done = True
+        if self._on_done is not None:
+            self._on_done(self, True)
 
     def close(self) -> None:
         """The stream is done without its end marker (an error, a cancel): the connection closes,
         the client takes the call's status."""
         with self._lock:
-            if self._reuse:
+            if self._done:
                 return
-            self._shut = True
+            self._done = self._shut = True
             self.conn.close()
-        self._released.set()
+        if self._on_done is not None:
+            self._on_done(self, False)
 
 
 # -- client ------------------------------------------------------------------------------------------

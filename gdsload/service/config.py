@@ -39,6 +39,9 @@ class Limits:
     upper bound of what its loader holds: ring slots, decoder buffers, the chunk being sent); a
     stream that does not fit next to the open ones gets UNAVAILABLE, one larger than the whole
     budget RESOURCE_EXHAUSTED. None: `default_max_memory()` (half the machine's memory).
+    `max_pending_connections`: bulk connections (`gdsload.service.bulk`) accepted that have not
+    presented a ticket yet; one more is closed as it is accepted. `bulk_ticket_s`: the seconds a
+    bulk connection has for its whole ticket (not per read).
     """
 
     max_message_bytes: int = 4 * MiB
@@ -48,6 +51,8 @@ class Limits:
     max_image_side: int = 4096
     max_streams: int = 64
     max_memory_bytes: int | None = None
+    max_pending_connections: int = 64
+    bulk_ticket_s: float = 5.0
 
     def __post_init__(self) -> None:
         from gdsload.errors import GdsloadError
@@ -55,10 +60,13 @@ class Limits:
         if self.max_memory_bytes is None:
             object.__setattr__(self, "max_memory_bytes", default_max_memory())
         for name in ("max_message_bytes", "max_request_bytes", "max_batch_size", "max_batch_bytes",
-                     "max_image_side", "max_streams", "max_memory_bytes"):
+                     "max_image_side", "max_streams", "max_memory_bytes", "max_pending_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GdsloadError(f"Limits.{name} must be a positive integer, got {value!r}")
+        t = self.bulk_ticket_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise GdsloadError(f"Limits.bulk_ticket_s must be a finite number of seconds > 0, got {t!r}")
         if self.max_message_bytes < MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES:
             raise GdsloadError(
                 f"Limits.max_message_bytes must be at least "

@@ -1001,7 +1001,9 @@ def create_server(
         raise GdsloadError(f"cannot listen on {address}: {problem}")
     if bulk and tls is None and not address.startswith("unix-abstract:"):
         try:
-            servicer.bulk = BulkListener(unix_path=path) if unix else BulkListener(bind_host(host), bulk_port)
+            caps = dict(max_pending=limits.max_pending_connections, ticket_s=limits.bulk_ticket_s)
+            servicer.bulk = (BulkListener(unix_path=path, **caps) if unix
+                             else BulkListener(bind_host(host), bulk_port, **caps))
         except OSError as exc:
             server.stop(None)
             where = f"{path}.bulk" if unix else f"{host}:{bulk_port}"

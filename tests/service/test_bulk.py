@@ -161,9 +161,9 @@ def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
     srv, address = big_server
     real_init, real_connect = bulk.BulkSink.__init__, bulk._connect
 
-    def small_sink(self, conn):  # socket buffers far smaller than the epoch: the server blocks
+    def small_sink(self, conn, *args, **kw):  # socket buffers far smaller than the epoch: the server blocks
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        real_init(self, conn)
+        real_init(self, conn, *args, **kw)
 
     def small_connect(target, port):
         sock = real_connect(target, port)
