@@ -22,7 +22,7 @@ _LAZY = {
     "Dataset": "gdsload.dataset.dataset",
     "ImageTransform": "gdsload.decode.image",
     "Mix": "gdsload.dataset.mix",
-    "RemoteLoader": "gdsload.service.client",
+    "RemoteLoader": "gdsload.service.client.loader",
     "ShardWriter": "gdsload.convert.writer",
     "write": "gdsload.convert.writer",
     "VideoTransform": "gdsload.decode.video",

@@ -181,7 +181,7 @@ def test_no_import_cycle():
     ("gdsload.format.tar", "gdsload.io.store"),          # format knows no storage
     ("gdsload.plan.plan", "gdsload.dataset.dataset"),     # the plan is pure
     ("gdsload.service.server", "gdsload.cli.serve"),      # the service never imports the CLI
-    ("gdsload.service.client", "gdsload.loader.dataloader"),
+    ("gdsload.service.client.loader", "gdsload.loader.dataloader"),
     ("gdsload.dataset.dataset", "gdsload.loader.fill"),
     ("gdsload.ring.ring", "gdsload.frontend.fields"),
 ])

@@ -99,7 +99,7 @@ def build_datasets(base: Path) -> Path:
 def start_server(root: Path):
     """A server over `root` on loopback port 0, with `SERVER_KW`: (server, address)."""
     from gdsload.service import create_server
-    from gdsload.service.config import Limits
+    from gdsload.service.protocol.config import Limits
 
     kw = dict(SERVER_KW)
     srv, port = create_server([str(root)], limits=Limits(max_memory_bytes=kw.pop("max_memory_bytes")), **kw)

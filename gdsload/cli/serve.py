@@ -22,7 +22,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def configure_serve_parser(s: argparse.ArgumentParser) -> None:
-    from gdsload.service.config import Limits
+    from gdsload.service.protocol.config import Limits
 
     d = Limits()
     s.add_argument("roots", nargs="+", metavar="ROOT", help="folders holding datasets, or URLs of datasets")
@@ -98,8 +98,8 @@ def warm_up() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.errors import GdsloadError
     from gdsload.host.malloc import keep_large_blocks
-    from gdsload.service.auth import read_token
-    from gdsload.service.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
+    from gdsload.service.protocol.auth import read_token
+    from gdsload.service.protocol.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
     from gdsload.service.logs import configure, event
     from gdsload.service.server import create_server
 

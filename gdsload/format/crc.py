@@ -12,7 +12,7 @@ is ISA-L's; None without `isal` (the standard library has none).
 `first_mismatch(buf, pos, nbytes, expected)` checks many members of one buffer against their
 CRC32s, a run of back-to-back members in one `crc32` call: the loader's check of staged members
 (`gdsload.dataset.verify.check_crcs`) and the feed client's of members sent as stored
-(`gdsload.service.wire.decode_body`).
+(`gdsload.service.protocol.wire.decode_body`).
 """
 
 from __future__ import annotations

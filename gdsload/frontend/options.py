@@ -2,7 +2,7 @@
 
 Both loaders take the same batch, order and output options (`batch_size` ... `copy` below) and
 build one `LoaderOptions` from them; the feed server maps a `BatchRequest` to the same object
-(`gdsload.service.request`). An invalid option is a `ConfigError` (a `GdsloadError` and a
+(`gdsload.service.protocol.request`). An invalid option is a `ConfigError` (a `GdsloadError` and a
 `ValueError`) naming the option, whichever loader was given it. Order options (`batch_size`,
 `seed`, `shuffle_window`, ranks) are checked again by the plan, with `PlanError`, a `ValueError` too.
 

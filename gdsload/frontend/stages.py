@@ -4,7 +4,7 @@
 (a lock per add: a few adds per batch). `report(batches)` is the shape both `DataLoader.stats()`
 and `RemoteLoader.stats()` return: `{"total_s": {stage: s}, "per_batch_s": {stage: s / batches},
 "batches": batches}`. Which stages there are, and what each times, is the loader's to say
-(`gdsload.loader.stats`, `gdsload.service.client`).
+(`gdsload.loader.stats`, `gdsload.service.client.loader`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ __all__ = ["RemoteLoader", "create_server"]
 
 def __getattr__(name: str) -> Any:
     if name == "RemoteLoader":
-        from gdsload.service.client import RemoteLoader
+        from gdsload.service.client.loader import RemoteLoader
 
         return RemoteLoader
     if name == "create_server":

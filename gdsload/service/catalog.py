@@ -39,7 +39,7 @@ from pathlib import Path
 from gdsload.errors import GdsloadError
 from gdsload.format.manifest import MANIFEST
 from gdsload.loader.dataloader import Dataset
-from gdsload.service.status import BadRequest, UnknownDataset, shown
+from gdsload.service.protocol.status import BadRequest, UnknownDataset, shown
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 from gdsload.decode.audio import AudioTransform
 from gdsload.decode.video import VideoTransform
-from gdsload.service.status import BadRequest
+from gdsload.service.protocol.status import BadRequest
 from gdsload.v1 import feed_pb2 as pb
 
 _VIDEO_PAIRS = (("frames", "frames"), ("stride", "stride"), ("clips", "clips"), ("sampling", "sampling"),

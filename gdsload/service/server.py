@@ -59,12 +59,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gdsload.loader.dataloader import DataLoader
-from gdsload.service import mixwire, request, wire
-from gdsload.service.auth import TokenInterceptor
-from gdsload.service.bulk import WAIT_S as BULK_WAIT_S
-from gdsload.service.bulk import BulkListener, BulkSink, ClientGone, offer_message
+from gdsload.service.protocol import mixwire, request, wire
+from gdsload.service.protocol.auth import TokenInterceptor
+from gdsload.service.bulk import BulkListener, BulkSink, ClientGone
+from gdsload.service.protocol.framing import WAIT_S as BULK_WAIT_S
+from gdsload.service.protocol.framing import offer_message
 from gdsload.service.catalog import Catalog
-from gdsload.service.config import (
+from gdsload.service.protocol.config import (
     MIN_CHUNK_BYTES,
     PROTOCOL_VERSION,
     Keepalive,
@@ -80,7 +81,7 @@ from gdsload.service.logs import LOGGER, event
 from gdsload.service.metrics import Metrics
 from gdsload.service.share import ShareHub, request_key
 from gdsload.service.stored import StoredBatches
-from gdsload.service.status import (
+from gdsload.service.protocol.status import (
     BadRequest,
     DatasetChanged,
     OverLimit,
@@ -148,7 +149,7 @@ def _peer(context: grpc.ServicerContext) -> str:
 
 
 class FeedServicer(pb_grpc.FeedServicer):
-    """The Feed service. Errors go through `gdsload.service.status` (the one mapping)."""
+    """The Feed service. Errors go through `gdsload.service.protocol.status` (the one mapping)."""
 
     def __init__(self, catalog: Catalog, limits: Limits, metrics: Metrics, *, workers: int = 2,
                  prefetch: int = 2, decode_threads: int = 2, logger: logging.Logger | None = None,
@@ -496,7 +497,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         """Upper bound of one batch of `req` serialized as chunks (what a share window holds per
         batch): the body from the index's largest members (`media_nbytes`: decoded video/audio of
         one batch), `KEY_BYTES` of keys and names per sample, and each chunk's framing."""
-        from gdsload.service.config import CHUNK_OVERHEAD_BYTES
+        from gdsload.service.protocol.config import CHUNK_OVERHEAD_BYTES
 
         body = self._sample_bytes(req, fields, transform)[0] * req.batch_size + media_nbytes
         chunks = body // max(1, self.chunk_bytes(req) - CHUNK_OVERHEAD_BYTES) + 2

@@ -63,10 +63,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from gdsload.frontend.options import check_share
-from gdsload.service import wire
+from gdsload.service.protocol import wire
 from gdsload.service.bulk import ClientGone
 from gdsload.service.logs import event
-from gdsload.service.status import BadRequest
+from gdsload.service.protocol.status import BadRequest
 from gdsload.v1 import feed_pb2 as pb
 
 #: What a copy's chunk 0 gets appended: `BatchChunk{header: BatchHeader{shared: true}}`, which a
@@ -322,7 +322,7 @@ class ShareHub:
             outcome = "cancelled"
             raise
         except Exception as exc:
-            from gdsload.service.status import to_status
+            from gdsload.service.protocol.status import to_status
 
             outcome = to_status(exc)[0].name
             raise

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.service import wire
+from gdsload.service.protocol import wire
 from gdsload.v1 import feed_pb2 as pb
 
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from gdsload import DataLoader, RemoteLoader
-from gdsload.service import bulk
+from gdsload.service import bulk as server_bulk
+from gdsload.service.client import bulk as client_bulk
+from gdsload.service.protocol import framing
 from gdsload.service.server import create_server
 from gdsload.v1 import feed_pb2 as pb
 
@@ -58,7 +60,7 @@ def test_received_bodies_are_reused_only_once_their_batch_is_gone(big_server, ro
     loop still holds is never written over, and one it let go of gives its buffer to a later
     batch instead of a new one (whose pages the kernel would clear again). (Bodies from 2 MiB
     on are pooled; here every one is.)"""
-    from gdsload.service import wire
+    from gdsload.service.protocol import wire
 
     monkeypatch.setattr(wire, "POOLED_BODY_BYTES", 0)
     srv, address = big_server
@@ -129,7 +131,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc_once(roots):
 def test_a_wrong_ticket_is_closed_and_the_stream_goes_on(big_server):
     srv, address = big_server
     with socket.create_connection(("127.0.0.1", srv.servicer.bulk.port), timeout=5) as s:
-        s.sendall(os.urandom(bulk.TICKET_BYTES))
+        s.sendall(os.urandom(framing.TICKET_BYTES))
         assert s.recv(1) == b""  # closed without a word
     assert sum(len(b["__key__"]) for b in RemoteLoader(address, dataset="feats", batch_size=64,
                                                        output="numpy")) == 256
@@ -142,14 +144,14 @@ def test_a_client_that_never_connects_ends_its_stream(big_server, monkeypatch):
 
     srv, address = big_server
     monkeypatch.setattr(srv.servicer.bulk, "connection",
-                        lambda ticket, slot, timeout=0.5, cancelled=None: bulk.BulkListener.connection(
+                        lambda ticket, slot, timeout=0.5, cancelled=None: server_bulk.BulkListener.connection(
                             srv.servicer.bulk, ticket, slot, timeout=0.5, cancelled=cancelled))
     with grpc.insecure_channel(address) as ch:
         call = ch.unary_stream("/gdsload.v1.Feed/StreamBatches", request_serializer=pb.BatchRequest.SerializeToString,
                                response_deserializer=pb.BatchChunk.FromString)(
             pb.BatchRequest(dataset="feats", batch_size=8, bulk=True), timeout=10)
         first = next(call)
-        assert first.HasField("bulk") and len(first.bulk.ticket) == bulk.TICKET_BYTES and first.bulk.port
+        assert first.HasField("bulk") and len(first.bulk.ticket) == framing.TICKET_BYTES and first.bulk.port
         with pytest.raises(grpc.RpcError) as err:
             next(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "bulk connection" in err.value.details()
@@ -159,7 +161,7 @@ def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
     """A consumer that leaves mid-epoch (the loader's epoch closed) cancels the call; the server's
     write, blocked on a full socket, breaks and the stream ends."""
     srv, address = big_server
-    real_init, real_connect = bulk.BulkSink.__init__, bulk._connect
+    real_init, real_connect = server_bulk.BulkSink.__init__, client_bulk._connect
 
     def small_sink(self, conn, *args, **kw):  # socket buffers far smaller than the epoch: the server blocks
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -170,8 +172,8 @@ def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         return sock
 
-    monkeypatch.setattr(bulk.BulkSink, "__init__", small_sink)
-    monkeypatch.setattr(bulk, "_connect", small_connect)
+    monkeypatch.setattr(server_bulk.BulkSink, "__init__", small_sink)
+    monkeypatch.setattr(client_bulk, "_connect", small_connect)
     loader = RemoteLoader(address, dataset="feats", batch_size=8, output="numpy", prefetch=1)
     it = iter(loader)
     next(it)
@@ -209,7 +211,7 @@ def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots
     """The first bulk connection of the loader ends halfway through a message: the batch is
     dropped, the stream resumed from the cursor, and every sample arrives once, in order."""
     srv, address = big_server
-    real = bulk.BulkSink.send
+    real = server_bulk.BulkSink.send
     cut = threading.Event()
 
     def send_then_cut(self, frames):
@@ -218,11 +220,11 @@ def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots
             cut.set()
             whole = b"".join(bytes(memoryview(p)) for p in pieces)
             head = memoryview(pieces[0]).nbytes
-            self.conn.sendall(bulk._FRAME.pack(len(whole), head) + whole[: head + (len(whole) - head) // 2])
-            raise bulk.ClientGone("cut by the test")
+            self.conn.sendall(framing.FRAME.pack(len(whole), head) + whole[: head + (len(whole) - head) // 2])
+            raise server_bulk.ClientGone("cut by the test")
         return real(self, frames)
 
-    monkeypatch.setattr(bulk.BulkSink, "send", send_then_cut)
+    monkeypatch.setattr(server_bulk.BulkSink, "send", send_then_cut)
     want = [b["__key__"] for b in DataLoader(str(roots / "feats"), batch_size=32, output="numpy")]
     got = [b["__key__"] for b in RemoteLoader(address, dataset="feats", batch_size=32, output="numpy")]
     assert cut.is_set() and got == want
@@ -239,7 +241,7 @@ def test_a_clients_next_stream_reuses_its_connection(big_server, roots, monkeypa
     assert _bulk_streams(srv) == streams + 4
     assert srv.servicer.bulk.accepted == accepted + 1
     # the server drops idle connections after IDLE_S: the client's kept one is then dead
-    monkeypatch.setattr(bulk, "IDLE_S", 0.2)
+    monkeypatch.setattr(server_bulk, "IDLE_S", 0.2)
     assert [b["__key__"] for b in loader] == want
     time.sleep(0.6)
     assert [b["__key__"] for b in loader] == want

@@ -17,8 +17,10 @@ import pytest
 from feedkit import free_port, spawn_server
 
 from gdsload import RemoteLoader
-from gdsload.service import bulk
-from gdsload.service.config import Limits
+from gdsload.service import bulk as server_bulk
+from gdsload.service.client import bulk as client_bulk
+from gdsload.service.protocol import framing
+from gdsload.service.protocol.config import Limits
 from gdsload.service.server import create_server
 from gdsload.v1 import feed_pb2 as pb
 
@@ -134,12 +136,12 @@ def test_an_idle_connections_next_ticket_has_the_same_deadline(roots):
         ch, call, offer = _offer(address, max_batches=1)
         with socket.create_connection(("127.0.0.1", offer.port), timeout=5) as s:
             s.sendall(offer.ticket)
-            assert s.recv(1) == bulk.ACK
+            assert s.recv(1) == framing.ACK
             while True:  # the stream's messages, then its end marker
-                n, _ = bulk._FRAME.unpack(bulk._recv_exact(s, bulk._FRAME.size))
+                n, _ = framing.FRAME.unpack(framing.recv_exact(s, framing.FRAME.size))
                 if n == 0:
                     break
-                assert bulk._recv_exact(s, n)
+                assert framing.recv_exact(s, n)
             assert list(call) == [] and call.code() == grpc.StatusCode.OK
             ch.close()
             assert _wait(lambda: lis.pending() == 1, 5)  # idle, waiting for the next ticket
@@ -198,7 +200,7 @@ def test_bad_caps_are_refused_naming_them(roots):
     parser = argparse.ArgumentParser()
     configure_serve_parser(parser)
     assert parser.parse_args([str(roots)]).max_pending_connections == Limits().max_pending_connections == 64
-    assert Limits().bulk_ticket_s == bulk.TICKET_S == 5.0
+    assert Limits().bulk_ticket_s == framing.TICKET_S == 5.0
     with pytest.raises(GdsloadError, match="--max-pending-connections must be >= 1, got 0"):
         cmd_serve(parser.parse_args([str(roots), "--max-pending-connections", "0"]))
     for bad in (float("nan"), float("inf"), 0, -1.0, True):

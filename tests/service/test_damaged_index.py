@@ -12,7 +12,7 @@ from gdsload.format.index import ShardIndex
 from gdsload.convert.shards import DatasetWriter
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 
 
 @pytest.fixture(scope="module")

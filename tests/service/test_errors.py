@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2
 from gdsload.errors import GdsloadError
 from gdsload.plan.plan import StateError
 from gdsload.service.client import RemoteLoader
-from gdsload.service.config import Limits
+from gdsload.service.protocol.config import Limits
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 

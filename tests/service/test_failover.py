@@ -14,7 +14,7 @@ from feedkit import local_batches
 
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
-from gdsload.service.status import to_status
+from gdsload.service.protocol.status import to_status
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
@@ -94,7 +94,7 @@ def test_storage_errors_map_to_unavailable_and_data_loss():
 
 def test_corrupt_on_every_address_is_final(two_nodes):
     """DATA_LOSS is tried once on each address, then raised: no endless retrying of bad data."""
-    from gdsload.service.status import RemoteError
+    from gdsload.service.protocol.status import RemoteError
 
     addresses, copies = two_nodes
     last = sorted(p.name for p in copies[0].glob("*.tar"))[-1]

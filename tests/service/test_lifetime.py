@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gdsload.service.client import RemoteLoader
-from gdsload.service.config import Limits
+from gdsload.service.protocol.config import Limits
 from gdsload.service.server import create_server
 
 MAX_STREAMS = 2

@@ -14,7 +14,7 @@ from gdsload.dataset.mix import Mix
 from gdsload.plan.plan import StateError
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 

@@ -20,8 +20,8 @@ from mpkit import (METHODS, TIMEOUT_S, assert_no_new_children, assert_same, chil
 from test_tls import _serve, pki  # noqa: F401  (the TLS test's certificates and in-process server)
 
 from gdsload.service.client import RemoteLoader
-from gdsload.service.config import TlsConfig
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.config import TlsConfig
+from gdsload.service.protocol.status import RemoteError
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork and /proc")
 

@@ -12,7 +12,7 @@ import pytest
 from gdsload.service.client import RemoteLoader
 from gdsload.service.logs import JsonLines
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 
 
 def test_metrics_and_json_logs(roots):

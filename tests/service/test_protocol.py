@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gdsload.service import wire
+from gdsload.service.protocol import wire
 from gdsload.service.server import create_server
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
@@ -273,7 +273,7 @@ def test_the_health_reference_matches_grpc_health():
 
 
 def test_the_proto_states_the_chunk_minimum(server):
-    from gdsload.service.config import MIN_CHUNK_BYTES
+    from gdsload.service.protocol.config import MIN_CHUNK_BYTES
 
     assert f"at least {MIN_CHUNK_BYTES}" in PROTO
     _, address = server

@@ -13,7 +13,7 @@ from feedkit import free_port, local_batches, spawn_server
 
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 
 BATCH = 8
 DOWN_S = 8.0  # longer than 10 retries take with max_backoff_s=0.5 (about 4 s)

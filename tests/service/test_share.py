@@ -183,7 +183,7 @@ def test_paused_job_falls_out_and_still_gets_its_epoch_while_the_others_go_on(tm
     local = local_batches(base / "root" / "big", batch_size=BATCH, shuffle=True, seed=SEED)
     expected = [k for b in local for k in b["__key__"]]
     budget = 256 << 20
-    from gdsload.service.config import Limits
+    from gdsload.service.protocol.config import Limits
 
     with _serve(base / "root", share_window=2, share_hold_s=0.3,
                 limits=Limits(max_message_bytes=64 * 1024, max_memory_bytes=budget)) as (srv, address):
@@ -318,7 +318,7 @@ def test_different_tokens_never_share(roots):
 def test_different_tls_client_certificates_never_share(roots, tmp_path):
     """Mutual TLS: two jobs with client certificate A share; one with certificate B (same CA, same
     alternative names) does not."""
-    from gdsload.service.config import TlsConfig
+    from gdsload.service.protocol.config import TlsConfig
 
     def openssl(*args):
         subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
@@ -379,7 +379,7 @@ def test_late_job_behind_the_window_gets_its_own_producer(roots):
 
 def _steps(stub, **kw) -> list[tuple[int, list[str], bool]]:
     """(step, keys, BatchHeader.shared) of each batch of one StreamBatches call of group "mv"."""
-    from gdsload.service import wire
+    from gdsload.service.protocol import wire
 
     req = pb.BatchRequest(dataset="feats", seed=SEED, shuffle=True, batch_size=BATCH, world_size=1,
                           payload=pb.PAYLOAD_RAW, share="mv", **kw)
@@ -463,8 +463,8 @@ def test_the_next_epoch_takes_the_loader_while_a_slower_job_reads_the_last_windo
 
 
 def test_a_window_over_the_memory_budget_is_refused_naming_it(roots):
-    from gdsload.service.config import Limits
-    from gdsload.service.status import RemoteError
+    from gdsload.service.protocol.config import Limits
+    from gdsload.service.protocol.status import RemoteError
 
     limits = Limits(max_message_bytes=64 * 1024, max_memory_bytes=64 << 20)
     with _serve(roots, limits=limits, share_window=10_000) as (srv, address):

@@ -98,7 +98,7 @@ def test_help_says_where_metrics_bind():
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls_key_of_another_certificate_is_named(roots, tmp_path):
-    from gdsload.service.config import TlsConfig
+    from gdsload.service.protocol.config import TlsConfig
 
     for name in ("a", "b"):
         subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",

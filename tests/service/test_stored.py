@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from feedkit import assert_same_batches, local_batches
 
-from gdsload.service import request
+from gdsload.service.protocol import request
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 
 KW = dict(batch_size=16, shuffle=True, seed=4, decode=False, output="numpy")
 
@@ -171,7 +171,7 @@ def test_a_span_past_the_end_of_its_file_cuts_the_message(tmp_path):
 
     from gdsload.errors import CorruptDataError
     from gdsload.service.bulk import BulkSink
-    from gdsload.service.wire import FileSpan
+    from gdsload.service.protocol.wire import FileSpan
 
     path = tmp_path / "shard-000000.tar"
     path.write_bytes(b"x" * 5000)

@@ -212,7 +212,7 @@ def test_another_dataset_version_is_refused(roots, tmp_path):
     id): the loader plans with the first and never takes a batch from the second."""
     from gdsload.convert.engine import ConvertOptions, convert
     from gdsload.sampledata import make_npy_folder
-    from gdsload.service.status import RemoteError
+    from gdsload.service.protocol.status import RemoteError
 
     make_npy_folder(tmp_path / "src", num_samples=256, shape=(32, 64), dtype="float32", seed=99)
     convert(str(tmp_path / "src"), str(tmp_path / "v2" / "feats"),
@@ -247,7 +247,7 @@ def test_dns_name_resolved_again_picks_up_a_server_and_drops_one(roots, monkeypa
     for the test name is what changes (the servers are real; both listen on loopback addresses)."""
     import socket
 
-    from gdsload.service import link
+    from gdsload.service.client import link
 
     port = free_port()
     first, _ = create_server([str(roots)], address=f"127.0.0.1:{port}", max_message_bytes=64 * 1024)
@@ -296,7 +296,7 @@ def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
     import time
     from types import SimpleNamespace
 
-    from gdsload.service.receiver import _Fetch, _Server, _StripedReceiver
+    from gdsload.service.client.receiver import _Fetch, _Server, _StripedReceiver
 
     rx = object.__new__(_StripedReceiver)
     rx.block_s = 10.0  # the two-block-times rule stays out of the way
@@ -326,7 +326,7 @@ def test_a_straggler_works_on_one_block_at_a_time():
     `server_window`; without rates for two servers, everyone has the full window."""
     from types import SimpleNamespace
 
-    from gdsload.service.receiver import _Server, _StripedReceiver
+    from gdsload.service.client.receiver import _Server, _StripedReceiver
 
     rx = object.__new__(_StripedReceiver)
     rx.W = 2
@@ -353,7 +353,7 @@ def test_an_overtaken_server_gets_a_rate_from_its_silence():
     import time
     from types import SimpleNamespace
 
-    from gdsload.service.receiver import _Fetch, _Server, _StripedReceiver
+    from gdsload.service.client.receiver import _Fetch, _Server, _StripedReceiver
 
     rx = object.__new__(_StripedReceiver)
     rx.W, rx.stall_s, rx.cond = 2, 5.0, threading.Condition()
@@ -380,7 +380,7 @@ def test_a_servers_pace_averages_quota_bursts_but_shows_a_straggler():
     every 100 ms); it reads as fast as a steady one of the same rate at every moment, also when it
     serves two requests at once, while a steady server 4x slower reads over 3x slower (the
     straggler rule's bar). Time held back by the reorder window is not slowness."""
-    from gdsload.service.receiver import _Server
+    from gdsload.service.client.receiver import _Server
 
     class _Ep:
         target = "x"

@@ -11,7 +11,7 @@ import pytest
 from feedkit import assert_same_batches, local_batches
 
 from gdsload.errors import ConfigError
-from gdsload.service import wire
+from gdsload.service.protocol import wire
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import FeedServicer, create_server, stride_steps
 from gdsload.v1 import feed_pb2 as pb

@@ -8,9 +8,9 @@ import subprocess
 import pytest
 
 from gdsload.service.client import RemoteLoader
-from gdsload.service.config import TlsConfig
+from gdsload.service.protocol.config import TlsConfig
 from gdsload.service.server import create_server
-from gdsload.service.status import RemoteError
+from gdsload.service.protocol.status import RemoteError
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

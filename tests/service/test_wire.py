@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from gdsload.decode.image import ImageTransform
 from gdsload.frontend.fields import BytesColumn
-from gdsload.service import wire
-from gdsload.service.status import BadRequest, OverLimit
+from gdsload.service.protocol import wire
+from gdsload.service.protocol.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
 

@@ -24,9 +24,9 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 import grpc
 
 from gdsload.ring.staging import StagingPool
-from gdsload.service import status, wire
-from gdsload.service.bulk import BulkCall, IdleConnections, bulk_target
-from gdsload.service.config import bind_host, dns_rest
+from gdsload.service.protocol import status, wire
+from gdsload.service.client.bulk import BulkCall, IdleConnections, bulk_target
+from gdsload.service.protocol.config import bind_host, dns_rest
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 

@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 
 from gdsload.errors import PassStopped
-from gdsload.service import status, wire
-from gdsload.service.link import _Attempts, _Link, _Retry, resolve
+from gdsload.service.protocol import status, wire
+from gdsload.service.client.link import _Attempts, _Link, _Retry, resolve
 from gdsload.v1 import feed_pb2 as pb
 
 

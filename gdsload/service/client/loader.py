@@ -7,7 +7,7 @@ the same order and with the same structure (a dict field -> tensor, plus "__key_
 Cursor and resumption: the loader owns its cursor (epoch, position), where position counts the
 global positions consumed, as in the local loader's state. Each stream asks for "this rank's
 batches from position p"; a batch counts only once its last chunk arrived. When a stream breaks,
-the server restarts or a server refuses (a retryable status, `gdsload.service.status.RETRYABLE`),
+the server restarts or a server refuses (a retryable status, `gdsload.service.protocol.status.RETRYABLE`),
 the loader waits (exponential backoff with jitter), moves to the next address when it has several,
 and asks again from the position after the last complete batch: nothing is lost or repeated. A
 server whose copy of the data is corrupt (DATA_LOSS) is not asked again; each other address is,
@@ -64,11 +64,11 @@ from gdsload.frontend.options import LoaderOptions
 from gdsload.frontend.output import Batch, as_output
 from gdsload.frontend.stages import StageTimes
 from gdsload.frontend.usercode import MapStage
-from gdsload.service import mixwire, wire
-from gdsload.service.auth import metadata
-from gdsload.service.config import Keepalive, MiB, channel_options, read_pem
-from gdsload.service.link import _Link, check_address, is_dns
-from gdsload.service.receiver import _RemoteEpoch
+from gdsload.service.protocol import mixwire, wire
+from gdsload.service.protocol.auth import metadata
+from gdsload.service.protocol.config import Keepalive, MiB, channel_options, read_pem
+from gdsload.service.client.link import _Link, check_address, is_dns
+from gdsload.service.client.receiver import _RemoteEpoch
 from gdsload.v1 import feed_pb2 as pb
 
 __all__ = ["RemoteLoader"]
@@ -87,7 +87,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     (`stripe`, default on then): it pulls its batches from every healthy server at once, in
     blocks of `stripe_batches` consecutive batches (block b on the b-th server, stolen by an idle
     one), at most `server_window` requests in flight per server, and hands them out in plan order
-    (see `gdsload.service.receiver._StripedReceiver`); a request silent for `stall_timeout_s` is
+    (see `gdsload.service.client.receiver._StripedReceiver`); a request silent for `stall_timeout_s` is
     cancelled and asked of another server. With one plain address, or `stripe=False`, it reads
     from one server at a time: rank r starts on address ``r % len`` and fails over to the next
     one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
@@ -387,7 +387,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         return self._link.unary(method, request)
 
     def _request(self, epoch: int, position: int) -> pb.BatchRequest:
-        from gdsload.service.request import to_request
+        from gdsload.service.protocol.request import to_request
 
         mixed = isinstance(self.dataset, Mix)
         return to_request(self.options, self.plan, dataset="" if mixed else self.dataset,

@@ -43,8 +43,8 @@ from gdsload.errors import ProtocolError  # noqa: F401 (re-exported: defined in 
 from gdsload.decode.image import ImageTransform
 from gdsload.format.crc import first_mismatch
 from gdsload.frontend.fields import BytesColumn, to_wire
-from gdsload.service.config import CHUNK_OVERHEAD_BYTES
-from gdsload.service.status import BadRequest, CorruptCopy, OverLimit
+from gdsload.service.protocol.config import CHUNK_OVERHEAD_BYTES
+from gdsload.service.protocol.status import BadRequest, CorruptCopy, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
 KEY = "__key__"

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from gdsload.errors import GdsloadError
-from gdsload.service.status import Unauthenticated, abort
+from gdsload.service.protocol.status import Unauthenticated, abort
 
 HEADER = "authorization"
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)

@@ -61,7 +61,7 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
     """The loader options of a request, checked as a local loader's are (first: every float
     field finite, `check_finite`). The request's `fields` select the served dataset's fields
     (the catalog does that); the server's batches are dicts."""
-    from gdsload.service import wire
+    from gdsload.service.protocol import wire
 
     check_finite(req)
     if req.payload not in PAYLOADS:

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from gdsload.errors import GdsloadError
 from gdsload.dataset.mix import Mix
 from gdsload.plan.mix import MixSpec
-from gdsload.service.status import BadRequest, DatasetChanged
+from gdsload.service.protocol.status import BadRequest, DatasetChanged
 from gdsload.v1 import feed_pb2 as pb
 
-if TYPE_CHECKING:  # the client does not need the server's catalog (nor the loader it imports)
-    from gdsload.service.catalog import Catalog
+
+
+class Catalog(Protocol):
+    """What `open_mix` needs of the server's catalog (`gdsload.service.server.catalog.Catalog`),
+    so this module, shared with the client, imports nothing of the server."""
+
+    def dataset(self, name: str, fields: list[str]) -> Any: ...
+
+    def max_member_nbytes(self, name: str) -> dict[str, int]: ...
 
 _MIX_BY = {"sample": pb.MIX_BY_SAMPLE, "batch": pb.MIX_BY_BATCH}
 _FROM_PB = {pb.MIX_BY_UNSPECIFIED: "sample", pb.MIX_BY_SAMPLE: "sample", pb.MIX_BY_BATCH: "batch"}
