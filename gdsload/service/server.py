@@ -473,6 +473,11 @@ class FeedServicer(pb_grpc.FeedServicer):
             memory += (slots + 1) * max(staged + staged // 4, 4 << 20)
         if image:
             memory += _DECODE_BUFFERS * B * image + DECODER_OVERHEAD_BYTES
+        media = {fp.name: fp.media for fp in layout.fields if fp.media is not None}
+        if media:  # decoding buffers of audio (issue 46): gdsload.service.mediawire.decode_nbytes
+            from gdsload.service import mediawire
+
+            memory += mediawire.decode_nbytes(media, B)
         return memory + STREAM_OVERHEAD_BYTES + 2 * self.limits.max_message_bytes
 
     def _sample_bytes(self, req: pb.BatchRequest, fields: Sequence[str], transform) -> tuple[int, int, int]:
