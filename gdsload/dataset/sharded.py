@@ -30,20 +30,21 @@ from gdsload.format import npy
 from gdsload.format.index import ShardIndex, parse_dali_index, split_name
 from gdsload.format.labels import parse_label
 from gdsload.io import is_remote, local_path
-from gdsload.io.store import FsspecStore, load_manifest, open_store, write_atomic
+from gdsload.io.store import FsspecStore, load_manifest, open_store
 from gdsload.format.tar import ALIGN, ALIGN_MIN_NBYTES
 
 
 class ShardedDataset:
     """A converted dataset: `len()`, `sample(i)`, `iter_samples()`, `verify()`.
 
-    `meta_dir` (a dataset at a URL read through a shard cache): a local folder that keeps a copy
-    of the manifest (`manifests/<hash of the URL>.json`) and of every shard index read
-    (`<shard SHA-256>.idx`), so a job restarted while the store is down still opens the dataset:
-    the manifest is read from the store whenever it answers (and the copy replaced), the copy is
-    used only when the store cannot be reached (`offline` is then True, with a warning); indexes
-    are taken from the folder first (an index belongs to its shard's bytes, named by their hash),
-    and checked against the manifest as ones read from the store are.
+    `meta_dir` (a dataset at a URL read through a shard cache): the cache folder, where the
+    shard cache (`gdsload.io.cache`) keeps a copy of the manifest (`manifests/<hash of the
+    URL>.json`, `manifest_bytes`) and of the index of every shard it holds (`<shard SHA-256>.idx`,
+    `index_copy`), counted in its limit, so a job restarted while the store is down still opens
+    the dataset: the manifest is read from the store whenever it answers, the copy is used only
+    when the store cannot be reached (`offline` is then True, with a warning); indexes are taken
+    from the folder first (an index belongs to its shard's bytes, named by their hash), and
+    checked against the manifest as ones read from the store are. Nothing here writes there.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, version: int | None = None,
@@ -55,6 +56,7 @@ class ShardedDataset:
         self._fs = self._store.fs if isinstance(self._store, FsspecStore) else None
         self._meta = Path(meta_dir) if meta_dir is not None and self._fs is not None else None
         self.offline = False
+        self.manifest_bytes: bytes | None = None  # as read from the store, for the cache's copy
         self.manifest = self._load_manifest()
         if version is not None:
             self.manifest = mf.at_version(self.manifest, version)
@@ -92,9 +94,9 @@ class ShardedDataset:
     def _load_manifest(self) -> dict[str, Any]:
         if self._meta is None:
             return load_manifest(self._store)
-        import hashlib as _h
+        from gdsload.io.cache import manifest_copy
 
-        copy = self._meta / "manifests" / f"{_h.sha256(self.root.encode()).hexdigest()[:32]}.json"
+        copy = manifest_copy(self._meta, self.root)
         try:
             text = self._store.read(mf.MANIFEST)
         except FileNotFoundError:
@@ -111,32 +113,24 @@ class ShardedDataset:
             self.offline = True
             return mf.parse(copy.read_text(), name=str(copy))
         manifest = mf.parse(text.decode(), name=self._store.where(mf.MANIFEST))
-        try:
-            if not copy.is_file() or copy.read_bytes() != text:
-                copy.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(copy, text, fsync=False)
-        except OSError:  # a cache folder we cannot write: no copy, as without one
-            pass
+        self.manifest_bytes = text  # the cache writes its copy when a loader starts (counted there)
         return manifest
 
     def _index_bytes(self, shard: int, name: str, *, cached: bool = True) -> bytes:
         """The index file of `shard`: from the cache folder where it has one (unless `cached` is
-        False), else the store (then kept there)."""
-        if self._meta is None:
+        False), else the store (the cache keeps a copy beside the shard: `index_copy`)."""
+        if self._meta is None or not cached:
             return self._read_file(name)
-        copy = self._meta / f"{self.shards[shard]['sha256']}.idx"
-        if cached:
-            try:
-                return copy.read_bytes()
-            except OSError:
-                pass
-        data = self._read_file(name)
         try:
-            self._meta.mkdir(parents=True, exist_ok=True)
-            write_atomic(copy, data, fsync=False)
+            return (self._meta / f"{self.shards[shard]['sha256']}.idx").read_bytes()
         except OSError:
-            pass
-        return data
+            return self._read_file(name)
+
+    def index_copy(self, shard: int) -> bytes | None:
+        """The index of `shard` as bytes where this object has it loaded (else None): what the
+        shard cache writes beside the shard's complete copy (`gdsload.io.cache.ShardCache`)."""
+        idx = self._indexes.get(shard)
+        return None if idx is None else idx.to_bytes()
 
     def index(self, shard: int) -> ShardIndex:
         idx = self._indexes.get(shard)
@@ -147,7 +141,9 @@ class ShardedDataset:
             except FormatError:
                 if self._meta is None or self.offline:
                     raise
-                # the copy in the cache folder may be damaged (it is not fsynced): the store's
+                # the copy in the cache folder may be damaged (it is not fsynced): the store's,
+                # and the copy goes (the cache writes it again from this one: `index_copy`)
+                (self._meta / f"{self.shards[shard]['sha256']}.idx").unlink(missing_ok=True)
                 idx = self._checked_index(shard, name, self._index_bytes(shard, name, cached=False))
             self._indexes[shard] = idx
         return idx

@@ -86,7 +86,8 @@ class PartCaches:
 
                 sh = part.shards
                 self._parts.append((first, n, ShardCache(sh.root, sh.shards, part.cache_dir, part.cache_limit,
-                                                         on_release=on_release)))
+                                                         on_release=on_release, index_bytes=sh.index_copy,
+                                                         manifest_bytes=sh.manifest_bytes)))
             first += n
 
     def __bool__(self) -> bool:

@@ -14,21 +14,53 @@ stale copy):
 
     <sha256>.tar                    a complete, verified shard (size and SHA-256 of the manifest);
                                     it appears only by an atomic rename, so one is never partial
-    <sha256>.tar.part-<nbytes>-<id> a download in progress (<nbytes>: what it will grow to)
+    <sha256>.idx                    the shard's index (for a restart with the store down), written
+                                    beside the complete shard only, and evicted with it
+    <sha256>.tar.part-<nbytes>-<id> a download in progress (<nbytes>: what it reserves: the shard,
+                                    its index copy and its fetch.log lines, where they fitted)
     <sha256>.lock                   held (flock, exclusive) while that shard is downloaded: another
-                                    process that needs it waits there instead of downloading it too
+                                    process that needs it waits there instead of downloading it too;
+                                    it exists only while a download of that shard is in progress
     .space.lock                     held while a process reserves space (counts, evicts, creates a
-                                    .part), so the reservations of all processes are serialised
-    fetch.log                       one line per download: time, pid, shard, bytes, seconds, ok|corrupt
+                                    .part, writes metadata), so the reservations of all processes
+                                    are serialised; the one file that stays
+    manifests/<hash of URL>.json    the manifest of a dataset read here (written at its loader's start)
+    users/<pid>-<n>                 a process using the folder: its need and the shards it needs
+                                    next (removed when it closes; by another process once it died)
+    fetch.log                       one line per download: time, pid, shard, bytes, seconds, ok|corrupt;
+                                    the newest lines, at most min(64 kB, limit / 64)
+
+Everything counts: `limit_bytes` bounds the size of every file in the folder (shards, downloads,
+index and manifest copies, fetch.log), not the shards alone, save the users/ entries of running
+processes (a number and one 65-byte line per shard of its window each, gone with the process):
+they are how processes sharing the folder take turns, so they cannot make way, and a limit that
+a batch's shards fill to the byte stays usable. Metadata is written under the space lock only
+into room counted there. Room for a shard is made by evicting, in order:
+manifest copies of datasets none of whose shards is here or wanted next (an offline open of one
+could read nothing), then shards by the plan (each with its index copy); a reader waiting for its
+batch's shards then also drops the index copies of the shards that stay, fetch.log and the
+manifest copies, and nothing else ever waits for metadata. An index copy is written only where it
+fits beside shards (with its shard's reservation, or into free room later): with a tight limit
+some cached shards may have none (a restart with the store down cannot read those).
+
+Lock files: a shard's lock file is unlinked by the process that holds its lock, before it lets go;
+a process that waited on it then finds that the file it locked is no longer the one at that
+name (inode check after locking) and locks the new one. Only a holder unlinks, so two processes
+never hold the lock of one shard at once, and no lock file outlives the download it guarded (one
+left by a killed process is unlinked, under its lock, at the next reservation).
 
 Invariants:
-- The bytes in the folder never exceed `limit_bytes` (as this process counts them: complete
-  shards plus every .part at its final size): space is reserved before a download starts.
+- The bytes in the folder never exceed `limit_bytes` (as this process counts them: every file
+  but users/, a .part at what it reserved): space is reserved before a download starts, and the
+  metadata this module writes (index and manifest copies, fetch.log lines) is written into room
+  counted under the space lock.
 - A shard a batch of this process is reading is pinned: a shared flock on the complete file is held
   while any batch uses it. An evictor (in any process) takes an exclusive non-blocking flock before
   it unlinks, and skips a file it cannot lock.
 - A crash mid-download leaves only a .part, never a complete name; a .part whose `.lock` nobody
-  holds is stale and is removed at the next reservation (or when its shard is fetched again).
+  holds (or that is gone) is stale and is removed at the next reservation (or when its shard is
+  fetched again). A temporary file of a metadata write seen under the space lock is a dead
+  writer's (they write under it) and is removed too.
 - Read-ahead never evicts a shard needed sooner than the one it fetches, and never waits for room;
   the reader of the current batch does wait (pins of other batches go away as their reads end).
 
@@ -42,7 +74,9 @@ import bisect
 import errno
 import fcntl
 import hashlib
+import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +92,89 @@ from gdsload.io.store import url_to_fs
 _NEVER = float("inf")
 _SPACE_LOCK = ".space.lock"
 _LOG = "fetch.log"
+_MANIFESTS = "manifests"
+_USERS = "users"
+_LOG_CAP = 64 * 1024  # fetch.log's most (and at most limit / 64): its newest lines are kept
+_LOG_LINE = 256  # a fetch.log line's most (the shard name is cut to fit)
+_TMP = ".tmp-"  # in the name of a metadata file being written (under the space lock)
+
+
+def manifest_copy(folder: str | os.PathLike[str], root: str) -> Path:
+    """Where the cache folder `folder` keeps the copy of the manifest of the dataset at `root`
+    (a URL): `manifests/<hash of the URL>.json`."""
+    return Path(folder) / _MANIFESTS / f"{hashlib.sha256(root.rstrip('/').encode()).hexdigest()[:32]}.json"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` at `path` through a temporary name and a rename (not fsynced: a torn index copy is
+    read again from the store). Call with the space lock held: a temporary file seen under it is a
+    dead writer's (`_usage` removes it)."""
+    tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _drop_stale_lock(path: str) -> bool:
+    """Unlink a shard's lock file nobody holds (True; also when it is gone): an exclusive
+    non-blocking flock, then, holding it, the check that the file is still the one at that name.
+    A holder's lock (any process, this one's other threads too: each opens its own) is left."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return True
+    finally:
+        os.close(fd)
+
+
+def _manifest_shards(path: str) -> set[str] | None:
+    """The SHA-256s of the shards a manifest copy lists (None: it does not parse)."""
+    try:
+        with open(path, "rb") as f:
+            return {str(s["sha256"]) for s in json.loads(f.read())["shards"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class _Folder:
+    """What the folder holds, as `ShardCache._usage` counted it (under the space lock)."""
+
+    __slots__ = ("used", "shards", "indexes", "manifests", "log")
+
+    def __init__(self) -> None:
+        self.used = 0  # bytes of every file (a .part at what it reserved)
+        self.shards: dict[str, int] = {}  # complete shards: SHA-256 -> bytes
+        self.indexes: dict[str, tuple[int, float]] = {}  # index copies beside them: SHA-256 -> (bytes, mtime)
+        self.manifests: dict[str, tuple[int, float]] = {}  # manifest copies: path -> (bytes, mtime)
+        self.log = 0  # bytes of fetch.log
+
+
+class _Room:
+    """What a download reserved beside its shard: the index copy to write with it (None: not
+    loaded yet, or no room), and bytes left for its fetch.log lines."""
+
+    __slots__ = ("index", "log")
+
+    def __init__(self, index: bytes | None, log: int) -> None:
+        self.index = index
+        self.log = log
 
 
 def default_cache_dir() -> Path:
@@ -82,6 +199,11 @@ class ShardCache:
     the reader of a batch waits for room held by other processes' pins before giving up.
     `on_release(path)` is called when this process stops using a cached file (no batch pins it),
     so an I/O backend can close its descriptor and an eviction really frees the space.
+    `index_bytes(shard)`: the bytes of that shard's index where this process has it loaded (else
+    None), kept beside the cached shard as `<sha256>.idx`; `manifest_bytes`: the dataset's manifest
+    as read from the store (None: not read from it), kept as `manifest_copy(folder, root)` from
+    `check_limit` on. Both are what a restart with the store down opens (`gdsload.dataset.sharded`);
+    both count in `limit_bytes`.
     """
 
     def __init__(
@@ -96,6 +218,8 @@ class ShardCache:
         backoff_s: float = 0.2,
         wait_timeout_s: float = 120.0,
         on_release: Callable[[str], None] | None = None,
+        index_bytes: Callable[[int], bytes | None] | None = None,
+        manifest_bytes: bytes | None = None,
     ) -> None:
         if limit_bytes < 1:
             raise GdsloadError(f"cache_limit must be a positive number of bytes, got {limit_bytes}")
@@ -108,6 +232,11 @@ class ShardCache:
         self.backoff_s = backoff_s
         self.wait_timeout_s = wait_timeout_s
         self.on_release = on_release
+        self._index_bytes = index_bytes
+        self._manifest_bytes = manifest_bytes
+        self._index_sizes: dict[int, int] = {}  # shard -> bytes of its index copy, once made
+        self._by_sha = {s["sha256"]: i for i, s in enumerate(self.shards)}
+        self._manifests_read: dict[str, tuple[tuple[int, float], set[str] | None]] = {}  # `_make_room`
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._space_fd = os.open(self.folder / _SPACE_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
@@ -141,6 +270,37 @@ class ShardCache:
 
     def _lock_path(self, shard: int) -> Path:
         return self.folder / f"{self.shards[shard]['sha256']}.lock"
+
+    def _lock_shard(self, shard: int) -> int:
+        """Take `shard`'s download lock (waiting for a holder): a descriptor holding an exclusive
+        flock on the lock file that is at its name now. A holder unlinks the file before it lets
+        go (`_unlock_shard`), so a waiter may wake up holding a file no longer there: it then
+        tries again on the one at the name (created anew where none is)."""
+        path = self._lock_path(shard)
+        while True:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # another process downloading it: wait for it
+                try:
+                    if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                        return fd
+                except FileNotFoundError:
+                    pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
+    def _unlock_shard(self, shard: int, fd: int) -> None:
+        """Unlink `shard`'s lock file, then let go of it: only the holder of the file at the name
+        unlinks it, and one who waited on it finds it gone (`_lock_shard`), so no two processes
+        hold it at once and no lock file is left once nobody downloads the shard."""
+        try:
+            os.unlink(self._lock_path(shard))
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
 
     def _remote(self, shard: int) -> str:
         return f"{self.root}/{self.shards[shard]['name']}"
@@ -181,8 +341,25 @@ class ShardCache:
                         f"for {n} processes, or give each job its own cache_dir"
                     )
                 self._register(need)
+                self._keep_manifest()
+                _, folder = self._make_room(None, 0, foreground=True)  # metadata written since
+                self._keep_indexes(folder)
             finally:
                 fcntl.flock(self._space_fd, fcntl.LOCK_UN)
+
+    def _keep_manifest(self) -> None:
+        """Write the dataset's manifest as read from the store to its copy in the folder (unless
+        the copy holds it already); call with both locks held (the caller then makes room)."""
+        if self._manifest_bytes is None:
+            return
+        path = manifest_copy(self.folder, self.root)
+        try:
+            if path.is_file() and path.read_bytes() == self._manifest_bytes:
+                return
+            path.parent.mkdir(exist_ok=True)
+            _write_atomic(path, self._manifest_bytes)
+        except OSError:  # a folder we cannot write: no copy, as without one
+            pass
 
     def _users(self) -> list[int]:
         """The needs (bytes) of the other live processes registered in the folder; entries of
@@ -194,7 +371,7 @@ class ShardCache:
         SHA-256) it says it needs next; entries of dead ones are removed. An entry is the need on
         its first line, then one SHA-256 a line (`_publish_wanted`)."""
         needs: list[tuple[int, set[str]]] = []
-        users = self.folder / "users"
+        users = self.folder / _USERS
         try:
             entries = list(os.scandir(users))
         except FileNotFoundError:
@@ -252,7 +429,7 @@ class ShardCache:
             os.pwrite(self._user_fd, str(need).encode(), 0)
             self._wanted = []
             return
-        users = self.folder / "users"
+        users = self.folder / _USERS
         users.mkdir(exist_ok=True)
         self._user_name = f"{os.getpid()}-{id(self)}"
         fd = os.open(users / self._user_name, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
@@ -263,7 +440,7 @@ class ShardCache:
     def _unregister(self) -> None:
         if self._user_fd is not None:
             try:
-                os.unlink(self.folder / "users" / self._user_name)
+                os.unlink(self.folder / _USERS / self._user_name)
             except FileNotFoundError:
                 pass
             os.close(self._user_fd)
@@ -502,9 +679,8 @@ class ShardCache:
     def _try_download(self, shard: int, *, foreground: bool) -> bool | None:
         """One try of `_download`: None where there is no room for `shard` now."""
         entry = self.shards[shard]
-        lock_fd = os.open(self._lock_path(shard), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        lock_fd = self._lock_shard(shard)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # another process downloading it: wait for it
             if self._present(shard):
                 return True
             err = self._errors.get(shard)
@@ -512,12 +688,13 @@ class ShardCache:
                 raise err
             for stale in self.folder.glob(f"{entry['sha256']}.tar.part-*"):  # we hold its lock
                 stale.unlink(missing_ok=True)
-            part = self._reserve(shard, foreground=foreground)
-            if part is None:
+            got = self._reserve(shard, foreground=foreground)
+            if got is None:
                 return None
+            part, room = got
             try:
-                self._fetch_verified(shard, part)
-                self._publish(part, self.path(shard))
+                self._fetch_verified(shard, part, room)
+                self._publish(part, shard, room)
             except BaseException as exc:
                 part.unlink(missing_ok=True)
                 if isinstance(exc, CorruptDataError):  # before the shard's lock is released, so
@@ -530,9 +707,9 @@ class ShardCache:
                 self._stats["bytes_fetched"] += entry["bytes"]
             return True
         finally:
-            os.close(lock_fd)  # releases the flock
+            self._unlock_shard(shard, lock_fd)
 
-    def _fetch_verified(self, shard: int, part: Path) -> None:
+    def _fetch_verified(self, shard: int, part: Path, room: _Room) -> None:
         """Download into `part`, retrying network faults; a hash or size mismatch is fetched once
         more, then a `CorruptDataError`."""
         entry = self.shards[shard]
@@ -542,9 +719,8 @@ class ShardCache:
             size, digest = self._fetch(url, part)
             ok = size == entry["bytes"] and digest == entry["sha256"]
             transit = digest.startswith("transit:")
-            with open(self.folder / _LOG, "a") as log:  # O_APPEND: lines of processes interleave whole
-                log.write(f"{time.time():.3f} {os.getpid()} {entry['name']} {size} "
-                          f"{time.perf_counter() - t0:.3f} {'ok' if ok else 'corrupt'}\n")
+            self._log_fetch(f"{time.time():.3f} {os.getpid()} {entry['name'][:160]} {size} "
+                            f"{time.perf_counter() - t0:.3f} {'ok' if ok else 'corrupt'}\n", room)
             if ok:
                 return
             problem = (digest.removeprefix("transit:") if transit
@@ -553,6 +729,42 @@ class ShardCache:
         raise CorruptDataError(f"shard {entry['name']} at {url} does not match the manifest ({problem}; "
                                f"fetched twice); the stored object is corrupt or was rewritten"
                                + (", or bytes are damaged on the way from the store" if transit else ""))
+
+    def _log_fetch(self, line: str, room: _Room) -> None:
+        """Append a line to fetch.log, under the space lock (appends and trims of all processes
+        are serialised). The log keeps its newest lines: past min(64 kB, limit / 64) the older
+        half goes; where the download's reservation has no room left for the line, older lines
+        go so that the log grows by nothing (a line that still does not fit is left out)."""
+        data = line.encode()[:_LOG_LINE]
+        cap = max(_LOG_LINE, min(_LOG_CAP, self.limit_bytes // 64))
+        with self._lock:
+            fcntl.flock(self._space_fd, fcntl.LOCK_EX)
+            try:
+                fd = os.open(self.folder / _LOG, os.O_CREAT | os.O_RDWR | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                try:
+                    size = os.fstat(fd).st_size
+                    most = cap if len(data) <= room.log else min(cap, size)  # its size after this line
+                    if size + len(data) > most:
+                        old = os.pread(fd, size, 0)
+                        keep = max(0, min(most, cap // 2) - len(data))
+                        tail = old[len(old) - keep:] if keep else b""
+                        if len(tail) < len(old) and b"\n" in tail:  # whole lines only
+                            tail = tail[tail.index(b"\n") + 1:]
+                        elif len(tail) < len(old):
+                            tail = b""
+                        os.ftruncate(fd, 0)
+                        os.write(fd, tail)
+                        size = len(tail)
+                    if size + len(data) <= most:
+                        os.write(fd, data)  # O_APPEND
+                        if len(data) <= room.log:
+                            room.log -= len(data)
+                finally:
+                    os.close(fd)
+            except OSError:  # a log we cannot write is no reason to fail a download
+                pass
+            finally:
+                fcntl.flock(self._space_fd, fcntl.LOCK_UN)
 
     def _fetch(self, url: str, part: Path) -> tuple[int, str]:
         """One whole-object GET streamed into `part` (retried with backoff); (bytes, SHA-256).
@@ -592,58 +804,139 @@ class ShardCache:
         return size, h.hexdigest()
 
     # -- space ----------------------------------------------------------------------------------
-    def _reserve(self, shard: int, *, foreground: bool) -> Path | None:
+    def _reserve(self, shard: int, *, foreground: bool) -> tuple[Path, _Room] | None:
         """Evict until `shard` fits, then create its .part (all under the folder-wide lock);
-        None where there is no room now (the caller waits holding no shard lock)."""
+        None where there is no room now (the caller waits holding no shard lock). The .part's
+        name reserves, beside the shard, its index copy and two fetch.log lines where they fit
+        in the room left (they never evict anything); into what is left after that go the index
+        copies of shards here that have none (`_keep_indexes`)."""
         entry = self.shards[shard]
-        need = entry["bytes"]
+        index = self._index_of(shard)
         with self._lock:
             fcntl.flock(self._space_fd, fcntl.LOCK_EX)
             try:
-                if self._make_room(shard, need, foreground=foreground):
-                    part = self.folder / f"{entry['sha256']}.tar.part-{need}-{os.getpid()}-{threading.get_ident()}"
-                    part.touch()
-                    return part
+                ok, folder = self._make_room(shard, entry["bytes"], foreground=foreground)
+                if not ok:
+                    return None
+                free = self.limit_bytes - folder.used - entry["bytes"]
+                if index is not None and len(index) > free:
+                    index = None
+                free -= len(index) if index is not None else 0
+                log = 2 * _LOG_LINE if free >= 2 * _LOG_LINE else 0
+                nbytes = entry["bytes"] + (len(index) if index is not None else 0) + log
+                part = self.folder / f"{entry['sha256']}.tar.part-{nbytes}-{os.getpid()}-{threading.get_ident()}"
+                part.touch()
+                folder.used += nbytes
+                self._keep_indexes(folder)
+                return part, _Room(index, log)
             finally:
                 fcntl.flock(self._space_fd, fcntl.LOCK_UN)
-        return None
 
-    def _publish(self, part: Path, path: str) -> None:
-        """Rename a verified .part to its shard's name under the folder-wide space lock: a
-        reservation that listed the folder during the rename could see neither name (the .part
-        gone, the new name not yet read) and count the shard as free space."""
+    def _index_of(self, shard: int) -> bytes | None:
+        """The bytes of `shard`'s index where this process has it (`index_bytes`), else None."""
+        if self._index_bytes is None:
+            return None
+        try:
+            data = self._index_bytes(shard)
+        except Exception:  # noqa: BLE001 - a copy is an extra: never a reason to fail a read
+            return None
+        if data is not None:
+            self._index_sizes[shard] = len(data)
+        return data
+
+    def _publish(self, part: Path, shard: int, room: _Room) -> None:
+        """Rename a verified .part to its shard's name under the folder-wide space lock (a
+        reservation that listed the folder during the rename could see neither name, the .part
+        gone, the new name not yet read, and count the shard as free space), and write its index
+        copy into the room the .part reserved for it."""
+        sha = self.shards[shard]["sha256"]
         with self._lock:
             fcntl.flock(self._space_fd, fcntl.LOCK_EX)
             try:
-                os.replace(part, path)
+                os.replace(part, self.path(shard))
+                if room.index is not None:
+                    try:
+                        _write_atomic(self.folder / f"{sha}.idx", room.index)
+                    except OSError:
+                        pass
             finally:
                 fcntl.flock(self._space_fd, fcntl.LOCK_UN)
 
-    def _usage(self) -> tuple[int, dict[str, int]]:
-        """Bytes held in the folder, and the complete shards there (file name -> bytes); stale
-        .part files (their shard's lock is free) are removed on the way."""
-        used = 0
-        complete: dict[str, int] = {}
-        for e in os.scandir(self.folder):
-            name = e.name
-            if name.endswith(".tar"):
+    def _keep_indexes(self, folder: _Folder) -> None:
+        """Write the index copies of this dataset's shards that are here without one, as far as
+        they fit in free room (they never evict anything); call with both locks held."""
+        if self._index_bytes is None:
+            return
+        for sha in list(folder.shards):
+            i = self._by_sha.get(sha)
+            if i is None or sha in folder.indexes:
+                continue
+            known = self._index_sizes.get(i)
+            if known is not None and folder.used + known > self.limit_bytes:
+                continue
+            data = self._index_of(i)
+            if data is None or folder.used + len(data) > self.limit_bytes:
+                continue
+            try:
+                _write_atomic(self.folder / f"{sha}.idx", data)
+            except OSError:
+                return
+            folder.used += len(data)
+            folder.indexes[sha] = (len(data), time.time())
+
+    def _usage(self) -> _Folder:
+        """Every file in the folder and its bytes (a .part at what it reserved, when more than
+        it holds yet). On the way (call with the space lock held), what nobody needs goes: a
+        stale .part (its shard's lock is free or gone), a lock file nobody holds, a temporary
+        file of a metadata write (its writer died: they write under this lock), an index copy
+        whose shard is not here (useless offline, where that shard cannot be read either)."""
+        f = _Folder()
+        top = str(self.folder)
+        for dirpath, _, names in os.walk(top):
+            for name in names:
+                path = os.path.join(dirpath, name)
                 try:
-                    complete[name] = e.stat().st_size
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     continue
-                used += complete[name]
-            elif ".tar.part-" in name:
-                sha, _, rest = name.partition(".tar.part-")
-                if self._is_stale(sha):
-                    Path(e.path).unlink(missing_ok=True)
+                if not stat.S_ISREG(st.st_mode):
                     continue
-                try:
-                    used += max(int(rest.split("-")[0]), e.stat().st_size)
-                except (ValueError, FileNotFoundError):
+                if name.startswith(".") and _TMP in name:
+                    Path(path).unlink(missing_ok=True)
                     continue
-        return used, complete
+                if dirpath == top:
+                    if name.endswith(".tar"):
+                        f.shards[name[: -len(".tar")]] = st.st_size
+                    elif ".tar.part-" in name:
+                        sha, _, rest = name.partition(".tar.part-")
+                        if self._is_stale(sha):
+                            Path(path).unlink(missing_ok=True)
+                            continue
+                        try:
+                            f.used += max(int(rest.split("-")[0]), st.st_size)
+                        except ValueError:
+                            f.used += st.st_size
+                        continue
+                    elif name.endswith(".lock") and name != _SPACE_LOCK:
+                        if _drop_stale_lock(path):
+                            continue
+                    elif name.endswith(".idx"):
+                        f.indexes[name[: -len(".idx")]] = (st.st_size, st.st_mtime)
+                    elif name == _LOG:
+                        f.log = st.st_size
+                elif dirpath == os.path.join(top, _MANIFESTS) and name.endswith(".json"):
+                    f.manifests[path] = (st.st_size, st.st_mtime)
+                elif dirpath == os.path.join(top, _USERS):
+                    continue  # the one thing not counted (see the module docstring)
+                f.used += st.st_size
+        for sha in [s for s in f.indexes if s not in f.shards]:
+            Path(top, f"{sha}.idx").unlink(missing_ok=True)
+            f.used -= f.indexes.pop(sha)[0]
+        return f
 
     def _is_stale(self, sha: str) -> bool:
+        """A .part of `sha` nobody downloads: its lock file is gone, or nobody holds it (a
+        download in progress holds the lock file at the name: only its holder unlinks it)."""
         try:
             fd = os.open(self.folder / f"{sha}.lock", os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -658,35 +951,85 @@ class ShardCache:
         finally:
             os.close(fd)
 
-    def _make_room(self, shard: int, need: int, *, foreground: bool) -> bool:
-        """Evict complete shards, furthest next use first, until `need` more bytes fit; call with
-        both locks held. Read-ahead never evicts a shard needed no later than `shard`."""
-        used, complete = self._usage()
-        if used + need <= self.limit_bytes:
-            return True
+    def _make_room(self, shard: int | None, need: int, *, foreground: bool) -> tuple[bool, _Folder]:
+        """Evict until `need` more bytes fit; call with both locks held. Whether they fit, and the
+        folder as it is then. In order: manifest copies of datasets none of whose shards is here
+        or wanted next by another process (not this dataset's own); complete shards, furthest
+        next use first (each with its index copy), read-ahead never evicting one needed no later
+        than `shard`; then, for a reader waiting for its batch (`foreground`) only, the index
+        copies of the shards that stay, fetch.log and the other manifest copies, this dataset's
+        last. `shard` None: room for no shard in particular (as a reader's)."""
+        folder = self._usage()
+        if folder.used + need <= self.limit_bytes:
+            return True, folder
         c = self._cursor
-        mine = self._next_use(shard, c)
-        by_sha = {s["sha256"]: i for i, s in enumerate(self.shards)}
+        mine = _NEVER if shard is None else self._next_use(shard, c)
         wanted = set().union(*(w for _, w in self._others()))  # by other processes, next
-        def key(name: str) -> float:
-            i = by_sha.get(name[: -len(".tar")])
+        own = str(manifest_copy(self.folder, self.root))
+
+        def fits() -> bool:
+            return folder.used + need <= self.limit_bytes
+
+        def drop(path: str, nbytes: int) -> None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            folder.used -= nbytes
+
+        for path, (nb, mtime) in sorted(folder.manifests.items(), key=lambda kv: kv[1][1]):
+            if path == own:
+                continue
+            seen = self._manifests_read.get(path)
+            if seen is None or seen[0] != (nb, mtime):  # each copy parsed once (while unchanged)
+                seen = self._manifests_read[path] = ((nb, mtime), _manifest_shards(path))
+            shas = seen[1]
+            if shas is not None and not shas.isdisjoint(folder.shards.keys() | wanted):
+                continue
+            drop(path, nb)
+            del folder.manifests[path]
+            if fits():
+                return True, folder
+
+        def key(sha: str) -> float:
+            i = self._by_sha.get(sha)
             return _NEVER if i is None else self._next_use(i, c)
         # those no other process needs next first, each group furthest next use (ours) first
-        for name in sorted(complete, key=lambda n: (n[: -len(".tar")] not in wanted, key(n)), reverse=True):
-            nxt = key(name)
-            if not foreground and (nxt <= mine or name[: -len(".tar")] in wanted):
+        for sha in sorted(folder.shards, key=lambda s: (s not in wanted, key(s)), reverse=True):
+            if not foreground and (key(sha) <= mine or sha in wanted):
                 continue
-            i = by_sha.get(name[: -len(".tar")])
+            i = self._by_sha.get(sha)
             if i is not None and i in self._pins:
                 continue
-            if self._evict(self.folder / name):
-                used -= complete[name]
-                if used + need <= self.limit_bytes:
-                    return True
-        return False
+            if self._evict(sha, folder) and fits():
+                return True, folder
+        if not foreground:
+            return False, folder
+        for sha, (nb, _) in sorted(folder.indexes.items(), key=lambda kv: kv[1][1]):
+            drop(os.path.join(self.folder, f"{sha}.idx"), nb)
+            del folder.indexes[sha]
+            if fits():
+                return True, folder
+        if folder.log:
+            try:
+                os.truncate(self.folder / _LOG, 0)
+                folder.used -= folder.log
+                folder.log = 0
+            except OSError:
+                pass
+            if fits():
+                return True, folder
+        for path, (nb, _) in sorted(folder.manifests.items(), key=lambda kv: (kv[0] == own, kv[1][1])):
+            drop(path, nb)
+            del folder.manifests[path]
+            if fits():
+                return True, folder
+        return False, folder
 
-    def _evict(self, path: Path) -> bool:
-        """Unlink a complete shard nobody pins (an exclusive non-blocking flock first)."""
+    def _evict(self, sha: str, folder: _Folder) -> bool:
+        """Unlink a complete shard nobody pins (an exclusive non-blocking flock first), and its
+        index copy; `folder` counts them gone."""
+        path = self.folder / f"{sha}.tar"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -698,8 +1041,10 @@ class ShardCache:
             return False
         try:
             path.unlink(missing_ok=True)
+            (self.folder / f"{sha}.idx").unlink(missing_ok=True)
         finally:
             os.close(fd)
+        folder.used -= folder.shards.pop(sha, 0) + folder.indexes.pop(sha, (0, 0.0))[0]
         with self._lock:
             self._stats["evictions"] += 1
         return True
@@ -728,6 +1073,15 @@ class ShardCache:
             self._closed = True
             for seq in list(self._open):
                 self.release(seq)
+            if self._space_fd >= 0 and self._index_bytes is not None:
+                # index copies of shards that came before their index was loaded, where they fit
+                fcntl.flock(self._space_fd, fcntl.LOCK_EX)
+                try:
+                    self._keep_indexes(self._usage())
+                except OSError:
+                    pass
+                finally:
+                    fcntl.flock(self._space_fd, fcntl.LOCK_UN)
             self._unregister()
             if self._space_fd >= 0:
                 os.close(self._space_fd)
