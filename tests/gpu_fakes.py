@@ -470,11 +470,13 @@ def cufile_config_present() -> bool:
 
 
 def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
-                threshold: int = 16 * 1024) -> types.ModuleType:
+                threshold: int = 16 * 1024, mode: str = "AUTO") -> types.ModuleType:
     """The KvikIO 26.10 surface the backend uses. `pread` into device memory drains the device's
     legacy stream first and then writes synchronously (module docstring); `raw_read_async` is
     ordered on the stream it is given only when KvikIO would call `cuFileReadAsync` (no compat
-    mode, a cuFile config file), else synchronous and behind the legacy stream."""
+    mode, a cuFile config file), else synchronous and behind the legacy stream; with `mode="OFF"`
+    (`KVIKIO_COMPAT_MODE=OFF`) and no config file it raises "Missing cuFile configuration file." as
+    KvikIO's `validate_compat_mode_for_async` does (audit 4 R10b)."""
     settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
     kvikio = types.ModuleType("kvikio")
     defaults = types.ModuleType("kvikio.defaults")
@@ -544,6 +546,8 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             got: list[int] = []
             if not is_async:  # StreamSynchronize(stream), then read() behind the legacy stream
                 stream.synchronize()
+            if mode == "OFF" and not cufile_config_present():  # compat_mode_manager.cpp:88-96
+                raise RuntimeError("Missing cuFile configuration file.")
                 gpu.null[buf._device_id].synchronize()
                 got.append(os.preadv(self._fd, [target], file_offset))
                 return types.SimpleNamespace(check_bytes_done=lambda: got[0])
@@ -700,3 +704,129 @@ def dali_mixed_on_cpu(monkeypatch, gpu: FakeGPU) -> list[dict]:
     monkeypatch.setattr(image.ImageDecoder, "_build", _build)
     monkeypatch.setattr(image.ImageDecoder, "_run", _run)
     return builds
+
+
+# -- NVDEC (audit 4 R2/R3) ------------------------------------------------------------------------------
+#: NVDEC on Hopper (H100/H200) as NVIDIA's NVDEC application note lists it ("Turing/GA100/Hopper"):
+#: no AV1 and no 10-bit H.264 decoding; HEVC from 144x144, VP9 and AV1 from 128x128, H.264 from 48x16.
+#: key -> (supported, (min w, min h), (max w, max h))
+HOPPER_NVDEC = {
+    "mpeg4": (True, (48, 16), (2032, 2032)),
+    "h264": (True, (48, 16), (4096, 4096)), "h264-10": (False, (0, 0), (0, 0)),
+    "hevc": (True, (144, 144), (8192, 8192)), "hevc-10": (True, (144, 144), (8192, 8192)),
+    "vp8": (True, (48, 16), (4096, 4096)),
+    "vp9": (True, (128, 128), (8192, 8192)), "vp9-10": (True, (128, 128), (8192, 8192)),
+    "av1": (False, (0, 0), (0, 0)), "av1-10": (False, (0, 0), (0, 0)),
+}
+
+
+def nvdec_query_result(table: dict = HOPPER_NVDEC) -> dict:
+    """What `gdsload.host.gpu._nvdec_query` returns for `table` (cuvidGetDecoderCaps per key)."""
+    return {k: {"supported": ok, "rc": 0, "nvdecs": 7 if ok else 0, "min": list(lo), "max": list(hi),
+                "max_mb": hi[0] * hi[1] // 256} for k, (ok, lo, hi) in table.items()}
+
+
+def install_nvdec(monkeypatch, table: dict | None = HOPPER_NVDEC) -> None:
+    """The NVDEC probe answers from `table`; `table=None`: no libnvcuvid in the container (the
+    probe's dlopen fails as the real one does)."""
+    from gdsload.host import gpu as hg
+
+    def query(device_id: int) -> dict:
+        if table is None:
+            raise OSError("libnvcuvid (NVDEC) does not load: libnvcuvid.so.1: cannot open shared object file: "
+                          "No such file or directory")
+        return nvdec_query_result(table)
+
+    monkeypatch.setattr(hg, "_nvdec_query", query)
+    monkeypatch.setattr(hg, "_nvdec_cache", {})
+
+
+class _FakeVideoOut:
+    """A "mixed" video decoder's output: `as_cpu()` then one (k, H, W, 3) array per sample."""
+
+    def __init__(self, frames: list[np.ndarray]):
+        self._frames = frames
+
+    def as_cpu(self):
+        return self
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self._frames[k]
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+
+class FakeNvdecPipeline:
+    """DALI's `fn.decoders.video(device="mixed")` (NVDEC) on the CPU. Each sample is checked as DALI's
+    `NVDECCache::GetDecoder` checks it (frames_decoder_gpu.cc): `cuvidGetDecoderCaps` for its codec,
+    chroma and bit depth (the fake `table`), then the minimum and maximum coded size, then the
+    macroblock count, each refusal raised with DALI's message and failing the whole `run()` as
+    DALI does; the frames themselves are decoded by PyAV. With no table (no libnvcuvid) every
+    run fails. Decodes are logged as ("nvdec", key, width, height)."""
+
+    def __init__(self, gpu: FakeGPU, table: dict | None, device_id: int):
+        self.gpu, self.table, self.device_id = gpu, table, device_id
+        self.inputs: dict[str, list] = {}
+
+    def build(self) -> None:
+        pass
+
+    def feed_input(self, name: str, data, layout=None) -> None:
+        self.inputs[name] = list(data)
+
+    def _check(self, codec: str, pix: str, w: int, h: int) -> str:
+        if self.table is None:
+            raise RuntimeError("[fake DALI] Failed to load libnvcuvid.so.1 (NVDEC)")
+        bits = 10 if "10" in pix else 8
+        key = codec if bits == 8 else f"{codec}-{bits}"
+        ok, (w0, h0), (w1, h1) = self.table.get(key, (False, (0, 0), (0, 0)))
+        chroma = "YUV 4:2:0" if "420" in pix or pix in ("nv12", "p010le") else "YUV 4:4:4" if "444" in pix else pix
+        if not ok or chroma != "YUV 4:2:0":
+            raise RuntimeError(f"[fake DALI] Assert on \"caps.bIsSupported\" failed: Codec configuration not supported "
+                               f"on this GPU. Codec: {codec}, chroma format: {chroma}, bit depth: {bits}")
+        if w < w0 or h < h0:
+            raise RuntimeError(f"[fake DALI] Video is too small in at least one dimension. Provided: {w}x{h} vs "
+                               f"supported:{w0}x{h0}")
+        if w > w1 or h > h1:
+            raise RuntimeError(f"[fake DALI] Video is too large in at least one dimension. Provided: {w}x{h}")
+        return key
+
+    def run(self):
+        import io
+
+        import av
+
+        outs = []
+        for enc, idx in zip(self.inputs["enc"], self.inputs["idx"]):
+            with av.open(io.BytesIO(np.asarray(enc).tobytes())) as c:
+                cc = c.streams.video[0].codec_context
+                key = self._check(cc.name, cc.pix_fmt or "", int(cc.width), int(cc.height))
+                frames = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
+            self.gpu.log.append(("nvdec", key, int(cc.width), int(cc.height), threading.current_thread().name))
+            outs.append(np.stack([frames[int(i)] for i in np.asarray(idx)]))
+        return (_FakeVideoOut(outs),)
+
+
+def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPPER_NVDEC) -> None:
+    """`VideoDecoder(device="mixed")` with `FakeNvdecPipeline` for DALI's NVDEC decoder; the crop
+    pipeline is DALI's real CPU one (as on a GPU host, where it runs on the CPU too)."""
+    import os
+
+    from gdsload.decode import video
+
+    pipes = video.VideoDecoder._pipes
+
+    def _pipes(self):
+        if self.device != "mixed":
+            return pipes(self)
+        if self._dec is not None and self._pid == os.getpid():
+            return
+        self.device = "cpu"
+        try:
+            pipes(self)
+        finally:
+            self.device = "mixed"
+        self._dec = FakeNvdecPipeline(gpu, table, self.device_id)
+
+    monkeypatch.setattr(video.VideoDecoder, "_pipes", _pipes)

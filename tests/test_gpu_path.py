@@ -183,7 +183,7 @@ def test_producer_threads_and_dali_run_on_the_loaders_gpu(monkeypatch, jpegs, cp
 
 def test_kvikio_issuing_threads_read_on_the_loaders_gpu(monkeypatch, npy):
     ds, arrays, _ = npy
-    gpu = gpu_fakes.install(monkeypatch, devices=2)
+    gpu = gpu_fakes.install(monkeypatch, devices=2, kvikio=dict(config_file=True))
     loader = DataLoader(str(ds), batch_size=8, device="cuda:1", output="numpy")
     for b in loader:
         for i, k in enumerate(b["__key__"]):
@@ -212,10 +212,14 @@ def test_kvikio_device_reads_wait_for_the_training_stream_only_without_a_cufile_
     assert training == ([] if config_file else ["ran"])
     private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
     reads = gpu.log_calls("kvikio_read_async")
-    read_streams = {stream for _, _, _, stream, _, _, _ in reads}
-    # each issuing thread reads on a stream of its own, which waited for the private stream (C6a)
-    assert len(reads) >= 4 and read_streams < private and len(read_streams) >= 1
-    assert not [e for e in gpu.log_calls("kvikio_pread") if e[5]]  # no device read through pread
+    device_preads = [e for e in gpu.log_calls("kvikio_pread") if e[5]]
+    if config_file:
+        read_streams = {stream for _, _, _, stream, _, _, _ in reads}
+        # each issuing thread reads on a stream of its own, which waited for the private stream (C6a)
+        assert len(reads) >= 4 and read_streams < private and len(read_streams) >= 1
+        assert not device_preads  # no device read through pread
+    else:  # audit 4 R10b: raw_read_async would only be KvikIO's synchronous fallback: pread instead
+        assert not reads and len(device_preads) >= 4
     src = npy_big.parent / "src"
     seen = []
     for b in itertools.chain([first], it):  # each batch checked before the next is taken (slot reuse)
@@ -225,7 +229,7 @@ def test_kvikio_device_reads_wait_for_the_training_stream_only_without_a_cufile_
     assert sorted(seen) == sorted(p.stem for p in src.glob("*.npy")) and len(seen) == 8
     st = loader.stats()
     assert st["io_path"] == "kvikio-gds"
-    how = "cufile-async" if config_file else "sync-fallback"
+    how = "cufile-async" if config_file else "pread"
     assert st["io_read_modes"] == {f"kvikio-gds/{how}": 8}  # one read per 16 KiB row
 
 
@@ -382,7 +386,8 @@ def test_copies_run_on_a_private_stream_and_the_consumer_never_blocks(monkeypatc
 
 # -- audit 1 #8 / audit 2 #6-7: what path the reads took ----------------------------------------------
 @pytest.mark.parametrize("opts,big,name", [
-    (dict(gds=True), False, "kvikio-gds"),    # 4 KiB rows: raw_read_async has no small-read shortcut
+    (dict(gds=True, config_file=True), False, "kvikio-gds"),  # 4 KiB rows: raw_read_async has no small-read shortcut
+    (dict(gds=True), False, "kvikio-posix"),  # no cuFile config: pread, whose shortcut reads 4 KiB rows with POSIX
     (dict(gds=True), True, "kvikio-gds"),     # 16 KiB rows: cuFile
     (dict(gds=False), True, "kvikio-compat"),
     (dict(gds=True, compat=True), True, "kvikio-compat"),
@@ -613,7 +618,7 @@ def test_kvikio_backend_without_device_id_reads_from_threads_with_a_context(monk
     from gdsload.io import Extent
     from gdsload.io.kvikio_backend import KvikioBackend
 
-    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=False))
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
     cupy = __import__("sys").modules["cupy"]
     buf = cupy.empty(8, np.uint8)
     with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_CONTEXT"):  # the fake, as the driver
@@ -625,7 +630,7 @@ def test_kvikio_backend_without_device_id_reads_from_threads_with_a_context(monk
     with KvikioBackend(threads=8) as b:
         b.order_on(stream.ptr)
         b.read([Extent(str(path), 0, 8192), Extent(str(path), 8192, 8192)], out, [8192, 0]).result()
-        assert b.device_id == 0 and b.read_modes == {"kvikio-compat/sync-fallback": 2}
+        assert b.device_id == 0 and b.read_modes == {"kvikio-gds/cufile-async": 2}
     np.testing.assert_array_equal(out.get(), np.frombuffer((bytes(range(256)) * 32) * 2, np.uint8)[
         np.r_[8192:16384, 0:8192]])
 
@@ -795,3 +800,133 @@ def test_reads_into_a_registered_arena_address_it_by_base_and_offset(monkeypatch
     hows = gpu.log_calls("kvikio_read_how")
     assert hows and all(registered for _, _, _, registered in hows)
     assert len({off for _, _, off, _ in hows}) > 1  # rows at their offsets in the arena
+
+
+# -- audit 4 (../shared/reviews/gpu_audit_4.md): NVDEC routing, DLPack, gathers, GDS hosts -----------------
+def test_nvdec_caps_struct_matches_cuviddec_h():
+    """R3: the probe reads CUVIDDECODECAPS through ctypes; a field out of place reads garbage. The
+    offsets are cuviddec.h's (3 ints + 3 reserved, then the OUT fields, 10 reserved at the end)."""
+    from gdsload.host.gpu import _DecodeCaps
+
+    offsets = {name: getattr(_DecodeCaps, name).offset for name, _ in _DecodeCaps._fields_}
+    assert offsets == {"eCodecType": 0, "eChromaFormat": 4, "nBitDepthMinus8": 8, "reserved1": 12,
+                       "bIsSupported": 24, "nNumNVDECs": 25, "nOutputFormatMask": 26, "nMaxWidth": 28,
+                       "nMaxHeight": 32, "nMaxMBCount": 36, "nMinWidth": 40, "nMinHeight": 42,
+                       "bIsHistogramSupported": 44, "nCounterBitDepth": 45, "nMaxHistogramBins": 46,
+                       "reserved3": 48}
+    assert __import__("ctypes").sizeof(_DecodeCaps) == 88
+
+
+def test_nvdec_probe_says_why_without_a_driver_and_routes_by_codec_bits_and_size(monkeypatch):
+    from gdsload.host import gpu as hg
+
+    monkeypatch.setattr(hg, "_nvdec_cache", {})
+    try:
+        __import__("ctypes").CDLL("libcuda.so.1")
+        pytest.skip("this host has a CUDA driver")
+    except OSError:
+        pass
+    caps = hg.nvdec_caps(0)  # the real probe, on a host without libcuda: an answer, not an exception
+    assert caps["available"] is False and "libcuda.so.1" in caps["error"]
+    assert hg.nvdec_route(caps, "h264", 8, 640, 480).startswith("no NVDEC here")
+    gpu_fakes.install_nvdec(monkeypatch)  # Hopper's table
+    caps = hg.nvdec_caps(0)
+    assert hg.nvdec_route(caps, "h264", 8, 160, 96) is None
+    assert hg.nvdec_route(caps, "hevc", 8, 160, 96) == "160x96 is outside NVDEC's 144x144..8192x8192 for hevc"
+    assert hg.nvdec_route(caps, "hevc", 8, 192, 160) is None and hg.nvdec_route(caps, "vp9", 10, 192, 160) is None
+    assert hg.nvdec_route(caps, "vp9", 8, 192, 120) is not None  # VP9 from 128x128
+    assert hg.nvdec_route(caps, "av1", 8, 1920, 1080) == "this GPU's NVDEC does not decode av1"
+    assert hg.nvdec_route(caps, "h264", 10, 1920, 1080) == "this GPU's NVDEC does not decode h264-10"
+    assert "hevc 144x144+" in hg.nvdec_summary(caps) and "av1 no" in hg.nvdec_summary(caps)
+
+
+def _clip(codec: str, w: int, h: int, frames: int = 12) -> np.ndarray:
+    from gdsload.bench import mediagen as mg
+
+    def pattern(i, hh, ww):
+        grid = np.random.default_rng(i).integers(40, 220, (hh // 16 + 1, ww // 16 + 1, 3), dtype=np.uint8)
+        return np.kron(grid, np.ones((16, 16, 1), np.uint8))[:hh, :ww]
+
+    return np.frombuffer(mg.encode_video(codec, frames=frames, width=w, height=h, fps=12, gop=4,
+                                         pattern=pattern), np.uint8)
+
+
+def _decode(dec, clips: list[np.ndarray], t) -> tuple[list[int], np.ndarray, np.ndarray, list[dict]]:
+    from gdsload.decode import media
+
+    metas = [media.probe(c.tobytes(), "video") for c in clips]
+    n = len(clips)
+    out = np.zeros((n, *t.output_shape((metas[0]["height"], metas[0]["width"]))), np.uint8)
+    idx = np.zeros((n, *t.frames_shape()), np.int64)
+    kept = dec.decode_into(clips, [f"c{i}" for i in range(n)], metas, media.draws(5, 0, np.arange(n), 0x7669, k=6),
+                           out, idx)
+    return kept, out, idx, metas
+
+
+def _pyav_frames(clip: np.ndarray) -> np.ndarray:
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(clip.tobytes())) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+
+
+@pytest.mark.parametrize("codec,size,refusal", [
+    ("hevc", (160, 96), "too small"),   # R2: under HEVC's 144x144 (the old check's clips)
+    ("vp9_444", (192, 160), "config"),  # 4:4:4 VP9: the index says vp9, NVDEC refuses it at decode time
+], ids=["hevc-too-small", "vp9-444"])
+def test_mixed_video_sends_what_nvdec_refuses_to_the_cpu_path(monkeypatch, codec, size, refusal):
+    """R3: before, every codec in NVDEC_VIDEO went to NVDEC whatever this GPU's NVDEC takes; DALI
+    refused the sample ("Video is too small in at least one dimension", "Codec configuration not
+    supported on this GPU") and it was counted as corrupt: a DecodeError, or skipped data. Now the
+    decoder routes by the probe's capabilities and treats a refusal as "decode elsewhere": the
+    frames come from the CPU path (PyAV), equal to PyAV's own, and `routes` says where each went."""
+    from gdsload.decode.video import VideoDecoder, VideoTransform
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    gpu_fakes.install_nvdec(monkeypatch)
+    gpu_fakes.dali_video_mixed_on_cpu(monkeypatch, gpu)
+    t = VideoTransform(frames=3, stride=2, clips=1, sampling="random", size=None, dtype="uint8", layout="NTHWC")
+    ok_clip, bad_clip = _clip("h264", *size), _clip(codec, *size)
+    dec = VideoDecoder(t, batch_size=2, device="mixed")
+    kept, out, idx, _ = _decode(dec, [ok_clip, bad_clip], t)
+    assert kept == [0, 1] and dec.skipped == 0
+    assert dec.routes == {"nvdec": 1, "pyav": 1}
+    assert {e[1] for e in gpu.log_calls("nvdec")} == {"h264"}  # NVDEC decoded only the H.264 clip
+    for i, clip in enumerate([ok_clip, bad_clip]):
+        np.testing.assert_array_equal(out[i], _pyav_frames(clip)[idx[i]])
+
+
+def test_mixed_video_without_libnvcuvid_decodes_on_the_cpu(monkeypatch):
+    """R3: a container without the driver's "video" capability has no libnvcuvid; every video then
+    takes the CPU path instead of failing as corrupt."""
+    from gdsload.decode.video import VideoDecoder, VideoTransform
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1)
+    gpu_fakes.install_nvdec(monkeypatch, table=None)
+    gpu_fakes.dali_video_mixed_on_cpu(monkeypatch, gpu, table=None)
+    t = VideoTransform(frames=2, stride=1, clips=1, sampling="uniform", size=None, dtype="uint8", layout="NTHWC")
+    clips = [_clip("h264", 192, 160, frames=6), _clip("vp9", 192, 160, frames=6)]
+    dec = VideoDecoder(t, batch_size=2, device="mixed")
+    kept, out, idx, _ = _decode(dec, clips, t)
+    assert kept == [0, 1] and dec.routes == {"pyav": 2} and not gpu.log_calls("nvdec")
+
+
+def test_compat_mode_off_without_a_cufile_config_still_reads(monkeypatch, npy_big):
+    """R10b: `KVIKIO_COMPAT_MODE=OFF` (common advice for forcing GDS) with no cufile.json makes every
+    `raw_read_async` raise "Missing cuFile configuration file." (KvikIO's
+    validate_compat_mode_for_async); the loader called it for every device read, so every batch
+    failed with a StorageError. It reads with `pread` unless the async read is really async."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, mode="OFF"))
+    cupy = __import__("sys").modules["cupy"]
+    with pytest.raises(RuntimeError, match="Missing cuFile configuration file"):  # the fake, as KvikIO
+        gpu.kvikio.CuFile(__file__).raw_read_async(cupy.empty(8, np.uint8), 0, 8, 0)
+    loader = DataLoader(str(npy_big), batch_size=4, device="cuda", output="numpy")
+    src = npy_big.parent / "src"
+    n = 0
+    for b in loader:
+        for i, k in enumerate(b["__key__"]):
+            np.testing.assert_array_equal(host(b["npy"])[i], np.load(src / f"{k}.npy"))
+            n += 1
+    assert n == 8 and loader.stats()["io_read_modes"] == {"kvikio-gds/pread": 8}

@@ -3,8 +3,9 @@ benchmark: frame i of a video is uniformly grey at brightness `level(i)`, so a d
 which source frame it is; audio is a tone (or, with `ramp=True`, a WAV whose sample i is i mod
 30000, so crops can be located).
 
-Encoders: H.264 (libx264 `ultrafast`), VP9 and VP8 (libvpx with its realtime settings: its
-defaults take minutes), MJPEG (JPEG frames), FLAC, Opus (in Ogg), MP3, WAV.
+Encoders: H.264 (libx264 `ultrafast`), HEVC (libx265 `ultrafast`), VP9 and VP8 (libvpx with its
+realtime settings: its defaults take minutes), MJPEG (JPEG frames), FLAC, Opus (in Ogg), MP3, WAV;
+`h264_444` and `vp9_444` are 4:4:4 chroma (which NVDEC refuses: the GPU fakes' tests).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ VIDEO = {  # name -> (codec, container, pixel format, options)
     "vp8": ("libvpx", "webm", "yuv420p", {"deadline": "realtime", "cpu-used": "8", "lag-in-frames": "0"}),
     "mjpeg": ("mjpeg", "avi", "yuvj420p", {}),
     "h264_444": ("libx264", "mp4", "yuv444p", {"preset": "ultrafast"}),
+    "hevc": ("libx265", "mp4", "yuv420p", {"preset": "ultrafast", "x265-params": "log-level=error"}),
+    "vp9_444": ("libvpx-vp9", "webm", "yuv444p", {"deadline": "realtime", "cpu-used": "8", "lag-in-frames": "0"}),
 }
-EXT = {"h264": "mp4", "vp9": "webm", "vp8": "webm", "mjpeg": "avi", "h264_444": "mp4"}
+EXT = {"h264": "mp4", "vp9": "webm", "vp8": "webm", "mjpeg": "avi", "h264_444": "mp4", "hevc": "mp4", "vp9_444": "webm"}
 
 
 def level(i: int) -> int:

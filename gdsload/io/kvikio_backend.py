@@ -48,13 +48,19 @@ per group, then `check_bytes_done()` (which synchronises `s`) in the issuing thr
     this branch only when compat mode is not preferred AND a cuFile configuration file exists
     (`CUFILE_ENV_PATH_JSON`, else `/etc/cufile.json`; compat_mode_manager.cpp
     `is_compat_mode_preferred_for_async = compat || config_path().empty()`);
-  - "sync-fallback": otherwise it synchronises `s` and runs a *synchronous* `read()`, which still
-    waits for the legacy stream (compat: its bounce copy runs on a blocking per-thread stream;
-    cuFile: `sync_default_stream=true`, `StreamSynchronize(nullptr)`). So on a host with pip cuFile
-    and no config file (the H200 test machine) device reads still queue behind the training
-    kernels on the legacy stream; gdsload cannot change that from Python.
+  - otherwise it synchronises `s` and runs a *synchronous* `read()`, which still waits for the
+    legacy stream (compat: its bounce copy runs on a blocking per-thread stream; cuFile:
+    `sync_default_stream=true`, `StreamSynchronize(nullptr)`); and with `KVIKIO_COMPAT_MODE=OFF`
+    (common advice for forcing GDS) and no config file it raises "Missing cuFile configuration
+    file." instead (compat_mode_manager.cpp `validate_compat_mode_for_async`), which made every
+    read a StorageError (audit 4 R10b). So the backend calls `raw_read_async` only when it is
+    really asynchronous (`async_reads_are_async`) and otherwise `pread`, after waiting for the
+    private stream's queued work as that fallback did: the same order, and KvikIO splits large
+    groups over its pool. On a host with pip cuFile and no config file (the H100/H200 test
+    machines) device reads still queue behind the training kernels on the legacy stream; gdsload
+    cannot change that from Python.
 `read_modes` (and the loader's `stats()["io_read_modes"]`) counts reads per "path/how": how is
-"cufile-async", "sync-fallback" or "pread" (the module docstring's paths). Each issuing thread
+"cufile-async" or "pread" (the module docstring's paths). Each issuing thread
 has its own non-blocking stream, which first waits for the work queued on the private stream:
 with one shared stream every `check_bytes_done()` would synchronise all threads' reads and
 cuFileReadAsync calls would run one after another (audit 3 C6a). A read into a registered arena
@@ -63,8 +69,9 @@ expects for registered memory (C6b). Not handled (C6c, GDS hosts only): two aren
 CuPy pool chunk; KvikIO's `memory_register` registers the whole allocation, so the second
 registration fails (reads then go through cuFile's bounce buffers) and the first arena's
 deregistration unregisters the chunk for both.
-These reads take no small-read shortcut, so their path is "kvikio-gds" with GDS and
-"kvikio-compat" without. Host buffers, and a backend without `order_on`, use `pread` as above.
+The async reads take no small-read shortcut, so their path is "kvikio-gds" with GDS and
+"kvikio-compat" without; `pread` takes it (below `gds_threshold`: "kvikio-posix"). Host buffers,
+and a backend without `order_on`, use `pread` as above.
 
 Threads: KvikIO splits large reads over its own thread pool (`threads` sets its size, which is
 process-wide state of KvikIO: setting it waits for running tasks and rebuilds the pool, so it is
@@ -230,14 +237,24 @@ class KvikioBackend(PooledBackend):
                 return buf, ptr - base
         return view, 0
 
-    def _path(self, nbytes: int, on_device: bool) -> str:
+    def _path(self, nbytes: int, on_device: bool, async_read: bool = False) -> str:
         if not on_device:
             return "kvikio-posix"
         if not self._gds:
             return "kvikio-compat"
-        if self._stream is not None:  # raw_read_async: cuFileReadAsync, whatever the size
+        if async_read:  # raw_read_async: cuFileReadAsync, whatever the size
             return "kvikio-gds"
         return "kvikio-posix" if nbytes < self.gds_threshold else "kvikio-gds"
+
+    def _after_private(self) -> None:
+        """Wait (host) for the work queued so far on the private stream, which KvikIO's synchronous
+        fallback of `raw_read_async` did (`StreamSynchronize` of a stream that waited for it) before
+        its read: `pread` keeps that order."""
+        import cupy
+
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.ExternalStream(self._stream, self.device_id if self.device_id is not None else -1))
+        event.synchronize()
 
     def order_on(self, stream: int) -> None:
         """Read into device memory on the CUDA stream whose raw handle is `stream` (an int, e.g.
@@ -309,12 +326,14 @@ class KvikioBackend(PooledBackend):
         on_device = hasattr(out, "__cuda_array_interface__")
         how = "pread"
         try:
-            if on_device and self._stream is not None:
-                how = "cufile-async" if self._async else "sync-fallback"
+            if on_device and self._stream is not None and self._async:
+                how = "cufile-async"
                 buf, dev_offset = self._base(view)
                 got = handle.raw_read_async(buf, self._read_stream(), group.nbytes, group.offset,
                                             dev_offset).check_bytes_done()
             else:
+                if on_device and self._stream is not None:  # as KvikIO's synchronous fallback did
+                    self._after_private()
                 got = handle.pread(view, group.nbytes, group.offset).get()
         except (OSError, RuntimeError, ValueError) as exc:  # ValueError: a size over the buffer (arr.pyx)
             raise StorageError(
@@ -322,7 +341,7 @@ class KvikioBackend(PooledBackend):
             ) from exc
         self._stats.add(reads=1, bytes_read=group.payload_nbytes if got == group.nbytes else 0,
                         bytes_transferred=got)
-        path = self._path(group.nbytes, on_device)
+        path = self._path(group.nbytes, on_device, how == "cufile-async")
         with self._path_lock:
             self.path_bytes[path] = self.path_bytes.get(path, 0) + got
             mode = f"{path}/{how}"
