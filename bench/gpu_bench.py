@@ -1,30 +1,41 @@
 """GPU checks and measurements, one table row each; run through `bench/gpu_check.sh`.
 
-Steps (each appends a row to `OUT/gpu-check.json` as soon as it ends; see bench/gpu_table.py):
-  data          make a raw-tensor dataset (uint8[3, 224, 224] rows, 150,528 bytes) and a JPEG
-                dataset, before anything touches CUDA (conversion forks worker processes)
+Steps (each appends a row to `OUT/gpu-check.json` as soon as it ends; see bench/gpu_table.py). A
+row says where its figure was measured (`on`: what the step observed: the loader's io path, ring
+device and decode device, the pipeline's output kind) and where the plan expects it (`expect`);
+the verdict FAILs a CPU figure in a GPU row.
+  nvdec         this GPU's NVDEC capabilities (`gdsload.host.gpu.nvdec_caps`: libnvcuvid's
+                cuvidGetDecoderCaps per codec and bit depth, 4:2:0), and the route each of the media
+                check's clips will take (NVDEC or the CPU path); needs no DALI (part 1)
+  data_npy      a raw-tensor dataset (uint8[3, 224, 224] rows, 150,528 bytes), before anything
+                touches CUDA (conversion forks worker processes); part 1's steps use only this
+  data_jpg      a JPEG dataset, for part 2's steps (`data` makes both)
   device_path   `DataLoader(device="cuda")` over the tensors: FAIL unless `stats()["io_path"]`
                 is a KvikIO path and `ring_device` is a GPU, or if a value differs from the source;
-                the figure says how KvikIO ran the reads (`io_read_modes`: cufile-async, or the
-                synchronous fallback that still waits for the legacy stream)
-  kvikio_rows   per-row reads as the loader issues them (one `raw_read_async` per row on a
-                private stream into a device batch buffer at row offsets) vs POSIX into pinned
-                memory + one host-to-device copy per batch, and vs one `pread` per row (KvikIO's
-                default, which synchronises the legacy stream first); KvikIO's gds_threshold,
-                compat mode, cuFile's GDS view and the read modes reported. FAIL unless the
-                three agree byte for byte and device reads were made
+                the figure says how KvikIO ran the reads (`io_read_modes`: cufile-async, pread)
+  kvikio_rows   per-row reads as the loader issues them (one read per row into a device batch
+                buffer at row offsets) vs POSIX into pinned memory + one host-to-device copy per
+                batch, and vs one `pread` per row in a backend with no stream; KvikIO's
+                gds_threshold, compat mode, cuFile's GDS view and the read modes reported. FAIL
+                unless the three agree byte for byte and device reads were made
   raw_tier      gdsload into CUDA tensors vs torch DataLoader(pin_memory) + .cuda(): the first
                 batches checked against the source files, the io path checked; the pinned
                 host-to-device copy bandwidth of the same GPU reported beside it
   ring_safety   the tensors again while another thread keeps the legacy stream busy with matrix
                 products and the consumer reads on a side stream and keeps GPU clones: every row
                 equal to its source, and the burner proven to have run during the epoch
+  dali_import   `import nvidia.dali` and one JPEG through a decode -> resize -> crop_mirror_normalize
+                pipeline on `--dali-device` ("mixed"): DALI's CUDA libraries load and run
   mixed_vs_cpu  the eval transform decoded by DALI "mixed" vs the CPU decode of the same JPEGs:
                 FAIL when an image's mean absolute difference exceeds `--tolerance` (0..255 units;
                 nvJPEG and libjpeg-turbo round differently, so this is a tolerance, not equality)
   mixed_busy    the same with the legacy stream busy and a side-stream consumer: bit for bit equal
                 to mixed_vs_cpu's GPU output (the eval transform is deterministic), within the
                 tolerance of the CPU decode, and the burner proven to have run
+  dali_pipeline DALI's own pipeline (`fn.readers.file` -> `decoders.image` "mixed" -> resize ->
+                crop_mirror_normalize, the same eval transform, batch and threads) vs gdsload's
+                "mixed" loader over the same JPEGs, images/s each after a warm-up pass: the
+                decoded tier's baseline (ratio: gdsload / DALI)
   resnet50      a ResNet-50 training step (bf16 autocast, SGD) fed by gdsload "mixed" decoding:
                 img/s and data stall (time in next() / step time), vs the same steps on a
                 torch DataLoader over the same JPEGs (PIL decode, 16 workers)
@@ -52,21 +63,62 @@ from gpu_table import Report  # noqa: E402
 ROW_SHAPE = (3, 224, 224)
 
 
-def step_data(a) -> tuple:
+def step_data_npy(a) -> tuple:
     from gdsload.convert.engine import ConvertOptions, convert
-    from gdsload.sampledata import make_image_folder, make_npy_folder
+    from gdsload.sampledata import make_npy_folder
 
     work = Path(a.workdir)
-    npy, jpg = work / "npy-shards", work / "jpg-shards"
+    npy = work / "npy-shards"
     if not (npy / "manifest.json").exists():
         make_npy_folder(work / "npy", num_samples=a.samples, shape=ROW_SHAPE, dtype="uint8")
         convert(str(work / "npy"), npy, ConvertOptions(shard_size=64_000_000, progress=False, overwrite=True))
+    return "PASS", f"{a.samples} rows", None, {"npy": str(npy)}
+
+
+def step_data_jpg(a) -> tuple:
+    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.sampledata import make_image_folder
+
+    work = Path(a.workdir)
+    jpg = work / "jpg-shards"
     if not (jpg / "manifest.json").exists():
         make_image_folder(work / "jpg", num_images=a.images, num_classes=4, mean_size=(320, 240))
         convert(str(work / "jpg"), jpg, ConvertOptions(shard_size=32_000_000, progress=False, overwrite=True))
-    return "PASS", f"{a.samples} rows, {a.images} JPEGs", None, {"npy": str(npy), "jpg": str(jpg)}
+    return "PASS", f"{a.images} JPEGs", None, {"jpg": str(jpg)}
 
 
+def step_data(a) -> tuple:
+    """Both datasets (a single run of every step)."""
+    step_data_npy(a)
+    step_data_jpg(a)
+    return "PASS", f"{a.samples} rows, {a.images} JPEGs", None, {}
+
+
+def _where(ok: bool) -> str:
+    return "gpu" if ok else "cpu"
+
+
+def step_nvdec(a) -> tuple:
+    """NVDEC's capabilities and the media check's routes (module docstring); INFO either way: the
+    hardware's answer, which part 2's video rows must then follow."""
+    import ast
+
+    from gdsload.host import gpu
+
+    caps = gpu.nvdec_caps(a.device_id)
+    consts = {}
+    src = (Path(__file__).resolve().parent / "media_gpu_check.py").read_text()
+    for node in ast.parse(src).body:  # the clips' codecs and size, without importing the check
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], (ast.Name, ast.Tuple)):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            t = node.targets[0]
+            consts.update(zip([e.id for e in t.elts], value) if isinstance(t, ast.Tuple) else [(t.id, value)])
+    routes = {c: gpu.nvdec_route(caps, c, 8, consts["W"], consts["H"]) or "nvdec" for c in consts["CODECS"]}
+    return "INFO", gpu.nvdec_summary(caps), None, {"caps": caps, "media_routes": routes,
+                                                     "on": _where(caps["available"])}
 def _source_rows(a) -> dict[str, np.ndarray]:
     return {p.stem: p for p in (Path(a.workdir) / "npy").glob("*.npy")}
 
@@ -95,7 +147,8 @@ def step_device_path(a) -> tuple:
     io, ring = str(st.get("io_path")), str(st.get("ring_device"))
     ok = io.startswith("kvikio") and ring.startswith("cuda") and on_gpu and not bad and n == a.samples
     return ("PASS" if ok else "FAIL"), f"io={io} ring={ring} {_modes(st)}", None, {
-        "stats": st, "wrong_keys": bad[:10], "samples": n, "tensors_on_gpu": on_gpu}
+        "stats": st, "wrong_keys": bad[:10], "samples": n, "tensors_on_gpu": on_gpu,
+        "on": _where(ring.startswith("cuda") and on_gpu), "expect": "gpu"}
 
 
 def _row_extents(a, limit: int):
@@ -172,8 +225,9 @@ def step_kvikio_rows(a) -> tuple:
     ratio = statistics.median(k / p for k, p in zip(rates["kvikio"], rates["posix_h2d"]))
     modes = ",".join(f"{k}={v}" for k, v in sorted(kv.read_modes.items()))
     figure = f"{statistics.median(rates['kvikio']):.2f} GB/s {modes}"
-    exercised = any(k.endswith(("/cufile-async", "/sync-fallback")) for k in kv.read_modes)
-    return ("PASS" if equal and exercised else "FAIL"), figure, ratio, detail
+    exercised = any(k.startswith(("kvikio-gds/", "kvikio-compat/")) for k in kv.read_modes)
+    return ("PASS" if equal and exercised else "FAIL"), figure, ratio, {**detail, "on": _where(exercised),
+                                                                         "expect": "gpu"}
 
 
 def _h2d_gbps(nbytes: int, rounds: int = 3) -> float:
@@ -243,7 +297,9 @@ def step_raw_tier(a) -> tuple:
     return ("INFO" if ok else "FAIL"), f"{gbps:.2f} GB/s {io}, {gbps / h2d:.2f}x pinned H2D", ratio, {
         "gbps": [[o[0], t[0]] for o, t in pairs], "cpu_s_per_gb": [[o[1], t[1]] for o, t in pairs],
         "pinned_h2d_gbps": h2d, "rows_checked": checked["rows"], "wrong_keys": checked["bad"][:10],
-        "io_read_modes": stats.get("io_read_modes"), "io_path": io, "ring_device": ring}
+        "io_read_modes": stats.get("io_read_modes"), "io_path": io, "ring_device": ring,
+        "on": _where(io.startswith("kvikio") and ring.startswith("cuda") and bool(checked.get("on_gpu"))),
+        "expect": "gpu"}
 
 
 class _Burner:
@@ -317,7 +373,8 @@ def step_ring_safety(a) -> tuple:
     dl.close()
     ok = busy and not bad and n == a.samples
     return ("PASS" if ok else "FAIL"), f"{n - len(bad)}/{a.samples} rows equal, {_modes(st)}", None, {
-        **proof, "wrong_keys": bad[:10], "rows": n, "stats": st}
+        **proof, "wrong_keys": bad[:10], "rows": n, "stats": st,
+        "on": _where(str(st.get("ring_device")).startswith("cuda")), "expect": "gpu"}
 
 
 def _eval_transform():
@@ -398,9 +455,11 @@ def step_mixed_vs_cpu(a) -> tuple:
     got, gpu_rate, st = _decode_all(a, "cuda")
     _REFERENCE["gpu"] = got
     status, figure, detail = _compare(a, ref, got)
-    if st.get("decode_device") != "mixed" or not str(st.get("ring_device")).startswith("cuda"):
+    on_gpu = st.get("decode_device") == "mixed" and str(st.get("ring_device")).startswith("cuda")
+    if not on_gpu:
         status = "FAIL"
-    return status, figure, gpu_rate / cpu_rate, {**detail, "stats": st, "images_per_s": [cpu_rate, gpu_rate]}
+    return status, f"{gpu_rate:.0f} img/s mixed vs {cpu_rate:.0f} cpu, {figure}", gpu_rate / cpu_rate, {
+        **detail, "stats": st, "images_per_s": [cpu_rate, gpu_rate], "on": _where(on_gpu), "expect": "gpu"}
 
 
 def step_mixed_busy(a) -> tuple:
@@ -417,8 +476,117 @@ def step_mixed_busy(a) -> tuple:
     if differ or not busy or len(got) != len(idle):
         status = "FAIL"
     figure = f"{len(idle) - len(differ)}/{len(idle)} bit-equal to idle; {figure}"
+    on_gpu = st.get("decode_device") == "mixed" and str(st.get("ring_device")).startswith("cuda")
     return status, figure, None, {**detail, **proof, "differ_from_idle": differ[:10], "stats": st,
-                                  "images_per_s": rate}
+                                  "images_per_s": rate, "on": _where(on_gpu), "expect": "gpu"}
+
+
+def _one_jpeg() -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[0:240, 0:320]
+    rgb = np.stack([x * 255 // 319, y * 255 // 239, (x + y) * 255 // 558], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+def step_dali_import(a) -> tuple:
+    """DALI imports, and one JPEG goes through decode -> resize -> crop_mirror_normalize on
+    `--dali-device`: DALI loads the CUDA libraries it links dynamically (nvJPEG, NPP, cuFFT ...)
+    only when such a pipeline runs, so an import alone proves little (audit 4 R7)."""
+    if (row := _dali()) is not None:
+        return row
+    import nvidia.dali as dali
+    from nvidia.dali import fn, pipeline_def, types
+
+    mixed = a.dali_device == "mixed"
+    if mixed:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "FAIL", "torch.cuda.is_available() is False", None, {"on": "cpu", "expect": "gpu"}
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=a.device_id if mixed else None)
+    def smoke():
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        img = fn.decoders.image(enc, device=a.dali_device, output_type=types.RGB)
+        img = fn.resize(img, resize_shorter=64)
+        return fn.crop_mirror_normalize(img, crop=(48, 48), dtype=types.FLOAT, output_layout="CHW",
+                                        mean=[128.0] * 3, std=[64.0] * 3)
+
+    p = smoke()
+    p.build()
+    p.feed_input("enc", [_one_jpeg()])
+    (out,) = p.run()
+    on_gpu = type(out).__name__ == "TensorListGPU"
+    x = np.array(out.as_cpu()[0] if on_gpu else out[0])
+    ok = x.shape == (3, 48, 48) and bool(np.isfinite(x).all()) and float(x.std()) > 0.1
+    return ("PASS" if ok else "FAIL"), f"dali {dali.__version__}: a JPEG through decode, resize, " \
+        f"crop_mirror_normalize on {a.dali_device} -> {x.shape}", None, {"on": _where(on_gpu), "expect": "gpu"}
+
+
+def step_dali_pipeline(a) -> tuple:
+    """DALI's own pipeline against gdsload's mixed loader (module docstring)."""
+    if (row := _dali()) is not None:
+        return row
+    import gdsload
+    from nvidia.dali import fn, pipeline_def, types
+
+    batch, threads = 64, 4
+    mixed = a.dali_device == "mixed"
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=a.device_id if mixed else None)
+    def own():
+        jpegs, labels = fn.readers.file(file_root=str(Path(a.workdir) / "jpg"), name="r")
+        img = fn.decoders.image(jpegs, device=a.dali_device, output_type=types.RGB)
+        img = fn.resize(img, resize_shorter=256)
+        return fn.crop_mirror_normalize(img, crop=(224, 224), dtype=types.UINT8, output_layout="CHW"), labels
+
+    p = own()
+    p.build()
+    iters = -(-int(p.epoch_size("r")) // batch)
+    kinds = set()
+
+    def dali_pass() -> None:
+        for _ in range(iters):
+            img, _ = p.run()
+            kinds.add(type(img).__name__)
+        if mixed:
+            import torch
+
+            torch.cuda.synchronize()
+
+    dali_pass()  # warm-up: nvJPEG's buffers, the first batches
+    t = time.perf_counter()
+    for _ in range(a.rounds):
+        dali_pass()
+    dali_rate = a.rounds * iters * batch / (time.perf_counter() - t)
+    dl = gdsload.DataLoader(str(Path(a.workdir) / "jpg-shards"), batch_size=batch, transform=_eval_transform(),
+                            device="cuda" if mixed else "cpu", num_workers=threads)
+
+    def ours_pass() -> int:
+        n = 0
+        for b in dl:
+            n += len(b["__key__"])
+        if mixed:
+            import torch
+
+            torch.cuda.synchronize()
+        return n
+
+    ours_pass()
+    t = time.perf_counter()
+    n = sum(ours_pass() for _ in range(a.rounds))
+    ours_rate = n / (time.perf_counter() - t)
+    st = dl.stats()
+    dl.close()
+    on_gpu = kinds == {"TensorListGPU"} and st.get("decode_device") == "mixed"
+    return "INFO", f"gdsload {ours_rate:.0f} img/s vs DALI's own pipeline {dali_rate:.0f} ({a.dali_device})", \
+        ours_rate / dali_rate, {"images_per_s": {"gdsload": ours_rate, "dali": dali_rate}, "batch": batch,
+                                "threads": threads, "stats": st, "on": _where(on_gpu), "expect": "gpu"}
 
 
 def step_resnet50(a) -> tuple:
@@ -473,7 +641,8 @@ def step_resnet50(a) -> tuple:
     ok = ours["steps"] == a.train_steps and st.get("decode_device") == "mixed"
     ratio = ours["images_per_s"] / theirs["images_per_s"] if theirs else None
     return ("INFO" if ok else "FAIL"), f"stall {ours['stall']:.1%}, {ours['images_per_s']:.0f} img/s", \
-        ratio, {"gdsload": ours, "torch": theirs, "stats": st}
+        ratio, {"gdsload": ours, "torch": theirs, "stats": st,
+                "on": _where(st.get("decode_device") == "mixed"), "expect": "gpu"}
 
 
 def _model(name: str):
@@ -510,9 +679,10 @@ def _torch_jpeg_loader(a):
                                        persistent_workers=True)
 
 
-STEPS = {"data": step_data, "device_path": step_device_path, "kvikio_rows": step_kvikio_rows,
-         "raw_tier": step_raw_tier, "ring_safety": step_ring_safety, "mixed_vs_cpu": step_mixed_vs_cpu,
-         "mixed_busy": step_mixed_busy, "resnet50": step_resnet50}
+STEPS = {"nvdec": step_nvdec, "data": step_data, "data_npy": step_data_npy, "data_jpg": step_data_jpg,
+         "device_path": step_device_path, "kvikio_rows": step_kvikio_rows, "raw_tier": step_raw_tier,
+         "ring_safety": step_ring_safety, "dali_import": step_dali_import, "mixed_vs_cpu": step_mixed_vs_cpu,
+         "mixed_busy": step_mixed_busy, "dali_pipeline": step_dali_pipeline, "resnet50": step_resnet50}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,8 +700,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-batch", type=int, default=128)
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--baseline", default="torch", choices=["torch", "none"], help="resnet50's comparison")
+    ap.add_argument("--dali-device", default="mixed", choices=["mixed", "cpu"],
+                    help="DALI's own pipelines (dali_import, dali_pipeline); cpu on a CPU host (tests)")
+    ap.add_argument("--device-id", type=int, default=0)
     ap.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of " + ",".join(STEPS))
     a = ap.parse_args(argv)
+    unknown = [n for n in a.steps.split(",") if n not in STEPS]
+    if unknown:
+        ap.error(f"unknown steps {unknown}; known: {','.join(STEPS)}")
     report = Report(a.out)
     for name in a.steps.split(","):
         t = time.perf_counter()
@@ -540,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             status, figure, ratio = "FAIL", f"{type(exc).__name__}: {exc}", None
             detail = {"traceback": traceback.format_exc()[-4000:]}
-        report.add(name, status, figure, ratio, time.perf_counter() - t, **detail)
+        on, expect = detail.pop("on", ""), detail.pop("expect", "")
+        report.add(name, status, figure, ratio, time.perf_counter() - t, on=on, expect=expect, **detail)
     return 1 if report.failed else 0
 
 

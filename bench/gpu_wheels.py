@@ -13,20 +13,22 @@ audits disagreed on this; the wheel is what gets installed).
     python3 bench/gpu_wheels.py download   # pip download the pins into .whl/ and .whl-dali/
     python3 bench/gpu_wheels.py record     # rewrite bench/gpu_wheels.json from those wheels
     python3 bench/gpu_wheels.py check      # every requirement carried or on the image?
-    python3 bench/gpu_wheels.py split      # DALI's JPEG wheels -> .dali1/ .dali2/ ... (<= 58 MiB each;
-                                           # the "lazy" ones in gpu_wheels.json stay behind)
+    python3 bench/gpu_wheels.py split      # DALI's JPEG wheels -> .dali1/ .dali2/ ... (53.4 MiB, then
+                                           # <= 57.5 MiB: gpu_plan's budgets; the "lazy" ones stay behind)
     python3 bench/gpu_wheels.py receive .daliN   # on the device: append part N to .dali-parts/
     python3 bench/gpu_wheels.py assemble   # on the device: join, check sha256, unpack /tmp/dali-whl
 
 One device call carries at most 64 MiB (working tree included), so the ~260 MB of DALI, nvImageCodec,
-nvCOMP and nvJPEG wheels go as parts over back-to-back calls: files left on a warm machine stay
-only if the next call comes within ~30 s (bench/README.md has the sequence).
+nvCOMP and nvJPEG wheels go as parts over back-to-back calls, the first with part 1 of the check:
+files left on a warm machine stay only if the next call comes within ~30 s (`gpu_plan.py` prints
+the sequence).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -36,8 +38,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = Path(__file__).resolve().parent / "gpu_wheels.json"
-PART_BYTES = 58 * 2**20  # a part + .whl/ (4 MiB) + the tree (2 MiB) <= 64 MiB per call
-PARTS_DIR = ROOT / ".dali-parts"  # git-ignored, in the tree: kept between calls on a warm machine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_plan  # noqa: E402
+
+# (first part, later parts): the first shares call 1 with .whl/, every call carries the tree; the
+# sizes come from the plan's budgets (gpu_plan.part_limits_mib), so each call stays <= 62 MiB
+PART_BYTES = tuple(int(m * 2**20) for m in gpu_plan.part_limits_mib())
+# git-ignored, in the tree: kept between calls on a warm machine (GDSLOAD_DALI_PARTS: the tests)
+PARTS_DIR = Path(os.environ.get("GDSLOAD_DALI_PARTS") or ROOT / ".dali-parts")
 DALI_WHEELS = Path("/tmp/dali-whl")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
@@ -145,8 +153,9 @@ def cmd_split() -> None:
     subprocess.run(["tar", "-cf", str(tar), "-C", str(ROOT / ".whl-dali"), *[p.name for p in src]], check=True)
     digest = hashlib.sha256(tar.read_bytes()).hexdigest()
     n = 0
+    first, later = (PART_BYTES, PART_BYTES) if isinstance(PART_BYTES, int) else PART_BYTES
     with open(tar, "rb") as f:
-        while chunk := f.read(PART_BYTES):
+        while chunk := f.read(first if n == 0 else later):
             n += 1
             d = ROOT / f".dali{n}"
             d.mkdir()
@@ -154,7 +163,8 @@ def cmd_split() -> None:
     for i in range(1, n + 1):
         (ROOT / f".dali{i}" / "MANIFEST").write_text(json.dumps({"parts": n, "sha256": digest, "part": i}) + "\n")
     tar.unlink()
-    print(f"{n} parts of <= {PART_BYTES >> 20} MiB in .dali1 .. .dali{n} (sha256 {digest[:12]}...)")
+    print(f"{n} parts ({first / 2**20:.1f} MiB, then <= {later / 2**20:.1f} MiB) in .dali1 .. .dali{n} "
+          f"(sha256 {digest[:12]}...)")
 
 
 def cmd_receive(folder: str) -> None:
