@@ -4,8 +4,9 @@ through `gdsload.Dataset("s3://...", cache_dir=...)`.
 
 What is checked: every batch (keys, arrays, labels) and its order equal to reading the local copy,
 over two shuffled epochs and a resume; the folder never above `cache_limit` while a small cache
-evicts; two processes sharing one folder download each shard once (the cache's fetch.log); a
-download killed with SIGKILL leaves no file taken as complete and the next run is right; a
+evicts; two processes sharing one folder download each shard once (the cache's fetch.log) and
+leave no lock file; a download killed with SIGKILL leaves no file taken as complete and the next
+run is right (its lock file gone too); a
 corrupt object is fetched twice, then fails naming the shard; a limit below the shuffle window
 is refused; `cache_dir=False` reads ranges as before.
 """
@@ -226,6 +227,7 @@ def test_two_processes_sharing_a_folder_download_each_shard_once(remote, tmp_pat
     names = sorted(s["name"] for s in ShardedDataset(local).shards)
     assert sorted(_log(folder)) == names  # every shard downloaded exactly once, by one of them
     assert sum(o["cache"]["fetches"] for o in outs) == len(names)
+    assert [p.name for p in folder.glob("*.lock")] == [".space.lock"]  # each shard's removed by its holder
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +266,7 @@ def test_a_killed_download_is_never_taken_as_complete(big, tmp_path):
     want = [list(k) for k, _, _ in _batches(Dataset(str(local)), epochs=(0,), batch_size=4)[0]]
     assert got["keys"] == want and got["cache"]["fetches"] == 1
     assert not list(folder.glob(f"{sha}.tar.part-*"))  # the stale part is gone
+    assert not list(folder.glob(f"{sha}.lock"))  # and the killed process's lock file
     assert (folder / f"{sha}.tar").read_bytes() == next(local.glob("*.tar")).read_bytes()
 
 
