@@ -46,6 +46,8 @@ def _limit(name: str, sent: float, server: float) -> float:
     """A request's limit under the server's: 0 (or unset) is the server's; above it is refused."""
     if not sent:
         return server
+    if sent < 0:
+        raise BadRequest(f"{name}={sent!r} must be positive, or 0 (None) for the server's limit")
     if sent > server:
         show = lambda v: f"{v:.0f}" if float(v).is_integer() else repr(float(v))  # noqa: E731
         raise BadRequest(f"{name}={show(sent)} is over this server's limit of {show(server)}: send {show(server)} "

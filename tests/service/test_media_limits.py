@@ -101,6 +101,8 @@ def test_a_lower_limit_is_the_clients() -> None:
     assert (got["flac"].max_seconds, got["mp4"].max_pixels, got["mp4"].max_frames) == (30.0, 999, 7)
     with pytest.raises(mediawire.BadRequest, match=r"field 'mp4': max_frames=51 is over this server's limit of 50"):
         build({}, {"max_frames": 51})
+    with pytest.raises(mediawire.BadRequest, match=r"field 'flac': max_seconds=-1.0 must be positive"):
+        build({"max_seconds": -1.0}, {})
     # the client side: None is sent as 0, the default is not sent (both the server's limit)
     (spec,) = mediawire.to_specs([("flac", AudioTransform(max_seconds=None))])
     assert spec.audio.HasField("max_seconds") and spec.audio.max_seconds == 0
