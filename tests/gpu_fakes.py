@@ -30,7 +30,12 @@ The model (`FakeGPU`):
   `install(kvikio=dict(config_file=True))` sets the variable); otherwise it is KvikIO's
   synchronous fallback: the stream is synchronised, then the legacy stream, then the read runs
   (audit 3 F1). Sizes over the buffer raise ValueError, as `_lib/arr.pyx` does (F4).
-- CuPy fancy indexing (`a[list]`) is a gather kernel on the current stream, deferred like the rest.
+- CuPy fancy indexing (`a[list]`) is a gather kernel on the current device and its current stream,
+  deferred like the rest; its result is allocated there, and reading another device's array
+  without peer access raises as CuPy does (audit 4 R9).
+- `torch.from_dlpack` of a device array does CuPy's stream handshake: an event on the calling
+  thread's current device and CuPy stream, waited for by torch's stream when the two differ
+  (audit 4 R8).
 - DALI's `copy_to_external` reads its stream only from a `ctypes.c_void_p` (`.value`); anything
   else is the legacy stream (backend_impl.cc `ctypes_void_ptr`, F3). `as_tensor()` refuses a
   TensorList that is not dense (the fake's never are); `shape()` works.
@@ -278,13 +283,14 @@ class FakeArray(np.ndarray):
         shape = np.ndarray.__getitem__(self.view(np.ndarray), key).shape  # shape only; values later
         out = np.empty(shape, self.dtype).view(FakeArray)
         np.ndarray.fill(out, 0xAB if self.dtype.kind in "ui" else np.nan)  # what a late read sees
-        out._device_id = self._device_id
+        out._device_id = gpu.current()  # CuPy allocates the result on the current device
         gpu.keepalive.append(out)
 
         def op(out=out, src=self, key=key):
             np.copyto(out.view(np.ndarray), np.ndarray.__getitem__(src.view(np.ndarray), key))
 
-        gpu.current_stream(self._device_id).enqueue(op, "gather")
+        gpu.current_stream().enqueue(op, "gather")  # on the current device's current stream
+        self._check_device()  # a kernel on the current device reading this one's memory (audit 4 R9)
         return out
 
     def get(self, stream=None) -> np.ndarray:
@@ -468,6 +474,28 @@ def cufile_config_present() -> bool:
 
     return bool(os.environ.get("CUFILE_ENV_PATH_JSON")) or os.path.exists("/etc/cufile.json")
 
+    orig_from_dlpack = torch.from_dlpack
+
+    def from_dlpack(obj):
+        """torch.from_dlpack of a FakeArray with CuPy's `__dlpack__` stream handshake (audit 4 R8):
+        torch passes its current stream *of the array's device* (1 for the legacy stream); CuPy
+        compares it with its own current stream *of the calling thread's current device* and,
+        when they differ, records an event there and makes torch's stream wait for it."""
+        if not isinstance(obj, FakeArray):
+            return orig_from_dlpack(obj)
+        dev = obj._device_id
+        target = gpu.torch_stream(dev)
+        stream = 1 if target.ptr == 0 else target.ptr
+        curr = gpu.current_stream()
+        if stream != (1 if curr.ptr == 0 else curr.ptr):
+            gpu.bind()
+            event = FakeEvent(gpu)  # on the current device: a context there
+            event.record(curr)
+            target.wait_event(event)
+            gpu.log.append(("dlpack_wait", curr.device_id, curr.ptr, target.ptr, threading.current_thread().name))
+        return orig_from_dlpack(obj.view(np.ndarray))
+
+    monkeypatch.setattr(torch, "from_dlpack", from_dlpack)
 
 def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
                 threshold: int = 16 * 1024, mode: str = "AUTO") -> types.ModuleType:

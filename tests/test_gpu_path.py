@@ -930,3 +930,75 @@ def test_compat_mode_off_without_a_cufile_config_still_reads(monkeypatch, npy_bi
             np.testing.assert_array_equal(host(b["npy"])[i], np.load(src / f"{k}.npy"))
             n += 1
     assert n == 8 and loader.stats()["io_read_modes"] == {"kvikio-gds/pread": 8}
+
+
+def test_dlpack_handoff_does_not_tie_a_side_stream_consumer_to_the_legacy_stream(monkeypatch, npy):
+    """R8, one GPU: `torch.from_dlpack` made the consumer's side stream wait for CuPy's current
+    stream, the legacy one, every batch (CuPy's __dlpack__ handshake), so it waited for all the
+    default-stream work (ring_safety's burner). Now the handoff runs with the consumer's stream as
+    CuPy's current one: nothing to wait for, and default-stream work queued meanwhile stays queued."""
+    import torch
+
+    ds, arrays, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True, kvikio=False)
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", prefetch_factor=1, num_workers=2)
+    burned: list[int] = []
+    snaps = []
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for b in loader:
+            gpu.null[0].enqueue(lambda: burned.append(1), "default-stream work (a burner)")
+            keys, x = list(b["__key__"]), b["npy"]
+            s.stream.enqueue(lambda keys=keys, x=x: snaps.append((keys, x.clone())), "consumer kernel")
+        s.synchronize()
+    assert sum(len(k) for k, _ in snaps) == 24
+    for keys, x in snaps:
+        for i, k in enumerate(keys):
+            np.testing.assert_array_equal(x[i].numpy(), arrays[k], err_msg=k)
+    assert gpu.log_calls("dlpack_wait") == [] and burned == []
+
+
+def test_dlpack_handoff_under_torchrun_without_set_device_stays_on_the_ranks_gpu(monkeypatch, npy):
+    """R8, torchrun without `torch.cuda.set_device(LOCAL_RANK)` (which gdsload supports: LOCAL_RANK
+    names the GPU): the consumer thread's current device is 0, so CuPy recorded its DLPack event on
+    GPU 0 (a context there per rank) and rank 1's stream waited across devices every batch."""
+    import torch
+
+    ds, arrays, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=2, torch_cuda=True, kvikio=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    gpu.set_current(1)
+    s = torch.cuda.Stream()  # the training stream on the rank's GPU
+    gpu.set_current(0)  # the script never set its device
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", prefetch_factor=1, num_workers=2)
+    n = 0
+    with torch.cuda.stream(s):
+        for b in loader:
+            n += len(b["__key__"])
+    assert n == 24 and loader.stats()["ring_device"] == "cuda:1"
+    assert gpu.log_calls("dlpack_wait") == []  # before: ("dlpack_wait", 0, 0, s.ptr), an event on GPU 0
+    assert gpu.current() == 0  # the training thread's device is left alone
+
+
+def test_kept_rows_are_gathered_on_the_loaders_gpu_under_torchrun_without_set_device(monkeypatch, tmp_path):
+    """R9: with a skipped image the labels are gathered (`arr[keep]`) on the consumer's side;
+    `consumer_stream()` had entered the loader's device only to find the stream, so the gather
+    ran on the thread's current device: GPU 0 under torchrun without `set_device`, a peer-access
+    ValueError (or a label tensor on cuda:0 beside images on cuda:1). The fake was kinder: it
+    gathered on the array's own device whatever the current one."""
+    import fieldsample as fs
+    from gdsload.decode.image import ImageTransform
+
+    ref = fs.make_two_image_source(tmp_path / "src", bad_jpg="s002", bad_png="s005")
+    fs.convert_source(tmp_path / "src", tmp_path / "ds")
+    gpu = gpu_fakes.install(monkeypatch, devices=2, torch_cuda=True, kvikio=False)
+    gpu_fakes.dali_mixed_on_cpu(monkeypatch, gpu)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    loader = DataLoader(str(tmp_path / "ds"), batch_size=4, device="cuda", on_error="skip", num_workers=2,
+                        output="numpy", transform=ImageTransform(**fs.EVAL))
+    got = []
+    for b in loader:
+        assert b["cls"]._device_id == 1 and b["jpg"]._device_id == 1
+        got += [(k, int(host(b["cls"])[i])) for i, k in enumerate(b["__key__"])]
+    assert got == [(k, int(k[1:])) for k in sorted(ref) if k not in ("s002", "s005")]
+    assert gpu.current() == 0

@@ -30,13 +30,28 @@ def default_output(output: str | None) -> str:
     return output or ("torch" if torch_or_none() is not None else "numpy")
 
 
+def _from_dlpack(torch: Any, arr: Any) -> Any:
+    """`torch.from_dlpack` of a CuPy array with the array's device current and torch's current
+    stream on it as CuPy's current stream. CuPy's `__dlpack__` records an event on the *calling
+    thread's* current device and CuPy stream and makes the consumer's stream wait for it
+    (cupy/_core/core.pyx): without this, a consumer on a side stream waited for the legacy stream
+    (all the default-stream work, a burner's included) every batch, and under torchrun without
+    `torch.cuda.set_device` every rank recorded that event on GPU 0, making a context there (audit
+    4 R8). With both on the array's device and the same stream, there is nothing to wait for."""
+    import cupy
+
+    dev = arr.device.id
+    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
+        return torch.from_dlpack(arr)
+
+
 def as_output(arr: Any, output: str, device: str = "cpu", *, copy: bool = False) -> Any:
     """`arr` (a NumPy array, or a CuPy array on a GPU) as the output type on `device` ("cpu",
     "cuda" or "cuda:N"): zero copy where it already is there, an owned copy with `copy`."""
     on_device = hasattr(arr, "__cuda_array_interface__")
     if output == "torch":
         torch = torch_or_none()
-        t = torch.from_dlpack(arr) if on_device else torch.from_numpy(arr)
+        t = _from_dlpack(torch, arr) if on_device else torch.from_numpy(arr)
         if device != "cpu" and not on_device:  # host rows to the GPU (the remote feed's batches)
             return t.to(device, non_blocking=True)
         return t.clone() if copy else t

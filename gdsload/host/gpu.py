@@ -208,6 +208,16 @@ class CopyStreams:
             self._last_consumer = stream
         return stream
 
+    @contextlib.contextmanager
+    def consuming(self):
+        """The loader's device and the consumer's stream on it current in the calling thread (for
+        CuPy), around work done for the consumer: the gather of kept rows. `consumer_stream()`
+        enters the device only to find the stream, so a gather under it alone ran on the thread's
+        current device (GPU 0 under torchrun without `set_device`: a peer-access error or a
+        tensor on the wrong GPU) and that device's stream (audit 4 R9)."""
+        with self.cupy.cuda.Device(self.ordinal), self.consumer_stream():
+            yield
+
     def consumer_wait(self, event: Any) -> None:
         """Make the consumer's current stream wait for `event` (a batch's ready event)."""
         if event is not None:

@@ -92,7 +92,7 @@ class BatchAssembler:
                     elif host or streams is None:  # the producer: under CopyStreams.producing()
                         view = arr[keep]
                     else:  # a CuPy gather: on the consumer's stream, which waited for the batch (C4)
-                        with streams.consumer_stream():
+                        with streams.consuming():  # the loader's device too (audit 4 R9)
                             view = arr[keep]
                 else:
                     view = arr[: len(keep) if keep is not None else n]
