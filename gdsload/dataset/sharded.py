@@ -44,7 +44,8 @@ class ShardedDataset:
     the dataset: the manifest is read from the store whenever it answers, the copy is used only
     when the store cannot be reached (`offline` is then True, with a warning); indexes are taken
     from the folder first (an index belongs to its shard's bytes, named by their hash), and
-    checked against the manifest as ones read from the store are. Nothing here writes there.
+    checked against the manifest as ones read from the store are. Nothing here writes there
+    (a damaged index copy is removed: `index`).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, version: int | None = None,
