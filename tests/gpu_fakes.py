@@ -462,18 +462,6 @@ def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda stream_ptr, device=None: FakeTorchStream(
         gpu.stream_for(int(stream_ptr), None if device is None else int(str(device).rpartition(":")[2] or 0))),
         raising=False)
-    # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
-                        raising=False)
-
-
-def cufile_config_present() -> bool:
-    """What KvikIO 26.10's `config_path()` finds (config.cpp): `CUFILE_ENV_PATH_JSON`, else
-    `/etc/cufile.json`."""
-    import os
-
-    return bool(os.environ.get("CUFILE_ENV_PATH_JSON")) or os.path.exists("/etc/cufile.json")
-
     orig_from_dlpack = torch.from_dlpack
 
     def from_dlpack(obj):
@@ -508,6 +496,18 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
     settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
     kvikio = types.ModuleType("kvikio")
     defaults = types.ModuleType("kvikio.defaults")
+    # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
+                        raising=False)
+
+
+def cufile_config_present() -> bool:
+    """What KvikIO 26.10's `config_path()` finds (config.cpp): `CUFILE_ENV_PATH_JSON`, else
+    `/etc/cufile.json`."""
+    import os
+
+    return bool(os.environ.get("CUFILE_ENV_PATH_JSON")) or os.path.exists("/etc/cufile.json")
+
     driver = types.ModuleType("kvikio.cufile_driver")
     kvikio.defaults, kvikio.cufile_driver = defaults, driver
     kvikio.__version__ = "26.10.00-fake"
@@ -537,6 +537,7 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             self._fd = os.open(path, os.O_RDONLY)
             self.path = str(path)
             kvikio.open_files[self.path] = kvikio.open_files.get(self.path, 0) + 1
+    kvikio.no_direct_io = set()  # paths whose O_DIRECT open fails (a filesystem without direct I/O)
 
         def pread(self, buf, size=None, file_offset=0, task_size=None):
             import os
@@ -641,6 +642,15 @@ def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
     way kvikio-cu13 26.10 does without the rapids-logger wheel."""
     pkg = tmp_path / "broken_site" / "kvikio"
     pkg.mkdir(parents=True)
+    from gdsload.host import driver  # the loaders' default device asks the driver module itself
+
+    monkeypatch.setattr(driver, "cuda_device_count", lambda: devices)
+    if kvikio is not False:  # files on a filesystem without direct I/O (every one here has it): KvikIO
+        from gdsload.io import kvikio_backend  # reads them in compat mode under AUTO (audit 4 R6)
+
+        real = kvikio_backend.direct_io_supported
+        monkeypatch.setattr(kvikio_backend, "direct_io_supported",
+                            lambda path: str(path) not in kv.no_direct_io and real(path))
     (pkg / "__init__.py").write_text(f"raise ImportError({message!r})\n")
     monkeypatch.delitem(sys.modules, "kvikio", raising=False)
     monkeypatch.syspath_prepend(str(pkg.parent))

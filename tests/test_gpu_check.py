@@ -556,3 +556,19 @@ def test_part1_receives_dali_part_one_and_stops_when_torch_has_no_cuda(tmp_path)
     for step in ("nvdec", "doctor", "pytest", "data_npy", "device_path", "kvikio_rows", "raw_tier", "ring_safety"):
         assert "NOT EXERCISED" in rows[step]["figure"], rows[step]
     assert rows["file:doctor.json"]["status"] == rows["file:pytest.xml"]["status"] == "FAIL"
+
+
+def test_gdsload_bench_measures_gdsload_on_the_cpu_like_its_baselines(monkeypatch, tmp_path):
+    """R6: `gdsload bench` on a GPU host ran gdsload on the default device ("cuda": device ring,
+    mixed decode) while torch, DALI and SPDL decode on the CPU: the ratios set GPU against CPU.
+    Here a GPU is visible (the fakes) and the gdsload contestant still runs the CPU path."""
+    from gdsload.bench import runners
+    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.sampledata import make_npy_folder
+
+    make_npy_folder(tmp_path / "src", num_samples=8, shape=(4, 8), dtype="uint8")
+    convert(str(tmp_path / "src"), tmp_path / "ds", ConvertOptions(workers=1, progress=False))
+    gpu_fakes.install(monkeypatch, devices=1, torch_cuda=True, kvikio=False)
+    r = runners.run_gdsload({"kind": "tensor", "tier": "R", "dataset": str(tmp_path / "ds"), "batch_size": 4,
+                             "workers": 1, "contestant": "gdsload", "step_ms": 0})
+    assert r["samples"] == 8 and r["stats"]["ring_device"] == "cpu"

@@ -1002,3 +1002,27 @@ def test_kept_rows_are_gathered_on_the_loaders_gpu_under_torchrun_without_set_de
         got += [(k, int(host(b["cls"])[i])) for i, k in enumerate(b["__key__"])]
     assert got == [(k, int(k[1:])) for k in sorted(ref) if k not in ("s002", "s005")]
     assert gpu.current() == 0
+
+
+def test_a_shard_kvikio_reads_in_compat_mode_is_labelled_compat(monkeypatch, tmp_path):
+    """R6: under KVIKIO_COMPAT_MODE=AUTO, KvikIO reads a file whose O_DIRECT open fails in compat
+    mode, silently; every device read was still counted as "kvikio-gds". Now the backend tries
+    O_DIRECT as KvikIO does and labels that file's reads "kvikio-compat"."""
+    from gdsload.io.kvikio_backend import direct_io_supported
+
+    assert direct_io_supported(__file__)  # the real probe, on a real file here
+    assert not direct_io_supported(str(tmp_path / "absent"))
+    make_npy_folder(tmp_path / "src", num_samples=8, shape=(4, 64, 64), dtype="uint8", seed=9)
+    ds = _convert(tmp_path / "src", tmp_path / "ds", shard_size=40_000)
+    shards = sorted(str(p) for p in ds.glob("*.tar"))
+    assert len(shards) >= 2
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
+    gpu.kvikio.no_direct_io.add(shards[0])
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", output="numpy")
+    n = sum(len(b["__key__"]) for b in loader)
+    modes = loader.stats()["io_read_modes"]
+    src = ShardedDataset(str(ds))
+    assert src.shard_path(0) == shards[0]
+    # one read per 16 KiB row: shard 0's rows through compat, the rest through cuFile
+    assert n == 8 and modes == {"kvikio-compat/pread": src.index(0).num_samples,
+                                "kvikio-gds/pread": 8 - src.index(0).num_samples}, modes

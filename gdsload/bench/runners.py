@@ -157,8 +157,11 @@ def run_gdsload(a: dict) -> dict:
     if a.get("prefetch") is not None:
         kw["prefetch_factor"] = a["prefetch"]
     verify = None if a["contestant"] == "gdsload_noverify" else "fast"
+    # the CPU path, as every other contestant here decodes on the CPU: on a GPU host the default
+    # ("cuda": mixed decode, device tensors) would set GPU gdsload against CPU baselines (audit 4
+    # R6); bench/gpu_check.sh measures the GPU path against GPU baselines
     dl = gdsload.DataLoader(gdsload.Dataset(a["dataset"], verify=verify), batch_size=a["batch_size"],
-                            num_workers=a["workers"], shuffle=False, **kw)
+                            num_workers=a["workers"], shuffle=False, device=a.get("device", "cpu"), **kw)
     it = iter(dl)
     construct = time.perf_counter() - t0
     r = _consume(it, a["step_ms"], lambda b: b["cls"].tolist())

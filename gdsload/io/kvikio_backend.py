@@ -25,9 +25,10 @@ path a device read of at least `gds_threshold` would take):
 and docs/source/runtime_settings.rst ("the default value is 16384 (16 KiB)"); the "1 MiB" in
 the defaults.hpp docstring is stale. So a 150,528-byte uint8[3,224,224] row does take cuFile when
 GDS is available (settling the two audits' disagreement; gdsload leaves the threshold alone).
-Not visible from Python: KvikIO's per-file fallback to compat under AUTO (CompatModeManager, when
-O_DIRECT or cuFile handle registration fails for that file), so "kvikio-gds" can still hide a
-compat read of a file cuFile refused. Device rows whose address is not 4 KiB-aligned (rows of a
+KvikIO's per-file fallback to compat under AUTO (CompatModeManager, when O_DIRECT or cuFile handle
+registration fails for that file) is half visible from Python: a file that does not open with
+O_DIRECT (`direct_io_supported`) has its device reads labelled "kvikio-compat"; a refused handle
+registration still hides behind "kvikio-gds". Device rows whose address is not 4 KiB-aligned (rows of a
 size that is not a multiple of 4096) go through cuFile's internal bounce buffers, which are GPU
 memory ("maximum GPU memory reserved per device by the library for internal buffering",
 cuFileDriverSetMaxCacheSize): still GDS, with one extra device-to-device copy; padding the row
@@ -122,6 +123,20 @@ def gds_active(kvikio: Any) -> bool:
         return False
 
 
+def direct_io_supported(path: str) -> bool:
+    """Whether `path` opens with O_DIRECT, which KvikIO's `FileHandle` tries for every file: under
+    `KVIKIO_COMPAT_MODE=AUTO` a file whose O_DIRECT open (or cuFile handle registration) fails is
+    read in compat mode, silently (compat_mode_manager.cpp), e.g. shards on a filesystem without
+    direct I/O. The backend labels that file's device reads "kvikio-compat" (audit 4 R6); a failed
+    handle registration is not visible from Python and stays labelled "kvikio-gds"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
 def cufile_config_path() -> str:
     """The cuFile configuration file KvikIO 26.10 finds (config.cpp `config_path`, audit 3 F1):
     `CUFILE_ENV_PATH_JSON` when set, else `/etc/cufile.json` when it exists, else "" (none)."""
@@ -194,6 +209,7 @@ class KvikioBackend(PooledBackend):
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (CuFile, file size in bytes)
         self.path_bytes: dict[str, int] = {}  # read path (module docstring) -> bytes read that way
         self._registered: list[Any] = []
+        self._compat_files: set[str] = set()  # files KvikIO reads in compat mode (direct_io_supported)
         self._stream: int | None = None  # raw CUDA stream of stream-ordered device reads (order_on)
         self._path_lock = threading.Lock()  # not `_lock`: `name` is used in messages raised under it
 
@@ -237,10 +253,10 @@ class KvikioBackend(PooledBackend):
                 return buf, ptr - base
         return view, 0
 
-    def _path(self, nbytes: int, on_device: bool, async_read: bool = False) -> str:
+    def _path(self, nbytes: int, on_device: bool, async_read: bool = False, compat_file: bool = False) -> str:
         if not on_device:
             return "kvikio-posix"
-        if not self._gds:
+        if not self._gds or compat_file:
             return "kvikio-compat"
         if async_read:  # raw_read_async: cuFileReadAsync, whatever the size
             return "kvikio-gds"
@@ -313,6 +329,8 @@ class KvikioBackend(PooledBackend):
                     handle = self._kvikio.CuFile(path, "r")
                 except (OSError, RuntimeError) as exc:
                     raise StorageError(f"cannot open {path!r} with KvikIO: {exc}") from exc
+                if self._gds and not direct_io_supported(path):
+                    self._compat_files.add(path)
                 entry = self._files[path] = (handle, size)
             return entry
 
@@ -341,7 +359,7 @@ class KvikioBackend(PooledBackend):
             ) from exc
         self._stats.add(reads=1, bytes_read=group.payload_nbytes if got == group.nbytes else 0,
                         bytes_transferred=got)
-        path = self._path(group.nbytes, on_device, how == "cufile-async")
+        path = self._path(group.nbytes, on_device, how == "cufile-async", group.path in self._compat_files)
         with self._path_lock:
             self.path_bytes[path] = self.path_bytes.get(path, 0) + got
             mode = f"{path}/{how}"
