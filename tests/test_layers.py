@@ -39,8 +39,25 @@ PEERS = {
 }
 # packages only some others may import
 ONLY_BY = {"v1": {"service"}}
-# the RemoteLoader half of the service needs no DALI, no I/O backends and no local pipeline
-CLIENT_SIDE = {"service.client", "service.link", "service.receiver", "service.stripe"}
+# the feed's packages (DESIGN.md "Service"): the protocol is shared and imports neither end; the
+# client (RemoteLoader) never imports the server, nor the server the client
+FEED_NEVER = {
+    "service.protocol": {"service.client", "service.server"},
+    "service.client": {"service.server"},
+    "service.server": {"service.client"},
+}
+# What the client may import, directly or through any module it imports (prefixes of module
+# names): no local pipeline (`loader`), no I/O backends (`io`), no DALI pipeline builder, no ring
+# but its staging pool: a RemoteLoader process needs grpc and NumPy, not what a server reads with.
+CLIENT_MAY = (
+    "gdsload.errors", "gdsload.sizes", "gdsload._version", "gdsload.host", "gdsload.format",
+    "gdsload.plan", "gdsload.dataset.mix", "gdsload.dataset.concat", "gdsload.frontend",
+    "gdsload.ring.staging", "gdsload.v1", "gdsload.service.protocol", "gdsload.service.client",
+    # the transform specs (a transform is sent as its spec; nothing is decoded on the client)
+    "gdsload.decode.image", "gdsload.decode.imagesize", "gdsload.decode.audio", "gdsload.decode.video",
+    "gdsload.decode.media",
+)
+CLIENT_SIDE = {"service.client"}
 # files exempt by name: the package's public face (lazy), and `python -m gdsload.service`, a shim
 EXEMPT = {"gdsload", "gdsload.service.__main__"}
 
@@ -77,7 +94,7 @@ def unit(mod: str) -> str:
     parts = mod.split(".")
     if len(parts) == 1:
         return ""
-    if parts[1] == "service" and len(parts) > 2:
+    if parts[1] == "service" and len(parts) > 2:  # a package of the feed, or a top-level shim
         return f"service.{parts[2]}"
     return parts[1]
 
@@ -96,8 +113,8 @@ def violation(src: str, dst: str) -> str | None:
     if b in ONLY_BY:
         return None if a in ONLY_BY[b] or a == b else f"{src} imports {dst}: only {sorted(ONLY_BY[b])} may"
     if a == b:
-        if unit(src) in CLIENT_SIDE and unit(dst) == "service.server":
-            return f"{src} (RemoteLoader side) imports the server"
+        if unit(dst) in FEED_NEVER.get(unit(src), ()):
+            return f"{src} ({unit(src)}) imports {dst} ({unit(dst)})"
         return None
     la, lb = LAYER[a], LAYER[b]
     if unit(src) in CLIENT_SIDE and b in ("loader", "io", "convert"):
@@ -170,6 +187,37 @@ def test_every_unit_has_a_layer():
 def test_no_forbidden_import():
     bad = [why for src, dsts in sorted(graph().items()) for dst in sorted(dsts) if (why := violation(src, dst))]
     assert not bad, "imports the layer table forbids:\n" + "\n".join(bad)
+
+
+def reached_from(g: dict[str, set[str]], prefix: str) -> set[str]:
+    """Every module the modules under `prefix` import, directly or through others."""
+    seen: set[str] = set()
+    stack = [m for m in g if m.startswith(prefix)]
+    while stack:
+        for d in g[stack.pop()]:
+            if d not in seen:
+                seen.add(d)
+                stack.append(d)
+    return seen
+
+
+def client_outside(g: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m in reached_from(g, "gdsload.service.client")
+                  if not any(m == p or m.startswith(p + ".") for p in CLIENT_MAY))
+
+
+def test_the_client_reaches_only_what_it_may():
+    bad = client_outside(graph())
+    assert not bad, f"the feed client reaches {bad}, outside CLIENT_MAY (tests/test_layers.py)"
+
+
+def test_a_planted_client_import_of_the_server_fails():
+    """Directly (the layer rule) and through a module the client imports (the reach rule)."""
+    assert violation("gdsload.service.client.loader", "gdsload.service.server.servicer") is not None
+    assert violation("gdsload.service.protocol.wire", "gdsload.service.client.loader") is not None
+    g = graph()
+    g["gdsload.frontend.output"] = set(g["gdsload.frontend.output"]) | {"gdsload.loader.dataloader"}
+    assert "gdsload.loader.dataloader" in client_outside(g)
 
 
 def test_no_import_cycle():

@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.host.malloc import keep_large_blocks
     from gdsload.service.protocol.auth import read_token
     from gdsload.service.protocol.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
-    from gdsload.service.logs import configure, event
+    from gdsload.service.server.logs import configure, event
     from gdsload.service.server import create_server
 
     try:

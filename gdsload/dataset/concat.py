@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from gdsload.format.index import ShardIndex
-from gdsload.io import is_remote
 
 
 class ConcatShards:
@@ -37,7 +36,7 @@ class ConcatShards:
         self.fields = {f: self.parts[0].fields[f] for f in fields}
         # a URL root: the fsspec backend, which also reads local paths (the loader decides with
         # `gdsload.dataset.source.storage_root`, which knows the parts' caches)
-        self.root = next((p.root for p in self.parts if is_remote(p.root)), self.parts[0].root)
+        self.root = next((p.root for p in self.parts if p.remote), self.parts[0].root)
 
     def __len__(self) -> int:
         return self._starts[-1]

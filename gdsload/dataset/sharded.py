@@ -52,7 +52,8 @@ class ShardedDataset:
                  meta_dir: str | os.PathLike[str] | None = None):
         """`version`: read the dataset as it was at that manifest version (its first shards; see
         `gdsload.format.manifest.at_version`); default: the newest."""
-        self.root = str(root).rstrip("/") if is_remote(str(root)) else str(local_path(root))
+        self.remote = is_remote(str(root))  # a URL, read through fsspec (`gdsload.io.is_remote`)
+        self.root = str(root).rstrip("/") if self.remote else str(local_path(root))
         self._store = open_store(self.root)
         self._fs = self._store.fs if isinstance(self._store, FsspecStore) else None
         self._meta = Path(meta_dir) if meta_dir is not None and self._fs is not None else None

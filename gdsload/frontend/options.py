@@ -193,7 +193,7 @@ def _remote_device(device: Any, output: str) -> tuple[str, int | None]:
 def default_local_device(output: str | None) -> str:
     """"cuda" when a device exists *and* the loader can use it; else "cpu", with a warning when a
     device exists (a CPU-only torch build, or no CuPy, on a GPU host)."""
-    from gdsload.io import cuda_device_count
+    from gdsload.host.driver import cuda_device_count
 
     if cuda_device_count() < 1:
         return "cpu"

@@ -165,7 +165,7 @@ class MapRun:
         if self.pool is None:
             out = self.stage.fn((columns, names))
         else:
-            from gdsload.ring.ring import RingClosed
+            from gdsload.errors import RingClosed
             from gdsload.frontend.workers import PoolClosed
 
             try:

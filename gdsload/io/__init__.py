@@ -22,7 +22,6 @@ falls back to POSIX. An absent KvikIO falls back silently.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib
 import importlib.util
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gdsload.host.driver import cuda_device_count  # noqa: F401 (re-exported)
 from gdsload.errors import GdsloadError, MissingDependencyError
 from gdsload.io.base import PAGE, Backend, Extent, Piece, ReadGroup, coalesce
 
@@ -97,18 +97,6 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
 def local_path(path: str | os.PathLike[str]) -> Path:
     """A local path, or a `file://` URL, as a `Path` (`is_remote(path)` is False)."""
     return Path(os.fspath(path).removeprefix("file://"))
-
-
-def cuda_device_count() -> int:
-    """CUDA devices visible through the driver API (libcuda.so.1), 0 without a driver."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
 
 
 @functools.cache

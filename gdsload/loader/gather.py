@@ -18,7 +18,7 @@ have landed, `gdsload.dataset.verify.check_crcs` compares the staged members' CR
 
 `BatchPlanner.spans` is the same planning for a batch of stored members and index labels only,
 reading and checking nothing: where each member lies and its expected CRC32, for the feed server
-to send from the page cache (`gdsload.service.stored`).
+to send from the page cache (`gdsload.service.server.stored`).
 
 Every batch is planned here, also those whose `.npy` headers must be read (`verify="full"`,
 indexes from before conversion guaranteed C order: `needs_headers`): those headers are staged like

@@ -1,4 +1,4 @@
-"""The bulk connection (`gdsload.service.bulk`): a stream's messages on a plain socket beside its
+"""The bulk connection (`gdsload.service.server.bulk`): a stream's messages on a plain socket beside its
 call. Same batches as over gRPC and as the local loader; taken by default, refused cleanly, and
 every way of ending a stream ends both."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gdsload import DataLoader, RemoteLoader
-from gdsload.service import bulk as server_bulk
+from gdsload.service.server import bulk as server_bulk
 from gdsload.service.client import bulk as client_bulk
 from gdsload.service.protocol import framing
 from gdsload.service.server import create_server

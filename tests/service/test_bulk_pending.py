@@ -17,7 +17,7 @@ import pytest
 from feedkit import free_port, spawn_server
 
 from gdsload import RemoteLoader
-from gdsload.service import bulk as server_bulk
+from gdsload.service.server import bulk as server_bulk
 from gdsload.service.client import bulk as client_bulk
 from gdsload.service.protocol import framing
 from gdsload.service.protocol.config import Limits

@@ -17,7 +17,7 @@ from feedkit import assert_same_batches, free_port, local_batches, spawn_server
 from gdsload.decode.image import ImageTransform
 from gdsload.errors import RingClosed, Unavailable
 from gdsload.service.client import RemoteLoader
-from gdsload.service.pool import DecodePool
+from gdsload.service.server.pool import DecodePool
 from gdsload.service.server import create_server
 
 EVAL = ImageTransform(size=32, train=False, resize=36)

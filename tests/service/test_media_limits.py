@@ -24,7 +24,7 @@ from gdsload.convert.shards import DatasetWriter
 from gdsload.decode.audio import AudioTransform
 from gdsload.decode.video import VideoTransform
 from gdsload.errors import RemoteError
-from gdsload.service import mediawire
+from gdsload.service.protocol import mediawire
 from gdsload.service.server import create_server
 from gdsload.v1 import feed_pb2 as pb
 

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from gdsload.service.client import RemoteLoader
-from gdsload.service.logs import JsonLines
+from gdsload.service.server.logs import JsonLines
 from gdsload.service.server import create_server
 from gdsload.service.protocol.status import RemoteError
 

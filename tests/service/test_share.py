@@ -1,4 +1,4 @@
-"""Share groups (`RemoteLoader(share=...)`, gdsload.service.share): jobs that ask one server for
+"""Share groups (`RemoteLoader(share=...)`, gdsload.service.server.share): jobs that ask one server for
 the same batches are fed by one producer, and each still gets exactly its own epoch, in the local
 loader's order. Checked with real loopback servers: 2 and 4 sharing jobs (each batch produced
 once, sent to each); decoded training batches (the same crops for every job); rank r with rank r;

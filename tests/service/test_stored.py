@@ -1,4 +1,4 @@
-"""Raw batches sent as stored (`gdsload.service.stored`): the server sends members from the page
+"""Raw batches sent as stored (`gdsload.service.server.stored`): the server sends members from the page
 cache with `sendfile`, the client checks their CRC32s. The batches are the local loader's; an
 older client (no `checks_item_crc32`), gRPC without the bulk connection and fields the loader
 parses are read by the loader as before; a member changed on disk fails over to an intact copy,
@@ -170,7 +170,7 @@ def test_a_span_past_the_end_of_its_file_cuts_the_message(tmp_path):
     import socket
 
     from gdsload.errors import CorruptDataError
-    from gdsload.service.bulk import BulkSink
+    from gdsload.service.server.bulk import BulkSink
     from gdsload.service.protocol.wire import FileSpan
 
     path = tmp_path / "shard-000000.tar"

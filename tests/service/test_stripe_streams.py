@@ -13,7 +13,8 @@ from feedkit import assert_same_batches, local_batches
 from gdsload.errors import ConfigError
 from gdsload.service.protocol import wire
 from gdsload.service.client import RemoteLoader
-from gdsload.service.server import FeedServicer, create_server, stride_steps
+from gdsload.service.server import create_server
+from gdsload.service.server.servicer import FeedServicer, stride_steps
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 

@@ -39,7 +39,7 @@ class _FeedStub(pb_grpc.FeedStub):
     """The generated stub, but StreamBatches yields `(BatchChunk without data, data view)` from
     `wire.split_chunk` (protobuf would copy every chunk's data twice), and takes the batches from
     the server's bulk connection when `bulk_target` is set and the server offers one
-    (`gdsload.service.bulk`)."""
+    (`gdsload.service.server.bulk`)."""
 
     def __init__(self, channel: grpc.Channel, bulk_target: tuple[int, str] | None = None,
                  bodies: StagingPool | None = None):

@@ -113,7 +113,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     stream per epoch); short streams let a list of servers rebalance. `max_message_bytes`: the
     largest message accepted (the server chunks below it). `bulk`: take the batches' bytes on the
     server's side connection when it offers one (a plain socket beside the call, a third of the CPU
-    per byte of gRPC's; never with TLS; see `gdsload.service.bulk`); False: only inside gRPC.
+    per byte of gRPC's; never with TLS; see `gdsload.service.server.bulk`); False: only inside gRPC.
 
     Training transforms are random: remote and local batches are the same crops only when both
     decode the same batches in the same sequence; evaluation transforms are deterministic.
@@ -128,7 +128,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     then the same for every loader of the group: right for sweeps and ablations, wrong for
     ensembles that want independent augmentation (give those no share name). `stats()` counts
     the batches that came as a copy of another loader's (`shared_batches`). See
-    `gdsload.service.share`.
+    `gdsload.service.server.share`.
 
     Processes: pickles to its configuration and cursor; a copy or a forked child connects afresh
     and continues where the loader stood (`state_dict()`).
@@ -227,9 +227,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.transform = transform
         self.share = opts.share
         self._spec = wire.transform_to_spec(opts.transform) if decode else None
-        self._media = []  # video/audio decoded on the server (gdsload.service.mediawire)
+        self._media = []  # video/audio decoded on the server (gdsload.service.protocol.mediawire)
         if opts.media:
-            from gdsload.service import mediawire
+            from gdsload.service.protocol import mediawire
 
             self._media = mediawire.to_specs(opts.media)
         self.tuple_fields = opts.tuple_fields

@@ -39,7 +39,7 @@ class Limits:
     upper bound of what its loader holds: ring slots, decoder buffers, the chunk being sent); a
     stream that does not fit next to the open ones gets UNAVAILABLE, one larger than the whole
     budget RESOURCE_EXHAUSTED. None: `default_max_memory()` (half the machine's memory).
-    `max_pending_connections`: bulk connections (`gdsload.service.bulk`) accepted that have not
+    `max_pending_connections`: bulk connections (`gdsload.service.server.bulk`) accepted that have not
     presented a ticket yet; one more is closed as it is accepted. `bulk_ticket_s`: the seconds a
     bulk connection has for its whole ticket (not per read).
     """

@@ -24,7 +24,7 @@ What it saves, per byte of a raw batch: gRPC's copy into its slices and its per-
 the server (`sendmsg` takes the batch's pieces where they lie: the ring slot's bytes; the kernel's
 copy into the socket is the only one), and gRPC's two copies on the client (`recv_into` fills one
 buffer per message, which the batch's fields are views of). A raw batch sent as stored
-(`gdsload.service.stored`) has `wire.FileSpan` pieces, written with `os.sendfile` from the shard
+(`gdsload.service.server.stored`) has `wire.FileSpan` pieces, written with `os.sendfile` from the shard
 (`BulkSink.send`): not even the loader's read into a ring slot is left on the server.
 
 When it is not used (the stream then goes over gRPC as before): a server with TLS (the side

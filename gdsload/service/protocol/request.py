@@ -25,7 +25,7 @@ def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch:
                transform_spec: Any, media: Any, fields: list[str], max_chunk_bytes: int,
                max_batches: int) -> pb.BatchRequest:
     """The request for `plan`'s batches from `position` of `epoch` (`mix`: a `pb.MixSpec` or None;
-    `media`: the video/audio specs of `gdsload.service.mediawire`)."""
+    `media`: the video/audio specs of `gdsload.service.protocol.mediawire`)."""
     return pb.BatchRequest(
         dataset="" if mix is not None else dataset, dataset_id=plan.dataset_id, mix=mix, seed=plan.seed,
         epoch=epoch, shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
@@ -68,7 +68,7 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
         raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
     if req.on_error not in ON_ERROR:
         raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
-    if req.share:  # the group is the server's business (gdsload.service.share); the name is checked here
+    if req.share:  # the group is the server's business (gdsload.service.server.share); the name is checked here
         from gdsload.frontend.options import check_share
 
         try:

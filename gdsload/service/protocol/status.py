@@ -24,7 +24,7 @@ serve now; the loader reconnects (with backoff, failing over to the next address
 its cursor. `ELSEWHERE` (DATA_LOSS) is not retried on the same server, but another address may hold
 an intact copy: the loader tries each of its other addresses once, and raises when all of them
 answered it. Every other code is raised as a `RemoteError` carrying the code and the server's message.
-A batch sent as stored (`gdsload.service.stored`) is CRC32-checked on the client instead of the
+A batch sent as stored (`gdsload.service.server.stored`) is CRC32-checked on the client instead of the
 server: one that fails is a `CorruptCopy`, which the receivers take for its server's DATA_LOSS.
 """
 

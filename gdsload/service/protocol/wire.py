@@ -23,10 +23,10 @@ Copies of each byte of a raw batch (what the wire benchmark moves), one by one:
   the kernel backs it with huge pages instead of one fault per 4 KiB page).
 So a raw batch that fits in one message (`Limits.max_message_bytes`) costs the server two copies
 of its own and gRPC's one, and the client gRPC's two; the kernel's copies are the socket's.
-Over the bulk connection (`gdsload.service.bulk`, the default where the server offers it) the
+Over the bulk connection (`gdsload.service.server.bulk`, the default where the server offers it) the
 server's (2) and (3) and the client's (2) and (3) are gone: `encode_frames`' pieces go to
 `sendmsg` where they lie, and the client reads each chunk's data into its place in the body.
-A raw batch sent as stored (`gdsload.service.stored`: its fields `StoredColumn`s, their pieces
+A raw batch sent as stored (`gdsload.service.server.stored`: its fields `StoredColumn`s, their pieces
 `FileSpan`s that the bulk connection writes with `sendfile`) skips the server's (1) as well: the
 kernel's copy into the socket takes the page cache's bytes. Its members' CRC32s then travel in
 `FieldData.item_crc32` and `decode_body` checks them on the client.
@@ -54,7 +54,7 @@ SOURCE = "__source__"  # per sample, the dataset of a mix it comes from (BatchHe
 # -- server: batch -> chunks ---------------------------------------------------------------------
 class FileSpan(NamedTuple):
     """`nbytes` bytes at `offset` of the open file `fd`: a piece of a message that the bulk
-    connection sends with `os.sendfile` (`gdsload.service.bulk.BulkSink`)."""
+    connection sends with `os.sendfile` (`gdsload.service.server.bulk.BulkSink`)."""
 
     fd: int
     offset: int
@@ -386,7 +386,7 @@ def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> di
                 offsets[0] = offset
                 np.cumsum(sizes[:-1], out=offsets[1:])
                 offsets[1:] += offset
-            if f.item_crc32:  # sent as stored, unchecked by the server (gdsload.service.stored)
+            if f.item_crc32:  # sent as stored, unchecked by the server (gdsload.service.server.stored)
                 _check_items(f, view, offsets, sizes, header.keys)
             out[f.name] = BytesColumn(data, offsets, sizes)
         else:

@@ -27,15 +27,15 @@ process, as in the tests), exposed over HTTP on `--metrics-port`.
 read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
 send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
 (serialization and flow control: a slow consumer shows up here).
-decode pool (`gdsload.service.pool`): workers decoding now (occupancy), decoding streams attached,
+decode pool (`gdsload.service.server.pool`): workers decoding now (occupancy), decoding streams attached,
 and the time each batch waited in the pool's queue for a worker.
-share groups (`gdsload.service.share`, BatchRequest.share): subscribers (streams of a share group)
+share groups (`gdsload.service.server.share`, BatchRequest.share): subscribers (streams of a share group)
 attached now and started in all; producers running (each reads and decodes once for its
 subscribers); batches produced (read and decoded once) and sent (to each subscriber: sent /
 produced is how many times a batch was used); fallbacks: subscribers given a producer of their
 own because they arrived behind every producer's window (`behind`) or held a full window up too
 long (`detached`); bytes of serialized batches held in the windows now.
-bulk streams: streams whose client took the side connection (`gdsload.service.bulk`); the others
+bulk streams: streams whose client took the side connection (`gdsload.service.server.bulk`); the others
 went inside gRPC.
 """
 
@@ -83,7 +83,7 @@ class Metrics:
                                          "Streams sent on a bulk connection (BatchRequest.bulk)", registry=r)
         self.stored_streams = prom.Counter("gdsload_feed_stored_streams",
                                            "Raw streams sent as stored, from the page cache "
-                                           "(gdsload.service.stored)", registry=r)
+                                           "(gdsload.service.server.stored)", registry=r)
         self._http = None
         self.address: tuple[str, int] | None = None
 

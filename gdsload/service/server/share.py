@@ -64,8 +64,8 @@ from typing import Any
 
 from gdsload.frontend.options import check_share
 from gdsload.service.protocol import wire
-from gdsload.service.bulk import ClientGone
-from gdsload.service.logs import event
+from gdsload.service.server.bulk import ClientGone
+from gdsload.service.server.logs import event
 from gdsload.service.protocol.status import BadRequest
 from gdsload.v1 import feed_pb2 as pb
 
