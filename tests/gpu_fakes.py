@@ -69,6 +69,14 @@ class FakeGPU:
         # Device memory is never freed while the fake lives: work queued on a stream holds raw
         # addresses (as CUDA's does); the code under test must synchronise before it frees.
         self.keepalive: list = []
+        self.allocations: list[tuple[int, int, int]] = []  # (base, nbytes, device): one cudaMalloc each
+
+    def allocation_of(self, ptr: int) -> tuple[int, int, int] | None:
+        """(base, nbytes, device) of the fake allocation holding `ptr` (cuMemGetAddressRange)."""
+        for base, n, dev in self.allocations:
+            if base <= ptr < base + max(n, 1):
+                return base, n, dev
+        return None
 
     # -- per-thread state -------------------------------------------------------------------
     def current(self) -> int:
@@ -295,6 +303,7 @@ class FakeArray(np.ndarray):
 
     def get(self, stream=None) -> np.ndarray:
         (stream or self._gpu.current_stream(self._device_id)).synchronize()
+        gpu.allocations.append((out.__array_interface__["data"][0], out.nbytes, out._device_id))
         return np.array(self.view(np.ndarray))
 
     def copy(self, order="C"):
@@ -342,6 +351,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
             return obj
         if hasattr(obj, "__cuda_array_interface__"):  # zero copy, like CuPy
             v = _view_cai(obj).view(FakeArray)
+        gpu.allocations.append((a.__array_interface__["data"][0], a.nbytes, a._device_id))
             v._device_id = gpu.current()
             return v
         # from host memory: CuPy stages the host data before returning (cudaMemcpyAsync from
@@ -484,18 +494,6 @@ def patch_torch_cuda(monkeypatch, gpu: FakeGPU) -> None:
         return orig_from_dlpack(obj.view(np.ndarray))
 
     monkeypatch.setattr(torch, "from_dlpack", from_dlpack)
-
-def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
-                threshold: int = 16 * 1024, mode: str = "AUTO") -> types.ModuleType:
-    """The KvikIO 26.10 surface the backend uses. `pread` into device memory drains the device's
-    legacy stream first and then writes synchronously (module docstring); `raw_read_async` is
-    ordered on the stream it is given only when KvikIO would call `cuFileReadAsync` (no compat
-    mode, a cuFile config file), else synchronous and behind the legacy stream; with `mode="OFF"`
-    (`KVIKIO_COMPAT_MODE=OFF`) and no config file it raises "Missing cuFile configuration file." as
-    KvikIO's `validate_compat_mode_for_async` does (audit 4 R10b)."""
-    settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
-    kvikio = types.ModuleType("kvikio")
-    defaults = types.ModuleType("kvikio.defaults")
     # a tensor made from fake device memory (torch.from_dlpack of a FakeArray) says it is on the GPU
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: gpu.is_device_pointer(t.data_ptr())),
                         raising=False)
@@ -512,7 +510,7 @@ def cufile_config_present() -> bool:
     kvikio.defaults, kvikio.cufile_driver = defaults, driver
     kvikio.__version__ = "26.10.00-fake"
     kvikio.settings = settings
-    kvikio.registered = []
+    kvikio.registered = []  # (base, nbytes) of each allocation registered with cuFile
     defaults.is_compat_mode_preferred = lambda: compat
     defaults.get = lambda key: settings[key]
 
@@ -520,6 +518,18 @@ def cufile_config_present() -> bool:
         gpu.log.append(("kvikio_set", key, value))
         settings[key] = value
 
+
+def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
+                threshold: int = 16 * 1024, mode: str = "AUTO") -> types.ModuleType:
+    """The KvikIO 26.10 surface the backend uses. `pread` into device memory drains the device's
+    legacy stream first and then writes synchronously (module docstring); `raw_read_async` is
+    ordered on the stream it is given only when KvikIO would call `cuFileReadAsync` (no compat
+    mode, a cuFile config file), else synchronous and behind the legacy stream; with `mode="OFF"`
+    (`KVIKIO_COMPAT_MODE=OFF`) and no config file it raises "Missing cuFile configuration file." as
+    KvikIO's `validate_compat_mode_for_async` does (audit 4 R10b)."""
+    settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
+    kvikio = types.ModuleType("kvikio")
+    defaults = types.ModuleType("kvikio.defaults")
     defaults.set = set_
     driver.get = lambda key: {"is_gds_available": gds}[key]
     driver.libcufile_version = lambda: (1, 15)
@@ -559,26 +569,29 @@ def cufile_config_present() -> bool:
             `check_bytes_done()` synchronises that stream and returns the bytes read."""
             import os
 
-            size = buf.nbytes if size is None else size
             if not hasattr(buf, "__cuda_array_interface__"):
                 raise ValueError("raw_read_async reads into device memory only")
-            check_size(buf, size)
-            stream = gpu.stream_for(raw_stream, buf._device_id)
+            flat, device, ptr = _device_bytes(buf)
+            size = flat.nbytes if size is None else size
+            check_size(flat, size)
+            if mode == "OFF" and not cufile_config_present():  # compat_mode_manager.cpp:88-96
+                raise RuntimeError("Missing cuFile configuration file.")
+            stream = gpu.stream_for(raw_stream, device)
             is_async = not compat and cufile_config_present()
-            gpu.log.append(("kvikio_read_async", file_offset, size, raw_stream, buf._device_id, gpu.current(),
+            gpu.log.append(("kvikio_read_async", file_offset, size, raw_stream, device, gpu.current(),
                             threading.current_thread().name))
             gpu.log.append(("kvikio_read_how", "cufile-async" if is_async else "sync-fallback", dev_offset,
-                            any(r is buf for r in kvikio.registered)))
+                            any(base == ptr for base, _ in kvikio.registered)))
             if not gpu.has_context():  # the driver call, with no context bound in this thread
                 raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: invalid device context")
-            target = memoryview(buf.view(np.ndarray).reshape(-1).view(np.uint8))[dev_offset:dev_offset + size]
+            target = memoryview(flat)[dev_offset:dev_offset + size]
             got: list[int] = []
             if not is_async:  # StreamSynchronize(stream), then read() behind the legacy stream
                 stream.synchronize()
-            if mode == "OFF" and not cufile_config_present():  # compat_mode_manager.cpp:88-96
-                raise RuntimeError("Missing cuFile configuration file.")
-                gpu.null[buf._device_id].synchronize()
+                gpu.null[device].synchronize()
                 got.append(os.preadv(self._fd, [target], file_offset))
+            # cuFile takes registered memory as (registered base, offset): only a buffer that starts at
+            # a registered allocation's base is read without the bounce buffers (audit 4 R10a)
                 return types.SimpleNamespace(check_bytes_done=lambda: got[0])
             stream.enqueue(lambda: got.append(os.preadv(self._fd, [target], file_offset)), "kvikio_read_async")
 
@@ -597,8 +610,7 @@ def cufile_config_present() -> bool:
                 del kvikio.open_files[self.path]
 
     kvikio.CuFile = CuFile
-    kvikio.memory_register = lambda buf: kvikio.registered.append(buf)
-    kvikio.memory_deregister = lambda buf: kvikio.registered.remove(buf)
+    kvikio.memory_register, kvikio.memory_deregister = memory_register, memory_deregister
     return kvikio
 
 
@@ -608,6 +620,29 @@ def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_
     `kvikio=False` leaves KvikIO absent; a dict passes options to `make_kvikio`, and
     `config_file=True` in it makes KvikIO find a cuFile config file (default: none, as on the H200
     machine: `raw_read_async` is then synchronous). The driver probe
+    def _device_bytes(buf) -> tuple[np.ndarray, int, int]:
+        """(the buffer's bytes, its device, its address) for a CuPy array or any CUDA-array-interface
+        object (KvikIO's parse_buffer_argument takes either)."""
+        ptr = buf.__cuda_array_interface__["data"][0]
+        if isinstance(buf, FakeArray):
+            return buf.view(np.ndarray).reshape(-1).view(np.uint8), buf._device_id, ptr
+        alloc = gpu.allocation_of(ptr)
+        return _view_cai(buf).reshape(-1).view(np.uint8), alloc[2] if alloc else gpu.current(), ptr
+
+    def memory_register(buf) -> None:
+        """KvikIO registers the whole allocation holding `buf` (buffer.cpp `get_alloc_info`, buffer.py
+        "The entire underlying allocation is registered"); cuFile refuses one registered twice."""
+        base, n, _ = gpu.allocation_of(buf.__cuda_array_interface__["data"][0])
+        if (base, n) in kvikio.registered:
+            raise RuntimeError("cuFile error: CU_FILE_MEMORY_ALREADY_REGISTERED")
+        kvikio.registered.append((base, n))
+
+    def memory_deregister(buf) -> None:
+        base, n, _ = gpu.allocation_of(buf.__cuda_array_interface__["data"][0])
+        if (base, n) not in kvikio.registered:
+            raise RuntimeError("cuFile error: CU_FILE_MEMORY_NOT_REGISTERED")
+        kvikio.registered.remove((base, n))
+
     (`gdsload.io.cuda_device_count`) reports `devices`.
     """
     import gdsload.io as gio
@@ -642,6 +677,16 @@ def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
     way kvikio-cu13 26.10 does without the rapids-logger wheel."""
     pkg = tmp_path / "broken_site" / "kvikio"
     pkg.mkdir(parents=True)
+
+    def address_range(ptr: int) -> tuple[int, int]:  # the driver's cuMemGetAddressRange
+        alloc = gpu.allocation_of(ptr)
+        if alloc is None:
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE: not a device pointer")
+        return alloc[0], alloc[1]
+
+    from gdsload.host import gpu as host_gpu
+
+    monkeypatch.setattr(host_gpu, "_cu_mem_get_address_range", address_range)
     from gdsload.host import driver  # the loaders' default device asks the driver module itself
 
     monkeypatch.setattr(driver, "cuda_device_count", lambda: devices)

@@ -411,7 +411,9 @@ def test_gds_registers_the_device_arena(monkeypatch, npy_big):
     gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))
     loader = DataLoader(str(npy_big), batch_size=4, device="cuda", output="numpy")
     next(iter(loader))
-    assert [a.nbytes for a in gpu.kvikio.registered] == [loader._resources.ring._arena.nbytes]
+    arena = loader._resources.ring._arena
+    base, nbytes, _ = gpu.allocation_of(arena.data.ptr)  # KvikIO registers the allocation holding it
+    assert gpu.kvikio.registered == [(base, nbytes)] and nbytes >= arena.nbytes
 
 
 def test_kvikio_backend_counts_paths_by_size_and_memory(monkeypatch, tmp_path):
@@ -1026,3 +1028,36 @@ def test_a_shard_kvikio_reads_in_compat_mode_is_labelled_compat(monkeypatch, tmp
     # one read per 16 KiB row: shard 0's rows through compat, the rest through cuFile
     assert n == 8 and modes == {"kvikio-compat/pread": src.index(0).num_samples,
                                 "kvikio-gds/pread": 8 - src.index(0).num_samples}, modes
+
+
+def test_arenas_register_their_allocation_once_and_reads_address_it_from_its_base(monkeypatch, tmp_path):
+    """R10a (and audit 3 C6c): KvikIO's memory_register registers the whole allocation holding the
+    buffer; the backend passed the arena itself as cuFile's base, an unregistered address whenever
+    the arena does not start the allocation (a CuPy pool split, the 4 KiB alignment offset), so
+    every read went through cuFile's bounce buffers; and a second arena in the same allocation
+    failed to register (already registered) while the first one's close unregistered both. The
+    fake registers by allocation and counts a read as registered only from a registered base."""
+    from gdsload.io import Extent
+    from gdsload.io.kvikio_backend import KvikioBackend
+
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
+    cupy = __import__("sys").modules["cupy"]
+    raw = cupy.empty(3 * 8192 + 512, np.uint8)  # one allocation, two arenas in it (not at its start)
+    a1, a2 = raw[512:8704], raw[8704:16896]
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    b1, b2 = KvikioBackend(), KvikioBackend()
+    for b, arena in ((b1, a1), (b2, a2)):
+        b.order_on(stream.ptr)
+        assert b.register(arena)
+    base = raw.data.ptr
+    assert gpu.kvikio.registered == [(base, raw.nbytes)]  # once
+    b2.read([Extent(str(path), 0, 4096)], a2, [4096]).result()
+    (how,) = gpu.log_calls("kvikio_read_how")
+    assert how[2:] == (8704 + 4096, True)  # offset from the allocation's base, registered
+    np.testing.assert_array_equal(a2[4096:8192].get(), np.frombuffer(path.read_bytes()[:4096], np.uint8))
+    b1.close()
+    assert gpu.kvikio.registered == [(base, raw.nbytes)]  # b2 still reads into it
+    b2.close()
+    assert gpu.kvikio.registered == []

@@ -240,6 +240,24 @@ class CopyStreams:
         return event
 
 
+def _cu_mem_get_address_range(ptr: int) -> tuple[int, int]:
+    """The driver's `cuMemGetAddressRange` (the calling thread needs the device's context current)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc:
+        raise RuntimeError(f"cuMemGetAddressRange returned CUDA error {rc}")
+    return int(base.value), int(size.value)
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, nbytes) of the device allocation (one cudaMalloc) holding `ptr`: what KvikIO's
+    `memory_register` registers with cuFile (cpp/src/buffer.cpp `get_alloc_info`: "the entire
+    underlying allocation"), and so the base cuFile wants registered reads addressed from. A ring
+    arena is a slice of a CuPy pool chunk, itself possibly a split of a larger allocation."""
+    return _cu_mem_get_address_range(ptr)
+
+
 # -- NVDEC capabilities (audit 4 R2/R3) ------------------------------------------------------------
 #: cudaVideoCodec values (nvcuvid's cuviddec.h) of the codecs gdsload sends to NVDEC
 NVDEC_CODEC_IDS = {"mpeg4": 2, "h264": 4, "hevc": 8, "vp8": 9, "vp9": 10, "av1": 11}

@@ -64,12 +64,13 @@ per group, then `check_bytes_done()` (which synchronises `s`) in the issuing thr
 "cufile-async" or "pread" (the module docstring's paths). Each issuing thread
 has its own non-blocking stream, which first waits for the work queued on the private stream:
 with one shared stream every `check_bytes_done()` would synchronise all threads' reads and
-cuFileReadAsync calls would run one after another (audit 3 C6a). A read into a registered arena
-passes the arena as `devPtr_base` and the row's offset in it as `devPtr_offset`, as cuFile
-expects for registered memory (C6b). Not handled (C6c, GDS hosts only): two arenas inside one
-CuPy pool chunk; KvikIO's `memory_register` registers the whole allocation, so the second
-registration fails (reads then go through cuFile's bounce buffers) and the first arena's
-deregistration unregisters the chunk for both.
+cuFileReadAsync calls would run one after another (audit 3 C6a). `register(arena)` registers the
+allocation holding the arena (KvikIO's `memory_register` registers "the entire underlying
+allocation", buffer.cpp; a ring arena is a slice of a CuPy pool chunk), once per process however
+many arenas share it, deregistered with its last user; an async read into it passes that
+allocation's base as `devPtr_base` and the row's offset from it as `devPtr_offset`, as cuFile
+expects registered memory (audit 3 C6b/C6c, audit 4 R10a: passing the arena as the base was an
+unregistered address whenever the arena did not start the allocation, so cuFile bounced it).
 The async reads take no small-read shortcut, so their path is "kvikio-gds" with GDS and
 "kvikio-compat" without; `pread` takes it (below `gds_threshold`: "kvikio-posix"). Host buffers,
 and a backend without `order_on`, use `pread` as above.
@@ -121,6 +122,25 @@ def gds_active(kvikio: Any) -> bool:
         return bool(kvikio.cufile_driver.get("is_gds_available"))
     except Exception:  # no libcufile, no driver: KvikIO falls back to its POSIX path
         return False
+
+
+class _Allocation:
+    """A whole device allocation as a buffer KvikIO takes (`__cuda_array_interface__`), for
+    `raw_read_async` into registered memory: cuFile addresses it from the registered base."""
+
+    def __init__(self, base: int, nbytes: int, owner: Any):
+        self.base, self.nbytes, self.owner = base, nbytes, owner  # owner: keeps the memory alive
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.base, False), "version": 3,
+                "strides": None, "stream": None}
+
+
+# (device, allocation base) -> [registrations, the buffer registered, nbytes]: cuFile registers an
+# allocation once per process, however many arenas (or backends) sit in it (audit 4 R10a, 3 C6c)
+_REGISTERED: dict[tuple[Any, int], list] = {}
+_REGISTERED_LOCK = threading.Lock()
 
 
 def direct_io_supported(path: str) -> bool:
@@ -208,7 +228,7 @@ class KvikioBackend(PooledBackend):
         self._thread_streams: list[Any] = []  # kept alive while this backend lives
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (CuFile, file size in bytes)
         self.path_bytes: dict[str, int] = {}  # read path (module docstring) -> bytes read that way
-        self._registered: list[Any] = []
+        self._registered: list[tuple[Any, int, int]] = []  # (registry key, base, nbytes)
         self._compat_files: set[str] = set()  # files KvikIO reads in compat mode (direct_io_supported)
         self._stream: int | None = None  # raw CUDA stream of stream-ordered device reads (order_on)
         self._path_lock = threading.Lock()  # not `_lock`: `name` is used in messages raised under it
@@ -244,13 +264,12 @@ class KvikioBackend(PooledBackend):
         return mine.ptr
 
     def _base(self, view: Any) -> tuple[Any, int]:
-        """(buffer, offset) for `raw_read_async`: a registered arena holding `view` and the view's
-        offset in it, as cuFile wants registered memory addressed; else (view, 0)."""
+        """(buffer, offset) for `raw_read_async`: the registered allocation holding `view` and the
+        view's offset from its base, as cuFile wants registered memory addressed; else (view, 0)."""
         ptr = view.__cuda_array_interface__["data"][0]
-        for buf in self._registered:
-            base = buf.__cuda_array_interface__["data"][0]
-            if base <= ptr and ptr + view.nbytes <= base + buf.nbytes:
-                return buf, ptr - base
+        for key, base, nbytes in self._registered:
+            if base <= ptr and ptr + view.nbytes <= base + nbytes:
+                return _Allocation(base, nbytes, _REGISTERED[key][1]), ptr - base
         return view, 0
 
     def _path(self, nbytes: int, on_device: bool, async_read: bool = False, compat_file: bool = False) -> str:
@@ -286,15 +305,30 @@ class KvikioBackend(PooledBackend):
         return "kvikio-gds" if self._gds else "kvikio-compat"
 
     def register(self, buf: Any) -> bool:
-        """Register a device arena with cuFile for the life of this backend (only with GDS, where
-        it matters; `kvikio.memory_register` is a no-op in compat mode). Returns whether it did."""
+        """Register the device allocation holding `buf` (a ring arena) with cuFile for the life of
+        this backend (only with GDS, where it matters; `kvikio.memory_register` is a no-op in
+        compat mode). KvikIO registers the whole allocation, which the arena is a slice of: reads
+        are addressed from its base (`_base`), and an allocation is registered once per process
+        and deregistered with its last user. Returns whether the allocation is registered."""
         if not self._gds or not hasattr(buf, "__cuda_array_interface__"):
             return False
+        from gdsload.host.gpu import allocation_range
+
         try:
-            self._kvikio.memory_register(buf)
-        except (RuntimeError, OSError):  # e.g. BAR1 too small: reads still work, with cuFile's bounce
+            base, nbytes = allocation_range(buf.__cuda_array_interface__["data"][0])
+        except Exception:  # no driver call possible: reads still work, with cuFile's bounce
             return False
-        self._registered.append(buf)
+        key = (self.device_id, base)
+        with _REGISTERED_LOCK:
+            entry = _REGISTERED.get(key)
+            if entry is None:
+                try:
+                    self._kvikio.memory_register(buf)
+                except (RuntimeError, OSError):  # e.g. BAR1 too small: reads still work, with cuFile's bounce
+                    return False
+                entry = _REGISTERED[key] = [0, buf, nbytes]
+            entry[0] += 1
+        self._registered.append((key, base, nbytes))
         return True
 
     def __repr__(self) -> str:
@@ -313,8 +347,13 @@ class KvikioBackend(PooledBackend):
             self._files.clear()
         for f in files:
             f.close()
-        for buf in self._registered:
-            self._kvikio.memory_deregister(buf)
+        with _REGISTERED_LOCK:
+            for key, _, _ in self._registered:
+                entry = _REGISTERED[key]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _REGISTERED[key]
+                    self._kvikio.memory_deregister(entry[1])
         self._registered.clear()
         self._thread_streams.clear()  # every read on them was waited for (check_bytes_done)
 
