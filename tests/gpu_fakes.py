@@ -288,22 +288,22 @@ class FakeArray(np.ndarray):
         if not fancy or self._gpu is None:
             return np.ndarray.__getitem__(self, key)
         gpu = self._gpu
+        self._check_device()  # a kernel on the current device reading this one's memory (audit 4 R9)
         shape = np.ndarray.__getitem__(self.view(np.ndarray), key).shape  # shape only; values later
         out = np.empty(shape, self.dtype).view(FakeArray)
         np.ndarray.fill(out, 0xAB if self.dtype.kind in "ui" else np.nan)  # what a late read sees
         out._device_id = gpu.current()  # CuPy allocates the result on the current device
         gpu.keepalive.append(out)
+        gpu.allocations.append((out.__array_interface__["data"][0], out.nbytes, out._device_id))
 
         def op(out=out, src=self, key=key):
             np.copyto(out.view(np.ndarray), np.ndarray.__getitem__(src.view(np.ndarray), key))
 
         gpu.current_stream().enqueue(op, "gather")  # on the current device's current stream
-        self._check_device()  # a kernel on the current device reading this one's memory (audit 4 R9)
         return out
 
     def get(self, stream=None) -> np.ndarray:
         (stream or self._gpu.current_stream(self._device_id)).synchronize()
-        gpu.allocations.append((out.__array_interface__["data"][0], out.nbytes, out._device_id))
         return np.array(self.view(np.ndarray))
 
     def copy(self, order="C"):
@@ -339,6 +339,7 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
         a._device_id = gpu.current()
         gpu.log.append(("alloc", gpu.current(), a.nbytes))
         gpu.keepalive.append(a)
+        gpu.allocations.append((a.__array_interface__["data"][0], a.nbytes, a._device_id))
         return a
 
     def zeros(shape, dtype=np.float32):
@@ -351,7 +352,6 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
             return obj
         if hasattr(obj, "__cuda_array_interface__"):  # zero copy, like CuPy
             v = _view_cai(obj).view(FakeArray)
-        gpu.allocations.append((a.__array_interface__["data"][0], a.nbytes, a._device_id))
             v._device_id = gpu.current()
             return v
         # from host memory: CuPy stages the host data before returning (cudaMemcpyAsync from
@@ -506,18 +506,6 @@ def cufile_config_present() -> bool:
 
     return bool(os.environ.get("CUFILE_ENV_PATH_JSON")) or os.path.exists("/etc/cufile.json")
 
-    driver = types.ModuleType("kvikio.cufile_driver")
-    kvikio.defaults, kvikio.cufile_driver = defaults, driver
-    kvikio.__version__ = "26.10.00-fake"
-    kvikio.settings = settings
-    kvikio.registered = []  # (base, nbytes) of each allocation registered with cuFile
-    defaults.is_compat_mode_preferred = lambda: compat
-    defaults.get = lambda key: settings[key]
-
-    def set_(key, value):
-        gpu.log.append(("kvikio_set", key, value))
-        settings[key] = value
-
 
 def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
                 threshold: int = 16 * 1024, mode: str = "AUTO") -> types.ModuleType:
@@ -530,11 +518,24 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
     settings = {"num_threads": 1, "gds_threshold": threshold, "compat_mode": "AUTO"}
     kvikio = types.ModuleType("kvikio")
     defaults = types.ModuleType("kvikio.defaults")
+    driver = types.ModuleType("kvikio.cufile_driver")
+    kvikio.defaults, kvikio.cufile_driver = defaults, driver
+    kvikio.__version__ = "26.10.00-fake"
+    kvikio.settings = settings
+    kvikio.registered = []  # (base, nbytes) of each allocation registered with cuFile
+    defaults.is_compat_mode_preferred = lambda: compat
+    defaults.get = lambda key: settings[key]
+
+    def set_(key, value):
+        gpu.log.append(("kvikio_set", key, value))
+        settings[key] = value
+
     defaults.set = set_
     driver.get = lambda key: {"is_gds_available": gds}[key]
     driver.libcufile_version = lambda: (1, 15)
 
     kvikio.open_files = {}  # path -> CuFile handles open on it
+    kvikio.no_direct_io = set()  # paths whose O_DIRECT open fails (a filesystem without direct I/O)
 
     def check_size(buf, size):  # _lib/arr.pyx parse_buffer_argument
         if size > buf.nbytes:
@@ -547,7 +548,6 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             self._fd = os.open(path, os.O_RDONLY)
             self.path = str(path)
             kvikio.open_files[self.path] = kvikio.open_files.get(self.path, 0) + 1
-    kvikio.no_direct_io = set()  # paths whose O_DIRECT open fails (a filesystem without direct I/O)
 
         def pread(self, buf, size=None, file_offset=0, task_size=None):
             import os
@@ -580,6 +580,8 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             is_async = not compat and cufile_config_present()
             gpu.log.append(("kvikio_read_async", file_offset, size, raw_stream, device, gpu.current(),
                             threading.current_thread().name))
+            # cuFile takes registered memory as (registered base, offset): only a buffer that starts at
+            # a registered allocation's base is read without the bounce buffers (audit 4 R10a)
             gpu.log.append(("kvikio_read_how", "cufile-async" if is_async else "sync-fallback", dev_offset,
                             any(base == ptr for base, _ in kvikio.registered)))
             if not gpu.has_context():  # the driver call, with no context bound in this thread
@@ -590,8 +592,6 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
                 stream.synchronize()
                 gpu.null[device].synchronize()
                 got.append(os.preadv(self._fd, [target], file_offset))
-            # cuFile takes registered memory as (registered base, offset): only a buffer that starts at
-            # a registered allocation's base is read without the bounce buffers (audit 4 R10a)
                 return types.SimpleNamespace(check_bytes_done=lambda: got[0])
             stream.enqueue(lambda: got.append(os.preadv(self._fd, [target], file_offset)), "kvikio_read_async")
 
@@ -609,17 +609,6 @@ def make_kvikio(gpu: FakeGPU, *, compat: bool = False, gds: bool = True,
             if not kvikio.open_files[self.path]:
                 del kvikio.open_files[self.path]
 
-    kvikio.CuFile = CuFile
-    kvikio.memory_register, kvikio.memory_deregister = memory_register, memory_deregister
-    return kvikio
-
-
-def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_cuda: bool = False) -> FakeGPU:
-    """Install fake `cupy` (and `kvikio`, and torch's CUDA calls) for one test; returns the GPU.
-
-    `kvikio=False` leaves KvikIO absent; a dict passes options to `make_kvikio`, and
-    `config_file=True` in it makes KvikIO find a cuFile config file (default: none, as on the H200
-    machine: `raw_read_async` is then synchronous). The driver probe
     def _device_bytes(buf) -> tuple[np.ndarray, int, int]:
         """(the buffer's bytes, its device, its address) for a CuPy array or any CUDA-array-interface
         object (KvikIO's parse_buffer_argument takes either)."""
@@ -643,6 +632,17 @@ def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_
             raise RuntimeError("cuFile error: CU_FILE_MEMORY_NOT_REGISTERED")
         kvikio.registered.remove((base, n))
 
+    kvikio.CuFile = CuFile
+    kvikio.memory_register, kvikio.memory_deregister = memory_register, memory_deregister
+    return kvikio
+
+
+def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_cuda: bool = False) -> FakeGPU:
+    """Install fake `cupy` (and `kvikio`, and torch's CUDA calls) for one test; returns the GPU.
+
+    `kvikio=False` leaves KvikIO absent; a dict passes options to `make_kvikio`, and
+    `config_file=True` in it makes KvikIO find a cuFile config file (default: none, as on the H200
+    machine: `raw_read_async` is then synchronous). The driver probe
     (`gdsload.io.cuda_device_count`) reports `devices`.
     """
     import gdsload.io as gio
@@ -665,18 +665,6 @@ def install(monkeypatch, *, devices: int = 2, kvikio: bool | dict = True, torch_
     else:
         monkeypatch.setitem(sys.modules, "kvikio", None)
     monkeypatch.setattr(gio, "cuda_device_count", lambda: devices)
-    gio.kvikio_usable.cache_clear()
-    monkeypatch.setattr(gio, "_warned", set(), raising=False)
-    if torch_cuda:
-        patch_torch_cuda(monkeypatch, gpu)
-    return gpu
-
-
-def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
-    """A `kvikio` package that is installed but fails on import with `ImportError(message)`, the
-    way kvikio-cu13 26.10 does without the rapids-logger wheel."""
-    pkg = tmp_path / "broken_site" / "kvikio"
-    pkg.mkdir(parents=True)
 
     def address_range(ptr: int) -> tuple[int, int]:  # the driver's cuMemGetAddressRange
         alloc = gpu.allocation_of(ptr)
@@ -696,6 +684,18 @@ def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
         real = kvikio_backend.direct_io_supported
         monkeypatch.setattr(kvikio_backend, "direct_io_supported",
                             lambda path: str(path) not in kv.no_direct_io and real(path))
+    gio.kvikio_usable.cache_clear()
+    monkeypatch.setattr(gio, "_warned", set(), raising=False)
+    if torch_cuda:
+        patch_torch_cuda(monkeypatch, gpu)
+    return gpu
+
+
+def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
+    """A `kvikio` package that is installed but fails on import with `ImportError(message)`, the
+    way kvikio-cu13 26.10 does without the rapids-logger wheel."""
+    pkg = tmp_path / "broken_site" / "kvikio"
+    pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(f"raise ImportError({message!r})\n")
     monkeypatch.delitem(sys.modules, "kvikio", raising=False)
     monkeypatch.syspath_prepend(str(pkg.parent))
