@@ -149,7 +149,33 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
     The bulk connection writes them with one `sendmsg` each; the views are valid until the
     batch's memory is reused (the loader's next batch)."""
     keys = list(batch.get(KEY, ()))
-    sources = list(batch.get(SOURCE, ()))
+    fields, pieces = _encode_fields(batch)
+    body = sum(f.nbytes for f in fields)
+    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=len(skipped_keys),
+                            skipped_keys=skipped_keys, body_nbytes=body, end_position=end_position,
+                            sources=list(batch.get(SOURCE, ())))
+    first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
+    if first_room <= 0:
+        raise OverLimit(
+            f"the header of one batch (keys and field layout of {len(keys)} samples) takes "
+            f"{header.ByteSize()} bytes, more than the message limit of {max_chunk_bytes} bytes; "
+            f"lower batch_size or raise the message limit"
+        )
+    room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES
+    sent = 0
+    for chunk_index, (parts, got) in enumerate(_cut_pieces(pieces, first_room, room)):
+        sent += got
+        last = sent >= body
+        meta = pb.BatchChunk(step=step, position=position, epoch=epoch, chunk_index=chunk_index, last=last,
+                             header=header if chunk_index == 0 else None).SerializeToString()
+        yield [meta + data_prefix(got), *parts] if got else [meta]
+        if last:
+            return
+
+
+def _encode_fields(batch: Mapping[str, Any]) -> tuple[list[pb.FieldData], list[Any]]:
+    """The `FieldData` of each field of a batch (keys and sources aside) and the body's pieces,
+    in order: bytes-like views of the batch's own memory, or `FileSpan`s of stored members."""
     fields: list[pb.FieldData] = []
     pieces: list[Any] = []  # bytes-like objects, the body in order
     for name, value in batch.items():
@@ -186,25 +212,18 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
             pieces.extend(v for v, n in zip(value, lengths) if n)
         else:
             raise TypeError(f"field {name!r}: cannot send a {type(value).__name__}")
-    body = sum(f.nbytes for f in fields)
-    header = pb.BatchHeader(num_samples=len(keys), keys=keys, fields=fields, skipped=len(skipped_keys),
-                            skipped_keys=skipped_keys, body_nbytes=body, end_position=end_position,
-                            sources=sources)
-    first_room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES - header.ByteSize()
-    if first_room <= 0:
-        raise OverLimit(
-            f"the header of one batch (keys and field layout of {len(keys)} samples) takes "
-            f"{header.ByteSize()} bytes, more than the message limit of {max_chunk_bytes} bytes; "
-            f"lower batch_size or raise the message limit"
-        )
-    room = max_chunk_bytes - CHUNK_OVERHEAD_BYTES
-    chunk_index = 0
-    sent = 0
+    return fields, pieces
+
+
+def _cut_pieces(pieces: Sequence[Any], first_room: int, room: int) -> Iterator[tuple[list[Any], int]]:
+    """The body's pieces cut into chunks of `first_room` bytes (the first, beside the header),
+    then `room`: (the chunk's parts, its bytes), whole pieces where they fit, never copied. At
+    least one chunk, and then as many as the body needs; the caller stops at the last."""
     queue = iter(pieces)
     current: Any = None  # the piece being cut, its size and how much of it is left
     n = left = 0
+    want = first_room
     while True:
-        want = first_room if chunk_index == 0 else room
         parts: list[Any] = []
         got = 0
         while got < want:
@@ -222,17 +241,8 @@ def encode_frames(batch: Mapping[str, Any], *, epoch: int, step: int, position: 
                 parts.append(_cut(current, n - left, take))
                 got += take
                 left -= take
-        sent += got
-        last = sent >= body
-        meta = pb.BatchChunk(step=step, position=position, epoch=epoch, chunk_index=chunk_index, last=last,
-                             header=header if chunk_index == 0 else None).SerializeToString()
-        if got:
-            yield [meta + data_prefix(got), *parts]
-        else:
-            yield [meta]
-        if last:
-            return
-        chunk_index += 1
+        yield parts, got
+        want = room
 
 
 def body_nbytes(batch: Mapping[str, Any]) -> int:
