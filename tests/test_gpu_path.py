@@ -1061,3 +1061,25 @@ def test_arenas_register_their_allocation_once_and_reads_address_it_from_its_bas
     assert gpu.kvikio.registered == [(base, raw.nbytes)]  # b2 still reads into it
     b2.close()
     assert gpu.kvikio.registered == []
+
+
+def test_close_waits_for_the_consumers_last_kernels(monkeypatch, npy):
+    """R12: close() waited only for the private copy stream; the last batch's release fence is kept
+    for a next pass that never comes, so a side-stream consumer's kernels still reading the last
+    batch could run after the ring's memory went back to CuPy's pool. Now close waits for the
+    consumer's stream too."""
+    ds, arrays, _ = npy
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    cupy = __import__("sys").modules["cupy"]
+    loader = DataLoader(str(ds), batch_size=4, device="cuda", output="numpy", prefetch_factor=1)
+    side = cupy.cuda.Stream(non_blocking=True)
+    read: list[list] = []
+    with side:
+        for b in loader:
+            keys, x = list(b["__key__"]), b["npy"]
+            side.enqueue(lambda keys=keys, x=x: read.append([np.array_equal(np.asarray(x.view(np.ndarray))[i],
+                                                                             arrays[k]) for i, k in enumerate(keys)]),
+                         "consumer kernel")
+        assert side.pending > 0  # the consumer's last kernels are still queued when the loop ends
+        loader.close()
+    assert side.pending == 0 and sum(map(len, read)) == 24 and all(map(all, read))

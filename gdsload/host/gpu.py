@@ -224,8 +224,22 @@ class CopyStreams:
             self.consumer_stream().wait_event(event)
 
     def synchronize(self) -> None:
-        """Wait for every copy enqueued so far (before the ring's memory may be freed)."""
+        """Wait for every copy enqueued so far and for the work queued so far on the consumer's
+        stream (the one seen last), before the ring's memory may be freed: the last batch's
+        release fence is kept for a next pass that a close never takes, and a consumer on a side
+        stream may still have kernels reading it (audit 4 R12). A consumer stream that no longer
+        exists (a CuPy stream the user dropped) is replaced by a whole-device synchronize."""
         self.stream.synchronize()
+        last = self._last_consumer
+        if last is None:
+            return
+        with self.cupy.cuda.Device(self.ordinal):
+            try:
+                event = self.cupy.cuda.Event(disable_timing=True)
+                event.record(last)
+                event.synchronize()
+            except Exception:  # an invalid stream handle: wait for the whole device instead
+                self.cupy.cuda.Device(self.ordinal).synchronize()
 
     def release_fence(self, *, same_thread: bool = True) -> Any:
         """An event recorded on the consumer's current stream: when it completes, the work the
