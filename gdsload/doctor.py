@@ -441,8 +441,9 @@ def collect() -> dict[str, Any]:
 
     Keys: ``python``, ``platform``, ``cuda``, ``cufile``, one entry per optional module
     (``kvikio``, ``cupy``, ``dali``, ``torch``, ``webdataset``, ``grpc``: ``version`` or None,
-    ``error`` when the import fails), ``gpu_available``, ``io_path``, ``decode_device`` and
-    ``native_output`` (text native libraries printed while being probed).
+    ``error`` when the import fails), ``gpu_available``, ``io_path``, ``decode_device``, ``nvdec``
+    (`gdsload.host.gpu.nvdec_caps(0)`: what NVDEC decodes on GPU 0; videos it refuses take the CPU
+    path) and ``native_output`` (text native libraries printed while being probed).
     """
     native_output: list[str] = []
     report: dict[str, Any] = {
@@ -526,6 +527,14 @@ def collect() -> dict[str, Any]:
     report["decode_device"] = decode_device_for(
         dali_importable=modules["dali"] is not None, gpu_available=gpu_available
     )
+    # which videos NVDEC takes on GPU 0 (the rest decode on the CPU: gdsload.host.gpu.nvdec_route)
+    if gpu_available:
+        from gdsload.host.gpu import nvdec_caps
+
+        with _captured_native_output(native_output, "nvdec"):
+            report["nvdec"] = nvdec_caps(0)
+    else:
+        report["nvdec"] = {"available": False, "error": "no CUDA device", "codecs": {}}
     report["native_output"] = native_output
     return report
 
@@ -618,6 +627,10 @@ def render(report: dict[str, Any]) -> str:
     lines.append(_row("CuPy", cupy_line))
 
     lines.append(_row("DALI", _module_line(report.get("dali"))))
+    if gpu and report.get("nvdec"):
+        from gdsload.host.gpu import nvdec_summary
+
+        lines.append(_row("  NVDEC (GPU 0)", _short(nvdec_summary(report["nvdec"]), 140)))
 
     torch = report.get("torch") or {}
     torch_line = _module_line(torch)

@@ -1083,3 +1083,17 @@ def test_close_waits_for_the_consumers_last_kernels(monkeypatch, npy):
         assert side.pending > 0  # the consumer's last kernels are still queued when the loop ends
         loader.close()
     assert side.pending == 0 and sum(map(len, read)) == 24 and all(map(all, read))
+
+
+def test_doctor_reports_what_nvdec_decodes(monkeypatch):
+    """R3: `gdsload doctor` says which videos this GPU's NVDEC takes (and so which take the CPU
+    path); on a host without a GPU it says there is none, without raising."""
+    from gdsload import doctor
+    from gdsload.host import gpu as hg
+
+    report = doctor.collect()  # this host: no CUDA device
+    assert report["nvdec"] == {"available": False, "error": "no CUDA device", "codecs": {}}
+    gpu_fakes.install_nvdec(monkeypatch)
+    text = doctor.render({**report, "gpu_available": True, "nvdec": hg.nvdec_caps(0)})
+    line = next(ln for ln in text.splitlines() if "NVDEC (GPU 0)" in ln)
+    assert "hevc 144x144+" in line and "av1 no" in line
