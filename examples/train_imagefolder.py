@@ -80,14 +80,14 @@ def main() -> None:
 
     # -- distributed set-up: torchrun's environment, or a single process -------------------------
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the rank's GPU first: NCCL's set-up then runs on it, not on GPU 0
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
 
     # -- convert once (rank 0), everyone else waits ----------------------------------------------
     if not (Path(a.shards) / "manifest.json").exists():

@@ -88,14 +88,14 @@ def main() -> None:
         p.error("--address is required (or --tiny)")
 
     world = int(os.environ.get("WORLD_SIZE", "1"))   # set by torchrun
-    if world > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the rank's GPU first: NCCL's set-up then runs on it, not on GPU 0
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
 
     loader = gdsload.RemoteLoader(
         a.address, dataset=a.dataset, batch_size=a.batch_size, shuffle=True, drop_last=True,

@@ -572,3 +572,11 @@ def test_gdsload_bench_measures_gdsload_on_the_cpu_like_its_baselines(monkeypatc
     r = runners.run_gdsload({"kind": "tensor", "tier": "R", "dataset": str(tmp_path / "ds"), "batch_size": 4,
                              "workers": 1, "contestant": "gdsload", "step_ms": 0})
     assert r["samples"] == 8 and r["stats"]["ring_device"] == "cpu"
+
+
+def test_examples_set_the_ranks_gpu_before_the_process_group():
+    """R13: the examples called init_process_group before torch.cuda.set_device(LOCAL_RANK), so NCCL's
+    set-up (and anything CUDA before it) ran on GPU 0 in every rank."""
+    for name in ("train_imagefolder.py", "train_remote.py"):
+        text = (ROOT / "examples" / name).read_text()
+        assert text.index("torch.cuda.set_device(") < text.index("dist.init_process_group("), name
