@@ -73,6 +73,10 @@ def test_dry_run_prints_a_plan_that_fits_the_device_budget(tmp_path):
     readme = (BENCH / "README.md").read_text()
     lines = [ln for ln in text.splitlines() if ln.startswith(("PLAN at the size budgets:", "SIZES at the budgets"))]
     assert len(lines) == 2 and all(ln in readme for ln in lines), lines  # the README quotes the plan
+    b = gpu_plan.at_budgets(sz)
+    tb = gpu_plan.totals(gpu_plan.plan(spec, b), b)
+    assert f"{tb['calls']} device calls, {tb['typical_s'] / 60:.1f} min typical of a session's 15" in \
+        (ROOT / "README.md").read_text().replace("\n", " ")  # and so does the README's Status
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 

@@ -35,6 +35,12 @@ cuFileDriverSetMaxCacheSize): still GDS, with one extra device-to-device copy; p
 stride to 4096 would avoid it and is not done (a measured gain first: bench kvikio_rows). `register(buf)` registers a device arena with cuFile
 (`kvikio.memory_register`, a no-op in compat mode), so reads into it skip that bounce when aligned.
 
+Lead, not verified (audit 4 R10c; slide2vec#326): `gds_active()` asks the cuFile driver
+(`is_gds_available`, `cuFileDriverGetProperties`), which opens it, and cuFile's initialisation is
+reported to make a context on every visible GPU: under torchrun on a multi-GPU GDS host that would
+be N x N contexts. Until a multi-GPU GDS host shows otherwise (`nvidia-smi` per rank), give each
+rank one GPU with `CUDA_VISIBLE_DEVICES` there. The one-GPU test machines have no nvidia-fs.
+
 KvikIO 26.10 imports without a GPU but refuses every read when libcuda.so.1 is absent;
 `gdsload.io.choose_backend` only picks this backend where a CUDA device exists.
 
