@@ -1,7 +1,8 @@
 """The device-run plan of bench/gpu_check.sh: the calls, what each sends and runs, its caps and time.
 
 `bash bench/gpu_check.sh --dry-run` prints it (`python3 bench/gpu_plan.py`) and exits non-zero
-when it does not fit: at most `MAX_CALLS` device calls; each call <= `CALL_LIMIT_MIB` sent, as
+when it does not fit (with `--ready`, also when .whl/, the DALI parts or .media are not made here,
+so that the plan is measured, not budgeted): at most `MAX_CALLS` device calls; each call <= `CALL_LIMIT_MIB` sent, as
 measured here (the working tree travels with every call: tracked files plus untracked ones git
 does not ignore) and again with the tree, `.whl/` and `.media/` at their size budgets, so later
 issues may grow the tree up to `TREE_BUDGET_MIB` without a new plan; <= `TYPICAL_LIMIT_S`
@@ -372,7 +373,8 @@ def render(spec: dict, calls: list[dict], sz: dict) -> str:
                  f"{n} ({why})" for n, why in spec["dali"].get("lazy", {}).items()),
              f"small wheels (.whl/): {', '.join(spec['carry']['pins'])}",
              "before the first call, here: python3 bench/gpu_wheels.py download && python3 bench/gpu_wheels.py split "
-             "&& python bench/media_gpu_check.py make .media (the GPU host has no PyAV); then this dry run again",
+             "&& python bench/media_gpu_check.py make .media (the GPU host has no PyAV); then "
+             "`bash bench/gpu_check.sh --dry-run --ready` (measured, not budgeted; non-zero if anything is missing)",
              f"media clips: {w}x{h} (>= {MIN_CLIP_SIDE} px a side: NVDEC's HEVC minimum)"]
     for c in calls:
         typ = sum(p[1] for p in c["before"] + c["phases"])
@@ -393,6 +395,19 @@ def render(spec: dict, calls: list[dict], sz: dict) -> str:
     return "\n".join(lines)
 
 
+def not_ready(spec: dict, sz: dict) -> list[str]:
+    """What is not made yet here for the first call (`--ready`: run it before call 1): the plan
+    must then be measured, not budgeted."""
+    missing = []
+    if not sz["whl_measured"]:
+        missing.append(".whl/ (python3 bench/gpu_wheels.py download)")
+    if not sz["parts_measured"]:
+        missing.append(".dali1/.. (python3 bench/gpu_wheels.py download && python3 bench/gpu_wheels.py split)")
+    if not sz["media_measured"]:
+        missing.append(".media/ref.npz (python bench/media_gpu_check.py make .media)")
+    return missing
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(SPEC.read_text())
     if argv[:1] == ["--caps"] and len(argv) == 2 and argv[1] in ("1", "2"):
@@ -404,13 +419,17 @@ def main(argv: list[str]) -> int:
     problems = check(calls, sz)
     b = at_budgets(sz)
     problems += [f"at the size budgets: {p}" for p in check(plan(spec, b), b)]
+    missing = not_ready(spec, sz) if "--ready" in argv else []
     if "--json" in argv:
-        print(json.dumps({"calls": calls, "totals": totals(calls, sz), "sizes": sz, "problems": problems}))
-        return 1 if problems else 0
+        print(json.dumps({"calls": calls, "totals": totals(calls, sz), "sizes": sz, "problems": problems,
+                          "not_ready": missing}))
+        return 1 if problems or missing else 0
     print(render(spec, calls, sz))
     for p in problems:
         print(f"OVER BUDGET: {p}")
-    return 1 if problems else 0
+    for m in missing:
+        print(f"NOT READY: not made yet: {m}")
+    return 1 if problems or missing else 0
 
 
 if __name__ == "__main__":

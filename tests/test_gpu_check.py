@@ -80,6 +80,21 @@ def test_dry_run_prints_a_plan_that_fits_the_device_budget(tmp_path):
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
+def test_dry_run_ready_names_what_is_not_made_yet(tmp_path):
+    """R1: the plan is measured, not assumed: `--dry-run --ready` (before the first call) refuses
+    while .whl/, the DALI parts or .media are missing here (this checkout has none of them)."""
+    import gpu_plan
+
+    sz = gpu_plan.sizes(gpu_wheels.load_spec())
+    if sz["whl_measured"] and sz["parts_measured"] and sz["media_measured"]:
+        pytest.skip("this checkout has the wheels, the parts and .media")
+    out = _dry_run({"OUT": str(tmp_path / "out")} | {})
+    ready = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--ready"], capture_output=True, text=True,
+                           env={**os.environ, "PY": sys.executable}, timeout=60)
+    assert out.returncode == 0 and ready.returncode == 1
+    assert "not made yet:" in ready.stdout and (".media/ref.npz" in ready.stdout or ".whl/" in ready.stdout)
+
+
 def test_the_plan_check_can_fail(monkeypatch):
     """Each budget is enforced: a tree over its budget, a slower start, more tests, clips NVDEC
     refuses, a lost lazy list (more parts: more calls)."""
