@@ -288,117 +288,124 @@ def test_dns_name_resolved_again_picks_up_a_server_and_drops_one(roots, monkeypa
         second.shutdown(grace_s=1)
 
 
-def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
-    """The head-block hedge by the servers' rates (`_StripedReceiver._straggles`): an idle server
-    asks for the head block when it would deliver the rest in under half the time its fetcher
-    still needs; equal servers never hedge on rates alone (only after two block times, and
-    `SILENT_S` without a message)."""
-    import time
+def _schedule(**policy):
+    """A striping `Schedule` over nothing yet (servers are added by the test), time 100 s."""
     from types import SimpleNamespace
 
-    from gdsload.service.client.receiver import _Fetch, _Server, _StripedReceiver
+    from gdsload.service.client.stripe.policy import StripePolicy
+    from gdsload.service.client.stripe.schedule import Schedule
 
-    rx = object.__new__(_StripedReceiver)
-    rx.block_s = 10.0  # the two-block-times rule stays out of the way
-    slow, idle = _Server(SimpleNamespace(target="a:1")), _Server(SimpleNamespace(target="b:1"))
-    f = _Fetch(slow, block=0, next_step=0, end=4)
-    f.delivered_at = time.monotonic()
-    assert not rx._straggles(f, idle, 0)  # no rates yet
-    slow.batch_s = idle.batch_s = 0.1
-    assert not rx._straggles(f, idle, 0)  # equal: 0.5 s for the idle one against 0.4 s left
-    slow.batch_s = 0.25  # 2.5x slower: 1.0 s left, 0.5 s for the idle one, but within 3x: jitter
-    assert not rx._straggles(f, idle, 0)
-    slow.batch_s = 0.4  # four times slower: 1.6 s left, 0.5 s for the idle server
-    assert rx._straggles(f, idle, 0)
+    link = SimpleNamespace(bump=lambda *a, **k: None, mark=lambda *a, **k: None)
+    budget = SimpleNamespace(failures=0, since=0.0, fail=lambda now=None: None, reset=lambda: None,
+                             spent=lambda now=None: False)
+    return Schedule(StripePolicy(**policy), first_step=0, end_step=64, now=100.0, stats=link, budget=budget,
+                    backoff=lambda n: 0.1, retry_timeout_s=30.0)
+
+
+def _servers(sch, n):
+    from types import SimpleNamespace
+
+    from gdsload.service.client.stripe.model import Server
+    from gdsload.service.client.stripe.states import ServerState
+
+    out = [Server(SimpleNamespace(target=f"s{i}:1", source=f"s{i}:1"), sch.policy.pace_s) for i in range(n)]
+    for s in out:
+        s.move(ServerState.OK)
+    sch.servers = {s.address: s for s in out}
+    return out
+
+
+def test_a_much_slower_server_is_overtaken_at_once_an_equal_one_is_not():
+    """The head-block hedge by the servers' rates (`Schedule.straggles`): an idle server
+    asks for the head block when it would deliver the rest in under half the time its fetcher
+    still needs; equal servers never hedge on rates alone (only after two block times, and
+    `silent_s` without a message)."""
+    from gdsload.service.client.stripe.model import Fetch
+
+    sch = _schedule()
+    sch.block_s = 10.0  # the two-block-times rule stays out of the way
+    slow, idle = _servers(sch, 2)
+    now = 100.0
+    f = Fetch(slow, block=0, next_step=0, end=4, now=now)
+    f.delivered_at = now
+    assert not sch.straggles(f, idle, 0, now)  # no rates yet
+    slow.pace.batch_s = idle.pace.batch_s = 0.1
+    assert not sch.straggles(f, idle, 0, now)  # equal: 0.5 s for the idle one against 0.4 s left
+    slow.pace.batch_s = 0.25  # 2.5x slower: 1.0 s left, 0.5 s for the idle one, but within 3x: jitter
+    assert not sch.straggles(f, idle, 0, now)
+    slow.pace.batch_s = 0.4  # four times slower: 1.6 s left, 0.5 s for the idle server
+    assert sch.straggles(f, idle, 0, now)
     f.next = 3  # one batch left: 0.4 s against 0.2 s to start and deliver it
-    assert not rx._straggles(f, idle, 3)
-    rx.block_s, f.started = 0.1, time.monotonic() - 2.0  # over two block times,
-    slow.batch_s = idle.batch_s = 0.0
-    f.last = time.monotonic() - 0.05  # but it sent something 50 ms ago (a CPU quota's pause): no
-    assert not rx._straggles(f, idle, 3)
-    f.last = time.monotonic() - 0.3  # and silent for over SILENT_S: always
-    assert rx._straggles(f, idle, 3)
+    assert not sch.straggles(f, idle, 3, now)
+    sch.block_s, f.started = 0.1, now - 2.0  # over two block times,
+    slow.pace.batch_s = idle.pace.batch_s = 0.0
+    f.last = now - 0.05  # but it sent something 50 ms ago (a CPU quota's pause): no
+    assert not sch.straggles(f, idle, 3, now)
+    f.last = now - 0.3  # and silent for over silent_s: always
+    assert sch.straggles(f, idle, 3, now)
 
 
 def test_a_straggler_works_on_one_block_at_a_time():
-    """`_StripedReceiver._window`: a server whose batches come over 2.5x slower than the median
+    """`Schedule.window`: a server whose batches come over 2.5x slower than the median
     server's has one request in flight (its other blocks go to the others), the rest
     `server_window`; without rates for two servers, everyone has the full window."""
-    from types import SimpleNamespace
-
-    from gdsload.service.client.receiver import _Server, _StripedReceiver
-
-    rx = object.__new__(_StripedReceiver)
-    rx.W = 2
-    servers = [_Server(SimpleNamespace(target=f"s{i}:1")) for i in range(4)]
-    for s in servers:
-        s.state = "ok"
-    rx.servers = {s.address: s for s in servers}
-    assert [rx._window(s) for s in servers] == [2, 2, 2, 2]  # no rates yet
+    sch = _schedule(server_window=2)
+    servers = _servers(sch, 4)
+    assert [sch.window(s) for s in servers] == [2, 2, 2, 2]  # no rates yet
     for s, rate in zip(servers, (0.1, 0.12, 0.09, 0.4)):
-        s.batch_s = rate
-    assert [rx._window(s) for s in servers] == [2, 2, 2, 1]
-    servers[3].batch_s = 0.2  # 2x the median: jitter, not a straggler
-    assert rx._window(servers[3]) == 2
-    rx.W = 1
-    servers[3].batch_s = 0.4
-    assert rx._window(servers[3]) == 1
+        s.pace.batch_s = rate
+    assert [sch.window(s) for s in servers] == [2, 2, 2, 1]
+    servers[3].pace.batch_s = 0.2  # 2x the median: jitter, not a straggler
+    assert sch.window(servers[3]) == 2
+    sch = _schedule(server_window=1)
+    servers = _servers(sch, 4)
+    for s, rate in zip(servers, (0.1, 0.12, 0.09, 0.4)):
+        s.pace.batch_s = rate
+    assert sch.window(servers[3]) == 1
 
 
-def test_an_overtaken_server_gets_a_rate_from_its_silence():
-    """A copy overtaken before its first batch (`_stalled`, reason "overtaken") says its server's
-    next batch takes at least the copy's age: a server that never delivered (so had no rate) is
-    then a straggler to `_window` and `_straggles`, not a server with the full window."""
-    import threading
-    import time
-    from types import SimpleNamespace
+def test_an_overtaken_server_gets_no_rate_from_its_silence():
+    """A copy overtaken before its first batch (reason OVERTAKEN) makes its server suspect (probed
+    before it gets work again) but gives it no pace: a server's pace comes only from batches it
+    delivered (issue 48, the cold start). Before, the copy's age became the server's pace, so a
+    server overtaken while it built its pipeline read as a straggler, one request at a time and
+    hedged at once at the head, and never delivered a batch (0 of 76 in two epochs)."""
+    from gdsload.service.client.stripe.model import Fetch
+    from gdsload.service.client.stripe.states import CancelReason, ServerState
 
-    from gdsload.service.client.receiver import _Fetch, _Server, _StripedReceiver
-
-    rx = object.__new__(_StripedReceiver)
-    rx.W, rx.stall_s, rx.cond = 2, 5.0, threading.Condition()
-    rx.link = SimpleNamespace(bump=lambda *a, **k: None, mark=lambda *a, **k: None, backoff=lambda n: 0.1)
-    rx.attempts = SimpleNamespace(fail=lambda: None)
-    servers = [_Server(SimpleNamespace(target=f"s{i}:1")) for i in range(4)]
+    sch = _schedule(server_window=2)
+    servers = _servers(sch, 4)
     for s, rate in zip(servers, (0.05, 0.06, 0.05, 0.0)):
-        s.state, s.batch_s = "ok", rate
-    rx.servers = {s.address: s for s in servers}
+        s.pace.batch_s = rate
     slow = servers[3]
-    assert rx._window(slow) == 2  # no rate: the full window
-    f = _Fetch(slow, block=3, next_step=12, end=16)
-    f.started -= 0.8
-    f.reason = "overtaken"
-    with rx.cond:  # as the receiver calls it
-        rx._stalled(f)
-    assert slow.batch_s >= 0.8 and slow.state == "suspect"
-    slow.state = "ok"  # probed
-    assert rx._window(slow) == 1
+    assert sch.window(slow) == 2  # no rate: the full window
+    f = Fetch(slow, block=3, next_step=12, end=16, now=100.0)
+    f.reason = CancelReason.OVERTAKEN
+    sch.on_end(f, now=100.8)
+    assert slow.batch_s == 0.0 and slow.state is ServerState.SUSPECT
+    sch.probe_ok(slow, strided=False)  # probed
+    assert slow.state is ServerState.OK and sch.window(slow) == 2
 
 
 def test_a_servers_pace_averages_quota_bursts_but_shows_a_straggler():
-    """`_Server.pace`: a server held to a CPU quota sends bursts (here 10 batches 1 ms apart in
+    """`model.Pace`: a server held to a CPU quota sends bursts (here 10 batches 1 ms apart in
     every 100 ms); it reads as fast as a steady one of the same rate at every moment, also when it
     serves two requests at once, while a steady server 4x slower reads over 3x slower (the
     straggler rule's bar). Time held back by the reorder window is not slowness."""
-    from gdsload.service.client.receiver import _Server
+    from gdsload.service.client.stripe.model import Pace
 
-    class _Ep:
-        target = "x"
-
-    bursty, steady, slow = _Server(_Ep()), _Server(_Ep()), _Server(_Ep())
+    bursty, steady, slow = Pace(2.0), Pace(2.0), Pace(2.0)
     seen = []
     for k in range(600):  # 6 s of 100 batches/s
         t = k * 0.010
-        bursty.pace((k // 10) * 0.100 + (k % 10) * 0.001)
-        steady.pace(t)
+        bursty.arrived((k // 10) * 0.100 + (k % 10) * 0.001)
+        steady.arrived(t)
         if k % 4 == 0:
-            slow.pace(t)
+            slow.arrived(t)
         if k >= 300:
             seen.append(bursty.batch_s / steady.batch_s)
     assert 0.8 < min(seen) and max(seen) < 1.25  # a per-gap average (0.8/0.2) swung 0.37x-2.1x here
     assert slow.batch_s > 3 * bursty.batch_s
     steady.pause(10.0)  # held 10 s: its last batches were not 10 s apart
-    steady.pace(6.0 + 10.0)
+    steady.arrived(6.0 + 10.0)
     assert steady.batch_s < 0.02
-    steady.at_least(0.5)  # overtaken: its next batch takes at least that long
-    assert steady.batch_s == 0.5

@@ -1,9 +1,9 @@
 """How a `RemoteLoader` reaches its servers: channels (one per address and process), the call
-metadata, deadlines and the retry policy (`_Link`, `_Attempts`), and the addresses themselves
+metadata, deadlines and the retry policy (`Link`, `Attempts`), and the addresses themselves
 (`Addresses`: a fixed list, `unix:` paths, or `dns:///NAME:PORT` resolved here into one channel per
 address and resolved again every `resolve_interval_s`).
 
-Nothing here refers to a loader or an epoch, so a thread holding a `_Link` keeps neither alive.
+Nothing here refers to a loader or an epoch, so a thread holding a `Link` keeps neither alive.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _FeedStub(pb_grpc.FeedStub):
 
 
 class _Channels:
-    """One channel per address, in the process that made this object (`_Link` makes one per
+    """One channel per address, in the process that made this object (`Link` makes one per
     process: the parent's channels, threads and sockets belong to the parent). `tls`: the PEM
     bytes (root certificates, private key, certificate chain) or None; the credentials are made
     here, since grpc's cannot be pickled."""
@@ -173,12 +173,12 @@ def resolve(address: str) -> list[Endpoint]:
     return out
 
 
-class _Retry(Exception):
+class EndedEarly(Exception):
     """A stream ended early without an error status (e.g. a draining server)."""
 
 
 
-class _Link(ProcessLocal):
+class Link(ProcessLocal):
     """How a loader reaches its servers, shared by the loader and its receiver threads: channels,
     addresses and the one in use, call metadata, deadlines and the retry policy.
 
@@ -253,7 +253,7 @@ class _Link(ProcessLocal):
         with self._lock:
             return delay * (0.5 + 0.5 * self._rng.random())
 
-    def gave_up(self, attempts: _Attempts, last_error: str, address: str, *, resume: bool) -> status.RemoteError:
+    def gave_up(self, attempts: Attempts, last_error: str, address: str, *, resume: bool) -> status.RemoteError:
         """The error that ends a spent retry budget: what was tried, the last error, what to do."""
         limit = f"retry_timeout_s={self.retry_timeout_s:g}"
         if self.max_retries is not None:
@@ -275,7 +275,7 @@ class _Link(ProcessLocal):
         return exc
 
     def unary(self, method: str, request: Any) -> Any:
-        attempts = _Attempts(self)
+        attempts = Attempts(self)
         corrupt: set[str] = set()
         turn = 0
         while True:
@@ -318,32 +318,32 @@ class _Link(ProcessLocal):
 
 
 
-class _Attempts:
+class Attempts:
     """A run of failed attempts with nothing received in between: the retry budget. It is spent
     once `retry_timeout_s` passed since the first failure, or (when set) after `max_retries`
-    retries; `delay()` never sleeps past the budget's end."""
+    retries; `delay()` never sleeps past the budget's end. `now`: a `time.monotonic()` reading
+    (the striping schedule passes its own; default: the clock)."""
 
-    def __init__(self, link: _Link):
+    def __init__(self, link: Link):
         self.link = link
         self.failures = 0
         self.since = 0.0
 
-    def fail(self) -> None:
+    def fail(self, now: float | None = None) -> None:
         if self.failures == 0:
-            self.since = time.monotonic()
+            self.since = time.monotonic() if now is None else now
         self.failures += 1
 
     def reset(self) -> None:
         self.failures = 0
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.since if self.failures else 0.0
+    def elapsed(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.since if self.failures else 0.0
 
-    def spent(self) -> bool:
+    def spent(self, now: float | None = None) -> bool:
         L = self.link
-        return bool(self.failures) and (self.elapsed() >= L.retry_timeout_s
+        return bool(self.failures) and (self.elapsed(now) >= L.retry_timeout_s
                                         or (L.max_retries is not None and self.failures > L.max_retries))
 
     def delay(self) -> float:
         return max(0.0, min(self.link.backoff(self.failures), self.link.retry_timeout_s - self.elapsed()))
-

@@ -67,7 +67,7 @@ from gdsload.frontend.usercode import MapStage
 from gdsload.service.protocol import mixwire, wire
 from gdsload.service.protocol.auth import metadata
 from gdsload.service.protocol.config import Keepalive, MiB, channel_options, read_pem
-from gdsload.service.client.link import _Link, check_address, is_dns
+from gdsload.service.client.link import Link as _Link, check_address, is_dns
 from gdsload.service.client.receiver import _RemoteEpoch
 from gdsload.v1 import feed_pb2 as pb
 
@@ -87,7 +87,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     (`stripe`, default on then): it pulls its batches from every healthy server at once, in
     blocks of `stripe_batches` consecutive batches (block b on the b-th server, stolen by an idle
     one), at most `server_window` requests in flight per server, and hands them out in plan order
-    (see `gdsload.service.client.receiver._StripedReceiver`); a request silent for `stall_timeout_s` is
+    (see `gdsload.service.client.stripe`); a request silent for `stall_timeout_s` is
     cancelled and asked of another server. With one plain address, or `stripe=False`, it reads
     from one server at a time: rank r starts on address ``r % len`` and fails over to the next
     one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
