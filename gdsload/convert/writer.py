@@ -13,7 +13,8 @@ bytes). A dataset's fields are its first sample's: every later sample has exactl
 optional fields: a loader reads the fields it is given from every sample), and one with a field
 missing or extra is refused naming the sample and the field (`write`: an error, as a key
 collision is, not a reject). Values: bytes as they are; str as UTF-8; an int as a decimal label (`.cls`); a NumPy
-array (or a list of numbers for a `.npy` field) as an aligned `.npy`; dicts, lists, floats, bools
+array (or a list of numbers for a `.npy` field) as a `.npy` (`gdsload.format.npy.encode_stored`:
+array data 4 KiB-aligned from 4 KiB up, a small array packed with NumPy's own header); dicts, lists, floats, bools
 and None as JSON. Other keys starting with `__` are ignored;
 in `write`, a sample `{"__key__": k, "__reject__": "why"}` is left out and recorded as a reject.
 
@@ -96,7 +97,7 @@ def encode_value(key: str, ext: str, value: Any) -> bytes | memoryview:
         arr = np.asarray(value)
         if arr.dtype.hasobject:
             raise FormatError(f"sample {key!r}: field {ext!r}: a ragged or mixed list cannot be an array")
-        return npy.encode(arr)
+        return npy.encode_stored(arr)
     if isinstance(value, (np.ndarray, np.generic)) and not isinstance(value, np.integer):
         raise FormatError(f"sample {key!r}: field {ext!r} holds a NumPy array: name the field NAME.npy "
                           f"(or npy) to store it as a tensor")

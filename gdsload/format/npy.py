@@ -153,3 +153,25 @@ def encode(array: np.ndarray) -> bytes:
     """An aligned npy payload for `array` (in C order, whatever the layout of `array`)."""
     array = np.asarray(array)
     return aligned_header(array.dtype, array.shape) + array.tobytes(order="C")
+
+
+def encode_stored(array: np.ndarray) -> bytes:
+    """The npy payload a shard stores for `array` (C order): the rule `normalize` applies to a
+    converted `.npy` file. With NumPy's own (unpadded) header when the payload is then under
+    `ALIGN` bytes, so a small array (a 514-byte row of tokens) does not pay a 4 KiB header: the
+    shard packs it (the loader reads such members unaligned, parsing each header); otherwise
+    `encode`d, its array data `ALIGN` bytes in, so arrays of 4 KiB and more start on 4 KiB
+    boundaries in the shard."""
+    array = np.asarray(array)
+    if array.dtype.hasobject:
+        raise FormatError(f"npy arrays of dtype {array.dtype} hold Python objects and cannot be stored")
+    if array.nbytes < ALIGN:
+        c = array if array.flags.c_contiguous else np.array(array, order="C")
+        buf = io.BytesIO()
+        with warnings.catch_warnings():  # a structured dtype with non-ASCII names needs version 3.0
+            warnings.simplefilter("ignore", UserWarning)
+            npformat.write_array(buf, c, version=None, allow_pickle=False)
+        out = buf.getvalue()
+        if len(out) < ALIGN:
+            return out
+    return encode(array)

@@ -303,3 +303,67 @@ def test_shard_bytes_are_written_and_hashed_in_order_off_the_callers_thread(tmp_
         for _ in range(64):
             pipe.put(b"x" * (512 << 10))
         pipe.finish()
+
+
+def test_small_arrays_are_packed_and_big_ones_aligned(tmp_path):
+    """Issue 50 item 4: a 514-byte row is stored with NumPy's own npy header, packed (<= 3.3x its
+    bytes on disk, dataset files included; every array padded to 4 KiB took 16x), while an array
+    of 4 KiB or more keeps its data on a 4 KiB boundary; the loader reads both back exactly."""
+    from gdsload import DataLoader
+    from gdsload.format.tar import ALIGN
+
+    n = 600
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 50_000, (n, 257), dtype=np.uint16)  # 514 bytes per row
+    big = rng.standard_normal((n, 1024)).astype(np.float32)  # 4,096 bytes per row
+    with gdsload.ShardWriter(tmp_path / "tok") as w:
+        for i in range(n):
+            w.write({"__key__": f"{i:05d}", "tokens.npy": tokens[i]})
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "tok").rglob("*") if p.is_file())
+    assert on_disk <= 3.3 * tokens.nbytes, on_disk / tokens.nbytes
+
+    with gdsload.ShardWriter(tmp_path / "both", shard_size="1MB") as w:
+        for i in range(n):
+            w.write({"__key__": f"{i:05d}", "tokens.npy": tokens[i], "big.npy": big[i]})
+    ds = open_dataset(tmp_path / "both")
+    assert ds.verify() == {} and len(ds.shards) > 1
+    small_heads = set()
+    for s in range(len(ds.shards)):
+        idx = ds.index(s)
+        for off, size in zip(idx.member_offset.tolist(), idx.member_size.tolist()):
+            head = ds.read_extent(s, off, min(size, 2 * ALIGN))
+            dtype, shape, _, data_off = gdsload.format.npy.parse_header(head)
+            if shape == (1024,):
+                assert data_off == ALIGN and (off + data_off) % ALIGN == 0
+            else:
+                assert shape == (257,) and size == data_off + 514 < ALIGN
+                small_heads.add(data_off)
+    assert small_heads == {128}  # NumPy's header, not padded
+    loader = DataLoader(str(tmp_path / "both"), batch_size=64, decode=False, output="numpy", device="cpu",
+                        fields=["tokens.npy", "big.npy"])
+    got = list(loader)
+    assert np.array_equal(np.concatenate([b[0] for b in got]), tokens)
+    assert np.array_equal(np.concatenate([b[1] for b in got]), big)
+
+
+@pytest.mark.parametrize("shape, dtype", [((257,), np.uint16), ((3, 5), np.float32), ((), np.int64),
+                                          ((991,), np.float32), ((992,), np.float32), ((1024,), np.float32),
+                                          ((40, 60), np.int32)])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_stored_npy_follows_the_converters_rule(shape, dtype, fortran):
+    """The writer stores an array as `convert` stores the same array saved as a `.npy` file
+    (`npy.normalize`): C order; NumPy's own header while the payload is under 4 KiB (991 float32:
+    128 + 3,964 bytes), the 4 KiB header from there on (992 float32: 128 + 3,968 = 4,096 bytes)."""
+    from gdsload.format import npy
+    from gdsload.format.tar import ALIGN
+
+    a = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+    a = np.asfortranarray(a) if fortran else a
+    stored = npy.encode_stored(a)
+    buf = io.BytesIO()
+    np.save(buf, a)
+    assert stored == bytes(npy.normalize(buf.getvalue())[0])
+    dtype_, shape_, fortran_, data_off = npy.parse_header(stored)
+    assert (dtype_, shape_, fortran_) == (a.dtype, a.shape, False)
+    assert (data_off == ALIGN) == (a.nbytes + 128 >= ALIGN)
+    assert np.array_equal(np.load(io.BytesIO(stored)), a)
