@@ -92,8 +92,12 @@ class DataLoader(ProcessLocal, PlanCursor):
     of the default stacking, and `worker_mode` ("thread", default; "process": `map` and `collate_fn`
     run in `num_workers` spawned processes and must be picklable), `timeout` (as in torch: seconds
     to wait for a batch from a process worker, 0 = forever; past it `WorkerTimeout` names the
-    worker and the epoch ends; no effect with thread workers). What each field kind becomes:
-    `gdsload.frontend.fields`.
+    worker and the epoch ends; no effect with thread workers), `decoder_factory` (None: the loader
+    builds its own `ImageDecoder`; else a callable taking `ImageDecoder`'s keyword arguments and
+    returning an object with its `decode_into(encoded, names, dst, *, stream=None) -> kept rows`
+    and `device`, called once, on the first image batch: the feed server hands its shared decode
+    pool in this way, `gdsload.service.server.pool`; a loader holding one pickles only if it
+    does). What each field kind becomes: `gdsload.frontend.fields`.
 
     Why one batch ahead when images are decoded: every batch is decoded by the loader's one DALI
     pipeline, which has all the cores, so a second batch ahead adds no decoding, only a slot of
@@ -136,6 +140,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         collate_fn: Any = None,
         worker_mode: Literal["thread", "process"] = "thread",
         timeout: float = 0,
+        decoder_factory: Any = None,
     ):
         self.options = opts = LoaderOptions.create(
             remote=False, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
@@ -174,6 +179,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         # them (tier T, 2 cores, batch 64, photos: 2,211-2,275 img/s against 1,743-1,919 with 2
         # threads, 3 interleaved rounds; DALI's own pipeline measured the same with 2 or 3)
         self.decode_threads = decode_threads or (os.cpu_count() or 1) + 1
+        self.decoder_factory = decoder_factory
         self.plan = self.dataset.make_plan(**opts.plan_args())
         self.cursor = Cursor()
         self._start_process()
@@ -256,7 +262,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             self.dataset, layout, device=opts.device, device_index=opts.device_index, io=self.io_name,
             num_workers=self._num_workers, prefetch=self._prefetch_factor, pin_memory=self.pin_memory,
             decode_threads=self.decode_threads, seed=plan.seed, on_error=opts.on_error, window=plan.window,
-            output=opts.output)
+            output=opts.output, decoder_factory=self.decoder_factory)
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:

@@ -10,7 +10,8 @@ beside it, and KvikIO registers the device arena and orders its reads on the loa
 
 `num_workers` and `prefetch` are the live reader settings: `"auto"` grows them here (`add_slot`,
 `add_worker`), never on the `DataLoader` itself. The decoder (one DALI pipeline) is built on first
-use and kept across epochs. `close()` releases everything; stats come from `io_paths()`.
+use and kept across epochs; a `decoder_factory` (`DataLoader(decoder_factory=)`, the feed server's
+shared decode pool) builds it instead. `close()` releases everything; stats come from `io_paths()`.
 """
 
 from __future__ import annotations
@@ -34,17 +35,19 @@ class Resources:
         self.prefetch = 1
         self._decoder: Any = None
         self._decoder_args: dict[str, Any] = {}
+        self.decoder_factory: Any = None  # f(**decoder args) -> image decoder; None: ImageDecoder
         self._media: dict[str, Any] = {}  # field -> its VideoDecoder / AudioDecoder
 
     @classmethod
     def open(cls, source: Any, layout: BatchLayout, *, device: str, device_index: int | None, io: str,
              num_workers: int, prefetch: int, pin_memory: bool, decode_threads: int, seed: int,
-             on_error: str, window: int, output: str) -> "Resources":
+             on_error: str, window: int, output: str, decoder_factory: Any = None) -> "Resources":
         from gdsload.dataset.source import PartCaches, storage_root
         from gdsload.io import choose_backend, open_backend
 
         r = cls()
         r.num_workers, r.prefetch = num_workers, prefetch
+        r.decoder_factory = decoder_factory
         want_device = device == "cuda"
         if want_device:
             from gdsload.host.gpu import resolve_ordinal
@@ -138,11 +141,16 @@ class Resources:
 
     @property
     def decoder(self) -> Any:
-        """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs."""
+        """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs:
+        `ImageDecoder(**args)`, or `decoder_factory(**args)` when the loader was given one (it
+        returns an object with `ImageDecoder`'s `decode_into` and `device`)."""
         if self._decoder is None:
-            from gdsload.decode.image import ImageDecoder
+            if self.decoder_factory is not None:
+                self._decoder = self.decoder_factory(**self._decoder_args)
+            else:
+                from gdsload.decode.image import ImageDecoder
 
-            self._decoder = ImageDecoder(**self._decoder_args)
+                self._decoder = ImageDecoder(**self._decoder_args)
         return self._decoder
 
     @property
