@@ -44,7 +44,17 @@ client's, bounds a run with few servers, which is what scale-out must lift.
     python bench/remote_scale_bench.py --tiny                      # smoke run (< 1 min)
     python bench/remote_scale_bench.py --scenarios wire --wire-gb 2 --rounds 5
 
-Prints tables and writes JSON (`--out`, default bench/results/remote_scale-<host>.json).
+`--base REV` compares this checkout with an earlier revision instead (`compare_trees`: every run in
+three arms, base, head and base again as the A/A control, servers and client from the arm's tree;
+head/base against base/base per case). Issue 48's check (the feed split, base 7cc061e):
+
+    python bench/remote_scale_bench.py --base 7cc061e --scenarios scale,wire --payloads raw,decoded \\
+        --scale-n 1,4 --wire-gb 1 --rounds 5 --workdir /tmp/rsc48 \\
+        --out bench/results/remote_scale-compare-7cc061e-cpu2.json   # ~30 min on 2 cores
+    python bench/remote_scale_bench.py --tiny --base 7cc061e        # smoke of --base (< 1 min)
+
+Prints tables and writes JSON (`--out`, default bench/results/remote_scale-<host>.json; with
+`--base` remote_scale_compare-<host>.json).
 """
 
 from __future__ import annotations
@@ -66,8 +76,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_bench import _body_nbytes, _free_port, _proc_cpu_s, _self_cpu_s, image_dataset
+from tree_compare import USE_TREE
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+REPO = Path(__file__).resolve().parents[1]
+
+# --base: a feed server of one source tree (argv[1]; the rest is `gdsload serve`'s command line),
+# refusing to run any other tree's gdsload. USE_TREE (tree_compare.py's) drops the editable
+# install's import hook and puts the tree first on sys.path.
+SERVE_TREE = USE_TREE.replace("TREE", "sys.argv[1]") + r'''
+import os, runpy
+import gdsload
+if not os.path.realpath(gdsload.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep):
+    sys.exit(f"gdsload imported from {gdsload.__file__}, not from the tree {sys.argv[1]}")
+sys.argv = ["gdsload.service", *sys.argv[2:]]
+runpy.run_module("gdsload.service", run_name="__main__", alter_sys=True)
+'''
+
+# --base: one contestant run, this script (argv[2]) in child mode (--child-case) under the tree argv[1].
+CHILD_TREE = USE_TREE.replace("TREE", "sys.argv[1]") + r'''
+import runpy
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def _tree_env(tree: str) -> dict:
+    """The environment of a tree's processes: the tree on PYTHONPATH too, so that any process they
+    start themselves imports the same gdsload."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 # -- limited servers ------------------------------------------------------------------------------
@@ -160,20 +197,24 @@ def _signal(pid: int, sig: int) -> None:
 
 
 class Servers:
-    """Feed servers as subprocesses, each optionally CPU-limited and pinned."""
+    """Feed servers as subprocesses, each optionally CPU-limited and pinned; with `tree`, servers of
+    that source tree's gdsload (`SERVE_TREE`), else `python -m gdsload.service` as installed."""
 
-    def __init__(self, root: Path, work: Path, throttle: Throttle, server_cpus: set[int] | None):
-        self.root, self.work, self.throttle, self.cpus = root, work, throttle, server_cpus
+    def __init__(self, root: Path, work: Path, throttle: Throttle, server_cpus: set[int] | None,
+                 tree: str | None = None):
+        self.root, self.work, self.throttle, self.cpus, self.tree = root, work, throttle, server_cpus, tree
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, cores: float | None, address: str | None = None) -> str:
         address = address or f"127.0.0.1:{_free_port()}"
         cpus = self.cpus
-
+        launch, kw = [sys.executable, "-m", "gdsload.service"], {}
+        if self.tree:
+            launch, kw = [sys.executable, "-c", SERVE_TREE, self.tree], {"env": _tree_env(self.tree)}
         with open(self.work / "servers.log", "ab") as err:
-            proc = popen_pinned([sys.executable, "-m", "gdsload.service", str(self.root), "--listen", address,
+            proc = popen_pinned([*launch, str(self.root), "--listen", address,
                                  "--log-level", "WARNING", "--grace", "1"], cpus,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err, **kw)
         self.procs[address] = proc
         _wait_serving(address, proc, self.work / "servers.log")
         self.throttle.limit(proc.pid, cores)  # after start-up: imports are not what is measured
@@ -338,6 +379,207 @@ def _socket_role(a) -> None:
         print(json.dumps({"cpu_s": _self_cpu_s() - c0}))
 
 
+# -- --base: this checkout against an earlier revision --------------------------------------------
+ARMS = ("base", "head", "base2")
+
+
+def _extract(rev: str, dest: Path) -> Path:
+    """`git archive rev` unpacked in `dest` (kept: a later run with the same workdir reuses it)."""
+    if not (dest / "gdsload" / "__init__.py").exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "xf", "-", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _run_arm(tree: Path, case: tuple, a, work: Path) -> dict:
+    """One contestant run of `case` in a fresh process importing `tree`'s gdsload, its servers too."""
+    settings = ["--workdir", str(work), "--images", str(a.images), "--batch-size", str(a.batch_size),
+                "--raw-epochs", str(a.raw_epochs), "--decoded-images", str(a.decoded_images),
+                "--server-cores", str(a.server_cores), "--wire-gb", str(a.wire_gb),
+                "--stripe-batches", str(a.stripe_batches), "--server-window", str(a.server_window),
+                "--throttle", a.throttle, "--quota-period-ms", str(a.quota_period_ms), "--pin", a.pin]
+    cmd = [sys.executable, "-c", CHILD_TREE, str(tree), str(Path(__file__).resolve()),
+           "--child-case", ",".join(map(str, case)), "--child-tree", str(tree), *settings]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, env=_tree_env(str(tree)), cwd=work)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tree} {case}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if not os.path.realpath(out["gdsload_file"]).startswith(os.path.realpath(tree) + os.sep):
+        raise RuntimeError(f"ran {out['gdsload_file']}, not the tree {tree}")
+    return out
+
+
+def _figures(case: tuple, r: dict) -> dict:
+    """A run's throughput (in the case's unit) and CPU seconds per GB delivered."""
+    if case[0] == "wire":
+        return {"rate": r["gb_per_s"], "size": r["gb"], "server": r["server_cpu_s_per_gb"],
+                "client": r["client_cpu_s_per_gb"]}
+    gb = r["bytes"] / 1e9
+    rate = r["bytes"] / 1e6 / r["wall_s"] if case[1] == "raw" else r["samples"] / r["wall_s"]
+    return {"rate": rate, "size": (r["samples"], r["bytes"]), "server": r["server_cpu_s"] / gb,
+            "client": r["cpu_s"] / gb}
+
+
+def _verdict(ratio: dict | None, aa: dict | None, higher_is_better: bool) -> str:
+    """Where head/base's median lies against the A/A (base2/base) min-max ("n/a" without figures)."""
+    if ratio is None or aa is None:
+        return "n/a"
+    if aa["min"] * (1 - 1e-9) <= ratio["median"] <= aa["max"] * (1 + 1e-9):  # equal ratios, other roundings
+        return "inside"
+    return "head better" if (ratio["median"] > aa["max"]) == higher_is_better else "head worse"
+
+
+def compare_trees(a, scale_n: list[int]) -> dict:
+    """`--base REV`: did this checkout (or `--head REV`) make the feed slower or costlier in CPU?
+
+    Three arms: `base` (REV by `git archive`, as tree_compare.py does), `head` (this checkout's files,
+    uncommitted changes included, or `--head REV`) and `base2` (REV unpacked a second time: the same
+    code in another tree, the A/A control that shows what noise alone does). Every contestant run is
+    a fresh process of this script in child mode whose gdsload is its arm's tree (USE_TREE: the tree
+    first on sys.path, the editable install's hook removed; checked), and so are the servers it
+    starts: both ends change between trees. The bench's own code (timing, throttling, pinning, the
+    scenarios) is this file's in every arm; it imports only names both sides of the feed's split
+    have (`gdsload.service.client.RemoteLoader`, `python -m gdsload.service`). One dataset,
+    converted here by this checkout's gdsload, serves all arms (the shard format did not change
+    across issue 48; the arms must agree on samples and bytes of every case in every round, or
+    the run stops).
+
+    Cases: scale (`--payloads` x `--scale-n`, default N = 1, 4), straggler (healthy, one slow) and
+    wire (`--wire-gb`, TCP and unix), each a run as without --base. Every round runs every case, in
+    an order rotated by round; each case's three arms run back to back, in an order rotated by
+    round and case. Per case: each arm's throughput and CPU-s/GB (server, client, total) over the
+    rounds; head/base and base2/base (A/A) of throughput and of total CPU-s/GB, paired by round,
+    as median and min-max; `verdict`: where head/base's median lies against the A/A min-max
+    ("inside", else "head better" / "head worse"), the same for CPU (`cpu_verdict`, lower is
+    better). `regressions` lists the cases where either is "head worse". Churn measures recovery,
+    not a rate, and is not compared."""
+    scenarios = a.scenarios.split(",")
+    if "churn" in scenarios:
+        raise SystemExit("--base compares throughput and CPU per GB; churn is not a comparison (run it without --base)")
+    unknown = set(scenarios) - {"scale", "straggler", "wire"}
+    if unknown:
+        raise SystemExit(f"unknown scenarios {sorted(unknown)}")
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-scale-compare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    trees = {"base": _extract(a.base, work / f"base-{a.base}"), "base2": _extract(a.base, work / f"base2-{a.base}"),
+             "head": _extract(a.head, work / f"head-{a.head}") if a.head else REPO}
+    ds = image_dataset(work, a.images, a.tiny)
+    manifest = json.loads((ds / "manifest.json").read_text())
+    cases: list[tuple] = []
+    if "scale" in scenarios:
+        cases += [("scale", p, n) for p in a.payloads.split(",") for n in scale_n]
+    if "straggler" in scenarios:
+        cases += [("straggler", "raw", "healthy"), ("straggler", "raw", "one slow")]
+    if "wire" in scenarios:
+        cases += [("wire", "raw", "tcp"), ("wire", "raw", "unix")]
+    runs: dict[tuple, dict[str, list[dict]]] = {case: {arm: [] for arm in ARMS} for case in cases}
+    log: list[dict] = []
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    for rnd in range(a.rounds):
+        k = rnd % len(cases)
+        for i, case in enumerate(cases[k:] + cases[:k]):
+            j = (rnd + i) % len(ARMS)
+            order = ARMS[j:] + ARMS[:j]
+            for pos, arm in enumerate(order):
+                r = _run_arm(trees[arm], case, a, work)
+                runs[case][arm].append(r)
+                f = _figures(case, r)
+                log.append({"round": rnd, "case": list(case), "arm": arm, "position": pos, **r})
+                print(f"round {rnd} {case} {arm}: {f['rate']:.2f} {_unit(case)}, CPU s/GB server "
+                      f"{f['server']:.2f} client {f['client']:.2f}", file=sys.stderr, flush=True)
+            sizes = {arm: _figures(case, runs[case][arm][-1])["size"] for arm in ARMS}
+            if len(set(map(str, sizes.values()))) != 1:
+                raise RuntimeError(f"round {rnd} {case}: the arms disagree on what they delivered: {sizes}")
+    rows = []
+    for case, by_arm in runs.items():
+        fig = {arm: [_figures(case, r) for r in rs] for arm, rs in by_arm.items()}
+
+        def paired(x: str, y: str, key: str) -> dict | None:
+            # None where no round has a denominator: CPU seconds come in 10 ms ticks (tiny runs)
+            ratios = [p[key] / q[key] for p, q in zip(fig[x], fig[y]) if q[key] > 0]
+            return _span(ratios) if ratios else None
+
+        for f in (f for fs in fig.values() for f in fs):
+            f["total"] = f["server"] + f["client"]
+        row = {"scenario": case[0], "payload": case[1], "servers": case[2], "unit": _unit(case),
+               "throughput": {arm: _span([f["rate"] for f in fig[arm]]) for arm in ARMS},
+               "head_over_base": paired("head", "base", "rate"),
+               "base_over_base": paired("base2", "base", "rate"),
+               "cpu_s_per_gb": {arm: {w: _span([f[w] for f in fig[arm]]) for w in ("server", "client", "total")}
+                                for arm in ARMS},
+               "cpu_head_over_base": paired("head", "base", "total"),
+               "cpu_base_over_base": paired("base2", "base", "total")}
+        row["verdict"] = _verdict(row["head_over_base"], row["base_over_base"], higher_is_better=True)
+        row["cpu_verdict"] = _verdict(row["cpu_head_over_base"], row["cpu_base_over_base"], higher_is_better=False)
+        rows.append(row)
+    ncpu = os.cpu_count() or 1
+    result = {
+        "bench": "remote_scale_compare",
+        "base": a.base, "base_commit": _git("rev-parse", a.base),
+        "head": a.head or "checkout", "head_commit": _git("rev-parse", a.head or "HEAD"),
+        "head_uncommitted": bool(not a.head and _git("status", "--porcelain", "--", "gdsload")),
+        "trees": {arm: str(t) for arm, t in trees.items()},
+        "machine": {"host": platform.node(), "cpus": ncpu, "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)]},
+        "dataset": {"images": manifest.get("num_samples", a.images), "bytes": manifest["num_bytes"]},
+        "settings": {"batch_size": a.batch_size, "rounds": a.rounds, "server_cores": a.server_cores,
+                     "throttle": a.throttle, "pin": a.pin, "stripe_batches": a.stripe_batches,
+                     "server_window": a.server_window, "raw_epochs": a.raw_epochs,
+                     "decoded_images": a.decoded_images, "wire_gb": a.wire_gb, "scale_n": scale_n,
+                     "payloads": a.payloads, "quota_period_ms": a.quota_period_ms,
+                     "throttle_seen": sorted({r.get("throttle", "?") for r in log}) if log else []},
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "rows": rows,
+        "regressions": [f"{r['scenario']} {r['payload']} {r['servers']}: " + ", ".join(
+            w for w, v in (("speed", r["verdict"]), ("cpu", r["cpu_verdict"])) if v == "head worse")
+            for r in rows if "head worse" in (r["verdict"], r["cpu_verdict"])],
+        "runs": log,
+    }
+    print(f"\nhead {result['head']} ({result['head_commit'][:10]}"
+          f"{', uncommitted changes' if result['head_uncommitted'] else ''}) against base {a.base}; "
+          f"{a.rounds} rounds, arms interleaved; A/A = base2/base"
+          + ("" if a.rounds >= 5 else f" (its min-max over {a.rounds} round(s) says little: use 5)"))
+    print(f"{'scenario':<10}{'payload':<9}{'servers':>9}{'unit':>10}{'base':>9}{'head':>9}{'base2':>9}"
+          f"{'head/base (min-max)':>22}{'A/A (min-max)':>20}  verdict")
+    for r in rows:
+        t, hb, aa = r["throughput"], r["head_over_base"], r["base_over_base"]
+        print(f"{r['scenario']:<10}{r['payload']:<9}{r['servers']!s:>9}{r['unit']:>10}"
+              + "".join(f"{t[arm]['median']:>9.2f}" for arm in ARMS)
+              + _spans(hb, aa) + f"  {r['verdict']}")
+    print(f"\n{'CPU s/GB':<28}{'base srv/cli':>14}{'head srv/cli':>14}{'base2 srv/cli':>15}"
+          f"{'head/base (min-max)':>22}{'A/A (min-max)':>20}  verdict")
+    for r in rows:
+        c = r["cpu_s_per_gb"]
+        print(f"{r['scenario'] + ' ' + r['payload'] + ' ' + str(r['servers']):<28}"
+              + "".join(f"{c[arm]['server']['median']:>9.2f}/{c[arm]['client']['median']:<4.2f}" for arm in ARMS)
+              + _spans(r["cpu_head_over_base"], r["cpu_base_over_base"]) + f"  {r['cpu_verdict']}")
+    print("regressions (head/base median below A/A min, or CPU above A/A max): "
+          + ("; ".join(result["regressions"]) or "none"))
+    from gdsload.bench.harness import write_result
+
+    write_result(result, a.out, Path(__file__).parent / "results", "remote_scale_compare", tiny=a.tiny)
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _spans(hb: dict | None, aa: dict | None) -> str:
+    """head/base and A/A as `median (min-max)` columns of the printed tables."""
+    return "".join(" " + ("-" if x is None else f"{x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f})").rjust(w - 1)
+                   for x, w in ((hb, 22), (aa, 20)))
+
+
+def _unit(case: tuple) -> str:
+    return "GB/s" if case[0] == "wire" else "MB/s" if case[1] == "raw" else "images/s"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=4800,
@@ -349,8 +591,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--server-cores", type=float, default=0.1,
                     help="CPU of each limited server (at 0.25, 4 x 0.9 x one server is ~1 GB/s raw: one client's "
                          "wire ceiling even from an unlimited server, so the client, not the servers, would bound it)")
-    ap.add_argument("--scenarios", default="scale,straggler,churn,wire")
-    ap.add_argument("--payloads", default="raw,decoded", help="of the scale scenario")
+    ap.add_argument("--scenarios", default=None,
+                    help="default scale,straggler,churn,wire; with --base scale,wire (churn is not compared)")
+    ap.add_argument("--payloads", default=None,
+                    help="of the scale scenario (default raw,decoded; raw with --tiny --base)")
+    ap.add_argument("--scale-n", default=None,
+                    help="server counts of the scale scenario, comma-separated (default 1,2,4; with --base "
+                         "1,4; with --tiny --base 1,2)")
     ap.add_argument("--stop-s", type=float, default=20.0, help="churn: how long a server stays SIGSTOPped")
     ap.add_argument("--churn-epochs", type=int, default=0, help="churn: epochs read (0: enough for --stop-s)")
     ap.add_argument("--wire-gb", type=float, default=2.0)
@@ -363,7 +610,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--tiny", action="store_true", help="48 small images, 1 round, short churn: a smoke run")
+    ap.add_argument("--tiny", action="store_true",
+                    help="48 small images, 1 round, short churn: a smoke run (with --base: scale raw N = 1, 2 "
+                         "and wire, ~45 s on 2 cores)")
+    ap.add_argument("--base", default=None, metavar="REV",
+                    help="compare this checkout (or --head) with the git revision REV: every run in three "
+                         "arms (base, head, base again: the A/A control), servers and client of the arm's "
+                         "tree; see compare_trees")
+    ap.add_argument("--head", default=None, metavar="REV",
+                    help="with --base: run the git revision REV as head (default: this checkout's files)")
+    ap.add_argument("--timeout-s", type=float, default=900, help="with --base: limit per contestant run")
+    ap.add_argument("--child-case", help=argparse.SUPPRESS)
+    ap.add_argument("--child-tree", help=argparse.SUPPRESS)
     ap.add_argument("--socket-role", choices=("send", "recv"), help=argparse.SUPPRESS)
     ap.add_argument("--socket-address", help=argparse.SUPPRESS)
     ap.add_argument("--socket-transport", help=argparse.SUPPRESS)
@@ -375,6 +633,15 @@ def main(argv: list[str] | None = None) -> dict:
     if a.tiny:
         a.images, a.batch_size, a.raw_epochs, a.decoded_images, a.rounds = 48, 4, 1, 16, 1
         a.stop_s, a.wire_gb = 1.0, 0.02
+    if a.scenarios is None:
+        a.scenarios = "scale,wire" if a.base else "scale,straggler,churn,wire"
+    if a.scale_n is None:  # --tiny --base: one unstriped and one striped run per arm, raw only
+        a.scale_n = ("1,2" if a.tiny else "1,4") if a.base else "1,2,4"
+    if a.payloads is None:
+        a.payloads = "raw" if a.tiny and a.base else "raw,decoded"
+    scale_n = [int(x) for x in a.scale_n.split(",")]
+    if a.base:
+        return compare_trees(a, scale_n)
 
     from gdsload.decode.image import ImageTransform
     from gdsload.loader.dataloader import Dataset
@@ -393,7 +660,7 @@ def main(argv: list[str] | None = None) -> dict:
     if client_cpus:  # this process is the client; put back at the end (a test calls main() in-process)
         os.sched_setaffinity(0, client_cpus)
     throttle = Throttle("auto" if a.throttle == "auto" else a.throttle, a.quota_period_ms)
-    servers = Servers(root, work, throttle, server_cpus)
+    servers = Servers(root, work, throttle, server_cpus, tree=a.child_tree)
     eval_tf = ImageTransform(size=224, train=False, resize=256)
     B = a.batch_size
     scenarios = a.scenarios.split(",")
@@ -453,7 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
     c = a.server_cores
     cases: list[tuple] = []
     if "scale" in scenarios:
-        cases += [("scale", p, N) for p in a.payloads.split(",") for N in (1, 2, 4)]
+        cases += [("scale", p, N) for p in a.payloads.split(",") for N in scale_n]
     if "straggler" in scenarios:
         cases += [("straggler", "raw", "healthy"), ("straggler", "raw", "one slow")]
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
@@ -563,7 +830,13 @@ def main(argv: list[str] | None = None) -> dict:
             servers.stop(ad)
 
     try:
-        for rnd in range(a.rounds):
+        if a.child_case:  # one run of one case for compare_trees, in the tree --child-tree
+            kind, payload, what = a.child_case.split(",")
+            child = wire(what) if kind == "wire" else run_case((kind, payload, int(what) if kind == "scale" else what))
+            rounds = 0
+        else:
+            rounds = a.rounds
+        for rnd in range(rounds):
             todo = cases[rnd % len(cases):] + cases[:rnd % len(cases)] if cases else []
             for case in todo:
                 r = run_case(case)
@@ -586,6 +859,12 @@ def main(argv: list[str] | None = None) -> dict:
         servers.close()
         throttle.close()
         os.sched_setaffinity(0, before)
+    if a.child_case:
+        import gdsload
+
+        child.update(gdsload_file=gdsload.__file__, throttle=throttle.kind, pinned=pin)
+        print(json.dumps(child), flush=True)
+        return child
 
     def rate(r: dict, payload: str) -> float:
         return (r["bytes"] / 1e6 if payload == "raw" else r["samples"]) / r["wall_s"]
