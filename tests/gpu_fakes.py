@@ -116,6 +116,16 @@ class FakeGPU:
                     return True
         return False
 
+    def device_of(self, ptr: int) -> int:
+        """The device whose memory holds `ptr` (CuPy's `UnownedMemory` asks the driver); the
+        current device for memory the fake did not allocate."""
+        for a in self.keepalive:
+            if isinstance(a, FakeArray):
+                lo = a.__array_interface__["data"][0]
+                if lo <= ptr < lo + max(a.nbytes, 1):
+                    return a._device_id
+        return self.current()
+
     def log_calls(self, kind: str) -> list[tuple]:
         return [e for e in self.log if e[0] == kind]
 
@@ -313,12 +323,14 @@ class FakeArray(np.ndarray):
         return out
 
 
-def _view_cai(obj) -> np.ndarray:
-    """A NumPy view of the memory a `__cuda_array_interface__` describes (no copy)."""
+def _view_cai(obj, owner=None) -> np.ndarray:
+    """A NumPy view of the memory a `__cuda_array_interface__` describes (no copy); the view
+    keeps `owner` alive (CuPy's `UnownedMemory(ptr, size, owner)`)."""
     cai = obj.__cuda_array_interface__
     dtype = np.dtype(cai["typestr"])
     n = int(np.prod(cai["shape"])) if cai["shape"] else 1
     buf = (ctypes.c_char * (n * dtype.itemsize)).from_address(cai["data"][0])
+    buf._owner = owner
     return np.frombuffer(buf, dtype=dtype, count=n).reshape(cai["shape"])
 
 
@@ -350,9 +362,9 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
     def asarray(obj, dtype=None):
         if isinstance(obj, FakeArray):
             return obj
-        if hasattr(obj, "__cuda_array_interface__"):  # zero copy, like CuPy
-            v = _view_cai(obj).view(FakeArray)
-            v._device_id = gpu.current()
+        if hasattr(obj, "__cuda_array_interface__"):  # zero copy, like CuPy: the array keeps `obj`
+            v = _view_cai(obj, owner=obj).view(FakeArray)  # alive, on the device the pointer is on
+            v._device_id = gpu.device_of(obj.__cuda_array_interface__["data"][0])
             return v
         # from host memory: CuPy stages the host data before returning (cudaMemcpyAsync from
         # pageable memory), into fresh memory; it does not wait for work queued on the stream

@@ -12,6 +12,11 @@ beside it, and KvikIO registers the device arena and orders its reads on the loa
 `add_worker`), never on the `DataLoader` itself. The decoder (one DALI pipeline) is built on first
 use and kept across epochs; a `decoder_factory` (`DataLoader(decoder_factory=)`, the feed server's
 shared decode pool) builds it instead. `close()` releases everything; stats come from `io_paths()`.
+
+A batch the caller keeps is never written over: the ring gives its slot other memory
+(`gdsload.ring.ring`, "Slot lifetime"). It is told which fields the filler writes by offset
+(`written_by_offset`) and which it never hands out (`private_fields`); a device ring whose `.npy`
+rows KvikIO reads has one spare slot block in its arena, so registered with it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,23 @@ import weakref
 from typing import Any
 
 from gdsload.loader.layout import BatchLayout
+
+
+def written_by_offset(layout: BatchLayout, spec: dict[str, Any], host: dict[str, Any]) -> set[str]:
+    """The slot fields `SlotFiller.fill` writes through `Slot.flat`/`Slot.host_flat` by offset (the
+    ring's `flat`): the staging area, host copies ("__h_*") and `.npy` fields read straight into
+    the slot. The others (labels, decoded images, video, audio, `.npy` rows copied to the device)
+    go through `Slot.buffers`, so a kept one can move to memory of its own."""
+    tensors = {fp.name for fp in layout.fields if fp.kind == "tensor"}
+    return {n for n in (*spec, *host)
+            if n == "__staging__" or n.startswith("__h_") or (n in tensors and "__h_" + n not in host)}
+
+
+def private_fields(host: dict[str, Any]) -> set[str]:
+    """Slot fields the loader never hands out (the ring's `private`): the staging area (bytes,
+    text, JSON and ragged values are copied out of it; DALI keeps a reference to the encoded bytes
+    it was fed for two runs) and the host copies of device fields."""
+    return {n for n in host if n == "__staging__" or n.startswith("__h_")}
 
 
 class Resources:
@@ -83,6 +105,7 @@ class Resources:
         direct = want_device and self.backend.device_capable
         self.staging_pool = StagingPool(keep=self.num_workers + 2) if layout.own_staging else None
         spec, host = layout.slot_fields(on_device=want_device, direct=direct)
+        flat = written_by_offset(layout, spec, host)
         slots = self.prefetch + 1
         pin = pin_memory and want_device
         hint = f"lower batch_size ({layout.rows}) or prefetch_factor ({self.prefetch}: {slots} slots)"
@@ -91,16 +114,21 @@ class Resources:
         if on_device:
             import cupy
 
+            # a kept batch's `.npy` rows (read by KvikIO straight into the slot) move to a spare
+            # block registered with the arena (gdsload.ring.ring, "Slot lifetime")
+            spares = 1 if flat & set(spec) else 0
             with cupy.cuda.Device(self.device_ordinal):  # the loader's GPU, not the current one
                 device_free = available_device_bytes()
-            check_fits("the prefetch ring's device arena", slots * dev_nb, device_free, where="GPU", hint=hint)
+            check_fits("the prefetch ring's device arena", (slots + spares) * dev_nb, device_free, where="GPU",
+                       hint=hint)
             check_fits("the prefetch ring's pinned arena", slots * host_nb, available_host_bytes(),
                        where="host", hint=hint)
             from gdsload.host.gpu import CopyStreams
 
             # two arenas: device (batch tensors) and pinned host (staging)
             self.ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
-                             host_spec=SlotSpec(fields=host))
+                             host_spec=SlotSpec(fields=host), flat=flat, private=private_fields(host),
+                             spares=spares)
             self.streams = CopyStreams(self.device_ordinal, consumer=output)
             if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
                 self.host_backend = open_backend("posix", threads=max(2, self.num_workers))
@@ -109,7 +137,8 @@ class Resources:
                 self.backend.order_on(self.streams.stream.ptr)
         else:  # one host arena (also a GPU loader with encoded bytes only): one read per batch
             check_fits("the prefetch ring", slots * host_nb, available_host_bytes(), where="host", hint=hint)
-            self.ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin)
+            self.ring = Ring(SlotSpec(fields={**spec, **host}), slots, device="cpu", pin=pin, flat=flat,
+                             private=private_fields(host))
 
     # -- what the readers use ------------------------------------------------------------------------
     def media_decoder(self, fp: Any) -> Any:
@@ -184,7 +213,12 @@ class Resources:
 
     # -- stats and lifecycle ------------------------------------------------------------------------
     def io_paths(self) -> dict[str, Any]:
-        return {"io_path": self.backend.name if self.backend else None,
+        """What the loader's `stats()` takes from here: the I/O paths, and the ring's slots given
+        other memory because a batch the caller keeps was in them (`ring_replaced`; the memory
+        they use beyond the arena now, `ring_fresh_nbytes`)."""
+        rs = self.ring.stats() if self.ring is not None else {}
+        return {"ring_replaced": rs.get("replaced"), "ring_fresh_nbytes": rs.get("fresh_nbytes"),
+                "io_path": self.backend.name if self.backend else None,
                 "host_io_path": self.host_backend.name if self.host_backend else None,
                 # KvikIO: reads per "path/how", e.g. "kvikio-compat/sync-fallback" (gdsload.io.kvikio_backend)
                 "io_read_modes": dict(getattr(self.backend, "read_modes", None) or {}) or None}

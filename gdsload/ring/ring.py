@@ -4,12 +4,13 @@ This is the only place in gdsload that allocates batch memory; I/O backends and 
 into the buffers of a slot they were handed and never allocate their own.
 
 Memory layout
-    One arena per ring, allocated eagerly in `Ring.__init__` (never lazily, never again):
-    `num_slots * nbytes_per_slot` bytes, its start aligned to `ALIGN` (4096 bytes, the O_DIRECT and
-    GDS rule). Slot `i` is the byte range `[i * nbytes_per_slot, (i + 1) * nbytes_per_slot)`.
-    Inside a slot the fields of the `SlotSpec` follow in mapping order, each at an offset that is
-    a multiple of 4096 and padded up to the next one, so every field buffer starts 4 KiB-aligned
-    and `nbytes_per_slot = sum(round_up(field nbytes, 4096))`. The arena lives in:
+    One arena per ring, allocated eagerly in `Ring.__init__`: `(num_slots + spares) *
+    nbytes_per_slot` bytes, its start aligned to `ALIGN` (4096 bytes, the O_DIRECT and GDS rule).
+    Slot `i` starts as the byte range `[i * nbytes_per_slot, (i + 1) * nbytes_per_slot)`; `spares`
+    blocks of the same size follow (see "Slot lifetime"). Inside a slot the fields of the
+    `SlotSpec` follow in mapping order, each at an offset that is a multiple of 4096 and padded up
+    to the next one, so every field buffer starts 4 KiB-aligned and
+    `nbytes_per_slot = sum(round_up(field nbytes, 4096))`. The arena lives in:
       - device="cpu": pageable NumPy memory (over-allocated by 4096 bytes and offset);
       - device="cpu", pin=True: page-locked host memory from CuPy (`cupy.cuda.alloc_pinned_memory`),
         viewed as NumPy; without CuPy or a CUDA driver the ring falls back to pageable memory and
@@ -19,23 +20,23 @@ Memory layout
     Contents are uninitialised. CuPy is imported on first use only.
 
 Invariant
-    Slot `i` carries batches `i, i + N, i + 2N, ...` (round-robin, N = num_slots). A slot is
+    Slot `i` carries batches `i, i + N, i + 2N, ...` (round-robin, N = num_slots; after a
+    `reset()` the count starts one past the slot the consumer released last). A slot is
     FREE (waiting for its next seq) -> FILLING (held by exactly one producer, between `acquire`
     and `publish`/`fail`) -> READY (published, untouched) -> HELD (read by the one consumer,
     between `get` and `release`) -> FREE for seq + N. So a slot is written only by the producer
     holding it and read only by the consumer between `get` and `release`; at most N batches are in
-    flight, and a producer is never more than N batches ahead of the consumer. Memory is allocated
-    once; the same arrays (same ids and addresses) are handed out on every cycle. Producers must
-    not touch a slot after `publish`; the ring cannot enforce that.
+    flight, and a producer is never more than N batches ahead of the consumer. Producers must not
+    touch a slot after `publish`; the ring cannot enforce that.
 
 Growth
-    `grow(k)` adds k slots in a new allocation (the one exception to "allocated once", for
-    `prefetch_factor="auto"`): producers may then run k batches further ahead. Batch seq goes to
-    slot `seq % N` when that slot is free, else to a free one (a producer also waits for a free
-    slot). Without a `grow()` the slot is always `seq % N`, which batch `seq - N` has left.
+    `grow(k)` adds k slots in a new allocation (for `prefetch_factor="auto"`): producers may then
+    run k batches further ahead. Batch seq goes to its slot when that slot is free, else to a free
+    one (a producer also waits for a free slot). Without a `grow()` the slot is always the one
+    batch `seq - N` has left.
 
 Backpressure policy
-    Producers block in `acquire(seq)` until slot `seq % N` has been released for batch `seq - N`;
+    Producers block in `acquire(seq)` until the slot has been released for batch `seq - N`;
     nothing is dropped and no memory is added. The consumer blocks in `get(seq)` until batch `seq`
     is published; that time is the data stall (`stats()["wait_s"]`). `get` must be called in plan
     order (0, 1, 2, ...), so batches come out in order however producers finish. A producer's
@@ -44,9 +45,34 @@ Backpressure policy
     and raises `RingTimeout` when it runs out.
 
 Slot lifetime
-    A slot's buffers are views into ring memory. The loader releases batch k when the consumer asks
-    for batch k+1, so a batch's memory is reused after the next `next()` unless the caller copied
-    it (`Slot.copy()`).
+    A slot's buffers are views of its memory, made fresh for each batch, and every array the caller
+    derives from them (slices, `torch.from_numpy`, DLPack: each keeps its base) keeps that batch's
+    views alive; the ring watches them with weak references and never writes memory a live one
+    shows. A slot is reused only when nothing references its arrays any more; a slot the user still
+    holds is replaced by a fresh one (counted in `stats()["replaced"]`), so a kept batch is never
+    written over and nothing is copied when nothing is kept. In detail, when a producer acquires
+    slot `i`:
+      - nothing of the slot's last batch is referenced: the same memory is written again (same
+        addresses every cycle, no allocation);
+      - it is the slot the consumer released last: its batch may still be in the caller's loop
+        variable (`for batch in loader` rebinds it only after the next `next()` returns), so the
+        producer waits until those references go (a weakref callback wakes it: no replacement) or
+        the consumer releases another batch or waits in `get` for this one (then it is kept:
+        replaced). A plain loop therefore never replaces anything;
+      - otherwise the arrays are kept: the slot gets other memory. Fields in `flat` (those written
+        through `Slot.flat`/`Slot.host_flat` by offset; by default all) move as one block: a
+        spare block not referenced any more (the `spares` made up front, or a block of the arena a
+        kept batch has let go), else a fresh allocation of the same kind. Any other field still
+        referenced moves alone, to memory of its own the size of that field: a kept label tensor
+        keeps 4 KiB, not the whole slot.
+    The memory a kept batch holds is freed when the caller drops it (a fresh allocation) or comes
+    back to the ring as a spare (the arena's). A slot on fresh memory goes back to the arena's
+    blocks as soon as one is free, so what the ring holds beyond its arena (`stats()
+    ["fresh_nbytes"]`) is bounded by what the caller keeps. On the device the spare blocks sit in
+    the arena, so registering the arena with KvikIO registers them; a fresh device block beyond
+    them is not registered (KvikIO reads it through cuFile's bounce buffers). If a fresh allocation
+    fails, that batch fails with the allocation's error (delivered by `get`) and `acquire` raises
+    `RingClosed` to its producer. `Slot.copy()` gives owned copies.
 
 Device fences
     On the GPU, "the consumer moved on" is not "the consumer's kernels are done": they are only
@@ -62,16 +88,19 @@ Shutdown
     threads stay simple. The ring starts no threads; memory is freed when the ring is garbage
     collected (close does not free it, since the consumer may still hold views).
 
-Thread-safety: any number of producer threads, one consumer thread. All state sits behind one lock,
-with one `threading.Condition` per slot on that lock; nothing busy-waits.
+Thread-safety: any number of producer threads, one consumer thread. All state sits behind one
+(re-entrant: a weakref callback may run in a thread that holds it) lock, with one
+`threading.Condition` on it; nothing busy-waits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -161,9 +190,11 @@ class SlotSpec:
 
 class Slot:
     """One batch in flight: `index` (which slot), `seq` (which batch), `buffers` (name -> array
-    view into ring memory, NumPy or CuPy), `meta` (a fresh dict per batch for the producer to fill:
-    keys, lengths, ...). Owned by one producer between `acquire` and `publish`/`fail`, then by the
-    consumer between `get` and `release`; the views are invalid after `release`."""
+    view of the slot's memory, NumPy or CuPy, made for this batch), `meta` (a fresh dict per batch
+    for the producer to fill: keys, lengths, ...). Owned by one producer between `acquire` and
+    `publish`/`fail`, then by the consumer between `get` and `release`; `release` empties
+    `buffers`, `flat` and `host_flat` (arrays taken from them before stay valid: see "Slot
+    lifetime")."""
 
     __slots__ = ("index", "seq", "buffers", "meta", "flat", "host_flat", "fence")
 
@@ -186,7 +217,7 @@ class Slot:
 
     def copy(self) -> dict[str, Any]:
         """Owned copies of the buffers (same array kind, and for CuPy the same device: CuPy's
-        `copy()` allocates on the *current* device), to keep a batch past its `release`."""
+        `copy()` allocates on the *current* device)."""
         out = {}
         for name, arr in self.buffers.items():
             device = getattr(arr, "device", None)
@@ -197,8 +228,61 @@ class Slot:
                 out[name] = arr.copy()
         return out
 
+    def _forget(self) -> None:
+        self.buffers = {}
+        self.flat = self.host_flat = None
+
     def __repr__(self) -> str:
         return f"Slot(index={self.index}, seq={self.seq}, fields={list(self.buffers)})"
+
+
+class _HostLease:
+    """One field of one batch in host memory (`np.asarray` of it is that field's bytes): every
+    array handed out for the field has it as its base, so it lives as long as any of them."""
+
+    __slots__ = ("__array_interface__", "memory", "__weakref__")
+
+
+class _DeviceLease:
+    """`_HostLease` for device memory: CuPy's array of it keeps it as the owner of its memory
+    (`UnownedMemory`), and so do its views and their DLPack capsules."""
+
+    __slots__ = ("__cuda_array_interface__", "memory", "__weakref__")
+
+
+class _Block:
+    """Memory of one slot: all the fields of one arena (`home`: a range of an arena, never freed
+    alone), or one field on its own (a fresh allocation). `leases[name]` watches the arrays of the
+    last batch whose field `name` lived here."""
+
+    __slots__ = ("raw", "home", "address", "leases")
+
+    def __init__(self, raw: Any, home: bool):
+        self.raw = raw
+        self.home = home
+        self.address = _address(raw) if raw.nbytes else 0
+        self.leases: dict[str, Any] = {}
+
+    def held(self, names: Any = None) -> bool:
+        """Whether an array of field `names` (None: any field) handed out from here is still alive."""
+        return any(ref() is not None for name, ref in self.leases.items() if names is None or name in names)
+
+
+def _address(arr: Any) -> int:
+    return arr.data.ptr if hasattr(arr, "__cuda_array_interface__") else arr.ctypes.data
+
+
+def _lease_dropped(ring_ref: Any, _ref: Any) -> None:
+    """Weakref callback: the last array of a batch's field is gone. Wakes a producer waiting for
+    the slot the consumer released last (see "Slot lifetime"); runs in whatever thread let go."""
+    ring = ring_ref()
+    if ring is None or not ring._linger_wait:  # read without the lock: see Ring._pick
+        return
+    try:
+        with ring._lock:
+            ring._cv.notify_all()
+    except Exception:  # interpreter shutdown
+        pass
 
 
 class RingStats(TypedDict):
@@ -210,6 +294,9 @@ class RingStats(TypedDict):
     producer_wait_s: float  # total seconds producers waited in acquire(): backpressure
     gets: int  # batches delivered by get() (failed ones included)
     failed: int  # batches delivered as a producer's exception
+    replaced: int  # acquires that gave a slot other memory because its last batch is still referenced
+    fresh_nbytes: int  # memory the slots use now beyond the arenas (while the caller keeps batches)
+    spares: int  # spare blocks made up front in the arena
     device: str
     pinned: bool
     nbytes_per_slot: int
@@ -222,28 +309,43 @@ _FREE, _FILLING, _READY, _HELD = "free", "filling", "ready", "held"
 
 class Ring:
     """`num_slots` preallocated batch slots; N producer threads fill them, one consumer reads them
-    in seq order. See the module docstring for layout, invariant, backpressure and shutdown."""
+    in seq order. See the module docstring for layout, invariant, backpressure, slot lifetime and
+    shutdown."""
 
     def __init__(self, spec: SlotSpec, num_slots: int, *, device: str = "cpu", pin: bool = False,
-                 host_spec: SlotSpec | None = None):
+                 host_spec: SlotSpec | None = None, flat: Any = None, private: Any = (), spares: int = 0):
         """`host_spec`: fields that must stay in host memory (pinned when `pin`) even when the
         ring is on the device, such as encoded bytes that DALI parses on the host. They live in a
-        second arena with the same layout rules; `Slot.host_flat` is their slot range."""
+        second arena with the same layout rules; `Slot.host_flat` is their slot range.
+
+        `flat`: the fields a producer writes through `Slot.flat`/`Slot.host_flat` (by offset)
+        rather than through `Slot.buffers`; None (default): all of them. A kept field outside
+        `flat` can move to memory of its own; the `flat` ones of an arena move together (see
+        "Slot lifetime"). `private`: fields the producer uses for itself and never hands on (a
+        staging area): their views are not watched, so a reference a decoder keeps to its input
+        does not count as a kept batch. `spares`: blocks of one slot of the first arena made up
+        front for slots whose batch is kept (in `arena`, so registering the arena registers them)."""
         if not isinstance(spec, SlotSpec):
             raise RingError(f"spec must be a SlotSpec, got {type(spec).__name__}")
         if host_spec is not None and set(host_spec.fields) & set(spec.fields):
             raise RingError(f"fields {sorted(set(host_spec.fields) & set(spec.fields))} are in both specs")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise RingError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise RingError(f"spares must be an int >= 0, got {spares!r}")
         self.spec = spec
         self.num_slots = num_slots
+        self.spares = spares
         self.nbytes_per_slot = spec.nbytes
-        self.nbytes_total = num_slots * self.nbytes_per_slot
         self.pin_error: str | None = None  # why pin=True fell back to pageable memory
-        self.device, self.pinned, arena = self._allocate(device, pin, self.nbytes_total)
+        self.device, self.pinned, arena = self._allocate(device, pin, (num_slots + spares) * self.nbytes_per_slot)
+        self.nbytes_total = (num_slots + spares) * self.nbytes_per_slot
         self._arena = arena  # keeps the backing allocation alive
         self.arenas = [arena]  # one per allocation: this one, then one per `grow()`
         self._pin = pin
+        self._cupy = None
+        if self.device != "cpu":
+            self._cupy = require("cupy", extra="cuda12", purpose="a ring in device memory (device='cuda')")
         self.host_spec = host_spec
         self.host_nbytes_per_slot = host_spec.nbytes if host_spec else 0
         self._host_arena = None
@@ -251,12 +353,33 @@ class Ring:
             _, self.host_pinned, self._host_arena = self._allocate(
                 "cpu", pin, num_slots * self.host_nbytes_per_slot)
             self.nbytes_total += num_slots * self.host_nbytes_per_slot
-        self._arrays: list[dict[str, Any]] = []
-        self._flat: list[Any] = []
-        self._host_flat: list[Any] = []
-        self._add_slots(arena, self._host_arena, num_slots)
 
-        self._lock = threading.Lock()
+        # where each field lives: name -> (arena kind, offset in its slot, shape, dtype, nbytes)
+        self._field_at: dict[str, tuple[str, int, tuple[int, ...], str, int]] = {}
+        for kind, sp in (("main", spec), ("host", host_spec)):
+            if sp is not None:
+                layout = sp.layout()
+                for name, (shape, dtype) in sp.fields.items():
+                    self._field_at[name] = (kind, layout[name][0], shape, dtype, layout[name][1])
+        flat = set(self._field_at) if flat is None else set(flat)
+        self._private = frozenset(private)
+        for what, names in (("flat", flat), ("private", self._private)):
+            if names - set(self._field_at):
+                raise RingError(f"{what} names fields the ring does not have: {sorted(names - set(self._field_at))}")
+        watched = [n for n in self._field_at if n not in self._private]
+        self._fixed = {kind: frozenset(n for n in watched if n in flat and self._field_at[n][0] == kind)
+                       for kind in ("main", "host")}
+        self._loose = tuple(n for n in watched if n not in flat)
+
+        self._blocks: list[dict[str, _Block]] = []  # per slot: its memory now, per arena kind
+        self._own: list[dict[str, _Block]] = []  # per slot: fields moved out of their block
+        self._spare: dict[str, list[_Block]] = {"main": [], "host": []}  # arena blocks in no slot
+        self._add_slots(arena, self._host_arena, num_slots)
+        nb = self.nbytes_per_slot
+        self._spare["main"] = [_Block(arena[(num_slots + k) * nb : (num_slots + k + 1) * nb], home=True)
+                               for k in range(spares)]
+
+        self._lock = threading.RLock()  # re-entrant: `_lease_dropped` may run in a thread holding it
         self._cv = threading.Condition(self._lock)  # one for all waiters: few threads, notify_all
         self._state = [_FREE] * num_slots
         self._seq = [-1] * num_slots  # the seq each slot carries now (-1: free)
@@ -273,18 +396,23 @@ class Ring:
         self._gets = 0
         self._failed = 0
         self._occupancy_sum = 0
+        self._replaced = 0
+        self._base = 0  # batch seq goes to slot (seq + _base) % num_slots (see "Invariant")
+        self._linger: int | None = None  # the slot the consumer released last (see "Slot lifetime")
+        self._linger_wait: set[int] = set()  # seqs whose producer waits for that slot's arrays to go
+        self._getting: int | None = None  # the seq the consumer waits for in get()
+        self._dropped = functools.partial(_lease_dropped, weakref.ref(self))
 
     # -- allocation ----------------------------------------------------------------------------
 
     def _add_slots(self, arena: Any, host_arena: Any, n: int) -> None:
-        h = self.host_nbytes_per_slot
+        nb, h = self.nbytes_per_slot, self.host_nbytes_per_slot
         for k in range(n):
-            views = self._views(self.spec, arena, k * self.nbytes_per_slot)
-            self._flat.append(arena[k * self.nbytes_per_slot : (k + 1) * self.nbytes_per_slot])
-            self._host_flat.append(host_arena[k * h : (k + 1) * h] if host_arena is not None else None)
+            blocks = {"main": _Block(arena[k * nb : (k + 1) * nb], home=True)}
             if host_arena is not None:
-                views.update(self._views(self.host_spec, host_arena, k * h))
-            self._arrays.append(views)
+                blocks["host"] = _Block(host_arena[k * h : (k + 1) * h], home=True)
+            self._blocks.append(blocks)
+            self._own.append({})
 
     def grow(self, extra: int) -> None:
         """Add `extra` slots, in a new allocation of the same kind (see "Growth"); safe while
@@ -307,14 +435,84 @@ class Ring:
             self.nbytes_total += extra * (self.nbytes_per_slot + self.host_nbytes_per_slot)
             self._cv.notify_all()
 
-    @staticmethod
-    def _views(spec: SlotSpec, arena: Any, base: int) -> dict[str, Any]:
-        layout = spec.layout()
-        views = {}
-        for name, (shape, dtype) in spec.fields.items():
-            off, nbytes = layout[name]
-            views[name] = arena[base + off : base + off + nbytes].view(dtype).reshape(shape)
-        return views
+    def _kind_nbytes(self, kind: str) -> int:
+        return self.nbytes_per_slot if kind == "main" else self.host_nbytes_per_slot
+
+    def _kind_device(self, kind: str) -> str:
+        return self.device if kind == "main" else "cpu"
+
+    def _fresh(self, kind: str, nbytes: int) -> _Block:
+        """A fresh allocation for a slot whose memory the caller keeps (see "Slot lifetime")."""
+        return _Block(self._allocate(self._kind_device(kind), self._pin, nbytes)[2], home=False)
+
+    def _take_spare(self, kind: str) -> _Block | None:
+        """An arena block in no slot whose `flat` fields nobody references any more."""
+        spare = self._spare[kind]
+        for j, block in enumerate(spare):
+            if not block.held(self._fixed[kind]):
+                return spare.pop(j)
+        return None
+
+    def _refresh(self, i: int) -> bool:
+        """Give slot `i` memory nothing references (see "Slot lifetime"); whether any moved
+        because its last batch is kept. Lock held."""
+        replaced = False
+        blocks = self._blocks[i]
+        for kind, block in blocks.items():
+            fixed = self._fixed[kind]
+            if fixed and block.held(fixed):
+                blocks[kind] = self._take_spare(kind) or self._fresh(kind, self._kind_nbytes(kind))
+                if block.home:  # back in use once the caller lets it go; a fresh one is the caller's now
+                    self._spare[kind].append(block)
+                replaced = True
+            elif not block.home and not block.held():  # back to an arena block when one is free
+                home = self._take_spare(kind)
+                if home is not None:
+                    blocks[kind] = home  # the fresh one is freed
+        own = self._own[i]
+        for name in self._loose:
+            kind, _, _, _, nbytes = self._field_at[name]
+            in_block = blocks[kind].held((name,))
+            current = own.get(name)
+            if current is None:
+                if in_block:
+                    own[name] = self._fresh(kind, _round_up(nbytes))
+                    replaced = True
+            elif not in_block:
+                del own[name]  # its place in the block is free again
+            elif current.held((name,)):
+                own[name] = self._fresh(kind, _round_up(nbytes))
+                replaced = True
+        return replaced
+
+    def _hand_out(self, i: int) -> dict[str, Any]:
+        """Slot `i`'s buffers for one batch: fresh views, each field's watched by a weakref."""
+        blocks, own = self._blocks[i], self._own[i]
+        out = {}
+        for name, (kind, offset, shape, dtype, nbytes) in self._field_at.items():
+            block = own.get(name)
+            if block is None:
+                block = blocks[kind]
+            else:
+                offset = 0
+            if not nbytes or name in self._private:  # an empty view, or one the caller never sees
+                out[name] = block.raw[offset : offset + nbytes].view(dtype).reshape(shape)
+                continue
+            address = block.address + offset
+            if kind == "main" and self._cupy is not None:
+                lease: Any = _DeviceLease()
+                lease.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                                  "version": 3, "strides": None, "stream": None}
+                arr = self._cupy.asarray(lease)
+            else:
+                lease = _HostLease()
+                lease.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                             "version": 3}
+                arr = np.asarray(lease)
+            lease.memory = block.raw
+            block.leases[name] = weakref.ref(lease, self._dropped)
+            out[name] = arr.view(dtype).reshape(shape)
+        return out
 
     def _allocate(self, device: str, pin: bool, total: int) -> tuple[str, bool, Any]:
         if device == "cpu":
@@ -398,37 +596,69 @@ class Ring:
     # -- producer side -------------------------------------------------------------------------
 
     def acquire(self, seq: int, timeout: float | None = None) -> Slot:
-        """Slot for batch `seq` (slot `seq % num_slots` unless the ring grew, see "Growth");
-        blocks until the consumer released batch `seq - num_slots`. Raises `RingClosed`,
-        `RingTimeout`, or `RingError` if `seq` was already acquired."""
+        """Slot for batch `seq` (the one batch `seq - num_slots` used, unless the ring grew, see
+        "Growth"); blocks until the consumer released batch `seq - num_slots`, and for the slot the
+        consumer released last until its arrays are let go or the consumer moves on (see "Slot
+        lifetime"). Raises `RingClosed` (also when the ring failed this batch itself: no memory for
+        a slot whose batch is kept), `RingTimeout`, or `RingError` if `seq` was already acquired."""
         seq = self._check_seq(seq)
         with self._lock:
             if (seq < self._released or seq in self._where or seq in self._recycled) and not self._closed:
                 raise RingError(f"batch {seq} was already acquired; each seq is acquired once")
-            self._wait(
-                lambda: self._admitted(seq),
-                timeout,
-                f"acquiring batch {seq}",
-                "_producer_wait_s",
-            )
-            i = seq % self.num_slots
-            if self._state[i] != _FREE:  # only after a grow(): any free slot (one is, see "Growth")
-                i = self._state.index(_FREE)
-            slot = Slot(i, seq, dict(self._arrays[i]), self._flat[i])
-            slot.fence, self._fence[i] = self._fence[i], None
-            slot.host_flat = self._host_flat[i]
+            picked: list[int] = []
+
+            def ready() -> bool:
+                i = self._pick(seq)
+                if i is not None:
+                    picked.append(i)
+                return i is not None
+
+            try:
+                self._wait(ready, timeout, f"acquiring batch {seq}", "_producer_wait_s")
+            finally:
+                self._linger_wait.discard(seq)
+            i = picked[-1]
             self._seq[i] = seq
             self._where[seq] = i
+            try:
+                replaced = self._refresh(i)
+            except Exception as exc:  # no memory for a kept batch's successor: that batch fails
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"the ring could not allocate memory for batch {seq}: the batches still "
+                                 f"referenced keep theirs (drop them, or copy what you keep)")
+                self._error[i] = exc
+                self._state[i] = _READY
+                self._cv.notify_all()
+                raise RingClosed(f"batch {seq} failed in the ring: {type(exc).__name__}: {exc}") from exc
+            self._replaced += replaced
+            blocks = self._blocks[i]
+            slot = Slot(i, seq, self._hand_out(i), blocks["main"].raw)
+            slot.fence, self._fence[i] = self._fence[i], None
+            slot.host_flat = blocks["host"].raw if "host" in blocks else None
             self._state[i] = _FILLING
             self._slot[i] = slot
             return slot
 
+    def _pick(self, seq: int) -> int | None:
+        """The slot batch `seq` may take now, or None. Lock held."""
+        before = seq - self.num_slots
+        if not ((before < 0 or self._recycled_seq(before)) and _FREE in self._state):
+            return None
+        i = (seq + self._base) % self.num_slots
+        if self._state[i] != _FREE:  # only after a grow(): any free slot (one is, see "Growth")
+            i = self._state.index(_FREE)
+        if i == self._linger and self._getting != seq and self._kept(i):
+            # added before the producer waits; `_lease_dropped` reads it without the lock, which
+            # is safe: a weakref is dead before its callback runs, so a drop it misses is seen here
+            self._linger_wait.add(seq)
+            return None
+        return i
+
+    def _kept(self, i: int) -> bool:
+        return any(b.held() for b in self._blocks[i].values()) or any(b.held() for b in self._own[i].values())
+
     def _recycled_seq(self, seq: int) -> bool:
         return seq < self._released or seq in self._recycled
-
-    def _admitted(self, seq: int) -> bool:
-        before = seq - self.num_slots
-        return (before < 0 or self._recycled_seq(before)) and _FREE in self._state
 
     def try_acquire(self, seq: int) -> Slot | None:
         """`acquire(seq, timeout=0)`, returning None instead of raising `RingTimeout`."""
@@ -479,12 +709,18 @@ class Ring:
                     f"in slot {before}; release it first (at most num_slots={self.num_slots} batches can be held)"
                 )
             occupancy = self._occupancy()  # how far ahead producers were when the consumer asked
-            self._wait(
-                lambda: seq in self._where and self._state[self._where[seq]] == _READY,
-                timeout,
-                f"getting batch {seq}",
-                "_wait_s",
-            )
+            self._getting = seq  # a producer waiting for the last released slot need not wait for this one
+            if seq in self._linger_wait:
+                self._cv.notify_all()
+            try:
+                self._wait(
+                    lambda: seq in self._where and self._state[self._where[seq]] == _READY,
+                    timeout,
+                    f"getting batch {seq}",
+                    "_wait_s",
+                )
+            finally:
+                self._getting = None
             i = self._where[seq]
             self._next_get += 1
             self._gets += 1
@@ -492,7 +728,7 @@ class Ring:
             error, self._error[i] = self._error[i], None
             if error is None:
                 self._state[i] = _HELD
-                return cast(Slot, self._slot[i])  # READY implies a producer's handle
+                return cast(Slot, self._slot[i])  # READY without an error implies a producer's handle
             self._failed += 1
             self._recycle(i)
         if hasattr(error, "add_note"):
@@ -508,19 +744,24 @@ class Ring:
 
     def release(self, slot: Slot, fence: Any = None) -> None:
         """The consumer is done with `slot`; it may be refilled with batch `seq + num_slots` once
-        `fence` (see "Device fences"; None: nothing queued) has completed. After `close()` only
-        the fence is kept, for the next pass."""
+        `fence` (see "Device fences"; None: nothing queued) has completed, and never while arrays
+        of this batch are still referenced (see "Slot lifetime"). After `close()` only the fence is
+        kept, for the next pass."""
         with self._lock:
             if fence is not None and self._slot[slot.index] is slot:
                 self._fence[slot.index] = fence
             if self._closed:
                 return
-            self._recycle(self._held(slot, _HELD, "release"))
+            i = self._held(slot, _HELD, "release")
+            self._linger = i  # its batch may be the caller's loop variable until the next next()
+            self._recycle(i)
 
     def _recycle(self, i: int) -> None:
         seq = self._seq[i]
         self._state[i] = _FREE
-        self._slot[i] = None
+        slot, self._slot[i] = self._slot[i], None
+        if slot is not None:  # a stale handle (a producer's local) must not keep the batch's arrays
+            slot._forget()
         self._seq[i] = -1
         del self._where[seq]
         self._recycled.add(seq)
@@ -535,9 +776,14 @@ class Ring:
         """Start a new pass over the same memory: every slot free, seq numbering from 0, open.
 
         Only valid when no producer or consumer is using the ring (the loader calls it after
-        joining the previous pass's threads). Counters in `stats()` keep accumulating.
+        joining the previous pass's threads). Counters in `stats()` keep accumulating. Batch 0
+        goes to the slot after the one the consumer released last, whose batch may still be the
+        caller's loop variable (see "Slot lifetime").
         """
         with self._lock:
+            for slot in self._slot:
+                if slot is not None:
+                    slot._forget()
             self._state = [_FREE] * self.num_slots
             self._seq = [-1] * self.num_slots
             self._where = {}
@@ -547,6 +793,9 @@ class Ring:
             self._error = [None] * self.num_slots
             self._next_get = 0
             self._closed = False
+            self._linger_wait = set()
+            self._getting = None
+            self._base = 0 if self._linger is None else (self._linger + 1) % self.num_slots
 
     def close(self) -> None:
         """Wake every waiter with `RingClosed`; idempotent, safe from any thread."""
@@ -556,8 +805,8 @@ class Ring:
 
     @property
     def arena(self) -> Any:
-        """The first (device, or only) arena: the slots the ring was made with, one array (e.g. to
-        register it with cuFile); `arenas` lists it and those `grow()` added."""
+        """The first (device, or only) arena: the slots the ring was made with and its spares, one
+        array (e.g. to register it with cuFile); `arenas` lists it and those `grow()` added."""
         return self._arena
 
     @property
@@ -575,6 +824,8 @@ class Ring:
 
     def stats(self) -> RingStats:
         with self._lock:
+            fresh = sum(b.raw.nbytes for blocks in self._blocks for b in blocks.values() if not b.home)
+            fresh += sum(b.raw.nbytes for own in self._own for b in own.values())
             return RingStats(
                 slots=self.num_slots,
                 occupancy=self._occupancy(),
@@ -584,6 +835,9 @@ class Ring:
                 producer_wait_s=self._producer_wait_s,
                 gets=self._gets,
                 failed=self._failed,
+                replaced=self._replaced,
+                fresh_nbytes=fresh,
+                spares=self.spares,
                 device=self.device,
                 pinned=self.pinned,
                 nbytes_per_slot=self.nbytes_per_slot,

@@ -480,9 +480,10 @@ def test_copy_true_batches_survive(npy_u8):
             assert int(cls[i]) == npy_u8.labels[key]
 
 
-def test_copy_false_memory_is_reused_after_next(npy_u8):
-    """Documented slot lifetime: a batch is valid until the next `next()`; with prefetch_factor=1
-    the ring has 2 slots, so batch 0's memory holds batch 2 once batch 2 is handed out."""
+def test_copy_false_held_batch_is_not_written_over(npy_u8):
+    """Documented slot lifetime (issue 46 row 5): a batch still referenced is never written over.
+    With prefetch_factor=1 the ring has 2 slots, so batch 2 goes to batch 0's slot, which gets
+    other memory because batch 0 is held (tests/loader/test_kept_batches.py has the rest)."""
     loader = npy_loader(npy_u8, batch_size=4, num_workers=1, prefetch_factor=1, copy=False)
     it = iter(loader)
     b0 = next(it)
@@ -490,10 +491,11 @@ def test_copy_false_memory_is_reused_after_next(npy_u8):
     np.testing.assert_array_equal(held[0].numpy(), npy_u8.arrays[b0["__key__"][0]])
     next(it)
     b2 = next(it)
-    assert b2["npy"].data_ptr() == held.data_ptr()  # the same slot memory
-    assert not torch.equal(held, snapshot)  # the held view changed under us
+    assert b2["npy"].data_ptr() != held.data_ptr()  # not the held batch's memory
+    assert torch.equal(held, snapshot)  # the held view did not change
     for i, key in enumerate(b2["__key__"]):
-        np.testing.assert_array_equal(held[i].numpy(), npy_u8.arrays[key])
+        np.testing.assert_array_equal(b2["npy"][i].numpy(), npy_u8.arrays[key])
+    assert loader.stats()["ring_replaced"] == 1
     loader.close()
 
 

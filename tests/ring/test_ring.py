@@ -45,7 +45,8 @@ def test_allocated_once_addresses_stable_and_aligned():
     first = {}
     for seq in range(50):
         slot = ring.acquire(seq, timeout=1)
-        ids = {name: (id(arr), _address(arr)) for name, arr in slot.buffers.items()}
+        # the same memory every cycle (the views are new per batch: see test_kept_arrays_*)
+        ids = {name: _address(arr) for name, arr in slot.buffers.items()}
         assert first.setdefault(slot.index, ids) == ids
         for arr in slot.buffers.values():
             assert _address(arr) % ALIGN == 0
@@ -55,7 +56,7 @@ def test_allocated_once_addresses_stable_and_aligned():
         _check(got, seq)
         ring.release(got)
     assert sorted(first) == [0, 1, 2]
-    addresses = sorted(a for ids in first.values() for _, a in ids.values())
+    addresses = sorted(a for ids in first.values() for a in ids.values())
     assert len(set(addresses)) == len(addresses)  # no two fields or slots share memory
 
 
@@ -385,7 +386,9 @@ def test_copy_outlives_release():
 
 
 class RingMachine(RuleBasedStateMachine):
-    """Single thread, non-blocking calls; a model of every seq's state predicts each answer."""
+    """Single thread, non-blocking calls; a model of every seq's state predicts each answer. The
+    consumer also keeps views of batches it got (and drops them again): a kept view never changes,
+    and the slot released last waits while a view of its batch is kept ("Slot lifetime")."""
 
     @initialize(num_slots=st.integers(1, 4))
     def setup(self, num_slots):
@@ -396,9 +399,17 @@ class RingMachine(RuleBasedStateMachine):
         self.held: dict[int, object] = {}
         self.next_get = 0
         self.delivered: list[int] = []
+        self.kept: list[tuple[int, np.ndarray]] = []  # (seq, a view of its "x")
+        self.last_released: int | None = None  # slot index
+        self.slot_seq: dict[int, int] = {}  # slot index -> the last seq acquired in it
 
     def _free_for(self, seq):
         return seq not in self.status and (seq < self.n or self.status.get(seq - self.n) == "done")
+
+    def _waits_for_kept(self, seq):
+        """The slot the consumer released last waits while a view of its last batch is kept."""
+        i = seq % self.n
+        return i == self.last_released and any(s == self.slot_seq.get(i) for s, _ in self.kept)
 
     @rule(offset=st.integers(0, 9))
     def acquire(self, offset):
@@ -408,12 +419,13 @@ class RingMachine(RuleBasedStateMachine):
                 self.ring.try_acquire(seq)
             return
         slot = self.ring.try_acquire(seq)
-        if not self._free_for(seq):
+        if not self._free_for(seq) or self._waits_for_kept(seq):
             assert slot is None
             return
         assert slot is not None and slot.seq == seq and slot.index == seq % self.n
         self.status[seq] = "filling"
         self.producing[seq] = slot
+        self.slot_seq[slot.index] = seq
 
     @precondition(lambda self: self.producing)
     @rule(pick=st.integers(0, 100), ok=st.booleans())
@@ -459,7 +471,25 @@ class RingMachine(RuleBasedStateMachine):
         slot = self.held.pop(seq)
         assert (slot.buffers["x"] == seq).all()  # not overwritten while held
         self.ring.release(slot)
+        assert slot.buffers == {}  # a stale handle keeps nothing
         self.status[seq] = "done"
+        self.last_released = slot.index
+
+    @precondition(lambda self: self.held)
+    @rule(pick=st.integers(0, 100))
+    def keep(self, pick):
+        seq = sorted(self.held)[pick % len(self.held)]
+        self.kept.append((seq, self.held[seq].buffers["x"][1:]))
+
+    @precondition(lambda self: self.kept)
+    @rule(pick=st.integers(0, 100))
+    def drop_kept(self, pick):
+        del self.kept[pick % len(self.kept)]
+
+    @invariant()
+    def kept_views_never_change(self):
+        for seq, view in self.kept:
+            assert (view == seq).all()
 
     @invariant()
     def occupancy_in_bounds(self):
@@ -523,7 +553,7 @@ def test_pinned_host_ring_on_cuda_host():
 
 def test_reset_reuses_the_same_memory_for_a_new_pass():
     ring = Ring(SlotSpec(fields={"x": ((4,), "int64")}), 2)
-    addrs = [s["x"].ctypes.data for s in ring._arrays]
+    addrs = set()
     slot = ring.acquire(0)
     slot.buffers["x"][:] = 7
     ring.publish(slot)
@@ -537,8 +567,9 @@ def test_reset_reuses_the_same_memory_for_a_new_pass():
         ring.publish(s)
         got = ring.get(seq, timeout=1)
         assert int(got.buffers["x"][0]) == seq
+        addrs.add(got.buffers["x"].ctypes.data)
         ring.release(got)
-    assert [s["x"].ctypes.data for s in ring._arrays] == addrs
+    assert addrs == {ring.arena.ctypes.data, ring.arena.ctypes.data + ALIGN}  # the arena's two slots
 
 
 def test_host_spec_fields_get_their_own_arena():
