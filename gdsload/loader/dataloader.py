@@ -26,8 +26,13 @@ by DALI into the slot's image tensor; labels are copied from the index's label c
 from the `.cls` members for older indexes). What is checked on the way is `gdsload.dataset.verify`.
 The consumer gets views of the slot.
 
-Slot lifetime: the tensors of batch k stay valid until the next `next()` on the iterator; after
-that the slot is refilled. Pass `copy=True` to get tensors you may keep.
+Slot lifetime: with `copy=False` (the default) a batch's tensors are views of a ring slot, and a
+batch you still reference is never written over. When a slot's next batch is due while arrays of
+its last one are alive (kept in a list, sliced, or tensors made from them with `torch.from_numpy`
+or DLPack), the ring gives the slot fresh memory instead (`stats()["ring_replaced"]`); the kept
+batch's memory is freed when you drop it. A kept label alone keeps its own field, not the slot. A
+plain loop keeps nothing past the next `next()`, so nothing is replaced, allocated or copied.
+`copy=True` hands out owned copies (`gdsload.ring.ring`, "Slot lifetime").
 
 On a GPU (`device="cuda"` or `"cuda:N"`; which GPU: `gdsload.host.gpu`), every batch tensor lives in
 the device ring: `.npy` rows (read by KvikIO straight into it, or by POSIX into pinned memory and
