@@ -126,9 +126,15 @@ class Resources:
             from gdsload.host.gpu import CopyStreams
 
             # two arenas: device (batch tensors) and pinned host (staging)
+            ref = weakref.ref(self)
+
+            def drop_fence() -> Any:  # a kept batch let go: the consumer's work on it so far (ring, "Device fences")
+                streams = getattr(ref(), "streams", None)
+                return streams.release_fence(same_thread=False) if streams is not None else None
+
             self.ring = Ring(SlotSpec(fields=spec), slots, device=f"cuda:{self.device_ordinal}", pin=pin,
                              host_spec=SlotSpec(fields=host), flat=flat, private=private_fields(host),
-                             spares=spares)
+                             spares=spares, drop_fence=drop_fence)
             self.streams = CopyStreams(self.device_ordinal, consumer=output)
             if direct:  # KvikIO writes the device arena; encoded bytes and labels go through POSIX
                 self.host_backend = open_backend("posix", threads=max(2, self.num_workers))

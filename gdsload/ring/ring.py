@@ -63,8 +63,10 @@ Slot lifetime
         through `Slot.flat`/`Slot.host_flat` by offset; by default all) move as one block: a
         spare block not referenced any more (the `spares` made up front, or a block of the arena a
         kept batch has let go), else a fresh allocation of the same kind. Any other field still
-        referenced moves alone, to memory of its own the size of that field: a kept label tensor
-        keeps 4 KiB, not the whole slot.
+        referenced moves alone, to memory of its own (that field, rounded up to 4 KiB and aligned):
+        a kept label tensor keeps a few KiB, not the whole slot. Fields in `private` (a staging
+        area the producer never hands on) are not watched: a decoder that keeps a reference to
+        the input it read is not a kept batch.
     The memory a kept batch holds is freed when the caller drops it (a fresh allocation) or comes
     back to the ring as a spare (the arena's). A slot on fresh memory goes back to the arena's
     blocks as soon as one is free, so what the ring holds beyond its arena (`stats()
@@ -80,6 +82,12 @@ Device fences
     by the caller on the consumer's stream), and the slot handed out by the next `acquire` of that
     slot carries it as `Slot.fence`; the producer calls `Slot.wait_fence()` before writing. A fence
     survives `reset()` (the last batch of a pass may still be read when the next pass starts).
+    A batch kept past the consumer's next release may have work queued on it later (a metric over
+    kept labels), so with `drop_fence` (a callable giving such an event) the ring asks for one when
+    the caller lets go of such a field's last array (in the thread that let go), and the next batch
+    written to that memory waits for it too (`Slot.fence` then stands for all of them). A batch let
+    go before the consumer's next release (the loop variable) has only the release fence: work
+    queued on it after asking for the next batch and before letting it go is not fenced.
 
 Shutdown
     `close()` is idempotent and safe from any thread: it wakes every producer blocked in `acquire`
@@ -255,13 +263,15 @@ class _Block:
     alone), or one field on its own (a fresh allocation). `leases[name]` watches the arrays of the
     last batch whose field `name` lived here."""
 
-    __slots__ = ("raw", "home", "address", "leases")
+    __slots__ = ("raw", "home", "address", "leases", "fences", "released", "__weakref__")
 
     def __init__(self, raw: Any, home: bool):
         self.raw = raw
         self.home = home
         self.address = _address(raw) if raw.nbytes else 0
         self.leases: dict[str, Any] = {}
+        self.fences: dict[str, Any] = {}  # name -> the drop fence of its last batch (see "Device fences")
+        self.released: dict[str, int] = {}  # name -> the release that let its last batch go (1, 2, ...)
 
     def held(self, names: Any = None) -> bool:
         """Whether an array of field `names` (None: any field) handed out from here is still alive."""
@@ -272,11 +282,37 @@ def _address(arr: Any) -> int:
     return arr.data.ptr if hasattr(arr, "__cuda_array_interface__") else arr.ctypes.data
 
 
-def _lease_dropped(ring_ref: Any, _ref: Any) -> None:
-    """Weakref callback: the last array of a batch's field is gone. Wakes a producer waiting for
-    the slot the consumer released last (see "Slot lifetime"); runs in whatever thread let go."""
+class _Fences:
+    """Several fences as one (`Slot.fence`): the slot's release fence and its memory's drop fences."""
+
+    __slots__ = ("fences",)
+
+    def __init__(self, fences: list[Any]):
+        self.fences = fences
+
+    def synchronize(self) -> None:
+        for fence in self.fences:
+            fence.synchronize()
+
+
+def _lease_dropped(ring_ref: Any, block_ref: Any, name: str, _ref: Any) -> None:
+    """Weakref callback: the last array of a batch's field is gone. Records the drop fence (see
+    "Device fences") and wakes a producer waiting for the slot the consumer released last (see
+    "Slot lifetime"); runs in whatever thread let go."""
     ring = ring_ref()
-    if ring is None or not ring._linger_wait:  # read without the lock: see Ring._pick
+    if ring is None:
+        return
+    block = block_ref() if block_ref is not None else None
+    # only a batch kept past the consumer's next release: one dropped before its own release is
+    # covered by the release fence, and one dropped in between is the caller's loop variable
+    if block is not None and ring._drop_fence is not None and ring._releases > block.released.get(name, ring._releases):
+        try:
+            fence = ring._drop_fence()
+        except Exception:  # interpreter shutdown, a driver error: the release fence still holds
+            fence = None
+        if fence is not None:
+            block.fences[name] = fence
+    if not ring._linger_wait:  # read without the lock: see Ring._pick
         return
     try:
         with ring._lock:
@@ -313,7 +349,8 @@ class Ring:
     shutdown."""
 
     def __init__(self, spec: SlotSpec, num_slots: int, *, device: str = "cpu", pin: bool = False,
-                 host_spec: SlotSpec | None = None, flat: Any = None, private: Any = (), spares: int = 0):
+                 host_spec: SlotSpec | None = None, flat: Any = None, private: Any = (), spares: int = 0,
+                 drop_fence: Callable[[], Any] | None = None):
         """`host_spec`: fields that must stay in host memory (pinned when `pin`) even when the
         ring is on the device, such as encoded bytes that DALI parses on the host. They live in a
         second arena with the same layout rules; `Slot.host_flat` is their slot range.
@@ -324,7 +361,9 @@ class Ring:
         "Slot lifetime"). `private`: fields the producer uses for itself and never hands on (a
         staging area): their views are not watched, so a reference a decoder keeps to its input
         does not count as a kept batch. `spares`: blocks of one slot of the first arena made up
-        front for slots whose batch is kept (in `arena`, so registering the arena registers them)."""
+        front for slots whose batch is kept (in `arena`, so registering the arena registers them).
+        `drop_fence`: a device ring's fence maker, called when the caller lets go of a batch (see
+        "Device fences")."""
         if not isinstance(spec, SlotSpec):
             raise RingError(f"spec must be a SlotSpec, got {type(spec).__name__}")
         if host_spec is not None and set(host_spec.fields) & set(spec.fields):
@@ -397,11 +436,14 @@ class Ring:
         self._failed = 0
         self._occupancy_sum = 0
         self._replaced = 0
+        self._releases = 0  # releases so far (see "Device fences")
         self._base = 0  # batch seq goes to slot (seq + _base) % num_slots (see "Invariant")
         self._linger: int | None = None  # the slot the consumer released last (see "Slot lifetime")
         self._linger_wait: set[int] = set()  # seqs whose producer waits for that slot's arrays to go
         self._getting: int | None = None  # the seq the consumer waits for in get()
-        self._dropped = functools.partial(_lease_dropped, weakref.ref(self))
+        self._drop_fence = drop_fence
+        self._ref = weakref.ref(self)
+        self._dropped = functools.partial(_lease_dropped, self._ref, None, "")
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -485,8 +527,9 @@ class Ring:
                 replaced = True
         return replaced
 
-    def _hand_out(self, i: int) -> dict[str, Any]:
-        """Slot `i`'s buffers for one batch: fresh views, each field's watched by a weakref."""
+    def _hand_out(self, i: int, fences: list[Any]) -> dict[str, Any]:
+        """Slot `i`'s buffers for one batch: fresh views, each field's watched by a weakref. The
+        drop fences of the memory handed out are added to `fences`."""
         blocks, own = self._blocks[i], self._own[i]
         out = {}
         for name, (kind, offset, shape, dtype, nbytes) in self._field_at.items():
@@ -498,6 +541,10 @@ class Ring:
             if not nbytes or name in self._private:  # an empty view, or one the caller never sees
                 out[name] = block.raw[offset : offset + nbytes].view(dtype).reshape(shape)
                 continue
+            fence = block.fences.pop(name, None)
+            if fence is not None:
+                fences.append(fence)
+            block.released.pop(name, None)
             address = block.address + offset
             if kind == "main" and self._cupy is not None:
                 lease: Any = _DeviceLease()
@@ -510,7 +557,9 @@ class Ring:
                                              "version": 3}
                 arr = np.asarray(lease)
             lease.memory = block.raw
-            block.leases[name] = weakref.ref(lease, self._dropped)
+            dropped = self._dropped if self._drop_fence is None else functools.partial(
+                _lease_dropped, self._ref, weakref.ref(block), name)
+            block.leases[name] = weakref.ref(lease, dropped)
             out[name] = arr.view(dtype).reshape(shape)
         return out
 
@@ -632,8 +681,10 @@ class Ring:
                 raise RingClosed(f"batch {seq} failed in the ring: {type(exc).__name__}: {exc}") from exc
             self._replaced += replaced
             blocks = self._blocks[i]
-            slot = Slot(i, seq, self._hand_out(i), blocks["main"].raw)
-            slot.fence, self._fence[i] = self._fence[i], None
+            fences = [self._fence[i]] if self._fence[i] is not None else []
+            self._fence[i] = None
+            slot = Slot(i, seq, self._hand_out(i, fences), blocks["main"].raw)
+            slot.fence = fences[0] if len(fences) == 1 else _Fences(fences) if fences else None
             slot.host_flat = blocks["host"].raw if "host" in blocks else None
             self._state[i] = _FILLING
             self._slot[i] = slot
@@ -754,6 +805,11 @@ class Ring:
                 return
             i = self._held(slot, _HELD, "release")
             self._linger = i  # its batch may be the caller's loop variable until the next next()
+            self._releases += 1
+            if self._drop_fence is not None:
+                for block in (*self._blocks[i].values(), *self._own[i].values()):
+                    for name in block.leases:
+                        block.released.setdefault(name, self._releases)
             self._recycle(i)
 
     def _recycle(self, i: int) -> None:

@@ -210,3 +210,23 @@ def test_kept_device_batches_keep_their_values(monkeypatch, npy_big):
     gpu.synchronize_all()
     assert loader.stats()["ring_replaced"] == before
     loader.close()
+
+
+def test_device_batches_kept_then_dropped_are_fenced(monkeypatch, npy_big):
+    """Labels kept over an epoch on the GPU, a metric queued on them, then dropped: the ring records
+    a fence on the consumer's stream when they go, and the next epoch's producers wait for it
+    before writing that memory (the release fences alone predate the metric)."""
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True, config_file=True))
+    loader = DataLoader(str(npy_big), batch_size=4, num_workers=2, seed=11, device="cuda", output="numpy")
+    kept = [b["cls"] for b in loader]
+    before = len(gpu.log_calls("record"))
+    del kept
+    gc.collect()
+    drops = {e[1] for e in gpu.log_calls("record")[before:]}
+    assert drops  # recorded when the labels went
+    for b in loader:
+        pass
+    waited = {e[1] for e in gpu.log_calls("event_sync")}
+    assert drops & waited  # the memory written again waited for them
+    assert loader.stats()["ring_replaced"] > 0
+    loader.close()

@@ -250,6 +250,39 @@ def test_reset_starts_after_the_slot_the_loop_variable_may_still_name():
     assert (view == 3).all() and ring.stats()["replaced"] == 0
 
 
+def test_a_batch_kept_past_the_next_release_is_fenced_when_let_go():
+    """A device ring's `drop_fence`: a batch the caller let go after the consumer's next release
+    (work may have been queued on it since) gets a fence, which the next batch written to its
+    memory waits for; one let go in the loop-variable window does not (its release fence holds)."""
+    made = []
+
+    class Fence:
+        synced = False
+
+        def __init__(self):
+            made.append(self)
+
+        def synchronize(self):
+            self.synced = True
+
+    ring = Ring(SPEC, 2, drop_fence=Fence)
+    got = _cycle(ring, 0)
+    kept = got.buffers["x"]
+    ring.release(got)
+    nxt = _cycle(ring, 1)
+    view = nxt.buffers["big"]
+    ring.release(nxt)  # the consumer moved on past batch 0, which is still kept
+    assert not made
+    del kept  # a metric over it could have been queued until now
+    assert len(made) == 1
+    slot = ring.acquire(2, timeout=5)  # batch 0's memory, not kept any more: reused
+    assert ring.stats()["replaced"] == 0
+    slot.wait_fence()
+    assert made[0].synced
+    del view  # batch 1, let go before the consumer's next release: the loop variable
+    assert len(made) == 1
+
+
 def test_device_ring_keeps_kept_batches_with_spares_first(monkeypatch):
     """On the GPU (CuPy's CPU stand-in): the views are CuPy arrays owning a lease, and tensors
     made with DLPack keep them; a kept block moves to the arena's spare, then to fresh memory."""
