@@ -4,6 +4,25 @@ This module is a pure function of its inputs (it imports only NumPy and the stan
 no I/O and keeps no state that affects results). Everything the loader, the service and a resumed
 run need to agree on the order is here.
 
+Order versions
+--------------
+The order of an epoch is versioned; a `Plan` names its version (``order``), and so does every
+state it writes (`PlanState` field ``"order"``; a state without it is of order 1, written before
+versions existed). A state is resumed only by a plan of its own order: another is refused naming
+both. Every version stays here, so an old checkpoint always resumes (pass ``order=1``).
+
+* Order 1 (rule 3 below, and `gdsload.plan.mix.mix_order`): the whole epoch's order is built in
+  memory before its first batch (three sorts of ``N`` keys, 40-72 bytes per sample at the peak,
+  8 kept), so its cost grows with the epoch: 10^8 samples take minutes and gigabytes.
+* Order 2 (`gdsload.plan.window`, `gdsload.plan.interleave`): the same scheme with its sorts
+  replaced by keyed bijections (`gdsload.plan.permute`), so the sample at a position is computed
+  from the position: per batch, with memory O(shards + datasets) per epoch, never O(samples); an
+  epoch of 10^10 samples plans as fast as one of 10^3. Rules 1-6 hold as stated, 3 with the
+  differences `gdsload.plan.window` gives (a window counts at most the non-empty shards and the
+  largest shard's samples; empty shards take no place).
+
+`DEFAULT_ORDER` is the loaders' default; a `Plan` not told (like a state not saying) is order 1.
+
 Terms
 -----
 * A dataset is a tuple of shard sample counts ``shard_sizes``; sample ids are numbered shard-major
@@ -36,7 +55,8 @@ Invariants
    c. ``window=1`` shuffles within each shard only (shards are emitted one after another, in the
       shuffled shard order). A window of at least the number of shards spreads every shard over
       most of the epoch.
-   d. Cost: three sorts of ``N`` 64-bit keys; about 0.2 s for 1.3 M samples.
+   d. Cost (order 1): three sorts of ``N`` 64-bit keys; about 0.2 s for 1.3 M samples. Order 2:
+      O(shards) per epoch, then per batch a few array operations over its positions.
 
 4. Sharding across ranks: in step ``k`` rank ``r`` takes positions ``k*G + r + j*world_size`` for
    ``j = 0..batch_size-1`` (that is ``order[r::world_size]`` cut into batches of ``batch_size``).
@@ -73,17 +93,22 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
 from gdsload.errors import PlanError, StateError  # noqa: F401 (re-exported: defined in errors.py)
 
 __all__ = [
+    "DEFAULT_ORDER",
+    "ORDERS",
     "STATE_VERSION",
     "Plan",
+    "PlanBatches",
     "PlanError",
     "PlanState",
     "StateError",
@@ -93,13 +118,24 @@ __all__ = [
 STATE_VERSION = 1
 """Version of the `PlanState` layout; a state of another version is refused."""
 
+ORDERS = (1, 2)
+"""The order versions this module plans (module docstring, "Order versions")."""
+
+DEFAULT_ORDER = 1
+"""The order a `DataLoader` plans when not told. Order 2 is the one to default to; it waits for
+the feed: a `RemoteLoader`'s request names no order yet (the server plans order 1 for it), and a
+local loader must give the same order as a remote one, so both default to 1 until the request
+carries the order. `DataLoader(order=2)` plans order 2 now."""
+
 _DOMAIN = 0x706C616E  # "plan": keeps this stream apart from other users of the same seed
 
 
 class PlanState(TypedDict):
-    """The JSON-serialisable loader state: where a run is, and what its order depends on."""
+    """The JSON-serialisable loader state: where a run is, and what its order depends on
+    (``order``: the order version; absent in states written before versions: order 1)."""
 
     version: int
+    order: NotRequired[int]  # (`_OPTIONAL_FIELDS`: NotRequired is not seen under postponed annotations)
     dataset: str
     seed: int
     shuffle: bool
@@ -109,6 +145,9 @@ class PlanState(TypedDict):
     position: int
     global_batch: int
     num_samples: int
+
+
+_OPTIONAL_FIELDS = ("order",)  # the `PlanState` fields a state may lack
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +173,13 @@ def _bool(name: str, value: Any, *, error: type[PlanError] = PlanError) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise error(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _order_version(value: Any, *, name: str = "order", error: type[PlanError] = PlanError) -> int:
+    """`value` as an order version (one of `ORDERS`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) not in ORDERS:
+        raise error(f"{name} must be one of the order versions {' or '.join(map(str, ORDERS))}, got {value!r}")
+    return int(value)
 
 
 def _shard_sizes(value: Any) -> tuple[int, ...]:
@@ -209,22 +255,23 @@ def epoch_order(
     epoch: int,
     shuffle: bool,
     window: int = 4,
+    order: int = 1,
 ) -> np.ndarray:
     """The global sample ids of one epoch, in order (a new int64 array, a permutation of 0..N-1).
 
     Unshuffled: ``0..N-1``. Shuffled: shard order permuted and samples mixed within a sliding
-    window of `window` shards, as described in the module docstring. Depends only on the
-    arguments.
+    window of `window` shards, as described in the module docstring, in order version `order`.
+    Depends only on the arguments. (The whole epoch: O(N) memory in either version; a plan reads
+    order 2 per batch instead.)
     """
     sizes = _shard_sizes(shard_sizes)
-    order = _compute_order(
-        sizes,
-        _int("seed", seed, minimum=0),
-        _int("epoch", epoch, minimum=0),
-        _bool("shuffle", shuffle),
-        _int("window", window, minimum=1),
-    )
-    return order
+    args = (sizes, _int("seed", seed, minimum=0), _int("epoch", epoch, minimum=0), _bool("shuffle", shuffle),
+            _int("window", window, minimum=1))
+    if _order_version(order) == 1:
+        return _compute_order(*args)
+    from gdsload.plan.window import WindowOrder
+
+    return WindowOrder(*args).at(np.arange(sum(sizes), dtype=np.int64))
 
 
 @functools.lru_cache(maxsize=4)
@@ -234,6 +281,41 @@ def _cached_order(
     order = _compute_order(sizes, seed, epoch, shuffle, window)
     order.setflags(write=False)
     return order
+
+
+class _Materialised:
+    """An order-1 epoch order (a whole array) behind the interface order 2's objects have."""
+
+    def __init__(self, order: np.ndarray):
+        self.order = order
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        return self.order[positions]
+
+
+# Order-2 epoch objects (O(shards) each), shared by plans of the same dataset and order options:
+# the ranks, the server's streams and the batches of one epoch look them up per batch.
+_EPOCHS: OrderedDict[tuple, Any] = OrderedDict()
+_EPOCHS_LOCK = threading.Lock()
+_EPOCHS_KEPT = 16
+_EPOCHS_BYTES = 64 * 1024 * 1024  # kept together at most (the newest is kept whatever its size)
+
+
+def cached_epoch(key: tuple, build: Callable[[], Any]) -> Any:
+    """The epoch object of `key`, built by `build()` on a miss; least recently used evicted."""
+    with _EPOCHS_LOCK:
+        hit = _EPOCHS.get(key)
+        if hit is not None:
+            _EPOCHS.move_to_end(key)
+            return hit
+    made = build()
+    with _EPOCHS_LOCK:
+        made = _EPOCHS.setdefault(key, made)
+        _EPOCHS.move_to_end(key)
+        while len(_EPOCHS) > 1 and (len(_EPOCHS) > _EPOCHS_KEPT
+                                    or sum(o.nbytes for o in _EPOCHS.values()) > _EPOCHS_BYTES):
+            _EPOCHS.popitem(last=False)
+    return made
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,6 +343,7 @@ class Plan:
     window: int = 4
     drop_last: bool = False
     earlier: tuple[tuple[str, int], ...] = ()
+    order: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset_id, str) or not self.dataset_id:
@@ -293,6 +376,7 @@ class Plan:
         object.__setattr__(self, "shuffle", _bool("shuffle", self.shuffle))
         object.__setattr__(self, "window", _int("window", self.window, minimum=1))
         object.__setattr__(self, "drop_last", _bool("drop_last", self.drop_last))
+        object.__setattr__(self, "order", _order_version(self.order))
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -332,17 +416,36 @@ class Plan:
 
     # ---- order ------------------------------------------------------------------------------
 
+    @functools.cached_property
+    def _sizes_key(self) -> str:
+        from gdsload.plan.window import sizes_key
+
+        return sizes_key(self.shard_sizes)
+
+    def _epoch(self, epoch: int) -> Any:
+        """The order of `epoch` as an object whose ``at(positions)`` gives the ids there: order 1's
+        whole array (built once per epoch, cached), or order 2's on-demand order."""
+        if self.order == 1:
+            return _Materialised(self._order(epoch))
+        from gdsload.plan.window import WindowOrder
+
+        args = (self.shard_sizes, self.seed, epoch, self.shuffle, self.window)
+        return cached_epoch(("plan", 2, self._sizes_key, *args[1:]), lambda: WindowOrder(*args))
+
     def _order(self, epoch: int) -> np.ndarray:
-        return _cached_order(self.shard_sizes, self.seed, epoch, self.shuffle, self.window)
+        """The whole epoch's order (an array of N ids; order 2 builds it: O(N), for checks)."""
+        if self.order == 1:
+            return _cached_order(self.shard_sizes, self.seed, epoch, self.shuffle, self.window)
+        return self._epoch(epoch).at(np.arange(self.num_samples, dtype=np.int64))
 
     def epoch_indices(self, epoch: int) -> np.ndarray:
-        """The global ids this rank reads in `epoch`, in order (a new int64 array)."""
+        """The global ids this rank reads in `epoch`, in order (a new int64 array of about N/W ids:
+        the whole epoch's share of this rank; `batch` and `batches` compute one batch at a time)."""
         epoch = _int("epoch", epoch, minimum=0)
-        order = self._order(epoch)
         positions = np.arange(self.rank, self._used_positions(), self.world_size, dtype=np.int64)
         if not self.drop_last:
             positions %= self.num_samples  # the padding repeats the order from its start
-        return order[positions]
+        return self._epoch(epoch).at(positions)
 
     def _check_position(self, position: Any, *, error: type[PlanError], name: str) -> int:
         position = _int(name, position, minimum=0, error=error)
@@ -360,7 +463,8 @@ class Plan:
         return position
 
     def batches(self, epoch: int, start_position: int = 0) -> Iterator[np.ndarray]:
-        """This rank's batches of `epoch` (int64 arrays of global ids), from `start_position`.
+        """This rank's batches of `epoch` (int64 arrays of global ids), from `start_position`,
+        each computed when the iterator reaches it.
 
         `start_position` counts the order positions all ranks together have consumed: a multiple
         of the global batch, at most `end_position` (which yields nothing).
@@ -370,10 +474,36 @@ class Plan:
         return self._batches(epoch, start // self.global_batch)
 
     def _batches(self, epoch: int, first_step: int) -> Iterator[np.ndarray]:
-        ids = self.epoch_indices(epoch)
-        b = self.batch_size
+        order = self._epoch(epoch)
         for step in range(first_step, self.num_steps):
-            yield ids[step * b : (step + 1) * b]
+            yield self._batch(order, step)
+
+    def batch(self, epoch: int, step: int) -> np.ndarray:
+        """This rank's batch of global step `step` of `epoch` (``0 <= step < num_steps``)."""
+        epoch = _int("epoch", epoch, minimum=0)
+        step = self._check_step(step)
+        return self._batch(self._epoch(epoch), step)
+
+    def batches_at(self, epoch: int, steps: Sequence[int]) -> PlanBatches:
+        """This rank's batches of the global steps `steps` of `epoch`, in that order, as a
+        sequence computed per item when asked (a range of steps, or a server's strided blocks)."""
+        return PlanBatches(self, _int("epoch", epoch, minimum=0), steps)
+
+    def _check_step(self, step: Any) -> int:
+        step = _int("step", step, minimum=0)
+        if step >= self.num_steps:
+            raise PlanError(f"step {step} is beyond the epoch: it has {self.num_steps} steps (0..{self.num_steps - 1})")
+        return step
+
+    def _batch(self, order: Any, step: int) -> np.ndarray:
+        """Rule 4: in step k rank r reads positions k*G + r + j*W below the used positions."""
+        w = self.world_size
+        first = step * self.global_batch + self.rank
+        count = min(self.batch_size, max(0, -(-(self._used_positions() - first) // w)))
+        positions = first + w * np.arange(count, dtype=np.int64)
+        if not self.drop_last:
+            positions %= self.num_samples  # the padding repeats the order from its start
+        return order.at(positions)
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -383,6 +513,7 @@ class Plan:
         position = self._check_position(position, error=PlanError, name="position")
         return PlanState(
             version=STATE_VERSION,
+            order=self.order,
             dataset=self.dataset_id,
             seed=self.seed,
             shuffle=self.shuffle,
@@ -405,7 +536,7 @@ class Plan:
             raise StateError(
                 f"a loader state must be a mapping (a dict), got {type(state).__name__}"
             )
-        missing = [k for k in PlanState.__annotations__ if k not in state]
+        missing = [k for k in PlanState.__annotations__ if k not in _OPTIONAL_FIELDS and k not in state]
         if missing:
             raise StateError(
                 "the state is missing the field(s) " + ", ".join(repr(k) for k in missing)
@@ -418,6 +549,7 @@ class Plan:
                 f"state field 'version' is {version}; this gdsload reads state version "
                 f"{STATE_VERSION}"
             )
+        self._check_order(state)
         dataset = state["dataset"]
         if not isinstance(dataset, str):
             raise StateError(
@@ -472,6 +604,20 @@ class Plan:
         )
         return epoch, position
 
+    def _check_order(self, state: Mapping[str, Any]) -> None:
+        """Refuse a state of another order version, naming both (absent: order 1)."""
+        if "order" not in state:
+            saved, how = 1, "the state has no 'order' field (it was saved before order versions): it is of order 1"
+        else:
+            saved = _order_version(state["order"], name="state field 'order'", error=StateError)
+            how = f"the state is of order {saved}"
+        if saved != self.order:
+            raise StateError(
+                f"state field 'order' does not match: {how}, this loader plans order {self.order}; "
+                f"resume it with a loader of order={saved} (every order version stays readable) or "
+                f"start a new epoch from a fresh state"
+            )
+
     def _check_mix(self, state: Mapping[str, Any]) -> None:
         """Refuse a state of a mix (`gdsload.plan.mix.MixPlan` checks the mix instead)."""
         if "mix" in state:
@@ -481,3 +627,26 @@ class Plan:
                 f"the state is from a mix of datasets {names}, this loader reads one dataset "
                 f"({self.dataset_id!r}); resume it with the same gdsload.Mix"
             )
+
+
+class PlanBatches(Sequence[np.ndarray]):
+    """A plan's batches for given global steps of one epoch, each computed when indexed (nothing
+    is kept: a pass over 10^8 batches holds none of them). Safe to index from several threads."""
+
+    def __init__(self, plan: Plan, epoch: int, steps: Sequence[int]):
+        if isinstance(steps, range):
+            if len(steps):
+                plan._check_step(steps[0])
+                plan._check_step(steps[-1])
+        else:
+            steps = [plan._check_step(s) for s in steps]
+        self.plan, self.epoch, self.steps = plan, epoch, steps
+        self._order = plan._epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.plan._batch(self._order, self.steps[i])

@@ -1,4 +1,5 @@
-"""The plan: epoch order, sharding across ranks, resumption (also elastic), state checks."""
+"""The plan: epoch order, sharding across ranks, resumption (also elastic), state checks, in both
+order versions (order 2 at 10^10 samples: tests/plan/test_order2.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gdsload.errors import GdsloadError
-from gdsload.plan.plan import STATE_VERSION, Plan, PlanError, StateError, epoch_order
+from gdsload.plan.plan import DEFAULT_ORDER, ORDERS, STATE_VERSION, Plan, PlanError, StateError, epoch_order
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # 1..300 samples over 1..7 shards (empty shards allowed, as long as the dataset is not empty)
 shard_sizes = st.lists(st.integers(0, 60), min_size=1, max_size=7).filter(lambda s: sum(s) > 0)
 nonempty_shard_sizes = st.lists(st.integers(1, 45), min_size=1, max_size=7)
+orders = st.sampled_from(ORDERS)
 
 
 def shard_of(sizes, ids):
@@ -40,34 +42,42 @@ def all_ranks(plan: Plan, **changes) -> list[Plan]:
 
 @SETTINGS
 @given(sizes=shard_sizes, seed=st.integers(0, 2**40), epoch=st.integers(0, 50),
-       shuffle=st.booleans(), window=st.integers(1, 9))
-def test_order_is_a_deterministic_permutation(sizes, seed, epoch, shuffle, window):
-    order = epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    assert order.dtype == np.int64
-    assert np.array_equal(np.sort(order), np.arange(sum(sizes)))
-    again = epoch_order(tuple(sizes), seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    assert np.array_equal(order, again)
+       shuffle=st.booleans(), window=st.integers(1, 9), order=orders)
+def test_order_is_a_deterministic_permutation(sizes, seed, epoch, shuffle, window, order):
+    got = epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=window, order=order)
+    assert got.dtype == np.int64
+    assert np.array_equal(np.sort(got), np.arange(sum(sizes)))
+    again = epoch_order(tuple(sizes), seed=seed, epoch=epoch, shuffle=shuffle, window=window, order=order)
+    assert np.array_equal(got, again)
     if not shuffle:
-        assert np.array_equal(order, np.arange(sum(sizes)))
+        assert np.array_equal(got, np.arange(sum(sizes)))
 
 
-def test_unshuffled_is_identity_whatever_seed_and_window():
+@pytest.mark.parametrize("order", ORDERS)
+def test_unshuffled_is_identity_whatever_seed_and_window(order):
     for seed, window in [(0, 1), (5, 4), (123, 100)]:
-        order = epoch_order((4, 0, 7, 3), seed=seed, epoch=3, shuffle=False, window=window)
-        assert order.tolist() == list(range(14))
+        got = epoch_order((4, 0, 7, 3), seed=seed, epoch=3, shuffle=False, window=window, order=order)
+        assert got.tolist() == list(range(14))
 
 
-def test_other_epoch_or_seed_gives_other_order():
+@pytest.mark.parametrize("order", ORDERS)
+def test_other_epoch_or_seed_gives_other_order(order):
     sizes = (30, 25, 40, 5)
-    base = epoch_order(sizes, seed=1, epoch=0, shuffle=True)
+    base = epoch_order(sizes, seed=1, epoch=0, shuffle=True, order=order)
     assert not np.array_equal(base, np.arange(100))
-    assert not np.array_equal(base, epoch_order(sizes, seed=1, epoch=1, shuffle=True))
-    assert not np.array_equal(base, epoch_order(sizes, seed=2, epoch=0, shuffle=True))
-    assert not np.array_equal(base, epoch_order(sizes, seed=1, epoch=0, shuffle=True, window=2))
+    assert not np.array_equal(base, epoch_order(sizes, seed=1, epoch=1, shuffle=True, order=order))
+    assert not np.array_equal(base, epoch_order(sizes, seed=2, epoch=0, shuffle=True, order=order))
+    assert not np.array_equal(base, epoch_order(sizes, seed=1, epoch=0, shuffle=True, window=2, order=order))
     for window in (1, 2, 4):
-        epochs = {tuple(epoch_order((20,) * 5, seed=0, epoch=e, shuffle=True, window=window))
+        epochs = {tuple(epoch_order((20,) * 5, seed=0, epoch=e, shuffle=True, window=window, order=order))
                   for e in range(10)}
         assert len(epochs) == 10
+
+
+def test_the_two_orders_differ():
+    sizes = (30, 25, 40, 5)
+    assert not np.array_equal(epoch_order(sizes, seed=1, epoch=0, shuffle=True, order=1),
+                              epoch_order(sizes, seed=1, epoch=0, shuffle=True, order=2))
 
 
 def test_order_is_pinned():
@@ -81,12 +91,25 @@ def test_order_is_pinned():
     ]
 
 
+def test_order_2_is_pinned():
+    # Order 2 is as much part of the resume contract as order 1 (a third order would be a new
+    # version): these values were computed when order 2 was introduced.
+    assert epoch_order((3, 2, 4), seed=7, epoch=1, shuffle=True, window=2, order=2).tolist() == [
+        0, 2, 1, 7, 6, 4, 5, 8, 3,
+    ]
+    assert epoch_order((5, 5, 5, 5), seed=0, epoch=0, shuffle=True, window=1, order=2).tolist() == [
+        13, 14, 12, 10, 11, 8, 6, 7, 5, 9, 1, 2, 3, 4, 0, 17, 19, 15, 18, 16,
+    ]
+    big = Plan("ds", (10**6,) * 10**4, 4, shuffle=True, seed=3, order=2)  # 10^10 samples
+    assert big.batch(5, 10**9).tolist() == [1236078862, 1236356349, 4320682153, 6979330287]
+
+
 @SETTINGS
-@given(sizes=shard_sizes, seed=st.integers(0, 1000), window=st.integers(1, 8))
-def test_window_open_shards_bound(sizes, seed, window):
+@given(sizes=shard_sizes, seed=st.integers(0, 1000), window=st.integers(1, 8), order=orders)
+def test_window_open_shards_bound(sizes, seed, window, order):
     # Documented bound (a): at every position at most `window` shards are open, i.e. have samples
     # both at-or-before and at-or-after that position.
-    order = epoch_order(sizes, seed=seed, epoch=0, shuffle=True, window=window)
+    order = epoch_order(sizes, seed=seed, epoch=0, shuffle=True, window=window, order=order)
     shard = shard_of(sizes, order)
     n = len(order)
     first = np.full(len(sizes), n)
@@ -101,10 +124,10 @@ def test_window_open_shards_bound(sizes, seed, window):
 
 
 @SETTINGS
-@given(sizes=nonempty_shard_sizes, seed=st.integers(0, 1000), window=st.integers(1, 8))
-def test_window_run_bound(sizes, seed, window):
+@given(sizes=nonempty_shard_sizes, seed=st.integers(0, 1000), window=st.integers(1, 8), order=orders)
+def test_window_run_bound(sizes, seed, window, order):
     # Documented bound (b): any min(shard_sizes) consecutive positions draw from <= window+1 shards.
-    order = epoch_order(sizes, seed=seed, epoch=0, shuffle=True, window=window)
+    order = epoch_order(sizes, seed=seed, epoch=0, shuffle=True, window=window, order=order)
     shard = shard_of(sizes, order)
     m = min(sizes)
     for start in range(len(order) - m + 1):
@@ -112,16 +135,17 @@ def test_window_run_bound(sizes, seed, window):
 
 
 @SETTINGS
-@given(sizes=shard_sizes, seed=st.integers(0, 1000))
-def test_window_one_shuffles_within_shards_only(sizes, seed):
-    order = epoch_order(sizes, seed=seed, epoch=0, shuffle=True, window=1)
+@given(sizes=shard_sizes, seed=st.integers(0, 1000), order=orders)
+def test_window_one_shuffles_within_shards_only(sizes, seed, order):
+    order = epoch_order(sizes, seed=seed, epoch=0, shuffle=True, window=1, order=order)
     shard = shard_of(sizes, order)
     runs = [int(s) for i, s in enumerate(shard) if i == 0 or shard[i - 1] != s]
     assert len(runs) == len(set(runs)) == sum(1 for n in sizes if n)
 
 
-def test_large_window_mixes_shards():
-    order = epoch_order((50,) * 4, seed=3, epoch=0, shuffle=True, window=8)
+@pytest.mark.parametrize("order", ORDERS)
+def test_large_window_mixes_shards(order):
+    order = epoch_order((50,) * 4, seed=3, epoch=0, shuffle=True, window=8, order=order)
     # every shard appears in the first quarter of the epoch
     assert set(shard_of((50,) * 4, order[:50]).tolist()) == {0, 1, 2, 3}
 
@@ -156,21 +180,25 @@ def test_epoch_order_rejects_bad_arguments():
 @SETTINGS
 @given(sizes=shard_sizes, world=st.integers(1, 8), batch=st.integers(1, 16),
        drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 100),
-       epoch=st.integers(0, 3), window=st.integers(1, 5))
-def test_ranks_partition_the_epoch(sizes, world, batch, drop_last, shuffle, seed, epoch, window):
+       epoch=st.integers(0, 3), window=st.integers(1, 5), version=orders)
+def test_ranks_partition_the_epoch(sizes, world, batch, drop_last, shuffle, seed, epoch, window, version):
     plans = all_ranks(Plan("ds", tuple(sizes), batch, world_size=world, seed=seed,
-                           shuffle=shuffle, window=window, drop_last=drop_last))
+                           shuffle=shuffle, window=window, drop_last=drop_last, order=version))
     n, g = sum(sizes), batch * world
     # the order every rank slices is the world-independent epoch order
-    order = epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    order = epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=window, order=version)
 
     per_rank = [p.epoch_indices(epoch) for p in plans]
     batches = [list(p.batches(epoch)) for p in plans]
     steps = {len(p) for p in plans} | {p.num_batches(epoch) for p in plans}
     assert steps == {len(b) for b in batches}  # equal batch counts across ranks
     (num_steps,) = steps
-    for ids, bs in zip(per_rank, batches):
+    for p, ids, bs in zip(plans, per_rank, batches):
         assert np.array_equal(np.concatenate(bs) if bs else np.zeros(0, np.int64), ids)
+        # one batch at a time, and any steps in any order, give the same batches
+        assert all(np.array_equal(p.batch(epoch, k), b) for k, b in enumerate(bs))
+        picked = list(range(num_steps))[::-2]
+        assert all(np.array_equal(a, bs[k]) for a, k in zip(p.batches_at(epoch, picked), picked))
 
     # exact layout: in step k rank r holds positions k*G + r + j*world
     total = n // g * g if drop_last else -(-n // world) * world
@@ -216,11 +244,12 @@ def roundtrip(state):
     return json.loads(json.dumps(state))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("drop_last", [True, False])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_resume_gives_the_identical_remainder(drop_last, shuffle):
+def test_resume_gives_the_identical_remainder(drop_last, shuffle, order):
     plan = Plan("ds", (17, 30, 8, 21), batch_size=3, world_size=2, rank=1, seed=9,
-                shuffle=shuffle, drop_last=drop_last)
+                shuffle=shuffle, drop_last=drop_last, order=order)
     full = list(plan.batches(2))
     steps = len(full)
     assert steps >= 4
@@ -247,21 +276,21 @@ def read(plan: Plan, epoch: int, start: int, stop: int | None = None) -> list[in
 
 @SETTINGS
 @given(sizes=shard_sizes, half=st.integers(1, 4), drop_last=st.booleans(),
-       shuffle=st.booleans(), seed=st.integers(0, 100), data=st.data())
-def test_elastic_resume_reads_the_rest_exactly(sizes, half, drop_last, shuffle, seed, data):
+       shuffle=st.booleans(), seed=st.integers(0, 100), version=orders, data=st.data())
+def test_elastic_resume_reads_the_rest_exactly(sizes, half, drop_last, shuffle, seed, version, data):
     b4 = 2 * half  # world 4 x batch b4 == world 2 x batch 2*b4 == world 8 x batch b4/2
     before_plan = Plan("ds", tuple(sizes), b4, world_size=4, seed=seed, shuffle=shuffle,
-                       drop_last=drop_last)
+                       drop_last=drop_last, order=version)
     n, g = sum(sizes), before_plan.global_batch
     stop_step = data.draw(st.integers(0, len(before_plan)), label="stop_step")
     position = stop_step * g
     state = roundtrip(before_plan.state(1, position))
     before = read(before_plan, 1, 0, position)
-    order = epoch_order(sizes, seed=seed, epoch=1, shuffle=shuffle, window=4)
+    order = epoch_order(sizes, seed=seed, epoch=1, shuffle=shuffle, window=4, order=version)
 
     for world, batch in [(2, 2 * b4), (8, half), (4, b4), (1, g)]:
         after_plan = Plan("ds", tuple(sizes), batch, world_size=world, seed=seed,
-                          shuffle=shuffle, drop_last=drop_last)
+                          shuffle=shuffle, drop_last=drop_last, order=version)
         epoch, pos = after_plan.resume(state)
         assert (epoch, pos) == (1, position)
         total = Counter(before) + Counter(read(after_plan, epoch, pos))
@@ -280,15 +309,65 @@ BASE = dict(dataset_id="a" * 64, shard_sizes=(10, 20, 7), batch_size=2, world_si
             seed=5, shuffle=True, window=3, drop_last=False)
 
 
-def test_state_is_tiny_json():
-    plan = Plan(**BASE)
+@pytest.mark.parametrize("order", ORDERS)
+def test_state_is_tiny_json(order):
+    plan = Plan(**BASE, order=order)
     state = plan.state(3, 16)
-    assert set(state) == {"version", "dataset", "seed", "shuffle", "window", "drop_last",
+    assert set(state) == {"version", "order", "dataset", "seed", "shuffle", "window", "drop_last",
                           "epoch", "position", "global_batch", "num_samples"}
-    assert state["version"] == STATE_VERSION
+    assert state["version"] == STATE_VERSION and state["order"] == order
     assert roundtrip(state) == state
     assert len(json.dumps(state)) < 400
     assert plan.resume(roundtrip(state)) == (3, 16)
+
+
+def test_a_plan_not_told_is_order_1_and_the_loader_default_is_named():
+    assert Plan(**BASE).order == 1 and Plan(**BASE).state(0, 0)["order"] == 1
+    assert DEFAULT_ORDER in ORDERS
+
+
+def test_a_state_without_order_is_of_order_1():
+    """States saved before order versions have no "order": order 1 resumes them, order 2 refuses
+    them saying so."""
+    old = dict(Plan(**BASE).state(2, 16))
+    del old["order"]
+    assert Plan(**BASE).resume(old) == (2, 16)
+    with pytest.raises(StateError, match=r"'order' does not match: the state has no 'order' field .* it is of "
+                                         r"order 1, this loader plans order 2; resume it with a loader of order=1"):
+        Plan(**BASE, order=2).resume(old)
+
+
+@pytest.mark.parametrize(("saved", "current"), [(1, 2), (2, 1)])
+def test_a_state_of_another_order_is_refused_naming_both(saved, current):
+    state = roundtrip(Plan(**BASE, order=saved).state(0, 8))
+    with pytest.raises(StateError, match=f"the state is of order {saved}, this loader plans order {current}; "
+                                         f"resume it with a loader of order={saved}"):
+        Plan(**BASE, order=current).resume(state)
+
+
+@pytest.mark.parametrize("bad", [0, 3, "2", 2.0, True, None])
+def test_an_unknown_order_is_refused(bad):
+    with pytest.raises(PlanError, match=f"order must be one of the order versions 1 or 2, got {bad!r}"):
+        Plan(**BASE, order=bad)
+    state = dict(Plan(**BASE).state(0, 8), order=bad)
+    with pytest.raises(StateError, match="state field 'order' must be one of the order versions 1 or 2"):
+        Plan(**BASE).resume(state)
+    with pytest.raises(PlanError, match="order"):
+        epoch_order((3,), seed=0, epoch=0, shuffle=True, order=bad)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_single_batches_and_bad_steps(order):
+    plan = Plan(**BASE, order=order)
+    assert len(plan.batches_at(0, range(0))) == 0
+    with pytest.raises(PlanError, match=r"step 5 is beyond the epoch: it has 5 steps \(0\.\.4\)"):
+        plan.batch(0, 5)
+    with pytest.raises(PlanError, match="step 5 is beyond"):
+        plan.batches_at(0, range(3, 6))
+    with pytest.raises(PlanError, match="step must be an integer >= 0, got -1"):
+        plan.batches_at(0, [2, -1])
+    lazy = plan.batches_at(1, range(1, 4))
+    assert [b.tolist() for b in lazy[1:]] == [plan.batch(1, k).tolist() for k in (2, 3)]
 
 
 @pytest.mark.parametrize(
