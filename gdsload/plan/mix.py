@@ -40,6 +40,14 @@ the datasets' shards one after another.
    batches) and ``M`` is a multiple of ``G``. This is the only case where the order depends on
    ``G``, which a resume keeps anyway.
 
+That is order 1 (`gdsload.plan.plan`, "Order versions"): the epoch's order is built whole, and
+its cost grows with the epoch (below). Order 2 (`gdsload.plan.interleave`) keeps the counts
+``c_i`` and the streams of rule 1 (each own epoch in order 2) and computes per block of
+positions: the counts before a position are the smooth interleave's (rule 2 without shuffle),
+exactly, so every block of `BLOCK` units has the weights' proportions to within one unit per
+dataset, and with ``shuffle`` the block's positions are permuted; nothing is built per sample, so
+``samples_per_epoch=10**10`` plans as fast as ``10**3``.
+
 Everything else is the plan's (`gdsload.plan.plan`): ranks take interleaved slices of this order, the
 ``drop_last`` and padding rules apply to ``M``, a state records the global position and resumes
 exactly, also on another world size with the same global batch. A state also records the mix
@@ -71,7 +79,16 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from gdsload.plan.plan import Plan, PlanError, PlanState, StateError, _compute_order, _shorten
+from gdsload.plan.plan import (
+    Plan,
+    PlanError,
+    PlanState,
+    StateError,
+    _compute_order,
+    _order_version,
+    _shorten,
+    cached_epoch,
+)
 
 __all__ = ["MixPlan", "MixSource", "MixSpec", "mix_order"]
 
@@ -98,6 +115,13 @@ class MixSource:
     @property
     def num_samples(self) -> int:
         return sum(self.shard_sizes)
+
+    @functools.cached_property
+    def sizes_key(self) -> str:
+        """A short identity of `shard_sizes` (cache keys)."""
+        from gdsload.plan.window import sizes_key
+
+        return sizes_key(self.shard_sizes)
 
     def fixed_count(self) -> int | None:
         """``c_i`` when fixed by `samples` or `repeat`, else None (weighted)."""
@@ -260,12 +284,17 @@ def _stream(source: MixSource, seed: int, i: int, shuffle: bool, window: int,
 
 
 def mix_order(spec: MixSpec, *, seed: int, epoch: int, shuffle: bool, window: int = 4,
-              global_batch: int = 1) -> np.ndarray:
-    """The global ids of mix epoch `epoch`, in order (int64; see the module docstring).
+              global_batch: int = 1, order: int = 1) -> np.ndarray:
+    """The global ids of mix epoch `epoch`, in order (int64; see the module docstring), in order
+    version `order` (the whole epoch: O(M) memory either way; a `MixPlan` of order 2 computes
+    per batch instead).
 
     `global_batch` matters only with ``mix_by="batch"`` (the interleave's unit).
     """
     unit = global_batch if spec.mix_by == "batch" else 1
+    if _order_version(order) == 2:
+        mixed = mix_order2(spec, seed=seed, epoch=epoch, shuffle=shuffle, window=window, unit=unit)
+        return mixed.at(np.arange(mixed.num_samples, dtype=np.int64))
     units = spec.units(unit)
     k = len(spec.sources)
     labels = np.repeat(np.arange(k, dtype=np.int64), units)
@@ -291,6 +320,26 @@ def mix_order(spec: MixSpec, *, seed: int, epoch: int, shuffle: bool, window: in
     return out
 
 
+def mix_order2(spec: MixSpec, *, seed: int, epoch: int, shuffle: bool, window: int, unit: int) -> Any:
+    """Order 2 of mix epoch `epoch` (`gdsload.plan.interleave.MixOrder`, computed where asked);
+    its datasets' own epochs are built when reached and shared through `cached_epoch`."""
+    from gdsload.plan.interleave import MixOrder
+    from gdsload.plan.window import WindowOrder
+
+    def own(i: int, source: MixSource) -> Any:
+        own_seed = _source_seed(seed, i)
+
+        def at_epoch(e: int) -> Any:
+            args = (source.shard_sizes, own_seed, e, shuffle, window)
+            return cached_epoch(("plan", 2, source.sizes_key, *args[1:]), lambda: WindowOrder(*args))
+
+        return at_epoch
+
+    offsets = spec.offsets
+    sources = [(own(i, s), s.num_samples, int(offsets[i])) for i, s in enumerate(spec.sources)]
+    return MixOrder(spec.units(unit).tolist(), unit, seed, epoch, shuffle, sources)
+
+
 # What building one epoch's order costs: the peak of `mix_order`'s arrays per sample of the
 # epoch (measured with tracemalloc at 1e6 and 4e6 samples: 42 B shuffled, 66 B in order; mix_by
 # "batch" the same), and what the finished order keeps (int64 ids).
@@ -299,17 +348,27 @@ ORDER_KEPT_BYTES_PER_SAMPLE = 8
 ORDER_CACHE_BYTES = 256 * 1024 * 1024  # orders kept between calls, all mixes together (LRU)
 
 
-def order_nbytes(spec: MixSpec, global_batch: int = 1) -> int:
-    """The most memory building one epoch's `mix_order` of `spec` takes (its samples times
-    `ORDER_PEAK_BYTES_PER_SAMPLE`), from the counts alone: nothing is built to know it."""
+# Order 2 keeps per epoch its block cache and, per dataset, about 40 bytes per shard for each own
+# epoch in use (two at an own epoch's end).
+ORDER2_SHARD_BYTES = 2 * 40
+
+
+def order_nbytes(spec: MixSpec, global_batch: int = 1, order: int = 1) -> int:
+    """The most memory building one epoch's order of `spec` takes, from the counts alone (nothing
+    is built to know it): order 1, its samples times `ORDER_PEAK_BYTES_PER_SAMPLE`; order 2, its
+    block cache and its datasets' own orders (O(shards), whatever the epoch's size)."""
+    if _order_version(order) == 2:
+        from gdsload.plan.interleave import MixOrder
+
+        return MixOrder.nbytes + ORDER2_SHARD_BYTES * len(spec.shard_sizes)
     unit = global_batch if spec.mix_by == "batch" else 1
     return int(spec.counts(unit).sum()) * ORDER_PEAK_BYTES_PER_SAMPLE
 
 
-def check_order_memory(spec: MixSpec, global_batch: int, limit: int | None, what: str) -> None:
+def check_order_memory(spec: MixSpec, global_batch: int, limit: int | None, what: str, order: int = 1) -> None:
     """Refuse (`PlanError`) a mix whose epoch order would take more than `limit` bytes to build
-    (`what` names the limit); None: no limit known."""
-    need = order_nbytes(spec, global_batch)
+    (`what` names the limit); None: no limit known. Only order 1 grows with the epoch."""
+    need = order_nbytes(spec, global_batch, order)
     if limit is not None and need > limit:
         unit = global_batch if spec.mix_by == "batch" else 1
         raise PlanError(
@@ -384,9 +443,19 @@ class MixPlan(Plan):
         """M, the samples of one epoch of the mix."""
         return int(self.mix.counts(self._global_batch_for_order).sum())
 
+    def _epoch(self, epoch: int) -> Any:
+        if self.order == 1:
+            return super()._epoch(epoch)  # order 1's whole array, from `_order`
+        unit = self._global_batch_for_order
+        key = ("mix", 2, self.mix.mix_id, self.seed, epoch, self.shuffle, self.window, unit)
+        return cached_epoch(key, lambda: mix_order2(self.mix, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                                    window=self.window, unit=unit))
+
     def _order(self, epoch: int) -> np.ndarray:
-        return _cached_mix_order(self.mix, self.seed, epoch, self.shuffle, self.window,
-                                 self._global_batch_for_order)
+        if self.order == 1:
+            return _cached_mix_order(self.mix, self.seed, epoch, self.shuffle, self.window,
+                                     self._global_batch_for_order)
+        return self._epoch(epoch).at(np.arange(self.num_samples, dtype=np.int64))
 
     def source_of(self, ids: np.ndarray) -> np.ndarray:
         """The dataset index of each global id."""
