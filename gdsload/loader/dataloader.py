@@ -69,6 +69,7 @@ from gdsload.frontend.options import LoaderOptions, check_workers
 from gdsload.frontend.usercode import MapStage
 from gdsload.host.forksafe import ProcessLocal
 from gdsload.loader.epoch import Epoch
+from gdsload.plan.plan import DEFAULT_ORDER
 
 __all__ = ["DataLoader", "Dataset"]
 
@@ -89,7 +90,10 @@ class DataLoader(ProcessLocal, PlanCursor):
     transform for samples of several kinds: `gdsload.decode.video`, `gdsload.decode.audio`; a
     video or audio field without one comes back as bytes), `fields` (which fields, in which order; the batch is then
     a tuple), `rank`/`world_size` (default: from `torch.distributed` when initialised),
-    `shuffle_window` (shards open at once for the within-window shuffle), `on_error` ("raise" or
+    `shuffle_window` (shards open at once for the within-window shuffle), `order` (the order
+    version, `gdsload.plan.plan`: 2 computes each batch's samples on demand, nothing per sample
+    in memory; 1, built whole per epoch, is what states saved before versions resume; the default,
+    `DEFAULT_ORDER`, is 1 while the feed serves order 1 only), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
     `output` ("torch" when torch is installed, else "numpy"), `decode_threads` (DALI's worker
     threads; default: one more than the cores, see `__init__`). User code (`gdsload.frontend.usercode`):
@@ -136,6 +140,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         rank: int | None = None,
         world_size: int | None = None,
         shuffle_window: int = 4,
+        order: int = DEFAULT_ORDER,
         on_error: Literal["raise", "skip"] = "raise",
         copy: bool = False,
         io: str = "auto",
@@ -185,7 +190,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         # threads, 3 interleaved rounds; DALI's own pipeline measured the same with 2 or 3)
         self.decode_threads = decode_threads or (os.cpu_count() or 1) + 1
         self.decoder_factory = decoder_factory
-        self.plan = self.dataset.make_plan(**opts.plan_args())
+        self.plan = self.dataset.make_plan(**opts.plan_args(), order=order)
         self.cursor = Cursor()
         self._start_process()
 

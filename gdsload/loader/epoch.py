@@ -17,7 +17,6 @@ epoch the training loop dropped (a `break`) is collected, and closing it ends th
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -61,13 +60,16 @@ class Epoch:
     def _start(self, plan, position, resources, layout, source, assembler, stage, tuner) -> None:
         self.position = position
         self.G = plan.global_batch
+        # the pass's batches, each computed when a reader claims it (`Plan.batches_at`): none is
+        # kept, so a pass over an epoch of 10^10 samples starts at once
         if self.steps is not None:  # these steps of the epoch, in this order (a server's blocks of a stripe)
-            every = list(plan.batches(self.epoch, 0))
-            self.batches = [every[s] for s in self.steps]
-            self.ends_epoch = bool(self.steps) and self.steps[-1] + 1 >= len(every)
+            self.batches = plan.batches_at(self.epoch, self.steps)
+            self.ends_epoch = bool(self.steps) and self.steps[-1] + 1 >= plan.num_steps
         else:
             # with `max_batches`, a part of the epoch (a server's stream of one block): nothing past it is read
-            self.batches = list(itertools.islice(plan.batches(self.epoch, position), self.max_batches))
+            first = position // self.G
+            stop = plan.num_steps if self.max_batches is None else min(plan.num_steps, first + self.max_batches)
+            self.batches = plan.batches_at(self.epoch, range(first, stop))
             self.ends_epoch = self.max_batches is None or position + self.max_batches * self.G >= plan.end_position
         self.ring = resources.ring
         self.ring.reset()
