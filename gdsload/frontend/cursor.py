@@ -17,7 +17,9 @@ iterator):
   not restart a resumed pass).
 - A new `iter()` while a pass is live closes that pass (its iterator then ends with
   `StopIteration`) and continues from the cursor.
-- A pass that ran to its end moves the cursor to the next epoch, position 0.
+- A pass that handed out its epoch's last batch has moved the cursor to the next epoch, position
+  0, whether or not its StopIteration was asked for (Lightning and the HF Trainer take `len()`
+  batches and call `iter()` again for the next epoch).
 """
 
 from __future__ import annotations

@@ -191,7 +191,12 @@ class Epoch:
         if streams is not None and slot.meta["batch"].mapped is not UNSET:  # map's tensors: the consumer's now
             streams.record_consumer(batch)
         self.position = (self.steps[self.next_seq - 1] + 1) * self.G if self.steps is not None else self.position + self.G
-        self.cursor.advance(self, self.epoch, self.position)
+        if self.ends_epoch and self.next_seq == len(self.batches):
+            # the epoch's last batch completes the epoch: the next iter() runs the next one, also for a
+            # trainer that counts batches and never asks for the StopIteration (Lightning, HF Trainer)
+            self.cursor.advance(self, self.epoch + 1, 0)
+        else:
+            self.cursor.advance(self, self.epoch, self.position)
         info = slot.meta["batch"]
         p = self.progress
         p.batches = self.next_seq

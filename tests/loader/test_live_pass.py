@@ -97,7 +97,8 @@ def test_load_state_dict_after_iter_with_process_workers(tmp_path_factory):
     states = []
     for _ in lo:
         states.append(lo.state_dict())
-    for k in range(len(full)):  # every step of the epoch
+    assert (states[-1]["epoch"], states[-1]["position"]) == (1, 0)  # the last batch completes the epoch
+    for k in range(len(full) - 1):  # every step of the epoch
         it = iter(lo)
         for _ in range(k):
             next(it)

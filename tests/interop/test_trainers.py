@@ -1,0 +1,75 @@
+"""gdsload loaders handed to the trainers people use, with no glue beyond what the docs show:
+Lightning's `Trainer.fit`, accelerate's `prepare` + `save_state`/`load_state`, and the HF
+`transformers.Trainer` with `gdsload.integrations.hf` (issue 52 item 1).
+
+The examples (`examples/*_resume.py`) run here as users run them, on the CPU with a tiny model and
+a tiny dataset: each trains without interruption, resumes from checkpoints taken mid-epoch, in
+the next epoch and at an epoch's end, and exits non-zero unless every resumed run trained on
+exactly the keys the uninterrupted run had left (and every batch's rows are the samples its keys
+name). The tests below them check what the trainers rely on, one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gdsload.loader.dataloader import DataLoader
+
+ROOT = Path(__file__).resolve().parents[2]
+N, BATCH = 48, 4  # 12 batches per epoch
+
+
+def write_tiny(path: Path, n: int = N) -> Path:
+    """`n` samples whose `npy` row is `n` times its own index: a batch's rows name its keys."""
+    import gdsload
+
+    with gdsload.ShardWriter(str(path), shard_size="48KiB", classes=["a", "b", "c"]) as w:
+        for i in range(n):
+            w.write({"__key__": f"{i:04d}", "npy": np.full(8, i, np.float32), "cls": i % 3})
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny(tmp_path_factory.mktemp("trainers") / "ds"))
+
+
+def make(path: str, **kw) -> DataLoader:
+    return DataLoader(path, **{"batch_size": BATCH, "shuffle": True, "seed": 3, "device": "cpu",
+                               "output": "numpy", **kw})
+
+
+def epoch_keys(path: str, epoch: int) -> list[str]:
+    lo = make(path)
+    lo.set_epoch(epoch)
+    keys = [k for b in lo for k in b["__key__"]]
+    lo.close()
+    return keys
+
+
+# -- what a trainer that counts batches needs -----------------------------------------------------
+def test_the_last_batch_completes_the_epoch_without_stop_iteration(tiny):
+    """Lightning and the HF Trainer take `len(loader)` batches and never ask for the StopIteration.
+    The epoch's last batch handed out moves the loader to the next epoch: the next `iter()` runs
+    it, and a checkpoint there resumes at its start. Before: the next `iter()` was an empty rest of
+    the old epoch, so Lightning's second epoch trained on nothing."""
+    e0, e1 = epoch_keys(tiny, 0), epoch_keys(tiny, 1)
+    assert e0 != e1
+    lo = make(tiny)
+    it = iter(lo)
+    got = [k for _ in range(len(lo)) for k in next(it)["__key__"]]
+    assert got == e0
+    state = lo.state_dict()
+    assert (lo.epoch, state["epoch"], state["position"]) == (1, 1, 0)
+    assert [k for b in lo for k in b["__key__"]] == e1  # the next iter(), the old one never drained
+    other = make(tiny)
+    other.load_state_dict(state)
+    assert [k for b in other for k in b["__key__"]] == e1
+    lo.close()
+    other.close()
