@@ -13,7 +13,10 @@ read while planning).
 
 A filler is given everything it uses: the loader's `Resources` (backends, cache, ring, streams,
 staging pool), the `BatchLayout`, the source (a mix's "__source__"), the pass's `OrderedDecoder`,
-`BatchAssembler`, user-code run and `StageTimes`. It writes nothing but the slot.
+`BatchAssembler`, user-code run and `StageTimes`. It writes nothing but the slot. A field it
+writes by offset into `Slot.flat`/`Slot.host_flat` must be named in
+`gdsload.loader.resources.written_by_offset`: the ring moves a kept field outside that set to memory
+of its own, which only `Slot.buffers` reaches (`gdsload.ring.ring`, "Slot lifetime").
 """
 
 from __future__ import annotations

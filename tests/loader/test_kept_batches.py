@@ -66,7 +66,7 @@ def _same(kept: list[dict], ref: list[dict], fields) -> int:
 
 
 @pytest.mark.parametrize("output", ["numpy", "torch"])
-@pytest.mark.parametrize("fields", [("cls",), ("cls", "npy")])
+@pytest.mark.parametrize("fields", [("cls",), ("npy",), ("cls", "npy")])
 def test_kept_batches_keep_their_values(npy, output, fields):
     """The issue's loop: `preds.append(batch["cls"])` over an epoch (and whole batches). Before:
     10-11 of 13 kept batches overwritten by later ones."""
@@ -209,6 +209,20 @@ def test_kept_device_batches_keep_their_values(monkeypatch, npy_big):
         pass
     gpu.synchronize_all()
     assert loader.stats()["ring_replaced"] == before
+    loader.close()
+
+
+@pytest.mark.parametrize("fields", [("npy",), ("cls",)])
+def test_kept_device_batches_copied_from_the_host_keep_their_values(monkeypatch, npy, fields):
+    """Without KvikIO, `.npy` rows are read on the host and copied into the device slot through its
+    buffers, so a kept `.npy` field moves alone, like a label, and the copy lands there."""
+    ref = _reference(npy, fields, batch_size=4, num_workers=2, seed=13, output="numpy")
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    loader = DataLoader(str(npy), batch_size=4, num_workers=2, seed=13, device="cuda", output="numpy")
+    kept = [{f: b[f] for f in fields} | {"__key__": list(b["__key__"])} for b in loader]
+    gpu.synchronize_all()
+    assert _same([{f: (v.get() if f != "__key__" else v) for f, v in k.items()} for k in kept], ref, fields) == 0
+    assert loader._resources.ring.spares == 0 and loader.stats()["ring_replaced"] >= 13 - loader.stats()["ring_slots"]
     loader.close()
 
 
