@@ -127,6 +127,8 @@ class Epoch:
             if seq >= len(self.batches):
                 return
             self = None
+            if ref() is None:  # this thread held the pass last and closed it just now (`__del__`), which
+                return  # close() cannot join: a new pass may own the ring already, touch nothing
             try:
                 slot = ring.acquire(seq)
             except RingClosed:
@@ -249,7 +251,9 @@ class Epoch:
         self.close()
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed:  # closed already, maybe still closing in a reader (`__del__`): its readers end
+            if self.pid == os.getpid():  # before this returns, so the caller may start a new pass
+                self._join()
             return
         if self.pid != os.getpid():  # the parent's iterator in a forked child: touch nothing
             self._closed = True
@@ -265,12 +269,15 @@ class Epoch:
         if self.stage is not None:  # worker processes end with their epoch
             self.stage.close()
         self.ring.close()
-        for t in self.threads:
-            if t is not threading.current_thread():  # `__del__` may run in a producer
-                t.join()
+        self._join()
         if self.res.streams is not None and self.next_seq < len(self.batches):
             self.res.streams.synchronize()  # stopped early: unconsumed batches' copies may be queued
         self.cursor.detach(self)
+
+    def _join(self) -> None:
+        for t in getattr(self, "threads", ()):
+            if t is not threading.current_thread():  # `__del__` may run in a producer
+                t.join()
 
     def __del__(self) -> None:
         try:

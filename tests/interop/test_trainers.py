@@ -73,3 +73,63 @@ def test_the_last_batch_completes_the_epoch_without_stop_iteration(tiny):
     assert [k for b in other for k in b["__key__"]] == e1
     lo.close()
     other.close()
+
+
+def test_a_discarded_pass_collected_in_its_reader_never_takes_the_next_pass_s_batches(tiny):
+    """Lightning's resume: `iter(loader)` discarded (its `_check_dataloader_iterable`), then
+    `load_state_dict`, then `iter()`. When a reader held the discarded pass last, the pass is
+    closed in that reader (`__del__`), which close() cannot join; the reader then went on to
+    `ring.acquire` its next batch number on the ring the new pass had reset, taking the new pass's
+    slot: the new reader failed ("batch 1 was already acquired") and the loop waited forever
+    (seen once in a handful of Lightning resumes). Made certain here: the first pass's fill is slow,
+    so its reader holds the pass when the loop drops it; that reader's next acquire is delayed
+    until the new pass has reset the ring, whose own first fill is slow."""
+    import threading
+    import time
+
+    from gdsload.loader import fill as fill_mod
+
+    full = epoch_keys(tiny, 0)
+    lo = make(tiny, num_workers=1)
+    errors: list[BaseException] = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda a: errors.append(a.exc_value)
+    fillers: list[object] = []  # one per pass, in order
+    old_reader: list[int] = []
+    real_fill = fill_mod.SlotFiller.fill
+
+    def slow_fill(self, slot, seq, batch):
+        if self not in fillers:
+            fillers.append(self)
+            if len(fillers) == 1:  # the first pass's reader, while the loop drops the pass
+                old_reader.append(threading.get_ident())
+                time.sleep(0.3)
+            elif len(fillers) == 2:  # the new pass's first batch: the old reader wakes meanwhile
+                time.sleep(0.6)
+        return real_fill(self, slot, seq, batch)
+
+    try:
+        fill_mod.SlotFiller.fill = slow_fill
+        iter(lo)  # dropped at once; its reader is in slow_fill, holding the pass
+        time.sleep(0.1)
+        ring = lo._resources.ring
+        real_acquire = ring.acquire
+
+        def late_acquire(seq, *a, **kw):
+            if threading.get_ident() in old_reader:  # the old reader, after it closed its pass
+                time.sleep(0.5)
+            return real_acquire(seq, *a, **kw)
+
+        ring.acquire = late_acquire
+        time.sleep(0.4)  # the old reader has closed its pass and waits in late_acquire
+        lo.load_state_dict(lo.plan.state(0, 0))
+        got: list[str] = []
+        consumer = threading.Thread(target=lambda: got.extend(k for b in lo for k in b["__key__"]), daemon=True)
+        consumer.start()
+        consumer.join(20)
+        assert not consumer.is_alive(), f"the loop waits forever after {len(got)} keys; reader errors: {errors}"
+        assert got == full and not errors
+    finally:
+        fill_mod.SlotFiller.fill = real_fill
+        threading.excepthook = old_hook
+    lo.close()
