@@ -12,6 +12,17 @@ import weakref
 import numpy as np
 
 
+#: The smallest staging buffer (a new one has a quarter of headroom over the batch, at least this).
+MIN_BUFFER_NBYTES = 4 << 20
+
+
+def buffer_nbytes(nbytes: int) -> int:
+    """The size of the buffer `StagingPool.take(nbytes)` allocates when no free one fits: a quarter
+    over `nbytes` (the next batch may be a bit bigger), at least `MIN_BUFFER_NBYTES`. The feed
+    server sizes a stream's memory reservation with it (`gdsload.service.server.estimate`)."""
+    return max(nbytes + nbytes // 4, MIN_BUFFER_NBYTES)
+
+
 class StagingPool:
     """Buffers for the packed members of batches that decode nothing (`plan(..., packed=True)`),
     which the batch's `BytesColumn`s own; a buffer comes back here when the last array or view
@@ -42,7 +53,7 @@ class StagingPool:
             fits = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
             buf = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
         if buf is None:  # headroom: the next batch may be a bit bigger
-            buf = np.empty(max(nbytes + nbytes // 4, 4 << 20), np.uint8)
+            buf = np.empty(buffer_nbytes(nbytes), np.uint8)
             self.allocated += 1
         # the owner spans the whole buffer: ctypes keeps every array type it makes (c_char * n)
         # for the life of the process, so a type per batch size added ~10 GC-tracked objects per
