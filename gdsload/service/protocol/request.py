@@ -1,5 +1,7 @@
 """`BatchRequest` <-> `LoaderOptions`: the one mapping between the feed's request and the options
-both loaders share (`gdsload.frontend.options`).
+both loaders share (`gdsload.frontend.options`); the role of every request field (`ROLE`); and the
+combinations of request features the server serves (`check_combination`, `stored_refusal`,
+`offers_bulk`: their one home).
 
 `to_request` is what `RemoteLoader` sends for its options, plan and cursor; `to_options` is what
 the server reads back, validated with the same rules as a local `DataLoader`'s options (an
@@ -10,6 +12,7 @@ the client's to choose and are not in the request.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
@@ -68,7 +71,7 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
         raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
     if req.on_error not in ON_ERROR:
         raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
-    if req.share:  # the group is the server's business (gdsload.service.server.share); the name is checked here
+    if req.share:  # the group is the server's business (gdsload.service.server.share); the name is checked here, once
         from gdsload.frontend.options import check_share
 
         try:
@@ -100,3 +103,90 @@ def loader_kwargs(opts: LoaderOptions) -> dict[str, Any]:
                 rank=opts.rank, world_size=opts.world_size, shuffle_window=opts.shuffle_window,
                 decode=opts.decode, transform=opts.transform, on_error=opts.on_error, output=opts.output,
                 device=opts.device, copy=opts.copy)
+
+
+# -- field roles ----------------------------------------------------------------------------------
+class Role(enum.Enum):
+    """What a `BatchRequest` field decides. IDENTITY: which batches (the loader is built from
+    these: two requests that agree on them get the same batches, byte for byte, at the same
+    steps); RANGE: which steps of them a stream takes; DELIVERY: how they travel or who shares
+    the work, not what they are."""
+
+    IDENTITY = "identity"
+    RANGE = "range"
+    DELIVERY = "delivery"
+
+
+IDENTITY, RANGE, DELIVERY = Role.IDENTITY, Role.RANGE, Role.DELIVERY
+
+#: Every `BatchRequest` field's role. A field added to the proto gets one here (tests/service/
+#: test_request_roles.py fails until it does); until then `identity_key` keeps it (a request that
+#: differs in it shares no loader and no group: never wrong, only slower).
+ROLE: dict[str, Role] = {
+    "dataset": IDENTITY, "dataset_id": IDENTITY, "seed": IDENTITY, "shuffle": IDENTITY,
+    "shuffle_window": IDENTITY, "drop_last": IDENTITY, "batch_size": IDENTITY, "rank": IDENTITY,
+    "world_size": IDENTITY, "payload": IDENTITY, "transform": IDENTITY, "fields": IDENTITY,
+    "on_error": IDENTITY, "mix": IDENTITY, "media": IDENTITY,
+    "epoch": RANGE, "start_position": RANGE, "max_batches": RANGE, "block_batches": RANGE,
+    "block_stride": RANGE,
+    "max_chunk_bytes": DELIVERY, "share": DELIVERY, "bulk": DELIVERY, "checks_item_crc32": DELIVERY,
+}
+
+
+def unclassified(descriptor: Any = pb.BatchRequest.DESCRIPTOR) -> list[str]:
+    """Fields of the request message `descriptor` without a role in `ROLE`, and roles of fields
+    it does not have (both must be empty)."""
+    names = [f.name for f in descriptor.fields]
+    return [n for n in names if n not in ROLE] + [f"{n} (no such field)" for n in ROLE if n not in names]
+
+
+def identity_key(req: pb.BatchRequest) -> bytes:
+    """The request without its RANGE and DELIVERY fields, serialized deterministically: equal for
+    two requests that get the same batches (the key of the server's parked loaders, with the
+    served dataset's id, and of share groups, with the epoch, share name and caller)."""
+    r = pb.BatchRequest()
+    r.CopyFrom(req)
+    for name, role in ROLE.items():
+        if role is not IDENTITY:
+            r.ClearField(name)
+    return r.SerializeToString(deterministic=True)
+
+
+# -- combinations ---------------------------------------------------------------------------------
+def cut(text: str, limit: int = 64) -> str:
+    """A client-sent id as echoed in a message: ids are short, anything longer is cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_combination(req: pb.BatchRequest) -> None:
+    """Refuse (BadRequest) a combination of features the server never serves: `block_stride`
+    (one stream of every stride-th block, a striping client's) needs `block_batches` and no share
+    name (a share group's producers make consecutive steps)."""
+    if req.block_stride > 1 and (not req.block_batches or req.share):
+        raise BadRequest("block_stride needs block_batches >= 1 and no share name, got block_batches "
+                         f"{req.block_batches} and share {cut(req.share)!r}")
+
+
+def stored_refusal(req: pb.BatchRequest, *, bulk: bool) -> str | None:
+    """Why the request's batches cannot be sent as stored members (`gdsload.service.server.stored`),
+    as far as the request goes, or None: only raw, unshared batches without mix or media, whose
+    client checks each member's CRC32 (the server does not see the bytes), on a bulk connection
+    (gRPC cannot send from a file)."""
+    if not bulk:
+        return "not on a bulk connection"
+    if req.payload == pb.PAYLOAD_DECODED:
+        return "decoded"
+    if not req.checks_item_crc32:
+        return "the client does not check members' CRC32s (BatchRequest.checks_item_crc32)"
+    if req.share:
+        return "shared"
+    if req.HasField("mix") or req.media:
+        return "a mix" if req.HasField("mix") else "media decoded on the server"
+    return None
+
+
+def offers_bulk(*, wanted: bool, tls: bool, address: str) -> bool:
+    """Whether a server offers the bulk connection (`BatchRequest.bulk`): when `wanted`, never
+    with TLS (its bytes would travel unencrypted beside an encrypted call) nor on an abstract
+    unix socket (no path beside which to put its own)."""
+    return wanted and not tls and not address.startswith("unix-abstract:")
