@@ -1,4 +1,5 @@
-"""Limits, keepalive and TLS of the feed, and the gRPC channel/server options they become.
+"""Limits, keepalive and TLS of the feed, a server's whole configuration (`ServerConfig`), and the
+gRPC channel/server options they become.
 
 Every gRPC option the service relies on is set here, explicitly, for both ends, so that the two
 agree: the server sends messages of at most `Limits.max_message_bytes` and the client accepts at
@@ -8,8 +9,9 @@ than `grpc.http2.min_recv_ping_interval_without_data_ms` gets a GOAWAY "too_many
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MiB = 1 << 20
@@ -63,15 +65,27 @@ class Limits:
                      "max_image_side", "max_streams", "max_memory_bytes", "max_pending_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise GdsloadError(f"Limits.{name} must be a positive integer, got {value!r}")
+                raise GdsloadError(f"{_named(name)} must be >= 1, got {value!r}")
         t = self.bulk_ticket_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise GdsloadError(f"Limits.bulk_ticket_s must be a finite number of seconds > 0, got {t!r}")
         if self.max_message_bytes < MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES:
             raise GdsloadError(
-                f"Limits.max_message_bytes must be at least "
+                f"{_named('max_message_bytes')} must be >= "
                 f"{MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES}, got {self.max_message_bytes}"
             )
+
+
+#: The `gdsload serve` flag of each `Limits` field that has one (its messages name both).
+_FLAGS = {"max_message_bytes": "--max-message-bytes", "max_batch_size": "--max-batch-size",
+          "max_batch_bytes": "--max-batch-bytes", "max_streams": "--max-streams",
+          "max_memory_bytes": "--max-memory", "max_pending_connections": "--max-pending-connections"}
+
+
+def _named(name: str) -> str:
+    """How a message names a limit: "Limits.max_streams: --max-streams" (an integer >= 1)."""
+    flag = _FLAGS.get(name)
+    return f"Limits.{name}: {flag}" if flag else f"Limits.{name}"
 
 
 def split_address(address: str, what: str = "--listen") -> tuple[str, int]:
@@ -199,6 +213,126 @@ def check_tls(tls: TlsConfig) -> None:
                 ssl.create_default_context(cafile=str(ca))
             except ssl.SSLError as exc:
                 raise GdsloadError(f"--tls-client-ca cannot be used: {exc.reason or exc}") from None
+
+
+def tls_from_files(cert: str | Path | None, key: str | Path | None,
+                   client_ca: str | Path | None = None) -> TlsConfig | None:
+    """A server's TLS from `--tls-cert`, `--tls-key` and `--tls-client-ca` (None: none of them):
+    the certificate and key go together, and mutual TLS needs both."""
+    from gdsload.errors import GdsloadError
+
+    if bool(cert) != bool(key):
+        raise GdsloadError("--tls-cert and --tls-key go together")
+    if client_ca and not cert:
+        raise GdsloadError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    return TlsConfig.from_files(cert, key, client_ca) if cert else None
+
+
+def _count(value: object, name: str, least: int) -> None:
+    from gdsload.errors import GdsloadError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise GdsloadError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _port(value: object, name: str, listen: int, address: str, what: str) -> None:
+    from gdsload.errors import GdsloadError
+
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise GdsloadError(f"{name} must be a port in 0..65535, got {value!r}")
+    if value and value == listen:
+        raise GdsloadError(f"{name} {value} is the port of --listen {address}: give {what} a port of its own")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a feed server is configured with, declared and checked once (`__post_init__`:
+    a bad value is a `GdsloadError` naming its `gdsload serve` flag). `gdsload serve` builds one
+    from its flags, `create_server(roots, config)` takes one (or builds it from its keyword
+    arguments, the same names). The fields are those arguments (`create_server` describes each).
+    """
+
+    address: str = "127.0.0.1:0"
+    token: str | None = None
+    tls: TlsConfig | None = None
+    limits: Limits = field(default_factory=Limits)
+    keepalive: Keepalive = field(default_factory=Keepalive)
+    metrics_port: int | None = None
+    metrics_address: str | None = None  # None: the host of `address`
+    workers: int = 2
+    prefetch: int = 2
+    decode_threads: int = 2
+    grace_s: float = 10.0
+    cache_dir: str | bool | None = None
+    cache_limit: int | str = "50GB"
+    decode_pool: int = 2
+    share_window: int = 4
+    share_hold_s: float = 0.5
+    bulk: bool = True
+    bulk_port: int = 0
+
+    def __post_init__(self) -> None:
+        from gdsload.errors import GdsloadError
+
+        port = self.listen()[1]
+        for flag, value in (("--workers", self.workers), ("--prefetch", self.prefetch),
+                            ("--decode-threads", self.decode_threads), ("--share-window", self.share_window)):
+            _count(value, flag, 1)
+        _count(self.decode_pool, "--decode-pool", 0)
+        if not (isinstance(self.grace_s, (int, float)) and self.grace_s >= 0):  # also refuses NaN
+            raise GdsloadError(f"--grace must be >= 0 seconds, got {self.grace_s!r}")
+        h = self.share_hold_s
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not (0 <= h and math.isfinite(h)):
+            raise GdsloadError(f"--share-hold must be >= 0 seconds, got {h!r}")
+        if self.metrics_port is not None:
+            _port(self.metrics_port, "--metrics-port", port, self.address, "metrics")
+        _port(self.bulk_port, "--bulk-port", port, self.address, "it")
+        if not isinstance(self.limits, Limits):
+            raise GdsloadError(f"limits must be a gdsload.service.config.Limits, got {type(self.limits).__name__}")
+        if self.tls is not None:
+            check_tls(self.tls)
+
+    def metrics_host(self) -> str:
+        """Where metrics bind: `metrics_address`, else the host of `address` (so a loopback feed
+        does not expose its metrics to the network)."""
+        return self.listen()[0] if self.metrics_address is None else self.metrics_address
+
+    @property
+    def unix(self) -> bool:
+        """Listening on a unix socket (`unix:PATH`)."""
+        return self.address.startswith("unix:")
+
+    def listen(self) -> tuple[str, int]:
+        """(host, port) of `address`; a unix socket's are ("127.0.0.1", 0), what metrics bind to."""
+        from gdsload.errors import GdsloadError
+
+        if not self.unix:
+            return split_address(self.address, "--listen")
+        if not unix_path(self.address):
+            raise GdsloadError(f"--listen {self.address!r}: a unix: address needs a socket path "
+                               "(unix:/run/feed.sock)")
+        return "127.0.0.1", 0
+
+    @classmethod
+    def build(cls, config: ServerConfig | None = None, **kwargs: object) -> ServerConfig:
+        """`config` (None: the defaults) with `kwargs` replacing its fields, checked once;
+        `max_message_bytes` replaces that field of `limits`; `limits`/`keepalive` None: as they are."""
+        from dataclasses import replace
+
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__) - {"max_message_bytes"})
+        if unknown:
+            raise TypeError(f"unknown server settings {unknown}: the settings are "
+                            f"{sorted(cls.__dataclass_fields__)} and max_message_bytes")
+        mmb = kwargs.pop("max_message_bytes", None)
+        for name in ("limits", "keepalive"):
+            if kwargs.get(name, 0) is None:
+                del kwargs[name]
+        if mmb is not None:
+            limits = kwargs.get("limits") or (config.limits if config is not None else Limits())
+            kwargs["limits"] = replace(limits, max_message_bytes=mmb)
+        if config is None:
+            return cls(**kwargs)
+        return replace(config, **kwargs) if kwargs else config
 
 
 def server_options(limits: Limits, keepalive: Keepalive) -> list[tuple[str, int]]:
