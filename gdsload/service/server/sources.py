@@ -1,0 +1,248 @@
+"""Where a stream's batches come from: a `BatchSource`, opened by `open_source(req, ...)`.
+
+Three sources, one protocol (`next() -> Frames | None`, `close(outcome)`):
+
+- `LoaderSource`: a loader of the request (`loaders.Loaders.open`: validated, taken from the pool
+  or built, memory reserved, positioned at the start) iterated batch by batch; each batch becomes
+  its chunks here (`LoaderSource.next`, the one batch-to-frames step: the samples the loader left
+  out named in `BatchHeader.skipped_keys`, `wire.encode_frames`).
+- `StoredSource`: the same loader's plan, its batches sent as the members are stored, from the page
+  cache (`stored.StoredBatches`), when the request and the dataset allow it.
+- `share.SharedSource`: a subscriber of a share group, served from a producer's window; each
+  producer is itself a `LoaderSource`.
+
+`open_source` checks the request (the limits and `protocol.request.check_combination`), sends a
+request with a share name to its share group, and otherwise tries `StoredSource` then
+`LoaderSource`, logging (DEBUG, `not_stored`) why a stream is not sent as stored. Whatever it
+opened is released, and nothing is left reserved, when it raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from gdsload.errors import DecodeError
+from gdsload.service.protocol import request, wire
+from gdsload.service.server import estimate
+from gdsload.service.server.logs import event
+from gdsload.service.server.stored import StoredBatches
+from gdsload.v1 import feed_pb2 as pb
+
+#: A corrupt sample's remedy, in protocol terms (the loader's names Python arguments).
+SKIP_REMEDY = ("set BatchRequest.on_error = ON_ERROR_SKIP to leave corrupt samples out "
+               "(BatchHeader.skipped_keys names them)")
+#: Outcomes after which a stream's loader is parked for the next stream of its request.
+KEEPS_LOADER = ("ok", "cancelled")
+
+
+class Frames(Protocol):
+    """One batch as its serialized chunks. `pieces()`: each chunk as a list of buffers whose first
+    is its head (`wire.encode_frames`' layout: a bulk connection writes them as they are);
+    `messages()`: each chunk's bytes (gRPC). Either is taken once. `nbytes`: the batch body;
+    `copy`: a share group's copy of a batch sent before (`BatchHeader.shared`); `group`: whether
+    it came from a share group."""
+
+    step: int
+    nbytes: int
+    samples: int
+    copy: bool
+    group: bool
+
+    def pieces(self) -> Iterable[Sequence[Any]]: ...
+
+    def messages(self) -> Iterable[bytes]: ...
+
+
+class Encoded:
+    """A batch serialized just now (its views valid until the loader's next batch)."""
+
+    __slots__ = ("frames", "nbytes", "samples", "step")
+    copy = False
+    group = False
+
+    def __init__(self, step: int, frames: Iterator[list[Any]], nbytes: int, samples: int):
+        self.step, self.frames, self.nbytes, self.samples = step, frames, nbytes, samples
+
+    def pieces(self) -> Iterable[Sequence[Any]]:
+        return self.frames
+
+    def messages(self) -> Iterable[bytes]:
+        return (b"".join(pieces) for pieces in self.frames)
+
+
+class BatchSource(Protocol):
+    """What `stream.serve` sends from. One stream's thread calls `next` (the next batch's frames,
+    or None when the stream's range is done) and, once, `close(outcome)` ("ok", "cancelled",
+    "drained" or a status name): it releases everything the source holds (its loader parked
+    after "ok" and "cancelled", else closed; its reservations). `label` and `payload` label the
+    stream's metrics; `log_fields(end)` adds to its stream_start/stream_end events."""
+
+    label: str
+    payload: str
+
+    def next(self) -> Frames | None: ...
+
+    def close(self, outcome: str) -> None: ...
+
+    def log_fields(self, end: bool) -> dict[str, Any]: ...
+
+
+def left_out(dataset: Any, ids: np.ndarray, keys: Sequence[str]) -> list[str]:
+    """Keys of the samples `ids` (one batch of the plan) that are not in `keys` (the batch the
+    loader made, without its skipped samples), in batch order."""
+    shards = dataset.shards
+    have = Counter(keys)
+    out = []
+    for gid in ids.tolist():
+        s, j = shards.locate(gid)
+        key = shards.index(s).key(j)
+        if have[key]:
+            have[key] -= 1
+        else:
+            out.append(key)
+    return out
+
+
+class LoaderSource:
+    """The batches of one `loaders.Opened` loader, from the request's start to its end (the
+    epoch's, `max_batches`, or the last of its `block_stride` steps). `whole_epoch`: every step
+    to the epoch's end, whatever the request's `max_batches` (a share group's producer). Holds
+    the loader's reservation and, for a stream, its stream slot (`slot`)."""
+
+    def __init__(self, opened: Any, pool: Any, req: pb.BatchRequest, *, slot: Any = None,
+                 whole_epoch: bool = False):
+        self.opened, self.pool, self.slot = opened, pool, slot
+        self.label, self.payload = opened.label, opened.payload
+        plan = opened.loader.plan
+        self.G, self.end_position = plan.global_batch, plan.end_position
+        self.epoch, self.step = req.epoch, req.start_position // self.G
+        self.start_fields = dict(epoch=req.epoch, start_position=req.start_position, rank=plan.rank,
+                                 world_size=plan.world_size, batch_size=req.batch_size)
+        self.max_batches = 0 if whole_epoch else req.max_batches
+        self.steps = iter(opened.steps) if opened.steps is not None else None
+        self.sent = 0
+        self.it: Any = None
+        self.closed = False
+        try:
+            seat = opened.loaded.seat
+            if seat is not None:
+                seat.attach()
+            self.start()
+        except BaseException:
+            self.close("error")
+            raise
+
+    def start(self) -> None:
+        """Open the loader's iterator (its readers read nothing past the stream's end)."""
+        loader, steps = self.opened.loader, self.opened.steps
+        if steps is None:
+            self.it = loader.iter_batches(self.max_batches or None)
+        else:  # the stripe's blocks of this server, read ahead across the gaps (no steps: a start
+            # at or past the stripe's last block, an empty stream)
+            self.it = loader.iter_batches(steps=steps) if steps else (b for b in ())  # (closes, as theirs)
+
+    def wire_bytes(self) -> int:
+        """Upper bound of one of its batches serialized (`estimate.wire_bytes`)."""
+        return estimate.wire_bytes(self.opened.loader.batch_layout(), chunk=self.opened.chunk)
+
+    @property
+    def reused(self) -> bool:
+        """Whether its loader came from the pool (no loader was built)."""
+        return self.opened.reused
+
+    def batch(self) -> tuple[np.ndarray, dict[str, Any]]:
+        """The next batch's sample ids (the plan's) and the batch (StopIteration at the end)."""
+        batch = next(self.it)
+        return next(self.opened.planned), batch
+
+    def next(self) -> Encoded | None:
+        if self.max_batches and self.sent >= self.max_batches:
+            return None
+        try:
+            ids, batch = self.batch()
+        except StopIteration:
+            return None
+        except DecodeError as exc:  # word the remedy in protocol terms
+            raise DecodeError(exc.reason, remedy=SKIP_REMEDY) from exc
+        step = next(self.steps) if self.steps is not None else self.step
+        keys = batch[wire.KEY]
+        skipped = left_out(self.opened.loader.dataset, ids, keys) if len(keys) < len(ids) else []
+        frames = wire.encode_frames(batch, epoch=self.epoch, step=step, position=(step + 1) * self.G,
+                                    max_chunk_bytes=self.opened.chunk, skipped_keys=skipped,
+                                    end_position=self.end_position)
+        self.step = step + 1
+        self.sent += 1
+        return Encoded(step, frames, wire.body_nbytes(batch), len(keys))
+
+    def close(self, outcome: str) -> None:
+        """Park the loader (after "ok" or "cancelled": its iterator closed, its readers stopped; the
+        ring, backends and threads stay for the next stream of the request), else close it."""
+        if self.closed:
+            return
+        self.closed = True
+        opened = self.opened
+        if opened.loaded.seat is not None:
+            opened.loaded.seat.detach()  # its queued batches fail: the readers stop at once
+        try:
+            if outcome in KEEPS_LOADER:
+                if self.it is not None:
+                    self.it.close()
+                self.pool.park(opened.key, opened.loaded, opened.reservation)
+            else:
+                opened.loaded.close()
+                opened.reservation.release()
+        finally:
+            if self.slot is not None:
+                self.slot.release()
+
+    def log_fields(self, end: bool) -> dict[str, Any]:
+        if not end:
+            return self.start_fields
+        seat = self.opened.loaded.seat
+        return {"decode_queue_s": round(seat.queue_s, 3) if seat is not None else None}
+
+
+class StoredSource(LoaderSource):
+    """The loader's plan sent as stored members (`stored.StoredBatches`): the loader reads nothing
+    and allocates no ring; it is parked after the stream as any."""
+
+    def __init__(self, opened: Any, pool: Any, req: pb.BatchRequest, stored: StoredBatches, *, slot: Any = None):
+        self.stored = stored
+        super().__init__(opened, pool, req, slot=slot)
+
+    def start(self) -> None:
+        pass
+
+    def batch(self) -> tuple[np.ndarray, dict[str, Any]]:
+        ids = next(self.opened.planned)
+        return ids, self.stored.batch(ids)
+
+
+def open_source(req: pb.BatchRequest, *, loaders: Any, hub: Any, context: Any, bulk: bool,
+                log: logging.Logger, metrics: Any) -> BatchSource:
+    """The source of one StreamBatches call (the module docstring). `bulk`: its batches go on a
+    bulk connection; `context`: the gRPC call (the caller's identity, for share groups)."""
+    opts = loaders.check(req)
+    if req.share:
+        return hub.subscribe(req, context)
+    opened = loaders.open(req, opts)
+    try:
+        slot = loaders.budget.stream()
+    except BaseException:
+        opened.loaded.close()
+        opened.reservation.release()
+        raise
+    why = request.stored_refusal(req, bulk=bulk)
+    stored = None
+    if why is None:
+        stored, why = StoredBatches.open(opened.loader)
+    if stored is not None:
+        metrics.stored_streams.inc()
+        return StoredSource(opened, loaders.pool, req, stored, slot=slot)
+    event(log, "not_stored", level=logging.DEBUG, dataset=opened.label, reason=why)
+    return LoaderSource(opened, loaders.pool, req, slot=slot)
