@@ -99,20 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.errors import GdsloadError
     from gdsload.host.malloc import keep_large_blocks
     from gdsload.service.protocol.auth import read_token
-    from gdsload.service.protocol.config import CHUNK_OVERHEAD_BYTES, MIN_CHUNK_BYTES, Limits, TlsConfig
-    from gdsload.service.server.logs import configure, event
+    from gdsload.service.protocol.config import Limits, ServerConfig, tls_from_files
     from gdsload.service.server import create_server
+    from gdsload.service.server.logs import configure, event
 
     try:
         log = configure(level=args.log_level)
     except ValueError:
         raise GdsloadError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {args.log_level!r}") from None
-    lowest = {"max_message_bytes": MIN_CHUNK_BYTES + CHUNK_OVERHEAD_BYTES, "max_batch_size": 1,
-              "max_batch_bytes": 1, "max_streams": 1, "max_pending_connections": 1}
-    for flag, least in lowest.items():
-        value = getattr(args, flag)
-        if value < least:
-            raise GdsloadError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
     max_memory = None
     if args.max_memory is not None:
         from gdsload.sizes import argparse_size as parse_size
@@ -121,24 +115,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_memory = parse_size(args.max_memory)
         except argparse.ArgumentTypeError as exc:
             raise GdsloadError(f"--max-memory: {exc}") from None
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise GdsloadError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise GdsloadError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    token = read_token(args.token_file) if args.token_file else None
-    limits = Limits(max_message_bytes=args.max_message_bytes, max_batch_size=args.max_batch_size,
-                    max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams,
-                    max_memory_bytes=max_memory, max_pending_connections=args.max_pending_connections)
-    server, _ = create_server(
-        args.roots, address=args.listen, token=token, tls=tls, limits=limits,
+    # every value is checked once, where it is declared (Limits, ServerConfig), naming its flag
+    config = ServerConfig(
+        address=args.listen, token=read_token(args.token_file) if args.token_file else None,
+        tls=tls_from_files(args.tls_cert, args.tls_key, args.tls_client_ca),
+        limits=Limits(max_message_bytes=args.max_message_bytes, max_batch_size=args.max_batch_size,
+                      max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams,
+                      max_memory_bytes=max_memory, max_pending_connections=args.max_pending_connections),
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
         prefetch=args.prefetch, decode_threads=args.decode_threads, decode_pool=args.decode_pool,
-        share_window=args.share_window, share_hold_s=args.share_hold, bulk=args.bulk,
-        bulk_port=args.bulk_port,
-        grace_s=args.grace, logger=log,
-        cache_dir=False if args.cache_dir == "none" else args.cache_dir, cache_limit=args.cache_limit,
+        share_window=args.share_window, share_hold_s=args.share_hold, bulk=args.bulk, bulk_port=args.bulk_port,
+        grace_s=args.grace, cache_dir=False if args.cache_dir == "none" else args.cache_dir,
+        cache_limit=args.cache_limit,
     )
+    server, _ = create_server(args.roots, config, logger=log)
     stop = threading.Event()
     received: list[str] = []
 

@@ -108,11 +108,14 @@ def encoded(roots):
     return [np.frombuffer(bytes(b), np.uint8) for b in batch["jpg"]], list(batch["__key__"])
 
 
-def _decoding_loader(roots):
-    from gdsload.loader.dataloader import DataLoader, Dataset
+#: What a decoding loader of batch 8 with EVAL hands its decoder factory (`Resources.open`).
+ARGS = dict(transform=EVAL, batch_size=8, device="cpu", threads=2, seed=0, on_error="raise", device_id=0)
 
-    return DataLoader(Dataset(str(roots / "imgs")), batch_size=8, decode=True, transform=EVAL, device="cpu",
-                      output="numpy")
+
+def _attached(pool):
+    """A stream's seat in the pool: configured as a decoding loader's factory call does
+    (`DataLoader(decoder_factory=seat.configure)`), then attached as its stream starts."""
+    return pool.seat("imgs").configure(**ARGS).attach()
 
 
 def test_a_stream_with_a_backlog_does_not_starve_another(roots, encoded):
@@ -120,9 +123,8 @@ def test_a_stream_with_a_backlog_does_not_starve_another(roots, encoded):
     second decoded (streams take turns), not the eleventh (first come, first served)."""
     images, names = encoded
     pool = DecodePool(workers=0, threads=1)  # its worker is started below, once all is queued
-    a_loader, b_loader = _decoding_loader(roots), _decoding_loader(roots)
     try:
-        a, b = pool.attach(a_loader, "imgs"), pool.attach(b_loader, "imgs")
+        a, b = _attached(pool), _attached(pool)
         tags: dict[int, str] = {}  # id of a batch's output array -> which batch
         taken: list[str] = []  # batches in the order the worker took them
         kept_rows: list[list[int]] = []
@@ -163,8 +165,6 @@ def test_a_stream_with_a_backlog_does_not_starve_another(roots, encoded):
         assert taken.index("b") == 1, taken
         assert a.batches == 10 and b.batches == 1 and b.queue_s > 0
     finally:
-        a_loader.close()
-        b_loader.close()
         assert pool.close()
 
 
@@ -173,9 +173,8 @@ def test_ended_stream_and_closed_pool_fail_fast(roots, encoded):
     Unavailable (the stream's consumer gets it in order), never a wait."""
     images, names = encoded
     pool = DecodePool(workers=1, threads=1, linger_s=0.05)
-    loader = _decoding_loader(roots)
     try:
-        dec = pool.attach(loader, "imgs")
+        dec = _attached(pool)
         dst = np.empty((8, 3, 32, 32), np.float32)
         assert dec.decode_into(images, names, dst) == list(range(8))
         assert pool._built == 1
@@ -186,18 +185,16 @@ def test_ended_stream_and_closed_pool_fail_fast(roots, encoded):
         while pool._built and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pool._built == 0
-        dec = pool.attach(loader, "imgs")
+        dec.attach()  # the loader's next stream
         t0 = time.monotonic()
         assert pool.close()  # workers end, pipelines released
         assert time.monotonic() - t0 < 5 and not any(t.is_alive() for t in pool._threads)
         with pytest.raises(Unavailable, match="shutting down"):
             dec.decode_into(images, names, dst)
-        other = _decoding_loader(roots)
         with pytest.raises(Unavailable):
-            pool.attach(other, "imgs")
-        other.close()
+            _attached(pool)
     finally:
-        loader.close()
+        pool.close()
 
 
 # -- servers shut down with pooled streams mid-batch ------------------------------------------------

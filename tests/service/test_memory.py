@@ -14,7 +14,7 @@ from feedkit import free_port, spawn_server
 from gdsload.service.client import RemoteLoader
 from gdsload.service.protocol.config import Limits, default_max_memory, machine_memory_bytes
 from gdsload.service.server import create_server
-from gdsload.service.server.servicer import STREAM_OVERHEAD_BYTES
+from gdsload.service.server.estimate import STREAM_OVERHEAD_BYTES
 from gdsload.service.protocol.status import RemoteError
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc

@@ -197,7 +197,7 @@ def test_paused_job_falls_out_and_still_gets_its_epoch_while_the_others_go_on(tm
                 for p in hub.producers():
                     peaks["window"] = max(peaks["window"], p.window_nbytes)
                     peaks["over"] = max(peaks["over"], p.window_nbytes - p.window_memory)
-                peaks["reserved"] = max(peaks["reserved"], srv.servicer._reserved)
+                peaks["reserved"] = max(peaks["reserved"], srv.servicer.budget.reserved)
                 time.sleep(0.002)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -472,7 +472,7 @@ def test_a_window_over_the_memory_budget_is_refused_naming_it(roots):
         with pytest.raises(RemoteError) as err:
             next(iter(ld))
         assert err.value.code == "RESOURCE_EXHAUSTED" and "--share-window" in str(err.value)
-        assert srv.servicer._reserved == 0 and not srv.servicer.share.producers()
+        assert srv.servicer.budget.reserved == 0 and not srv.servicer.share.producers()
         ld.close()
 
 

@@ -14,7 +14,8 @@ from gdsload.errors import ConfigError
 from gdsload.service.protocol import wire
 from gdsload.service.client import RemoteLoader
 from gdsload.service.server import create_server
-from gdsload.service.server.servicer import FeedServicer, stride_steps
+from gdsload.service.server.loaders import Loaders, stride_steps
+from gdsload.service.server.servicer import FeedServicer
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
@@ -93,14 +94,17 @@ def test_a_striping_client_asks_each_server_once_per_epoch(roots, monkeypatch, o
 
         monkeypatch.setattr(FeedServicer, "GetServerInfo", without)
     strides: list[tuple[int, int]] = []  # (server port, block_stride) of every request
-    open_loader = FeedServicer._open_loader
+    open_loader = Loaders.open
+    bulk_port: dict[int, int] = {}  # id of a server's Loaders -> its bulk port
 
-    def recording(self, req):
-        strides.append((self.bulk.port if self.bulk else 0, req.block_stride))
-        return open_loader(self, req)
+    def recording(self, req, opts=None):
+        strides.append((bulk_port[id(self)], req.block_stride))
+        return open_loader(self, req, opts)
 
-    monkeypatch.setattr(FeedServicer, "_open_loader", recording)
+    monkeypatch.setattr(Loaders, "open", recording)
     pairs = [create_server([str(roots)], max_message_bytes=64 * 1024) for _ in range(2)]
+    for srv, _ in pairs:
+        bulk_port[id(srv.servicer.loaders)] = srv.servicer.bulk.port if srv.servicer.bulk else 0
     try:
         for srv, _ in pairs:
             srv.start()

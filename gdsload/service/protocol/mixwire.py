@@ -3,8 +3,8 @@
 Client: `resolve` turns a Mix of served names into its `MixSpec` from the servers' DatasetInfo,
 and `to_pb` into the request's MixSpec message (the resolved counts' rules: weights as the client
 resolved them, so both ends compute one `mix_id` and one order). Server: `open_mix` rebuilds the
-Mix over the shared catalog datasets, checking each source's dataset id, and `max_member_nbytes`
-bounds a batch over all its datasets.
+Mix over the shared catalog datasets, checking each source's dataset id (the server bounds a
+batch of it from its loader's layout, as any: `gdsload.service.server.estimate`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ class Catalog(Protocol):
     so this module, shared with the client, imports nothing of the server."""
 
     def dataset(self, name: str, fields: list[str]) -> Any: ...
-
-    def max_member_nbytes(self, name: str) -> dict[str, int]: ...
 
 _MIX_BY = {"sample": pb.MIX_BY_SAMPLE, "batch": pb.MIX_BY_BATCH}
 _FROM_PB = {pb.MIX_BY_UNSPECIFIED: "sample", pb.MIX_BY_SAMPLE: "sample", pb.MIX_BY_BATCH: "batch"}
@@ -103,14 +101,3 @@ def open_mix(catalog: Catalog, req: pb.BatchRequest) -> Mix:
               names=[s.name or PurePosixPath(s.dataset).name for s in srcs])
     req.dataset = label(m)
     return mix
-
-
-def max_member_nbytes(catalog: Catalog, req: pb.BatchRequest) -> dict[str, int]:
-    """Field -> largest member of that field, over the request's dataset or all its mix's."""
-    if not req.HasField("mix"):
-        return catalog.max_member_nbytes(req.dataset)
-    sizes: dict[str, int] = {}
-    for s in req.mix.sources:
-        for field, n in catalog.max_member_nbytes(s.dataset).items():
-            sizes[field] = max(sizes.get(field, 0), n)
-    return sizes

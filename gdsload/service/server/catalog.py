@@ -8,7 +8,8 @@ different roots are refused at start-up, naming both paths.
 What is shared between consumers of one dataset (thread-safe):
 * the opened `gdsload.Dataset`: manifest, shard indexes (loaded once, on first use), the shard
   file descriptors used for index and header reads, the dataset id;
-* the per-field upper bounds of sample sizes, used to check requests against `max_batch_bytes`;
+* the per-field upper bounds of sample sizes (the manifest's, else the indexes'), which each
+  stream's `BatchLayout` reads to check requests against `max_batch_bytes`;
 * the epoch order: `gdsload.plan.plan` caches the last few (dataset, seed, epoch) orders, so N ranks of
   one job compute the permutation once;
 * the page cache: every stream reads the same shard files, so one job's ranks, which read
@@ -47,7 +48,6 @@ class _Entry:
     path: Path | str  # a folder, or the URL of a dataset
     stamp: tuple  # (mtime_ns or ETag, size) of manifest.json when opened
     dataset: Dataset
-    max_nbytes: dict[str, int]  # field -> largest member of that field, in bytes
 
 
 def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path | str]:
@@ -88,7 +88,9 @@ def _stamp(path: Path | str) -> tuple:
         from gdsload.io.store import FsspecStore
 
         store = FsspecStore(path)
-        info = store.fs.info(store._fresh(MANIFEST))  # FileNotFoundError: an OSError, as below
+        where = f"{store.path}/{MANIFEST}"
+        store.fs.invalidate_cache(where)  # the object as it is now, not as fsspec listed it
+        info = store.fs.info(where)  # FileNotFoundError: an OSError, as below
         return str(info.get("ETag") or info.get("LastModified") or info.get("mtime")), info.get("size")
     st = (path / MANIFEST).stat()
     return st.st_mtime_ns, st.st_size
@@ -148,7 +150,7 @@ class Catalog:
                 return entry
         dataset = Dataset(str(path), cache_dir=self.cache_dir, cache_limit=self.cache_limit)  # outside
         # the lock: reads the manifest
-        entry = _Entry(path, stamp, dataset, {})
+        entry = _Entry(path, stamp, dataset)
         with self._lock:
             current = self._open.get(name)
             if current is not None and current.stamp == stamp and current.path == path:
@@ -171,18 +173,3 @@ class Catalog:
         view = copy.copy(base)  # shares .shards (manifest, indexes, descriptors)
         view.fields = list(fields)
         return view
-
-    def max_member_nbytes(self, name: str) -> dict[str, int]:
-        """Field -> the largest member of that field, in bytes (from the indexes; cached)."""
-        entry = self._entry(name)
-        if not entry.max_nbytes:
-            ds = entry.dataset.shards
-            sizes: dict[str, int] = {}
-            for s in range(len(ds.shards)):
-                idx = ds.index(s)
-                for e, ext in enumerate(idx.extensions):
-                    member = idx.member_size[idx.member_ext == e]
-                    if len(member):
-                        sizes[ext] = max(sizes.get(ext, 0), int(member.max()))
-            entry.max_nbytes = sizes
-        return dict(entry.max_nbytes)

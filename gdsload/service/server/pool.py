@@ -2,8 +2,11 @@
 
 Without it every decoding stream builds its own DALI pipeline with its own threads, so four
 streams run four pipelines that compete for the same cores and each pay DALI's fixed cost. With
-it, a stream's loader hands each batch to the pool (`PooledDecoder.decode_into`, the
-`ImageDecoder` method the loader calls) and waits; `workers` threads take the batches of the
+it, a stream's loader hands each batch to the pool and waits: the loader was built with
+`DataLoader(decoder_factory=seat.configure)` (the loader's public seam), so its decoder is the
+seat, a `PooledDecoder`, whose `decode_into` (the `ImageDecoder` method the loader calls) queues
+the batch as one of the stream the seat is attached to (`attach` when a stream of the loader
+starts, `detach` when it ends: a parked loader keeps its seat, detached); `workers` threads take the batches of the
 waiting streams in turn (round robin over streams, so a stream with many batches queued does not
 starve the others) and decode each with a DALI pipeline of `threads` threads (the server's cores)
 for that transform, built on first use and kept while decoding streams are open.
@@ -78,12 +81,15 @@ class DecodePool:
         for t in self._threads:
             t.start()
 
-    # -- streams -------------------------------------------------------------------------------------
-    def attach(self, loader: Any, dataset: str) -> PooledDecoder:
-        """Make `loader` (a `DataLoader` that decodes, not yet iterated) decode through the pool."""
-        if loader._resources is None:
-            loader._setup()
-        res = loader._resources
+    # -- streams ---------------------------------------------------------------------------------
+    def seat(self, dataset: str) -> PooledDecoder:
+        """A loader's seat in the pool: hand `seat.configure` to the loader as its decoder factory
+        (`DataLoader(decoder_factory=)`); each stream of the loader `attach`es it, and `detach`es
+        it when it ends."""
+        return PooledDecoder(self, dataset)
+
+    def attach(self) -> int:
+        """A stream starts decoding through the pool: its id (its queue, served in turn)."""
         with self._cv:
             if self._closed:
                 raise Unavailable(_CLOSED)
@@ -95,11 +101,7 @@ class DecodePool:
                 self._linger.cancel()
                 self._linger = None
         self._gauge()
-        args = dict(res._decoder_args, threads=self.threads)
-        key = (repr(args["transform"]), args["batch_size"], args["on_error"], args["seed"])
-        dec = PooledDecoder(self, sid, key, args, dataset)
-        res._decoder = dec
-        return dec
+        return sid
 
     def detach(self, sid: int) -> None:
         """The stream ended: its batches still queued fail with `RingClosed` (its readers stop)."""
@@ -254,23 +256,49 @@ class DecodePool:
 
 
 class PooledDecoder:
-    """What a stream's loader holds as its decoder: each `decode_into` goes through the pool."""
+    """A loader's decoder (what `DataLoader(decoder_factory=seat.configure)` gets back): each
+    `decode_into` goes through the pool, queued as the batch of the stream the seat is attached
+    to; a seat not attached (its loader parked) refuses with `RingClosed`."""
 
     device = "cpu"
 
-    def __init__(self, pool: DecodePool, sid: int, key: tuple, args: dict, dataset: str):
-        self.pool, self.sid, self.key, self.args, self.dataset = pool, sid, key, args, dataset
-        self.queue_s = 0.0
+    def __init__(self, pool: DecodePool, dataset: str):
+        self.pool, self.dataset = pool, dataset
+        self.args: dict[str, Any] = {}
+        self.key: tuple = ()
+        self.sid: int | None = None
+        self.queue_s = 0.0  # since the last attach
         self.batches = 0
 
+    def configure(self, **args: Any) -> PooledDecoder:
+        """(The loader's decoder factory) `ImageDecoder`'s arguments; the pool's pipelines take
+        the pool's threads."""
+        self.args = dict(args, threads=self.pool.threads)
+        self.key = (repr(args["transform"]), args["batch_size"], args["on_error"], args["seed"])
+        return self
+
+    def attach(self) -> PooledDecoder:
+        """A stream of the loader starts (`Unavailable` when the pool is closed)."""
+        self.detach()
+        self.sid = self.pool.attach()
+        self.queue_s = 0.0
+        self.batches = 0
+        return self
+
+    def detach(self) -> None:
+        """The stream ended: its batches still queued fail with `RingClosed` (its readers stop)."""
+        sid, self.sid = self.sid, None
+        if sid is not None:
+            self.pool.detach(sid)
+
     def decode_into(self, encoded, names, dst, *, stream: Any = None) -> list[int]:
-        kept, waited = self.pool.submit(self.sid, self.key, self.args, encoded, names, dst)
+        sid = self.sid
+        if sid is None:
+            raise RingClosed("the stream ended")
+        kept, waited = self.pool.submit(sid, self.key, self.args, encoded, names, dst)
         self.queue_s += waited
         self.batches += 1
         m = self.pool.metrics
         if m is not None:
             m.queue_s.labels(self.dataset).observe(waited)
         return kept
-
-    def detach(self) -> None:
-        self.pool.detach(self.sid)

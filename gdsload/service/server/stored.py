@@ -7,8 +7,9 @@ that only moves members as they are stored, that work is not needed: the batch's
 already in the page cache, and `os.sendfile` hands those pages to the socket. So a stream is
 served as stored when all of these hold (otherwise its loader reads it, as before):
 
-- the request is raw (no decode), not shared, not a mix, and goes over the bulk connection
-  (gRPC has no way to send from a file);
+- the request is raw (no decode), not shared, not a mix, without media, and goes over the bulk
+  connection (gRPC has no way to send from a file): `protocol.request.stored_refusal`, the one
+  home of the request combinations;
 - the client says it checks the members' CRC32s (`BatchRequest.checks_item_crc32`: the server
   does not see the bytes it sends, so the index's CRC32 of each member travels with it in
   `FieldData.item_crc32` and `wire.decode_body` checks it as the batch lands: a shard changed on
@@ -31,35 +32,32 @@ from typing import Any
 import numpy as np
 
 from gdsload.service.protocol import wire
-from gdsload.v1 import feed_pb2 as pb
 
 
 class StoredBatches:
     """The batches of one loader's plan as `wire.StoredColumn`s (`batch(ids)`); `open` says
-    whether a request can be served so."""
+    whether its dataset can be served so."""
 
     def __init__(self, planner: Any, fds: np.ndarray):
         self.planner = planner  # gdsload.loader.gather.BatchPlanner
         self.fds = fds  # the descriptor of each global shard
 
     @classmethod
-    def open(cls, loader: Any, req: pb.BatchRequest) -> StoredBatches | None:
-        """The stored batches of `loader` (the request's, not yet iterated) when `req` can be
-        served as stored (the module docstring), else None."""
-        if (req.payload == pb.PAYLOAD_DECODED or not req.checks_item_crc32 or req.share
-                or req.HasField("mix") or req.media):
-            return None
-        layout = loader.batch_layout()
-        planner = layout.planner
-        if planner.spans_unsupported() is not None:
-            return None
+    def open(cls, loader: Any) -> tuple[StoredBatches | None, str]:
+        """The stored batches of `loader` (not yet iterated), or (None, why not): its dataset's
+        side of the rules (the module docstring); the request's side is
+        `gdsload.service.protocol.request.stored_refusal`."""
+        planner = loader.batch_layout().planner
+        why = planner.spans_unsupported()
+        if why is not None:
+            return None, why
         shards = loader.dataset.shards
         if not hasattr(shards, "local_fd"):
-            return None
+            return None, "the dataset is not in a local folder"
         fds = [shards.local_fd(s) for s in range(len(shards.shards))]
         if any(fd is None for fd in fds):
-            return None
-        return cls(planner, np.array(fds, np.int64))
+            return None, "a shard of the dataset is not a local file"
+        return cls(planner, np.array(fds, np.int64)), ""
 
     def batch(self, ids: np.ndarray) -> dict[str, Any]:
         """Batch `ids` as the loader would give it (its fields in the loader's order, then the keys),
