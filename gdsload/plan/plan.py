@@ -474,9 +474,9 @@ class Plan:
         return self._batches(epoch, start // self.global_batch)
 
     def _batches(self, epoch: int, first_step: int) -> Iterator[np.ndarray]:
-        order = self._epoch(epoch)
-        for step in range(first_step, self.num_steps):
-            yield self._batch(order, step)
+        lazy = PlanBatches(self, epoch, range(first_step, self.num_steps))
+        for i in range(len(lazy)):
+            yield lazy[i]
 
     def batch(self, epoch: int, step: int) -> np.ndarray:
         """This rank's batch of global step `step` of `epoch` (``0 <= step < num_steps``)."""
@@ -496,14 +496,22 @@ class Plan:
         return step
 
     def _batch(self, order: Any, step: int) -> np.ndarray:
-        """Rule 4: in step k rank r reads positions k*G + r + j*W below the used positions."""
-        w = self.world_size
-        first = step * self.global_batch + self.rank
-        count = min(self.batch_size, max(0, -(-(self._used_positions() - first) // w)))
-        positions = first + w * np.arange(count, dtype=np.int64)
+        return self._steps(order, [step])[0]
+
+    def _steps(self, order: Any, steps: Sequence[int]) -> list[np.ndarray]:
+        """This rank's batches of `steps`, from one evaluation of the order over all their
+        positions (rule 4: in step k rank r reads positions k*G + r + j*W below the used ones)."""
+        w, used = self.world_size, self._used_positions()
+        parts = []
+        for step in steps:
+            first = step * self.global_batch + self.rank
+            count = min(self.batch_size, max(0, -(-(used - first) // w)))
+            parts.append(first + w * np.arange(count, dtype=np.int64))
+        positions = np.concatenate(parts) if len(parts) > 1 else parts[0]
         if not self.drop_last:
             positions %= self.num_samples  # the padding repeats the order from its start
-        return order.at(positions)
+        ids = order.at(positions)
+        return np.split(ids, np.cumsum([len(p) for p in parts[:-1]])) if len(parts) > 1 else [ids]
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -630,8 +638,13 @@ class Plan:
 
 
 class PlanBatches(Sequence[np.ndarray]):
-    """A plan's batches for given global steps of one epoch, each computed when indexed (nothing
-    is kept: a pass over 10^8 batches holds none of them). Safe to index from several threads."""
+    """A plan's batches for given global steps of one epoch, computed when indexed, a chunk of
+    about `CHUNK_POSITIONS` positions at a time (order 2's array operations cost about as much for
+    one batch as for 30: a chunk makes them per sample), of which the last `CHUNKS_KEPT` are kept
+    (a pass over 10^8 batches holds a few dozen of them). Safe to index from several threads."""
+
+    CHUNK_POSITIONS = 8192
+    CHUNKS_KEPT = 4
 
     def __init__(self, plan: Plan, epoch: int, steps: Sequence[int]):
         if isinstance(steps, range):
@@ -642,6 +655,9 @@ class PlanBatches(Sequence[np.ndarray]):
             steps = [plan._check_step(s) for s in steps]
         self.plan, self.epoch, self.steps = plan, epoch, steps
         self._order = plan._epoch(epoch)
+        self._per_chunk = max(1, self.CHUNK_POSITIONS // plan.batch_size)
+        self._chunks: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -649,4 +665,15 @@ class PlanBatches(Sequence[np.ndarray]):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self.plan._batch(self._order, self.steps[i])
+        i = range(len(self.steps))[i]  # negative indices; IndexError past the end
+        c, k = divmod(i, self._per_chunk)
+        with self._lock:
+            chunk = self._chunks.get(c)
+        if chunk is None:
+            steps = self.steps[c * self._per_chunk:(c + 1) * self._per_chunk]
+            chunk = self.plan._steps(self._order, steps)
+            with self._lock:
+                self._chunks[c] = chunk
+                while len(self._chunks) > self.CHUNKS_KEPT:
+                    self._chunks.popitem(last=False)
+        return chunk[k]

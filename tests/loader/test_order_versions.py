@@ -10,7 +10,7 @@ import pytest
 import gdsload
 from gdsload import DataLoader
 from gdsload.dataset.mix import Mix
-from gdsload.plan.plan import DEFAULT_ORDER, Plan, StateError
+from gdsload.plan.plan import DEFAULT_ORDER, Plan, PlanBatches, StateError
 
 
 @pytest.fixture(scope="module")
@@ -65,30 +65,32 @@ def test_a_state_of_the_other_order_is_refused_naming_both(two):
 
 
 def test_a_pass_computes_only_the_batches_it_reaches(two, monkeypatch):
-    """A mix of 40,000 samples per epoch (10,000 steps): two batches taken, then a break. The
-    pass computed those and the few its readers and ring ran ahead, not the epoch (before
-    `batches_at`, `Epoch` listed every batch first)."""
+    """A mix of 400,000 samples per epoch (100,000 steps): two batches taken, then a break. The
+    pass computed the first chunk of batches (`PlanBatches.CHUNK_POSITIONS` positions), not the
+    epoch (before `batches_at`, `Epoch` listed every batch first)."""
     computed = []
-    real = Plan._batch
+    real = Plan._steps
 
-    def counting(self, order, step):
-        computed.append(step)
-        return real(self, order, step)
+    def counting(self, order, steps):
+        computed.extend(steps)
+        return real(self, order, steps)
 
-    monkeypatch.setattr(Plan, "_batch", counting)
-    mix = Mix([str(two / "a"), str(two / "b")], weights=[0.5, 0.5], samples_per_epoch=40_000)
+    monkeypatch.setattr(Plan, "_steps", counting)
+    mix = Mix([str(two / "a"), str(two / "b")], weights=[0.5, 0.5], samples_per_epoch=400_000)
     lo = loader(mix, shuffle=True, seed=1, order=2, prefetch_factor=2)
-    assert len(lo) == 10_000
+    assert len(lo) == 100_000
+    chunk = PlanBatches.CHUNK_POSITIONS // 4
     it = iter(lo)
     head = [next(it) for _ in range(2)]
     it.close()
-    assert len(set(computed)) <= 8, len(set(computed))
+    assert sorted(set(computed)) == list(range(chunk)), len(set(computed))
     assert [list(b[0]) for b in head] == [key_of(lo.plan.batch(0, s)) for s in (0, 1)]
 
     computed.clear()
-    strided = list(lo.iter_batches(steps=[3, 500, 9_999]))  # a server's blocks of a stripe
-    assert sorted(set(computed)) == [3, 500, 9_999]
-    assert [list(b[0]) for b in strided] == [key_of(lo.plan.batch(0, s)) for s in (3, 500, 9_999)]
+    steps = [3, 500, 9_999, 99_999]  # a server's blocks of a stripe
+    strided = list(lo.iter_batches(steps=steps))
+    assert sorted(set(computed)) == steps
+    assert [list(b[0]) for b in strided] == [key_of(lo.plan.batch(0, s)) for s in steps]
 
 
 def key_of(ids):

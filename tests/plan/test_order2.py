@@ -78,6 +78,48 @@ def test_permute_shuffles_evenly():
     assert abs(np.corrcoef(p[:-1], p[1:])[0, 1]) < 0.02 and abs(np.corrcoef(np.arange(100_000), p)[0, 1]) < 0.02
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_permute_draws_small_permutations_uniformly(n):
+    """Every permutation of n elements about equally often over 60,000 keys, also keys in an
+    arithmetic progression (a key schedule adding the round number to the key made neighbouring
+    keys share round keys: 30x the chi-square of a uniform draw at n = 5)."""
+    import itertools
+
+    keys = np.arange(60_000, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    rows = np.stack([permute(np.full(len(keys), x), n, keys) for x in range(n)], axis=1)
+    index = {p: i for i, p in enumerate(itertools.permutations(range(n)))}
+    counts = np.bincount([index[tuple(r)] for r in rows.tolist()], minlength=len(index))
+    expected = len(keys) / len(index)
+    dof = len(index) - 1
+    assert ((counts - expected) ** 2 / expected).sum() / dof < 1 + 4 * (2 / dof) ** 0.5
+
+
+@pytest.mark.parametrize("n", [33, 100, 1000])
+def test_permute_sends_pairs_everywhere_alike(n):
+    keys = np.random.default_rng(1).integers(0, 2**63, 200_000).astype(np.uint64)
+    a, b = permute(np.zeros(len(keys), np.int64), n, keys), permute(np.ones(len(keys), np.int64), n, keys)
+    assert (a != b).all()
+    cells = 400  # (pi(0), pi(1)) in 400 groups of cells
+    allc = np.arange(n * n)
+    expected = np.bincount(allc * cells // (n * n), weights=(allc // n != allc % n).astype(float),
+                           minlength=cells) / (n * (n - 1)) * len(keys)
+    got = np.bincount((a * n + b) * cells // (n * n), minlength=cells)
+    assert ((got - expected) ** 2 / expected).sum() / (cells - 1) < 1.3
+
+
+def test_chunks_give_each_step_its_batch(monkeypatch):
+    from gdsload.plan.plan import PlanBatches
+
+    plan = Plan("ds", (30, 25, 40, 5), 3, world_size=2, rank=1, shuffle=True, seed=2, order=2)
+    want = [plan.batch(0, k) for k in range(len(plan))]
+    monkeypatch.setattr(PlanBatches, "CHUNK_POSITIONS", 7)  # two steps per chunk
+    monkeypatch.setattr(PlanBatches, "CHUNKS_KEPT", 2)
+    lazy = plan.batches_at(0, range(len(plan)))
+    order = [5, 0, 16, 1, 2, 15, 3, 4]  # across chunks, out of order, some evicted and made again
+    assert all(np.array_equal(lazy[i], want[i]) for i in order + list(range(len(plan))))
+    assert all(np.array_equal(a, b) for a, b in zip(plan.batches(0, 3 * 6), want[3:]))
+
+
 def test_positions_are_laid_out_in_groups_alike(monkeypatch):
     sizes = (300, 1, 250, 7, 900, 0, 640)
     for window in (3, 50, 10**6):
