@@ -502,16 +502,20 @@ def test_state_error_is_a_gdsload_error():
     assert issubclass(StateError, GdsloadError) and issubclass(StateError, PlanError)
 
 
-def test_plan_module_imports_only_numpy_and_stdlib():
+@pytest.mark.parametrize("module", ["plan", "mix", "permute", "window", "interleave"])
+def test_plan_modules_import_only_numpy_and_stdlib(module):
     import sys
 
-    source = Path(__file__).resolve().parents[2] / "gdsload" / "plan" / "plan.py"
+    source = Path(__file__).resolve().parents[2] / "gdsload" / "plan" / f"{module}.py"
     tree = ast.parse(source.read_text())
-    roots = set()
+    roots, ours = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             roots |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             roots.add(node.module.split(".")[0])
+            if node.module.startswith("gdsload"):
+                ours.add(node.module)
     assert roots - set(sys.stdlib_module_names) <= {"numpy", "gdsload"}
+    assert all(m.startswith(("gdsload.plan.", "gdsload.errors", "gdsload.host.")) for m in ours), ours
     assert not any(isinstance(node, ast.Assert) for node in ast.walk(tree))
