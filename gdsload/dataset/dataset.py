@@ -108,6 +108,14 @@ class Dataset(ProcessLocal):
     def shard_sizes(self) -> tuple[int, ...]:
         return tuple(s["samples"] for s in self.shards.shards)
 
+    @property
+    def classes(self) -> list[str] | None:
+        """The class names, as torchvision's `ImageFolder.classes`: label i (a batch's `cls`) is
+        `classes[i]`: the class folders' names, sorted (as `ImageFolder`), a `ClassLabel` column's
+        names, a labels file's names (sorted) or the writer's `classes=`; None when there are none
+        (no labels, or integer labels). Appends add new names at the end, so earlier labels keep theirs."""
+        return self.shards.classes
+
     def __repr__(self) -> str:
         return f"gdsload.Dataset({self.path!r}, samples={len(self)}, fields={self.fields})"
 

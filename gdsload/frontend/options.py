@@ -161,11 +161,70 @@ def check_share(share: Any) -> str | None:
 
 
 def check_workers(num_workers: Any, prefetch_factor: Any) -> None:
-    """`DataLoader`'s reader settings: ints >= 1 (or "auto", resolved by the caller first)."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ConfigError(f"num_workers must be >= 1 (reader threads) or 'auto', got {num_workers!r}")
+    """`DataLoader`'s reader settings: `num_workers` an int >= 0 (0: no reader threads, each batch
+    is read in the loop's thread when `next()` asks for it, as torch's `num_workers=0` reads in
+    the main process), `prefetch_factor` an int >= 1 ("auto" for either is resolved by the caller
+    first)."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be >= 0 (reader threads; 0: read in the loop's thread) or 'auto', "
+                          f"got {num_workers!r}")
     if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
         raise ConfigError(f"prefetch_factor must be >= 1 or 'auto', got {prefetch_factor!r}")
+
+
+#: torch DataLoader arguments with no meaning here, and the gdsload way instead (`check_torch_habits`).
+GDSLOAD_WAY = {
+    "sampler": "the order is shuffle= and seed= (a pure function of dataset, seed and epoch, resumable "
+               "with state_dict()), ranks take their slices by rank=/world_size= (default: torch.distributed's), "
+               "and gdsload.Mix([...], weights=...) weights datasets",
+    "batch_sampler": "batches are batch_size= and drop_last= over the order of shuffle= and seed=; ranks by "
+                     "rank=/world_size=; gdsload.Mix([...], mix_by='batch') gives each batch one dataset",
+}
+
+
+def check_torch_habits(*, seed: Any, generator: Any = None, sampler: Any = None, batch_sampler: Any = None,
+                       worker_init_fn: Any = None, worker_mode: str = "thread", persistent_workers: Any = False) -> int:
+    """The torch DataLoader arguments people bring, checked; returns the seed to use.
+
+    - `sampler`, `batch_sampler`: refused (`ConfigError` naming the gdsload way, `GDSLOAD_WAY`).
+    - `generator`: a `torch.Generator` (anything with `initial_seed()`) as the seed's source when
+      `seed` is not given: the seed is `generator.initial_seed()`, the number `manual_seed(n)`
+      set, read once (the generator is not advanced, so the same seeding gives the same order on
+      every run, and a resumed run finds the state's seed again). Both given: refused.
+      Neither: seed 0.
+    - `worker_init_fn(worker_id)`: called in each worker process before its first batch
+      (`worker_mode="process"`); thread workers have no process to set up: refused.
+    - `persistent_workers`: True or False (validated; its effect is the loader's to say).
+    """
+    for name in ("sampler", "batch_sampler"):
+        if locals()[name] is not None:
+            raise ConfigError(f"{name} is not a gdsload.DataLoader option: {GDSLOAD_WAY[name]}")
+    if not isinstance(persistent_workers, bool):
+        raise ConfigError(f"persistent_workers must be True or False, got {persistent_workers!r}")
+    if worker_init_fn is not None:
+        if not callable(worker_init_fn):
+            raise ConfigError(f"worker_init_fn must be a callable taking the worker id, got {worker_init_fn!r}")
+        if worker_mode != "process":
+            raise ConfigError("worker_init_fn runs in worker processes (worker_mode='process', with map= or "
+                              "collate_fn=); reader threads have no process of their own: set things up once "
+                              "before the loop instead")
+        import pickle
+
+        try:
+            pickle.dumps(worker_init_fn)
+        except Exception as exc:
+            raise ConfigError(f"worker_init_fn runs in spawned processes, so it must be picklable (a module-level "
+                              f"function, not a lambda or closure): {exc}") from exc
+    if generator is not None:
+        if seed is not None:
+            raise ConfigError(f"give seed= or generator= (whose initial_seed() is then the seed), not both: "
+                              f"seed={seed!r}")
+        initial = getattr(generator, "initial_seed", None)
+        if not callable(initial):
+            raise ConfigError(f"generator must be a torch.Generator (its initial_seed() is the seed), "
+                              f"got {type(generator).__name__}")
+        return int(initial())
+    return 0 if seed is None else seed
 
 
 def _local_device(device: Any, output: str) -> tuple[str, int | None]:

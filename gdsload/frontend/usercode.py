@@ -141,6 +141,7 @@ class MapStage:
         return cls(map_fn, collate_fn, worker_mode)
 
     timeout: float = 0  # seconds a batch may take in a worker process (the loader's `timeout=`)
+    worker_init_fn: Callable[[int], Any] | None = None  # called with the worker's index in each process
 
     def start(self, workers: int) -> MapRun:
         return MapRun(self, workers, timeout=self.timeout)
@@ -154,10 +155,10 @@ class MapRun:
         self.stage = stage
         self.timeout = timeout
         self.pool = None
-        if stage.worker_mode == "process":
+        if stage.worker_mode == "process" and workers > 0:  # 0 workers: in the reading thread, as torch's 0
             from gdsload.frontend.workers import WorkerPool
 
-            self.pool = WorkerPool(stage.fn, workers, name="gdsload-map")
+            self.pool = WorkerPool(stage.fn, workers, name="gdsload-map", init=stage.worker_init_fn)
 
     def run(self, columns: dict[str, Any], names: list[str], convert: Callable[[np.ndarray], Any]) -> Any:
         """The batch of `columns` (host copies) after map and collate; raises RingClosed when the

@@ -68,9 +68,11 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _worker_main(fn: Callable[[Any], Any], inbox: Any, outbox: Any, parent_pid: int,
-                 busy: Any = None, me: int = 0) -> None:
+                 busy: Any = None, me: int = 0, init: Callable[[int], Any] | None = None) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if init is not None:  # torch's worker_init_fn(worker_id); if it raises, the worker dies (WorkerDied)
+        init(me)
     while True:
         try:
             item = inbox.get(timeout=_POLL_S)
@@ -94,9 +96,11 @@ def _worker_main(fn: Callable[[Any], Any], inbox: Any, outbox: Any, parent_pid: 
 
 
 class WorkerPool:
-    """`n` spawned processes running `fn(payload)` for each `submit(payload)`. Thread-safe."""
+    """`n` spawned processes running `fn(payload)` for each `submit(payload)`, after `init(i)` in
+    worker i (torch's `worker_init_fn`). Thread-safe."""
 
-    def __init__(self, fn: Callable[[Any], Any], n: int, *, name: str = "gdsload-worker"):
+    def __init__(self, fn: Callable[[Any], Any], n: int, *, name: str = "gdsload-worker",
+                 init: Callable[[int], Any] | None = None):
         import multiprocessing
 
         try:
@@ -116,7 +120,7 @@ class WorkerPool:
         self.broken: BaseException | None = None  # why the pool stopped on its own (a worker died)
         self._busy = ctx.Array("q", [-1] * n, lock=False)  # worker i's task id (-1: none)
         self.procs = [ctx.Process(target=_worker_main, args=(fn, self._inbox, self._outbox, os.getpid(),
-                                                             self._busy, i),
+                                                             self._busy, i, init),
                                   name=f"{name}-{i}", daemon=True) for i in range(n)]
         for p in self.procs:
             p.start()

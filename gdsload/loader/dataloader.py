@@ -54,6 +54,7 @@ returns; the next `iter()` starts from the new state): see `gdsload.frontend.cur
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -65,8 +66,9 @@ from gdsload.dataset.source import open_source
 from gdsload.errors import ConfigError, GdsloadError
 from gdsload.frontend import fields as _fieldkinds
 from gdsload.frontend.cursor import Cursor, PlanCursor
-from gdsload.frontend.options import LoaderOptions, check_workers
+from gdsload.frontend.options import LoaderOptions, check_torch_habits, check_workers
 from gdsload.frontend.usercode import MapStage
+from gdsload.host.dist import dist_rank_world
 from gdsload.host.forksafe import ProcessLocal
 from gdsload.loader.epoch import Epoch
 from gdsload.plan.plan import DEFAULT_ORDER
@@ -108,6 +110,22 @@ class DataLoader(ProcessLocal, PlanCursor):
     pool in this way, `gdsload.service.server.pool`; a loader holding one pickles only if it
     does). What each field kind becomes: `gdsload.frontend.fields`.
 
+    torch's other `DataLoader` arguments (`gdsload.frontend.options.check_torch_habits`):
+    `num_workers=0` starts no reader thread: each batch is read in the loop's thread when `next()`
+    asks for it, nothing ahead (`prefetch_factor` is then refused; process-mode `map` runs in that
+    thread too, as torch's 0 runs in the main process). `persistent_workers` is accepted and
+    changes nothing: reader threads start with each pass (microseconds), and with
+    `worker_mode="process"` the worker processes start with each pass too (a fraction of a
+    second with NumPy only). `generator` (a `torch.Generator`) is the seed's source when `seed`
+    is not given: the seed is `generator.initial_seed()`, read once, the generator not advanced
+    (both given: refused; neither: seed 0). `worker_init_fn(worker_id)` runs in each worker
+    process before its first batch (`worker_mode="process"` only: reader threads have no process
+    to set up). `sampler` and `batch_sampler` are refused with a `ConfigError` naming the
+    gdsload way (`shuffle`/`seed`, `rank`/`world_size`, `gdsload.Mix`), and `loader.sampler` is
+    an `AttributeError` saying so. Rank and world size left to `torch.distributed` when no group
+    exists yet are taken from the group at the first `len()`, `iter()` or state call that finds
+    one (`_bind_ranks`). Class names: `loader.dataset.classes` (`gdsload.Dataset.classes`).
+
     Why one batch ahead when images are decoded: every batch is decoded by the loader's one DALI
     pipeline, which has all the cores, so a second batch ahead adds no decoding, only a slot of
     decoded float32 rows (154 MB at batch 256, 224x224). Measured on 2 cores, tier T: 1 gave the
@@ -132,7 +150,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         prefetch_factor: int | Literal["auto"] | None = None,
         pin_memory: bool = True,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         device: str | None = None,
         decode: bool = True,
         transform: Any = None,
@@ -151,7 +169,18 @@ class DataLoader(ProcessLocal, PlanCursor):
         worker_mode: Literal["thread", "process"] = "thread",
         timeout: float = 0,
         decoder_factory: Any = None,
+        persistent_workers: bool = False,
+        generator: Any = None,
+        worker_init_fn: Any = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
     ):
+        # torch's DataLoader arguments: what has a meaning here, and a ConfigError naming the gdsload
+        # way for the rest (`gdsload.frontend.options.check_torch_habits`)
+        seed = check_torch_habits(seed=seed, generator=generator, sampler=sampler, batch_sampler=batch_sampler,
+                                  worker_init_fn=worker_init_fn, worker_mode=worker_mode,
+                                  persistent_workers=persistent_workers)
+        self.persistent_workers = persistent_workers  # accepted; see the class docstring
         self.options = opts = LoaderOptions.create(
             remote=False, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
             world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform,
@@ -167,8 +196,15 @@ class DataLoader(ProcessLocal, PlanCursor):
         self.timeout = float(timeout)  # for a batch from a process worker (gdsload.frontend.workers)
         if self._stage is not None:
             self._stage.timeout = self.timeout
+            self._stage.worker_init_fn = worker_init_fn  # process workers (check_torch_habits)
         from gdsload.loader import autotune
 
+        if type(num_workers) is int and num_workers == 0:  # reads in the loop's thread (`Epoch`): none ahead
+            if prefetch_factor is not None:
+                raise ConfigError(f"prefetch_factor needs reader threads (num_workers >= 1): with num_workers=0 "
+                                  f"each batch is read in the loop's thread when next() asks for it, none ahead; "
+                                  f"got prefetch_factor={prefetch_factor!r}")
+            prefetch_factor = 1
         self._auto = {"prefetch": prefetch_factor == "auto", "workers": num_workers == "auto"}
         if self._auto["workers"]:  # reads block in the kernel: threads beyond the cores help
             num_workers = autotune.START_WORKERS
@@ -191,6 +227,10 @@ class DataLoader(ProcessLocal, PlanCursor):
         self.decode_threads = decode_threads or (os.cpu_count() or 1) + 1
         self.decoder_factory = decoder_factory
         self.plan = self.dataset.make_plan(**opts.plan_args(), order=order)
+        self._order = order
+        # rank and world size left to torch.distributed, which has no group yet: taken from the group
+        # if one exists by the first len(), iter() or state call (`_bind_ranks`)
+        self._ranks_pending = rank is None and world_size is None and dist_rank_world() is None
         self.cursor = Cursor()
         self._start_process()
 
@@ -246,12 +286,59 @@ class DataLoader(ProcessLocal, PlanCursor):
 
     # -- torch-like surface --------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(), load_state_dict(): PlanCursor, over `self.cursor`
+    def __len__(self) -> int:
+        self._bind_ranks()
+        return super().__len__()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._bind_ranks()
+        return super().state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self._bind_ranks()
+        super().load_state_dict(state)
+
+    @property
+    def sampler(self) -> Any:
+        """None to give: a torch habit, answered (an AttributeError, so `getattr(loader, "sampler",
+        None)` is None) with where gdsload's order comes from, and what a trainer that skips batches
+        through the sampler on resume should do instead."""
+        raise AttributeError(
+            "gdsload.DataLoader has no sampler: the order is shuffle=/seed= and ranks take their slices by "
+            "rank=/world_size=; it resumes by load_state_dict(), so nothing is skipped through a sampler "
+            "(transformers.Trainer: override get_resumed_dataloader to return the loader, see "
+            "gdsload.integrations.hf; accelerate: do not call skip_first_batches)")
+
+    def _bind_ranks(self) -> None:
+        """Rank and world size from a `torch.distributed` group initialised after this loader was
+        built with neither given (a script that builds its loader before Lightning's DDP or the HF
+        Trainer set the group up): the plan is made again for this rank, at the first `len()`,
+        `iter()` or state call that finds the group. A loader that has read batches as rank 0 of 1
+        by then is refused (`ConfigError`): its position belongs to another world size."""
+        if not self.__dict__.get("_ranks_pending"):
+            return
+        dist = dist_rank_world()
+        if dist is None:
+            return
+        self._ranks_pending = False
+        opts = self.options
+        if dist == (opts.rank, opts.world_size):
+            return
+        if self._resources is not None or self.cursor.position != 0:
+            raise ConfigError(
+                f"this loader was built before torch.distributed was initialised and read batches as rank 0 of "
+                f"1; the process group now has {dist[1]} ranks: build the loader after init_process_group "
+                f"(Lightning: in train_dataloader(); accelerate: after Accelerator()), or pass rank= and world_size=")
+        self.options = dataclasses.replace(opts, rank=dist[0], world_size=dist[1])
+        self.plan = self.dataset.make_plan(**self.options.plan_args(), order=self._order)
+        self._layout = None
 
     # -- set-up, lazily on first iteration -----------------------------------------------------
     def batch_layout(self) -> Any:
         """The `gdsload.loader.layout.BatchLayout` of this loader's batches, decided once, before
         anything is allocated (the feed server sizes a stream's memory reservation from its
         `slot_nbytes` before the loader's first batch)."""
+        self._bind_ranks()
         if self._layout is None:
             from gdsload.loader.layout import BatchLayout
 
@@ -295,6 +382,7 @@ class DataLoader(ProcessLocal, PlanCursor):
                 raise ConfigError(f"steps must be increasing batch indices in 0..{n - 1}, got "
                                   f"{len(steps)} from {steps[:1]} to {steps[-1:]}")
         self._enter_process()
+        self._bind_ranks()
         active = self.cursor.live()
         if active is not None:
             active.close()

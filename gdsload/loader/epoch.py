@@ -94,6 +94,7 @@ class Epoch:
         self.filler = SlotFiller(resources, layout, source, self.decoder, assembler, self.stage, self.times)
         self.filler.draw_key = (plan.seed, self.epoch)  # clip and crop positions: the plan's, per sample
         self.progress = Progress(self.epoch, time.perf_counter(), self.ring.stats()["wait_s"], stages=self.times)
+        # num_workers=0: no reader thread, `__next__` reads each batch itself (`_fill_here`)
         self.threads = [self._reader(i) for i in range(min(resources.num_workers, max(1, len(self.batches))))]
         self._closed = False
         for t in self.threads:
@@ -151,6 +152,24 @@ class Epoch:
                     self.decoder.skip_batch(seq)
             self.ring.publish(slot)
 
+    def _fill_here(self, seq: int) -> None:
+        """`num_workers=0`: batch `seq` read into its slot by the caller of `next()`, as a reader
+        would (a failure is published in the slot and raised by `ring.get`, in order)."""
+        self._claim = seq + 1
+        slot = self.ring.acquire(seq)
+        cache = self.res.cache
+        try:
+            self.filler.fill(slot, seq, self.batches[seq])
+        except BaseException as exc:
+            self.ring.fail(slot, exc)
+            return
+        finally:
+            if cache is not None:
+                cache.release(seq)
+            if self.filler.n_images:  # turns not taken (a failure before or between decodes)
+                self.decoder.skip_batch(seq)
+        self.ring.publish(slot)
+
     # consumer ---------------------------------------------------------------------------------
     def __iter__(self) -> "Epoch":
         return self
@@ -172,6 +191,8 @@ class Epoch:
             self.close()
             raise StopIteration
         t0 = time.perf_counter()
+        if not self.threads:  # num_workers=0: this batch is read here, in the loop's thread
+            self._fill_here(self.next_seq)
         try:
             slot = self.ring.get(self.next_seq)
         except BaseException:

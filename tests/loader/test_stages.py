@@ -30,7 +30,7 @@ def keys(loader):
     ({"output": "nonsense"}, "output"),
     ({"on_error": "ignore"}, "on_error"),  # an .npy dataset: no DALI is ever built to check it
     ({"device": "gpu"}, "device"),
-    ({"num_workers": 0}, "num_workers"),
+    ({"num_workers": -1}, "num_workers"),
     ({"shuffle": "yes"}, "shuffle"),
     ({"fields": "npy"}, "fields"),
     ({"batch_size": 0}, "batch_size"),
