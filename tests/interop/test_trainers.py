@@ -133,3 +133,59 @@ def test_a_discarded_pass_collected_in_its_reader_never_takes_the_next_pass_s_ba
         fill_mod.SlotFiller.fill = real_fill
         threading.excepthook = old_hook
     lo.close()
+
+
+# -- ranks from torch.distributed, as the trainers set it up ---------------------------------------
+def _rank_main(rank: int, world: int, init_file: str, path: str, out) -> None:
+    """One rank of a 2-process gloo group: loaders built before and after the group exists."""
+    import torch.distributed as dist
+
+    res: dict = {}
+    early = make(path)  # built before the group (a script that builds it before Trainer.fit)
+    used = make(path)
+    next(iter(used))  # ... and one that read a batch as rank 0 of 1 before it
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        late = make(path)
+        res["len"] = (len(early), len(late))
+        res["ranks"] = [(lo.plan.rank, lo.plan.world_size) for lo in (early, late)]
+        res["keys"] = [[k for b in lo for k in b["__key__"]] for lo in (early, late)]
+        try:
+            len(used)
+            res["used"] = "accepted"
+        except Exception as exc:
+            res["used"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group()
+        out.put((rank, res))
+
+
+def test_rank_and_world_size_come_from_a_gloo_group(tiny, tmp_path):
+    """Two processes in a gloo group: a loader built after `init_process_group` reads this rank's
+    slice; one built before it (what a script handing its loader to Lightning's DDP, or to the HF
+    Trainer, does) takes the group's rank and world size at its first `len()`/`iter()`; one that
+    read batches as rank 0 of 1 before the group existed is refused, naming what to do."""
+    import multiprocessing as mp
+
+    pytest.importorskip("torch.distributed")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "init"), tiny, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        want = make(tiny, rank=rank, world_size=2)
+        want_keys = [k for b in want for k in b["__key__"]]
+        r = got[rank]
+        assert r["ranks"] == [(rank, 2), (rank, 2)]
+        assert r["len"] == (len(want), len(want)) == (N // BATCH // 2, N // BATCH // 2)
+        assert r["keys"] == [want_keys, want_keys]
+        assert "before torch.distributed was initialised" in r["used"] and "rank= and world_size=" in r["used"]
+    assert sorted(got[0]["keys"][0] + got[1]["keys"][0]) == sorted(epoch_keys(tiny, 0))
