@@ -26,6 +26,7 @@ LAYER = {
     "loader": 4,
     "service": 5, "convert": 5,
     "cli": 6, "doctor": 6, "demo": 6, "sampledata": 6, "bench": 6, "__main__": 6,
+    "integrations": 6,  # glue for trainers (transformers.Trainer), imported only by the user's script
     "v1": 5,  # generated gRPC code, part of the service
 }
 # what each layer-1 package may import beside layer 0 (they are peers, not a stack)
