@@ -189,3 +189,106 @@ def test_rank_and_world_size_come_from_a_gloo_group(tiny, tmp_path):
         assert r["keys"] == [want_keys, want_keys]
         assert "before torch.distributed was initialised" in r["used"] and "rank= and world_size=" in r["used"]
     assert sorted(got[0]["keys"][0] + got[1]["keys"][0]) == sorted(epoch_keys(tiny, 0))
+
+
+# -- the examples, as users run them ---------------------------------------------------------------
+def _run_example(name: str, tmp_path: Path, timeout_s: int = 240) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir", str(tmp_path)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr[-6000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("name, trainer", [
+    ("lightning_resume.py", "lightning"),
+    ("accelerate_resume.py", "accelerate"),
+    ("hf_trainer_resume.py", "hf trainer"),
+])
+def test_example_resumes_exactly(name, trainer, tmp_path):
+    """Each example trains 2 epochs of 12 steps, then resumes from its checkpoints at step 4 (epoch
+    0), 16 (epoch 1) and 12 (the end of epoch 0); each resumed run trains on exactly the keys the
+    uninterrupted one had left (the script exits 1 otherwise, and checks every batch's rows)."""
+    pytest.importorskip({"lightning": "lightning", "accelerate": "accelerate", "hf trainer": "transformers"}[trainer])
+    text = _run_example(name, tmp_path)
+    for where, step, keys in (("in epoch 0", 4, 80), ("in epoch 1", 16, 32), ("at the end of epoch 0", 12, 48)):
+        assert f"{trainer} resume {where} (step {step}): {keys} keys, exact" in text, text
+    assert "uninterrupted: 96 keys over 2 epochs of 12 steps" in text
+
+
+# -- what the examples rely on, one at a time ------------------------------------------------------
+def test_accelerate_skip_first_batches_fails_naming_the_recipe(tiny):
+    """What accelerate's `skip_first_batches` (the HF Trainer's default on resume) does with a gdsload
+    loader: it reads the loader's sampler, and the error says what to do instead."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    lo = make(tiny)
+    with pytest.raises(AttributeError, match="get_resumed_dataloader"):
+        data_loader.skip_first_batches(lo, 3)
+    lo.close()
+
+
+def test_hf_callback_keeps_the_state_in_trainer_state_json_and_restores_it(tiny, tmp_path):
+    """The callback's state goes into the checkpoint's `trainer_state.json` (the Trainer writes the
+    `stateful_callbacks`), and on a resumed run (global step > 0) it is loaded into the loader."""
+    pytest.importorskip("transformers")
+    from transformers.trainer_callback import TrainerState
+
+    from gdsload.integrations.hf import GdsloadStateCallback
+
+    lo = make(tiny)
+    it = iter(lo)
+    for _ in range(5):
+        next(it)
+    saved = lo.state_dict()
+    cb = GdsloadStateCallback(lo)
+    state = TrainerState(global_step=5, stateful_callbacks=[cb])  # what Trainer._save_checkpoint writes
+    state.save_to_json(str(tmp_path / "trainer_state.json"))
+    lo.close()
+
+    fresh = make(tiny)
+    resumed = TrainerState.load_from_json(str(tmp_path / "trainer_state.json"))
+    GdsloadStateCallback(fresh).on_train_begin(None, resumed, None)
+    assert fresh.state_dict() == saved and saved["position"] == 5 * BATCH
+    rest = [k for b in fresh for k in b["__key__"]]
+    assert rest == epoch_keys(tiny, 0)[5 * BATCH:]
+    # no loader given: the Trainer's training dataloader (what get_train_dataloader returned)
+    other = make(tiny)
+    GdsloadStateCallback().on_train_begin(None, resumed, None, train_dataloader=other)
+    assert other.state_dict() == saved
+    # a fresh run (global step 0) leaves the loader alone
+    third = make(tiny)
+    third.set_epoch(3)
+    GdsloadStateCallback(third).on_train_begin(None, TrainerState(global_step=0), None)
+    assert third.epoch == 3
+    for x in (fresh, other, third):
+        x.close()
+
+
+def test_hf_callback_refuses_what_it_cannot_resume(tiny):
+    pytest.importorskip("transformers")
+    from transformers.trainer_callback import TrainerState
+
+    from gdsload.errors import GdsloadError
+    from gdsload.integrations.hf import GdsloadStateCallback
+
+    lo = make(tiny)
+    with pytest.raises(GdsloadError, match="holds no gdsload loader state"):  # saved without the callback
+        GdsloadStateCallback(lo).on_train_begin(None, TrainerState(global_step=4), None)
+    with pytest.raises(GdsloadError, match="override Trainer.get_train_dataloader"):
+        GdsloadStateCallback().on_train_begin(None, TrainerState(global_step=4), None, train_dataloader=[1, 2])
+    with pytest.raises(GdsloadError, match="must be a gdsload loader"):
+        GdsloadStateCallback(object())
+    lo.close()
+
+
+def test_integrations_are_not_imported_by_gdsload_and_name_what_to_install():
+    code = ("import sys, gdsload; assert not [m for m in sys.modules if m.startswith('gdsload.integrations')]\n"
+            "sys.modules['transformers'] = None\n"
+            "from gdsload.errors import MissingDependencyError\n"
+            "try:\n    from gdsload.integrations.hf import GdsloadStateCallback\n"
+            "except MissingDependencyError as e:\n    print('hint:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
+    assert out.returncode == 0, out.stderr
+    assert "hint:" in out.stdout and "pip install transformers" in out.stdout

@@ -1,0 +1,114 @@
+"""The HF `transformers.Trainer` fed by `gdsload.DataLoader`, resumed exactly from its checkpoints.
+
+    python examples/hf_trainer_resume.py                 # a tiny dataset on the CPU: train, resume, check
+
+The Trainer builds its own torch DataLoader, saves no loader state and resumes by skipping
+batches. The recipe (`gdsload.integrations.hf`): a subclass that returns the gdsload loader from
+`get_train_dataloader` and keeps the Trainer from skipping (`get_resumed_dataloader` returns the
+loader as it is), and `GdsloadStateCallback`, which keeps `loader.state_dict()` in every
+checkpoint (in its `trainer_state.json`) and loads it back on `train(resume_from_checkpoint=...)`.
+Batches are dicts of tensors: the Trainer calls `model(**batch)`, so the model's `forward` takes
+the dataset's field names (here `npy`, `cls` and `__key__`, the sample keys) and returns a dict
+with the loss.
+
+What this script checks: an uninterrupted run of 2 epochs saves a checkpoint every 4 steps; runs
+resumed from the one in epoch 0, the one in epoch 1 and the one at the end of epoch 0 each train
+on exactly the keys the uninterrupted run trained on after it, and every batch's rows are the
+samples its keys name. Exit status 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+import gdsload
+from gdsload.integrations.hf import GdsloadStateCallback
+
+EPOCHS, SAVE_EVERY = 2, 4
+
+
+def tiny_dataset(path: Path, n: int = 48) -> None:
+    """`n` samples, each an 8-float `npy` row equal to its index and a `cls` label."""
+    with gdsload.ShardWriter(str(path), shard_size="48KiB", classes=["a", "b", "c"]) as w:
+        for i in range(n):
+            w.write({"__key__": f"{i:04d}", "npy": np.full(8, i, np.float32), "cls": i % 3})
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, check_rows: bool):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+        self.check_rows = check_rows
+        self.seen: list[str] = []  # the keys trained on, in order (what this script compares)
+
+    def forward(self, npy, cls, __key__=(), **unused):
+        if self.training:
+            keys = list(__key__)
+            if self.check_rows and npy[:, 0].long().tolist() != [int(k) for k in keys]:
+                raise AssertionError(f"rows {npy[:, 0].tolist()} are not keys {keys}")
+            self.seen += keys
+        return {"loss": torch.nn.functional.cross_entropy(self.net(npy), cls)}
+
+
+def train(shards: str, workdir: Path, resume: str | None = None, check_rows: bool = True) -> list[str]:
+    """Train EPOCHS epochs (from the checkpoint folder `resume` when given); the keys trained on."""
+    name = "run" if resume is None else f"from-{Path(resume).name}"
+    args = transformers.TrainingArguments(
+        output_dir=str(workdir / name), num_train_epochs=EPOCHS, per_device_train_batch_size=4,
+        save_strategy="steps", save_steps=SAVE_EVERY, learning_rate=0.1, use_cpu=True, report_to=[],
+        logging_strategy="no", disable_tqdm=True)
+    # after TrainingArguments (which sets up torch.distributed on several processes): rank, world size
+    loader = gdsload.DataLoader(shards, batch_size=4, shuffle=True, seed=3, device="cpu")
+
+    class Trainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            return loader
+
+        def get_resumed_dataloader(self, dataloader, num_batches):
+            return dataloader  # GdsloadStateCallback restored the loader's position: nothing to skip
+
+    model = Classifier(check_rows)
+    trainer = Trainer(model=model, args=args, callbacks=[GdsloadStateCallback(loader)])
+    trainer.train(resume_from_checkpoint=resume)
+    loader.close()
+    return model.seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", help="a converted dataset with `npy` (8 floats) and `cls` fields (default: a tiny one)")
+    p.add_argument("--workdir", help="checkpoints go here (default: a temporary folder)")
+    a = p.parse_args(argv)
+    transformers.logging.set_verbosity_error()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-hf-"))
+    shards = a.shards
+    if shards is None:
+        shards = str(work / "shards")
+        if not Path(shards, "manifest.json").exists():
+            tiny_dataset(Path(shards))
+    full = train(shards, work, check_rows=a.shards is None)
+    per_epoch = len(full) // EPOCHS // 4
+    steps = sorted(int(d.name.split("-")[1]) for d in (work / "run").glob("checkpoint-*"))
+    picks = {"in epoch 0": steps[0], "in epoch 1": min(s for s in steps if s > per_epoch)}
+    if per_epoch in steps:
+        picks["at the end of epoch 0"] = per_epoch
+    failed = 0
+    for where, step in picks.items():
+        rest = train(shards, work, resume=str(work / "run" / f"checkpoint-{step}"), check_rows=a.shards is None)
+        ok = full[: step * 4] + rest == full
+        failed += not ok
+        print(f"hf trainer resume {where} (step {step}): {len(rest)} keys, "
+              f"{'exact' if ok else 'NOT the uninterrupted run'}", flush=True)
+    print(f"uninterrupted: {len(full)} keys over {EPOCHS} epochs of {per_epoch} steps")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
