@@ -13,8 +13,11 @@ with the loss.
 
 What this script checks: an uninterrupted run of 2 epochs saves a checkpoint every 4 steps; runs
 resumed from the one in epoch 0, the one in epoch 1 and the one at the end of epoch 0 each train
-on exactly the keys the uninterrupted run trained on after it, and every batch's rows are the
-samples its keys name. Exit status 1 otherwise.
+on exactly the keys the uninterrupted run trained on after it and end with the same weights, bit
+for bit, and every batch's rows are the samples its keys name. Exit status 1 otherwise.
+`--grad-accum 5`: the same with 5 batches per optimizer step (12 batches an epoch: steps of 5, 5
+and 2; a checkpoint every step), where the Trainer holds 5 batches at once and `ignore_data_skip=True` instead of the
+`get_resumed_dataloader` override would lose an optimizer step.
 """
 
 from __future__ import annotations
@@ -57,13 +60,15 @@ class Classifier(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(self.net(npy), cls)}
 
 
-def train(shards: str, workdir: Path, resume: str | None = None, check_rows: bool = True) -> list[str]:
-    """Train EPOCHS epochs (from the checkpoint folder `resume` when given); the keys trained on."""
+def train(shards: str, workdir: Path, resume: str | None = None, check_rows: bool = True,
+          grad_accum: int = 1) -> tuple[list[str], list[torch.Tensor]]:
+    """Train EPOCHS epochs (from the checkpoint folder `resume` when given); the keys trained on
+    and the final weights."""
     name = "run" if resume is None else f"from-{Path(resume).name}"
     args = transformers.TrainingArguments(
         output_dir=str(workdir / name), num_train_epochs=EPOCHS, per_device_train_batch_size=4,
-        save_strategy="steps", save_steps=SAVE_EVERY, learning_rate=0.1, use_cpu=True, report_to=[],
-        logging_strategy="no", disable_tqdm=True)
+        gradient_accumulation_steps=grad_accum, save_strategy="steps", save_steps=SAVE_EVERY if grad_accum == 1 else 1,
+        learning_rate=0.1, use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True)
     # after TrainingArguments (which sets up torch.distributed on several processes): rank, world size
     loader = gdsload.DataLoader(shards, batch_size=4, shuffle=True, seed=3, device="cpu")
 
@@ -74,17 +79,19 @@ def train(shards: str, workdir: Path, resume: str | None = None, check_rows: boo
         def get_resumed_dataloader(self, dataloader, num_batches):
             return dataloader  # GdsloadStateCallback restored the loader's position: nothing to skip
 
+    torch.manual_seed(0)  # the same initial weights in every run (a resumed run loads the checkpoint's)
     model = Classifier(check_rows)
     trainer = Trainer(model=model, args=args, callbacks=[GdsloadStateCallback(loader)])
     trainer.train(resume_from_checkpoint=resume)
     loader.close()
-    return model.seen
+    return model.seen, [p.detach().clone() for p in model.parameters()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", help="a converted dataset with `npy` (8 floats) and `cls` fields (default: a tiny one)")
     p.add_argument("--workdir", help="checkpoints go here (default: a temporary folder)")
+    p.add_argument("--grad-accum", type=int, default=1, help="batches per optimizer step (gradient_accumulation_steps)")
     a = p.parse_args(argv)
     transformers.logging.set_verbosity_error()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-hf-"))
@@ -93,16 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         shards = str(work / "shards")
         if not Path(shards, "manifest.json").exists():
             tiny_dataset(Path(shards))
-    full = train(shards, work, check_rows=a.shards is None)
-    per_epoch = len(full) // EPOCHS // 4
+    ga = a.grad_accum
+    full, weights = train(shards, work, check_rows=a.shards is None, grad_accum=ga)
+    batches = len(full) // EPOCHS // 4  # per epoch
+    per_epoch = -(-batches // ga)  # optimizer steps per epoch (the last one may take fewer batches)
+
+    def keys_before(step: int) -> int:  # keys the uninterrupted run had trained on at `step`
+        return 4 * (step // per_epoch * batches + min(step % per_epoch * ga, batches))
+
     steps = sorted(int(d.name.split("-")[1]) for d in (work / "run").glob("checkpoint-*"))
-    picks = {"in epoch 0": steps[0], "in epoch 1": min(s for s in steps if s > per_epoch)}
+    picks = {"in epoch 0": min(s for s in steps if s < per_epoch), "in epoch 1": min(s for s in steps if s > per_epoch)}
     if per_epoch in steps:
         picks["at the end of epoch 0"] = per_epoch
     failed = 0
     for where, step in picks.items():
-        rest = train(shards, work, resume=str(work / "run" / f"checkpoint-{step}"), check_rows=a.shards is None)
-        ok = full[: step * 4] + rest == full
+        rest, last = train(shards, work, resume=str(work / "run" / f"checkpoint-{step}"),
+                           check_rows=a.shards is None, grad_accum=ga)
+        ok = full[: keys_before(step)] + rest == full and all(torch.equal(x, y) for x, y in zip(weights, last))
         failed += not ok
         print(f"hf trainer resume {where} (step {step}): {len(rest)} keys, "
               f"{'exact' if ok else 'NOT the uninterrupted run'}", flush=True)

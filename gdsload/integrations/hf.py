@@ -25,10 +25,12 @@ accelerate's `skip_first_batches`: it rebuilds a torch DataLoader from the loade
 (a gdsload loader has none: that fails, naming this recipe) to skip them. Returning the loader
 unchanged keeps the Trainer's own counting (its step within the epoch, the fraction of the epoch,
 where gradient accumulation steps the optimizer, the RNG state it restores after the skip) that of
-the uninterrupted run while the loader yields exactly the batches after the checkpoint.
-(`ignore_data_skip=True` also avoids the second skip, but then the Trainer counts the resumed epoch
-from its start: the optimizer steps of an epoch whose batch count is not a multiple of
-`gradient_accumulation_steps` then fall elsewhere.)
+the uninterrupted run while the loader yields exactly the batches after the checkpoint: the same
+keys and the same final weights, bit for bit, also with `gradient_accumulation_steps=5` over
+epochs of 12 batches (`examples/hf_trainer_resume.py --grad-accum 5`). `ignore_data_skip=True`
+also avoids the second skip, but the Trainer then counts the resumed epoch from its start: in that
+same run it trained on the same keys but made 5 optimizer steps instead of 6 and ended with other
+weights (with one batch per step it matched).
 
 Where the state goes: the callback is an `ExportableState`, so its state, `{"loader_state":
 loader.state_dict()}`, is written by the Trainer into each checkpoint's `trainer_state.json`

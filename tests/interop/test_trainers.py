@@ -192,9 +192,9 @@ def test_rank_and_world_size_come_from_a_gloo_group(tiny, tmp_path):
 
 
 # -- the examples, as users run them ---------------------------------------------------------------
-def _run_example(name: str, tmp_path: Path, timeout_s: int = 240) -> str:
+def _run_example(name: str, tmp_path: Path, *args: str, timeout_s: int = 240) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir", str(tmp_path)], cwd=tmp_path,
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir", str(tmp_path), *args], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr[-6000:]
@@ -209,12 +209,25 @@ def _run_example(name: str, tmp_path: Path, timeout_s: int = 240) -> str:
 def test_example_resumes_exactly(name, trainer, tmp_path):
     """Each example trains 2 epochs of 12 steps, then resumes from its checkpoints at step 4 (epoch
     0), 16 (epoch 1) and 12 (the end of epoch 0); each resumed run trains on exactly the keys the
-    uninterrupted one had left (the script exits 1 otherwise, and checks every batch's rows)."""
+    uninterrupted one had left (the script exits 1 otherwise, and checks every batch's rows; the
+    HF one also the final weights, bit for bit)."""
     pytest.importorskip({"lightning": "lightning", "accelerate": "accelerate", "hf trainer": "transformers"}[trainer])
     text = _run_example(name, tmp_path)
     for where, step, keys in (("in epoch 0", 4, 80), ("in epoch 1", 16, 32), ("at the end of epoch 0", 12, 48)):
         assert f"{trainer} resume {where} (step {step}): {keys} keys, exact" in text, text
     assert "uninterrupted: 96 keys over 2 epochs of 12 steps" in text
+
+
+def test_hf_example_resumes_exactly_with_gradient_accumulation(tmp_path):
+    """5 batches per optimizer step over 12-batch epochs (steps of 5, 5, 2; the Trainer holds 5
+    batches at once): checkpoints at steps 1, 4 and 3 resume to the same keys and the same final
+    weights, bit for bit (with `ignore_data_skip=True` instead of the recipe's override the
+    weights differed: one optimizer step fewer)."""
+    pytest.importorskip("transformers")
+    text = _run_example("hf_trainer_resume.py", tmp_path, "--grad-accum", "5")
+    for where, step, keys in (("in epoch 0", 1, 76), ("in epoch 1", 4, 28), ("at the end of epoch 0", 3, 48)):
+        assert f"hf trainer resume {where} (step {step}): {keys} keys, exact" in text, text
+    assert "uninterrupted: 96 keys over 2 epochs of 3 steps" in text
 
 
 # -- what the examples rely on, one at a time ------------------------------------------------------
