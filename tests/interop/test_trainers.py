@@ -265,9 +265,11 @@ def test_hf_callback_keeps_the_state_in_trainer_state_json_and_restores_it(tiny,
     assert fresh.state_dict() == saved and saved["position"] == 5 * BATCH
     rest = [k for b in fresh for k in b["__key__"]]
     assert rest == epoch_keys(tiny, 0)[5 * BATCH:]
-    # no loader given: the Trainer's training dataloader (what get_train_dataloader returned)
+    # no loader given: the Trainer's training dataloader (what get_train_dataloader returned); this
+    # is also the callback restore_callback_states_from_checkpoint=True makes from the saved state
     other = make(tiny)
-    GdsloadStateCallback().on_train_begin(None, resumed, None, train_dataloader=other)
+    rebuilt = GdsloadStateCallback(**resumed.stateful_callbacks["GdsloadStateCallback"]["args"])
+    rebuilt.on_train_begin(None, resumed, None, train_dataloader=other)
     assert other.state_dict() == saved
     # a fresh run (global step 0) leaves the loader alone
     third = make(tiny)
