@@ -67,3 +67,28 @@ def test_load_state_dict_during_a_live_remote_pass_then_iter(server, striped):
             next(it)
         assert keys(lo) == order[(target + 1) * B:], (k, target)
     lo.close()
+
+
+@pytest.mark.parametrize("striped", [False, True])
+def test_break_then_iter_continues_after_the_last_batch_handed_out(server, striped):
+    """The remote twin of the local rule: a new `iter()` closes the live pass (its iterator ends)
+    and continues from the cursor; a set_epoch with the current epoch keeps the pass; one after a
+    drained pass applies at once (tests/loader/test_stages.py, tests/loader/test_live_pass.py)."""
+    _, addr = server
+    addrs = [addr, addr] if striped else addr
+    ref = remote(addrs)
+    order = keys(ref)
+    ref.close()
+    lo = remote(addrs)
+    it = iter(lo)
+    got = [k for _ in range(2) for k in next(it)["__key__"]]
+    lo.set_epoch(0)  # the epoch it is at: the pass goes on
+    got += next(it)["__key__"]
+    again = iter(lo)  # a `break` and a new loop
+    with pytest.raises(StopIteration):
+        next(it)
+    got += keys(again)
+    assert got == order and lo.epoch == 1 and lo.state_dict()["position"] == 0
+    lo.set_epoch(7)  # after a drained pass: at once
+    assert lo.state_dict()["epoch"] == 7
+    lo.close()

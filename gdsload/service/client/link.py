@@ -212,6 +212,17 @@ class Link(ProcessLocal):
         self._rng = random.Random()
         self.servers: dict[str, dict[str, Any]] = {}  # per address: stats()["servers"]
 
+    def enter_process(self) -> None:
+        """In a forked child, leave the parent's channels and locks alone and start afresh."""
+        self._check_process()
+
+    def dataset_info(self, name: str) -> pb.DatasetInfo:
+        """The servers' `DatasetInfo` of the dataset served as `name` (`ListDatasets`)."""
+        resp = self.unary("ListDatasets", pb.ListDatasetsRequest(name=name))
+        if len(resp.datasets) != 1:
+            raise GdsloadError(f"the server answered {len(resp.datasets)} datasets for {name!r}")
+        return resp.datasets[0]
+
     def bump(self, address: str, **add: float) -> None:
         """Add to the counters of `address` (batches, bytes, wait_s, failures, stalls, duplicates)."""
         with self._lock:
@@ -275,6 +286,8 @@ class Link(ProcessLocal):
         return exc
 
     def unary(self, method: str, request: Any) -> Any:
+        """One unary call, retried and failed over as the retry policy says."""
+        self._check_process()
         attempts = Attempts(self)
         corrupt: set[str] = set()
         turn = 0

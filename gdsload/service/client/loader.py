@@ -19,10 +19,11 @@ the local loader's `gdsload.frontend.cursor.Cursor`, with its rules: an iteratio
 live pass, `load_state_dict()` or a `set_epoch()` that changes the epoch while it is live cancels
 its stream first, and `state_dict()` says what the next `iter()` will do.
 
-Modules: this one is the facade (arguments, plan, cursor, conversion); `link.py` holds the channels
-and the retry policy, `receiver.py` the receiving threads and the epoch iterator.
+Modules: this one is the facade (arguments, source and plan, cursor); `epoch.py` is the pass the
+training loop holds, over a receiver (`single.py`, or `stripe/` with several servers); `link.py`
+holds the channels and the retry policy; `output.py` the conversion (see the package docstring).
 
-Lifetime: the receiver thread holds the connection state (`_Link`) and its own queue, never the
+Lifetime: the receiver threads hold the connection state (`Link`) and their own queue, never the
 loader nor the epoch iterator, and the loader's cursor refers to its epoch weakly. A loader or iterator
 dropped mid-epoch is therefore collected, and its finalizer cancels the stream at once (a thread
 that kept the loader alive held the server's stream slot for `stream_deadline_s`).
@@ -44,12 +45,10 @@ forkserver, continuing from the parent's cursor. grpc is imported here, not by `
 
 from __future__ import annotations
 
-import time
+import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal
 
 from gdsload.errors import GdsloadError, require
 from gdsload.host.forksafe import ProcessLocal
@@ -57,24 +56,27 @@ from gdsload.host.malloc import keep_large_blocks
 
 require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 
-from gdsload.dataset.mix import Mix
 from gdsload.frontend.cursor import Cursor, PlanCursor
-from gdsload.frontend.fields import parse_columns
 from gdsload.frontend.options import LoaderOptions
-from gdsload.frontend.output import Batch, as_output
-from gdsload.frontend.stages import StageTimes
 from gdsload.frontend.usercode import MapStage
-from gdsload.service.protocol import mixwire, wire
+from gdsload.service.client.epoch import RemoteEpoch, Tally
+from gdsload.service.client.link import Link, check_address, is_dns
+from gdsload.service.client.output import OutputConverter
+from gdsload.service.client.receive import Receiver
+from gdsload.service.client.single import SingleReceiver
+from gdsload.service.client.source import remote_source
+from gdsload.service.client.stripe.policy import StripePolicy
+from gdsload.service.client.stripe.receiver import StripedReceiver
+from gdsload.service.protocol import wire
 from gdsload.service.protocol.auth import metadata
 from gdsload.service.protocol.config import Keepalive, MiB, channel_options, read_pem
-from gdsload.service.client.link import Link as _Link, check_address, is_dns
-from gdsload.service.client.receiver import _RemoteEpoch
+from gdsload.service.protocol.request import to_request
 from gdsload.v1 import feed_pb2 as pb
 
-__all__ = ["RemoteLoader"]
+if TYPE_CHECKING:
+    from gdsload.dataset.mix import Mix
 
-#: The stages of `RemoteLoader.stats()["stages"]` (the shape of `DataLoader.stats()["stages"]`).
-STAGES = ("receive", "map", "wait")
+__all__ = ["RemoteLoader"]
 
 
 class RemoteLoader(ProcessLocal, PlanCursor):
@@ -134,7 +136,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     and continues where the loader stood (`state_dict()`).
     """
 
-    _PROCESS_LOCAL = ("_stats", "_stages")
+    _PROCESS_LOCAL = ("_tally",)
 
     def __init__(
         self,
@@ -187,20 +189,10 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             check_address(a)
         if stripe is None:
             stripe = len(addresses) > 1 or any(is_dns(a) for a in addresses)
-        if stripe_batches < 1 or server_window < 1:
-            raise GdsloadError(f"stripe_batches and server_window must be >= 1, got {stripe_batches} "
-                               f"and {server_window}")
-        for name, value in (("stall_timeout_s", stall_timeout_s), ("resolve_interval_s", resolve_interval_s)):
-            if not value > 0:
-                raise GdsloadError(f"{name} must be > 0 seconds, got {value!r}")
         self.striped = bool(stripe)
-        self.stripe_batches = int(stripe_batches)
-        self.server_window = int(server_window)
-        self.stall_timeout_s = float(stall_timeout_s)
-        self.resolve_interval_s = float(resolve_interval_s)
-        if not isinstance(dataset, Mix) and (not isinstance(dataset, str) or not dataset):
-            raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of "
-                               f"served names), got {dataset!r}")
+        self.striping = StripePolicy(stripe_batches=stripe_batches, server_window=server_window,
+                                     stall_timeout_s=stall_timeout_s, resolve_interval_s=resolve_interval_s)
+        remote_source(dataset, None)  # refuses what is neither a served name nor a Mix of them
         # the options a local DataLoader takes too: validated and resolved in one place (the
         # default device differs on purpose: see gdsload.frontend.options)
         self.options = opts = LoaderOptions.create(
@@ -215,30 +207,18 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         if (max_retries is not None and max_retries < 0) or prefetch < 1 or batches_per_stream < 0:
             raise GdsloadError(f"max_retries (or None) and batches_per_stream must be >= 0 and prefetch >= 1, "
                                f"got {max_retries}, {batches_per_stream} and {prefetch}")
-        self.rank, self.world_size = opts.rank, opts.world_size
         self.addresses = addresses
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.seed = seed
-        self.shuffle_window = shuffle_window
-        self.decode = decode
-        self.transform = transform
-        self.share = opts.share
         self._spec = wire.transform_to_spec(opts.transform) if decode else None
         self._media = []  # video/audio decoded on the server (gdsload.service.protocol.mediawire)
         if opts.media:
             from gdsload.service.protocol import mediawire
 
             self._media = mediawire.to_specs(opts.media)
-        self.tuple_fields = opts.tuple_fields
         # map / collate_fn run here on the client, in the consumer's thread (gdsload.frontend.usercode)
-        self._stage = MapStage.create(map, collate_fn, "thread")
+        self._output = OutputConverter(decode=opts.decode, output=opts.output, device=opts.device,
+                                       tuple_fields=opts.tuple_fields, stage=MapStage.create(map, collate_fn, "thread"))
         self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
-        self.on_error = opts.on_error
-        self.output = opts.output
-        self.device = opts.device
         self.prefetch = int(prefetch)
         self.batches_per_stream = int(batches_per_stream)
         self.max_message_bytes = int(max_message_bytes)
@@ -251,70 +231,61 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         options: list[tuple[str, Any]] = channel_options(self.max_message_bytes, keepalive or Keepalive())
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
-        self._link = _Link(
-            addresses, self.rank % len(addresses) if isinstance(self.rank, int) and self.rank >= 0 else 0,
-            (pems, options, bool(bulk)), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
+        rank0 = opts.rank % len(addresses) if opts.rank >= 0 else 0
+        self._link = Link(
+            addresses, rank0, (pems, options, bool(bulk)), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
             stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
             max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
             max_backoff_s=float(max_backoff_s))
         self._link.resolve_names = self.striped
+        self.source = remote_source(dataset, self._link.dataset_info, self._request_fields)
         self._plan = None
-        self._info: pb.DatasetInfo | None = None
         self.cursor = Cursor()
         self._start_process()
 
+    # the options, as attributes (read-only views of `self.options`, as `DataLoader`'s)
+    batch_size = property(lambda self: self.options.batch_size)
+    shuffle = property(lambda self: self.options.shuffle)
+    drop_last = property(lambda self: self.options.drop_last)
+    seed = property(lambda self: self.options.seed)
+    rank = property(lambda self: self.options.rank)
+    world_size = property(lambda self: self.options.world_size)
+    shuffle_window = property(lambda self: self.options.shuffle_window)
+    decode = property(lambda self: self.options.decode)
+    transform = property(lambda self: self.options.transform)
+    on_error = property(lambda self: self.options.on_error)
+    output = property(lambda self: self.options.output)
+    device = property(lambda self: self.options.device)
+    share = property(lambda self: self.options.share)
+    tuple_fields = property(lambda self: self.options.tuple_fields)
+
     def _init_process_local(self) -> None:
-        self._stats: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0, "shared_batches": 0}
-        self._stages = StageTimes(STAGES)  # stats()["stages"]
+        self._tally = Tally()  # stats(): batches, bytes, waits, stage times
 
     def _enter_process(self) -> None:
         """In a forked child, leave the parent's epoch, channels and locks alone and start afresh."""
         self._check_process()
-        self._link._check_process()
+        self._link.enter_process()
 
-    # -- plan, from the server's manifest ---------------------------------------------------------
+    # -- plan, from the servers' DatasetInfo ------------------------------------------------------
     @property
     def plan(self):
-        """The `gdsload.plan.plan.Plan` of this rank (asks the server for the dataset on first use)."""
-        if self._plan is None and isinstance(self.dataset, Mix):
-            from gdsload.plan.mix import MixPlan
-
-            def info(name: str) -> pb.DatasetInfo:
-                return self._unary("ListDatasets", pb.ListDatasetsRequest(name=name)).datasets[0]
-
-            spec = mixwire.resolve(self.dataset, info, self._request_fields)
-            self._plan = MixPlan(
-                dataset_id=spec.mix_id, shard_sizes=spec.shard_sizes, mix=spec,
-                batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
-                shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last,
-            )
+        """The `gdsload.plan.plan.Plan` (or `MixPlan`) of this rank: the source's, as a local
+        loader makes it (asks the server for the dataset on first use)."""
         if self._plan is None:
-            from gdsload.plan.plan import Plan
-
-            info = self.dataset_info()
-            if self._request_fields:
-                unknown = [f for f in self._request_fields if f not in info.fields]
-                if unknown:
-                    raise GdsloadError(f"fields {unknown} are not in dataset {self.dataset!r} "
-                                       f"(it has {sorted(info.fields)})")
-            self._plan = Plan(
-                dataset_id=info.dataset_id, shard_sizes=tuple(info.shard_sizes),
-                batch_size=self.batch_size, world_size=self.world_size, rank=self.rank, seed=self.seed,
-                shuffle=self.shuffle, window=self.shuffle_window, drop_last=self.drop_last,
-            )
+            self._enter_process()
+            self._plan = self.source.make_plan(**self.options.plan_args())
         return self._plan
 
-    def dataset_info(self) -> pb.DatasetInfo:
-        """The server's `DatasetInfo` of this dataset (name, id, shard sizes, fields, manifest)."""
-        if self._info is None:
-            resp = self._unary("ListDatasets", pb.ListDatasetsRequest(name=self.dataset))
-            if len(resp.datasets) != 1:
-                raise GdsloadError(f"the server answered {len(resp.datasets)} datasets for {self.dataset!r}")
-            self._info = resp.datasets[0]
-        return self._info
+    def dataset_info(self, name: str | None = None) -> pb.DatasetInfo:
+        """The server's `DatasetInfo` of this dataset (name, id, shard sizes, fields, manifest); of
+        a mix, that of its dataset `name`."""
+        self._enter_process()
+        return self.source.info(name)
 
     def server_info(self) -> pb.ServerInfo:
-        return self._unary("GetServerInfo", pb.GetServerInfoRequest())
+        self._enter_process()
+        return self._link.unary("GetServerInfo", pb.GetServerInfoRequest())
 
     # -- torch-like surface ---------------------------------------------------------------------
     # len(), set_epoch(), epoch, state_dict(): from PlanCursor
@@ -330,16 +301,28 @@ class RemoteLoader(ProcessLocal, PlanCursor):
                              "(BatchRequest.epoch is a uint64)")
         self.cursor.load(epoch, position)  # stops a live pass first (gdsload.frontend.cursor)
 
-    def _active_epoch(self) -> _RemoteEpoch | None:
-        return self.cursor.live()
-
-    def __iter__(self) -> _RemoteEpoch:
+    def __iter__(self) -> RemoteEpoch:
         self._enter_process()
         keep_large_blocks()  # received messages of megabytes: no page faults each (gdsload.host.malloc)
-        active = self._active_epoch()
+        active = self.cursor.live()
         if active is not None:
             active.close()
-        return _RemoteEpoch(self)
+        return RemoteEpoch(self._open_receiver, self.cursor,
+                           functools.partial(self._output.convert, stages=self._tally.stages), self._tally,
+                           restart=self.__iter__)
+
+    def _open_receiver(self, epoch: int, position: int) -> Receiver:
+        """The receiver of a pass from `position` of `epoch`: striped, or one server at a time."""
+        plan, link = self.plan, self._link
+        dataset, mix = self.source.request_target(plan)
+        template = to_request(self.options, plan, dataset=dataset, mix=mix, epoch=epoch, position=position,
+                              transform_spec=self._spec, media=self._media, fields=self._request_fields,
+                              max_chunk_bytes=self.max_message_bytes, max_batches=self.batches_per_stream)
+        where = dict(epoch=epoch, position=position, global_batch=plan.global_batch, end=plan.end_position,
+                     prefetch=self.prefetch, stages=self._tally.stages)
+        if self.striped:
+            return StripedReceiver(link, template, policy=self.striping, dataset_id=plan.dataset_id, **where)
+        return SingleReceiver(link, template, **where)
 
     def stats(self) -> dict[str, Any]:
         """batches, bytes (batch bodies), shared_batches (of those, the batches a server sent as a copy
@@ -353,7 +336,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         `stalls` (requests cancelled after `stall_timeout_s` of silence), `duplicates` (batches
         it sent that had arrived from another server already, dropped), `state` (new, ok,
         suspect: stalled, down: failing, refused: another dataset version or cannot serve this
-        request, gone: no longer resolved).
+        request, gone: no longer resolved; `gdsload.service.client.stripe.states`).
 
         `stages`, shaped as `DataLoader.stats()["stages"]` (`gdsload.frontend.stages.StageTimes`):
         wall seconds since the loader was made, `total_s` and `per_batch_s` (over the batches
@@ -361,12 +344,13 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         batches, server time and network included; with striping summed over the requests in
         flight, so they overlap), `map` (`map` / `collate_fn`, in the caller's thread) and `wait`
         (the caller waiting for a batch: `wait_s`)."""
-        return dict(self._stats, reconnects=self._link.reconnects, address=self._link.address(),
-                    servers=self._link.server_stats(), stages=self._stages.report(self._stats["batches"]))
+        tally = self._tally
+        return dict(tally.counts, reconnects=self._link.reconnects, address=self._link.address(),
+                    servers=self._link.server_stats(), stages=tally.stages.report(tally.counts["batches"]))
 
     def close(self) -> None:
         self._enter_process()
-        active = self._active_epoch()
+        active = self.cursor.live()
         if active is not None:
             active.close()
         self._link.channels.close()
@@ -380,41 +364,3 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     def __repr__(self) -> str:
         return (f"gdsload.RemoteLoader({self.addresses!r}, dataset={self.dataset!r}, "
                 f"batch_size={self.batch_size}, rank={self.rank}, world_size={self.world_size})")
-
-    # -- calls ------------------------------------------------------------------------------------
-    def _unary(self, method: str, request: Any) -> Any:
-        self._enter_process()
-        return self._link.unary(method, request)
-
-    def _request(self, epoch: int, position: int) -> pb.BatchRequest:
-        from gdsload.service.protocol.request import to_request
-
-        mixed = isinstance(self.dataset, Mix)
-        return to_request(self.options, self.plan, dataset="" if mixed else self.dataset,
-                          mix=mixwire.to_pb(self.dataset, self.plan.mix) if mixed else None, epoch=epoch,
-                          position=position, transform_spec=self._spec, media=self._media,
-                          fields=self._request_fields, max_chunk_bytes=self.max_message_bytes,
-                          max_batches=self.batches_per_stream)
-
-    def _convert(self, batch: dict[str, Any]) -> Any:
-        batch = Batch(parse_columns(batch, decode=self.decode))  # text, json, ragged .npy: as locally
-        if self._stage is not None:
-            names = [f"{k}" for k in batch[wire.KEY]]
-            t0 = time.perf_counter()
-            try:
-                return self._stage.start(0).run(batch, names, self._to_output)
-            finally:
-                self._stages.add("map", time.perf_counter() - t0)
-        if self.output == "torch":
-            for k, v in batch.items():
-                if isinstance(v, np.ndarray):
-                    batch[k] = self._to_output(v)
-                elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # a ragged .npy field
-                    batch[k] = [self._to_output(a) for a in v]
-        if self.tuple_fields is not None:
-            return tuple(batch[f] for f in self.tuple_fields)
-        return batch
-
-    def _to_output(self, arr: np.ndarray) -> Any:
-        return as_output(arr, self.output, self.device)  # NumPy output: `arr` itself (device is "cpu")
-

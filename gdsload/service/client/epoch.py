@@ -1,0 +1,154 @@
+"""`RemoteEpoch`: one pass of a `RemoteLoader`, the iterator the training loop holds.
+
+The remote twin of `gdsload.loader.epoch.Epoch`, composed the same way and given what it uses:
+the loader's `Cursor` (it registers with `begin` and moves it with `advance` / `end` exactly as
+`Epoch` does, so `set_epoch` during a live pass applies to the next `iter()` and
+`load_state_dict` stops this pass: `gdsload.frontend.cursor`), a receiver opened at the cursor's
+(epoch, position) (`single.SingleReceiver` or `stripe.receiver.StripedReceiver`), the output
+conversion and the loader's counters (`Tally`). `__next__` takes the receiver's next queue item
+(`receive.Delivery`, `END` or `Failed`) and hands the converted batch out.
+
+Lifetime: the receiver's threads hold their link and queue, never this pass nor the loader, and
+the cursor refers to the pass weakly. A pass (or its loader) dropped mid-epoch is collected, and
+its finalizer cancels the receiver's calls at once.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from gdsload.errors import PassStopped
+from gdsload.frontend.stages import StageTimes
+from gdsload.service.client.receive import END, Delivery, Receiver
+from gdsload.service.protocol import status
+
+#: The stages of `RemoteLoader.stats()["stages"]` (the shape of `DataLoader.stats()["stages"]`).
+STAGES = ("receive", "map", "wait")
+#: How long `__next__` waits for an item before it runs the receiver's watchdog and checks that
+#: the receiving thread is alive.
+GET_POLL_S = 0.25
+#: How long closing a pass waits for its receiving thread to end.
+JOIN_S = 10.0
+
+
+class Tally:
+    """What `RemoteLoader.stats()` counts of its passes in this process: batches, bytes,
+    shared_batches, wait_s, and the stage times (`gdsload.frontend.stages.StageTimes`)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0, "shared_batches": 0}
+        self.stages = StageTimes(STAGES)
+
+    def waited(self, seconds: float) -> None:
+        self.counts["wait_s"] += seconds
+        self.stages.add("wait", seconds)
+
+    def delivered(self, d: Delivery) -> None:
+        self.counts["batches"] += 1
+        self.counts["shared_batches"] += bool(d.shared)
+        self.counts["bytes"] += d.nbytes
+
+
+class RemoteEpoch:
+    """One pass. `open_receiver(epoch, position)` makes the pass's receiver once the cursor said
+    where the pass starts; `convert(batch)` is the batch as handed out; `restart()` is a new pass
+    of the loader (for this iterator used in a forked child)."""
+
+    def __init__(self, open_receiver: Callable[[int, int], Receiver], cursor: Any, convert: Callable[[Any], Any],
+                 tally: Tally, restart: Callable[[], Any]):
+        self.cursor = cursor
+        self.convert = convert
+        self.tally = tally
+        self._restart = restart
+        self.pid = os.getpid()  # the receiver's threads and calls exist in this process only
+        self._successor: Any = None
+        self._done = True  # until the receiver starts: `close()` has nothing to stop
+        self._stopped_by: str | None = None  # `stop(why)`: the loader's call that ended this pass
+        self.epoch, position = cursor.begin(self)  # the live pass (gdsload.frontend.cursor)
+        try:
+            self._start(open_receiver(self.epoch, position))
+        except BaseException:
+            cursor.detach(self)
+            raise
+
+    def _start(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+        self._done = False
+        self._finalizer = weakref.finalize(self, receiver.cancel)
+        self.thread = threading.Thread(target=receiver.run, name="gdsload-remote", daemon=True)
+        self.thread.start()
+
+    def __iter__(self) -> RemoteEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self.pid != os.getpid():
+            return self._next_in_forked_child()
+        if self._done:
+            if self._stopped_by is not None:
+                raise PassStopped(f"this pass was stopped by the loader's {self._stopped_by}: call "
+                                  "iter(loader) again for the pass it set up")
+            raise StopIteration
+        t0 = time.perf_counter()
+        item = self._get()
+        waited = time.perf_counter() - t0
+        self.tally.waited(waited)
+        self.receiver.charge_wait(waited)  # (striped: the receiver charges the servers it waits on)
+        if isinstance(item, Delivery):
+            self.cursor.advance(self, self.epoch, item.position)
+            self.tally.delivered(item)
+            return self.convert(item.batch)
+        if item is END:
+            self.cursor.end(self, self.epoch)  # the next pass is the next epoch
+            self.close()
+            raise StopIteration
+        self.close()
+        raise item.error
+
+    def _get(self) -> Any:
+        rx = self.receiver
+        while True:
+            try:
+                return rx.queue.get(timeout=GET_POLL_S)
+            except queue.Empty:
+                rx.watchdog()
+                if not self.thread.is_alive() and rx.queue.empty():
+                    self.close()
+                    raise status.RemoteError("the receiver thread ended without a result", code="INTERNAL") from None
+
+    def _next_in_forked_child(self) -> Any:
+        """The parent's iterator, used in a forked child: its receiver thread is not here and its
+        queue's lock may be held, so continue with a new pass of the child's copy of the loader,
+        which starts at the loader's cursor (the batch after the last one handed out)."""
+        if self._successor is None:
+            if self._done:
+                raise StopIteration
+            self._done = True
+            self._successor = self._restart()
+        return next(self._successor)
+
+    def __reduce__(self):
+        raise TypeError("a gdsload.RemoteLoader iterator cannot be pickled: pickle the loader itself, whose copy "
+                        "continues from the loader's state_dict()")
+
+    def stop(self, why: str) -> None:
+        """`load_state_dict()` or `set_epoch()` while this pass is live (`gdsload.frontend.cursor`):
+        cancel its stream now and make a later `next()` say why."""
+        if not self._done:
+            self._stopped_by = why
+        self.close()
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._finalizer()  # cancels the calls (the parent's are left alone in a forked child)
+        if os.getpid() == self.pid and self.thread is not threading.current_thread():
+            self.thread.join(timeout=JOIN_S)
+        self.cursor.detach(self)
