@@ -18,11 +18,12 @@ stores `loader.state_dict()` as `custom_checkpoint_N.pkl` in every `save_state` 
 `load_state` gives it back: the next `iter()` continues after the last batch trained on. Do not
 use `accelerator.skip_first_batches` with it: that would skip the rest a second time.
 
-What this script checks (one process; under `accelerate launch` each rank would read its own slice,
-from a dataset and a state folder all ranks share, which this script does not set up): an uninterrupted run of 2 epochs saves its state every 4 steps; runs
-resumed from the state in epoch 0, the one in epoch 1 and the one at the end of epoch 0 each
-train on exactly the keys the uninterrupted run trained on after it, and every batch's rows are
-the samples its keys name. Exit status 1 otherwise.
+What this script checks, in one process (under `accelerate launch` each rank would read its own
+slice, from a dataset and a state folder all ranks share, which this script does not set up): an
+uninterrupted run of 2 epochs saves its state every 4 steps; runs resumed from the state in epoch
+0, the one in epoch 1 and the one at the end of epoch 0 each train on exactly the keys the
+uninterrupted run trained on after it, and every batch's rows are the samples its keys name.
+Exit status 1 otherwise.
 """
 
 from __future__ import annotations

@@ -43,12 +43,12 @@ training dataloader, which is what `get_train_dataloader` returned (so it also w
 
 Also: the Trainer takes `len(loader)` batches per epoch and calls `set_epoch(epoch)` before each
 (a no-op for the epoch the loader is at); the order comes from the loader's `seed`, not
-`args.seed`; `per_device_train_batch_size` is used only in the Trainer's logs (set it to the
-loader's `batch_size`); the state is global (the same on every rank), and on several processes the
-loader takes rank and world size from the `torch.distributed` group the Trainer's arguments
-initialise, so build it after `TrainingArguments(...)` (or pass `rank=`/`world_size=`). With
-`gradient_accumulation_steps > 1` the Trainer fetches that many batches before using them, which
-gdsload allows (a batch still referenced is never written over).
+`args.seed`; `per_device_train_batch_size` batches nothing here, the Trainer only counts and
+logs with it (set it to the loader's `batch_size`). The state is global (the same on every
+rank); on several processes the loader takes rank and world size from the `torch.distributed`
+group the Trainer sets up, at its first `len()` or `iter()` (so it may be built before), or from
+`rank=`/`world_size=`. With `gradient_accumulation_steps > 1` the Trainer fetches that many
+batches before using them, which gdsload allows (a batch still referenced is never written over).
 '''
 
 from __future__ import annotations

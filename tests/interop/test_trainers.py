@@ -194,8 +194,8 @@ def test_rank_and_world_size_come_from_a_gloo_group(tiny, tmp_path):
 # -- the examples, as users run them ---------------------------------------------------------------
 def _run_example(name: str, tmp_path: Path, *args: str, timeout_s: int = 240) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir", str(tmp_path), *args], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir", str(tmp_path), *args],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr[-6000:]
     return out.stdout
