@@ -11,8 +11,8 @@ No glue beyond two lines:
 
 `prepare` wraps only `torch.utils.data.DataLoader`s (re-sharding them and moving their batches);
 a gdsload loader is returned unchanged: it is not re-sharded (it takes rank and world size from
-the `torch.distributed` group that `Accelerator()` initialised, so build it after that, or pass
-`rank=`/`world_size=`), and its batches are on the loader's `device` (pass
+the `torch.distributed` group that `Accelerator()` initialised, at its first `len()` or `iter()`,
+or from `rank=`/`world_size=`), and its batches are on the loader's `device` (pass
 `device=accelerator.device.type`; "cuda" is LOCAL_RANK's GPU). `register_for_checkpointing`
 stores `loader.state_dict()` as `custom_checkpoint_N.pkl` in every `save_state` folder, and
 `load_state` gives it back: the next `iter()` continues after the last batch trained on. Do not

@@ -9,8 +9,9 @@ datamodule's `train_dataloader()`). Lightning stores `loader.state_dict()` in ev
 `fit(..., ckpt_path=...)` resumes, after its first `iter()` (gdsload stops that pass, and the
 next `iter()` starts from the loaded state). The loader is not re-sharded: Lightning adds a
 `DistributedSampler` only to torch DataLoaders, and gdsload takes rank and world size from
-`torch.distributed` (build the loader in `train_dataloader()`, which runs after the process group
-exists, or pass `rank=`/`world_size=`). Lightning takes `len(loader)` batches per epoch; the
+`torch.distributed`: a loader that has read nothing when DDP sets the group up takes its rank at
+its first `len()` or `iter()`, so it may be built before `fit` (or in `train_dataloader()`); or
+pass `rank=`/`world_size=`; not run on several processes here). Lightning takes `len(loader)` batches per epoch; the
 loader moves to its next epoch with the last of them.
 
 What this script checks: an uninterrupted run of 2 epochs saves a checkpoint every 4 steps; runs
