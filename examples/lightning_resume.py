@@ -11,8 +11,8 @@ next `iter()` starts from the loaded state). The loader is not re-sharded: Light
 `DistributedSampler` only to torch DataLoaders, and gdsload takes rank and world size from
 `torch.distributed`: a loader that has read nothing when DDP sets the group up takes its rank at
 its first `len()` or `iter()`, so it may be built before `fit` (or in `train_dataloader()`); or
-pass `rank=`/`world_size=`; not run on several processes here). Lightning takes `len(loader)` batches per epoch; the
-loader moves to its next epoch with the last of them.
+pass `rank=`/`world_size=` (not run on several processes here). Lightning takes `len(loader)`
+batches per epoch; the loader moves to its next epoch with the last of them.
 
 What this script checks: an uninterrupted run of 2 epochs saves a checkpoint every 4 steps; runs
 resumed from the one in epoch 0, the one in epoch 1 and the one at the end of epoch 0 each train
