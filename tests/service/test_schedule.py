@@ -19,6 +19,7 @@ pytest.importorskip("grpc")
 
 from gdsload.errors import ConfigError
 from gdsload.service.client.link import Attempts, Endpoint, Link
+from gdsload.service.client.options import Connection, RetryPolicy
 from gdsload.service.client.stripe.actions import EXIT, PROBE, Failure, Wait
 from gdsload.service.client.stripe.model import Fetch, Server
 from gdsload.service.client.stripe.policy import StripePolicy
@@ -33,8 +34,8 @@ BACKOFF = {1: 0.1, 2: 0.2, 3: 0.4, 4: 0.8}  # failures in a row -> seconds (the 
 def make(servers=("a:1", "b:1"), *, steps=32, ok=True, retry_timeout_s=30.0, max_retries=None, share=False,
          **policy) -> tuple[Schedule, Link]:
     """A schedule over `servers` (all OK unless `ok` is False) and `steps` steps of the epoch."""
-    link = Link(list(servers), 0, (None, [], False), (), dataset="feats", deadline_s=30.0, stream_deadline_s=60.0,
-                retry_timeout_s=retry_timeout_s, max_retries=max_retries, backoff_s=0.1, max_backoff_s=1.0)
+    link = Link(list(servers), 0, Connection(), RetryPolicy(retry_timeout_s=retry_timeout_s, max_retries=max_retries),
+                dataset="feats")
     sch = Schedule(StripePolicy(**{"stripe_batches": 4, "server_window": 2, **policy}), first_step=0, end_step=steps,
                    now=T0, stats=link, budget=Attempts(link), backoff=lambda n: BACKOFF.get(n, 1.0),
                    retry_timeout_s=retry_timeout_s, stride_ok=not share)
@@ -225,7 +226,8 @@ def test_a_silent_request_stalls_and_its_server_is_probed_after_a_growing_backof
         now += 2.5
         sch.watch(now)
         finish(sch, g, now)
-    assert rows == [(Wait(pytest.approx(0.1)), 0.1), (Wait(pytest.approx(0.2)), 0.2), (Wait(0.25), 0.4)]  # a slot waits at most idle_wait_s
+    # (a slot waits at most idle_wait_s at a time)
+    assert rows == [(Wait(pytest.approx(0.1)), 0.1), (Wait(pytest.approx(0.2)), 0.2), (Wait(0.25), 0.4)]
     assert sch.work(a, now) == Wait(0.25) and sch.work(a, a.next_try) == PROBE
     sch.probe_ok(a, strided=False)
     deliver(sch, sch.pick(a, a.next_try), a.next_try + 0.1, n=1)
@@ -257,7 +259,8 @@ def test_cold_start_a_server_overtaken_while_it_builds_its_pipeline_is_not_shut_
     assert b.state is S.OK and b.batch_s == 0.0 and sch.window(b) == 1 and b.fails == 0
     deliver(sch, fb, T0 + 1.5, dt=0.05)  # warm now: four duplicates, and a pace
     finish(sch, fb, T0 + 1.65)
-    assert b.delivered == 4 and b.batch_s == pytest.approx(0.05) and link.server_stats()["b:1"]["duplicates"] == 4
+    assert b.delivered == 4 and b.batch_s == pytest.approx(0.05)
+    assert link.server_stats()["b:1"]["duplicates"] == 4
     while sch.take() is not None:  # blocks 1 and 2 handed out
         sch.handed()
     assert picks(sch, "b", T0 + 1.65) == [("b", 3, 12)]  # its own next block

@@ -13,6 +13,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,8 @@ import grpc
 from gdsload.ring.staging import StagingPool
 from gdsload.service.protocol import status, wire
 from gdsload.service.client.bulk import BulkCall, IdleConnections, bulk_target
+from gdsload.service.client.options import Connection, RetryPolicy
+from gdsload.service.protocol.auth import metadata
 from gdsload.service.protocol.config import bind_host, dns_rest
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
@@ -151,6 +154,16 @@ def check_address(address: str) -> None:
                            f"dns:///HOST:PORT (e.g. 127.0.0.1:50051, dns:///feed.ns.svc:50051)")
 
 
+def check_addresses(address: str | Sequence[str]) -> list[str]:
+    """`RemoteLoader(address=...)` as a list of addresses, each checked (`check_address`)."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
+    for a in addresses:
+        check_address(a)
+    return addresses
+
+
 def is_dns(address: str) -> bool:
     return address.startswith("dns:")
 
@@ -188,22 +201,21 @@ class Link(ProcessLocal):
 
     _PROCESS_LOCAL = ("channels", "_lock", "_rng", "servers")
 
-    def __init__(self, addresses: list[str], index: int, channel_args: tuple, call_metadata: Any, *,
-                 dataset: str, deadline_s: float, stream_deadline_s: float, retry_timeout_s: float,
-                 max_retries: int | None, backoff_s: float, max_backoff_s: float):
+    def __init__(self, addresses: list[str], index: int, connection: Connection, retry: RetryPolicy, *,
+                 dataset: Any, resolve_names: bool = False):
         self.addresses = addresses
-        self.index = index
-        self.channel_args = channel_args
-        self.metadata = call_metadata
-        self.dataset = dataset
-        self.deadline_s = deadline_s
-        self.stream_deadline_s = stream_deadline_s
-        self.retry_timeout_s = retry_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.index = index  # the address in use (unary calls, an unstriped stream)
+        self.connection = connection
+        self.retry = retry
+        self.channel_args = connection.channel_args()  # (reads the PEM files: a bad path fails here)
+        self.metadata = metadata(connection.token)
+        self.dataset = dataset  # (named in errors)
+        self.deadline_s = connection.deadline_s
+        self.stream_deadline_s = connection.stream_deadline_s
+        self.retry_timeout_s = retry.retry_timeout_s
+        self.max_retries = retry.max_retries
         self.reconnects = 0
-        self.resolve_names = False  # dns:/// resolved here (striping) rather than by grpc
+        self.resolve_names = resolve_names  # dns:/// resolved here (striping) rather than by grpc
         self._start_process()
 
     def _init_process_local(self) -> None:
@@ -260,9 +272,10 @@ class Link(ProcessLocal):
             self.reconnects += 1
 
     def backoff(self, failures: int) -> float:
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
+        """The wait after `failures` in a row (`RetryPolicy.backoff`, with this process's jitter)."""
         with self._lock:
-            return delay * (0.5 + 0.5 * self._rng.random())
+            jitter = self._rng.random()
+        return self.retry.backoff(failures, jitter)
 
     def gave_up(self, attempts: Attempts, last_error: str, address: str, *, resume: bool) -> status.RemoteError:
         """The error that ends a spent retry budget: what was tried, the last error, what to do."""

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from gdsload.errors import GdsloadError, require
@@ -60,7 +60,8 @@ from gdsload.frontend.cursor import Cursor, PlanCursor
 from gdsload.frontend.options import LoaderOptions
 from gdsload.frontend.usercode import MapStage
 from gdsload.service.client.epoch import RemoteEpoch, Tally
-from gdsload.service.client.link import Link, check_address, is_dns
+from gdsload.service.client.link import Link, check_addresses, is_dns
+from gdsload.service.client.options import Connection, Pem, RetryPolicy, group
 from gdsload.service.client.output import OutputConverter
 from gdsload.service.client.receive import Receiver
 from gdsload.service.client.single import SingleReceiver
@@ -68,9 +69,8 @@ from gdsload.service.client.source import remote_source
 from gdsload.service.client.stripe.policy import StripePolicy
 from gdsload.service.client.stripe.receiver import StripedReceiver
 from gdsload.service.protocol import wire
-from gdsload.service.protocol.auth import metadata
-from gdsload.service.protocol.config import Keepalive, MiB, channel_options, read_pem
-from gdsload.service.protocol.request import to_request
+from gdsload.service.protocol.config import Keepalive, MiB
+from gdsload.service.protocol import request as request_rules
 from gdsload.v1 import feed_pb2 as pb
 
 if TYPE_CHECKING:
@@ -99,6 +99,12 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     `fields`, `on_error`, `output` ("torch" when torch is installed, else "numpy") mean what
     they mean for `DataLoader`. `device`: where torch tensors go ("cpu", "cuda"; default cuda
     when torch sees a GPU, as locally).
+
+    Option groups: the connection's (`connection`), the retry policy's (`retry`) and striping's
+    (`striping`) options may be given as one frozen object each (`gdsload.service.client.options`:
+    `Connection`, `RetryPolicy`; `gdsload.service.client.stripe.StripePolicy`) or as the keywords
+    below; one option in both places is refused. The loader holds them as `loader.connection`,
+    `loader.retry` and `loader.striping`.
 
     Connection: `token` (bearer token), `tls` (use TLS with the system roots), `tls_ca` (CA
     bundle, PEM bytes or path; implies TLS), `tls_cert`/`tls_key` (client certificate for mutual
@@ -143,6 +149,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         address: str | Sequence[str],
         *,
         dataset: str | Mix,
+        # the local loader's options (gdsload.frontend.options.LoaderOptions)
         batch_size: int = 1,
         shuffle: bool = False,
         drop_last: bool = False,
@@ -156,42 +163,30 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         on_error: Literal["raise", "skip"] = "raise",
         output: Literal["torch", "numpy", None] = None,
         device: str | None = None,
-        token: str | None = None,
-        tls: bool = False,
-        tls_ca: bytes | str | Path | None = None,
-        tls_cert: bytes | str | Path | None = None,
-        tls_key: bytes | str | Path | None = None,
-        tls_server_name: str | None = None,
-        deadline_s: float = 30.0,
-        stream_deadline_s: float = 3600.0,
-        retry_timeout_s: float = 120.0,
-        max_retries: int | None = None,
-        backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
-        prefetch: int = 2,
-        batches_per_stream: int = 0,
-        max_message_bytes: int = 64 * MiB,
-        keepalive: Keepalive | None = None,
         map: Any = None,
         collate_fn: Any = None,
-        stripe: bool | None = None,
-        stripe_batches: int = 4,
-        server_window: int = 2,
-        stall_timeout_s: float = 5.0,
-        resolve_interval_s: float = 5.0,
         share: str | None = None,
-        bulk: bool = True,
+        prefetch: int = 2,
+        batches_per_stream: int = 0,
+        stripe: bool | None = None,
+        # option groups, as objects or as the keywords of their fields (gdsload.service.client.options)
+        connection: Connection | None = None,
+        token: str | None = None, tls: bool = False, tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None,
+        tls_server_name: str | None = None, deadline_s: float = 30.0, stream_deadline_s: float = 3600.0,
+        max_message_bytes: int = 64 * MiB, keepalive: Keepalive | None = None, bulk: bool = True,
+        retry: RetryPolicy | None = None,
+        retry_timeout_s: float = 120.0, max_retries: int | None = None, backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        striping: StripePolicy | None = None,
+        stripe_batches: int = 4, server_window: int = 2, stall_timeout_s: float = 5.0, resolve_interval_s: float = 5.0,
     ):
-        addresses = [address] if isinstance(address, str) else list(address)
-        if not addresses or not all(isinstance(a, str) and a for a in addresses):
-            raise GdsloadError(f"address must be 'HOST:PORT' or a non-empty list of them, got {address!r}")
-        for a in addresses:
-            check_address(a)
-        if stripe is None:
-            stripe = len(addresses) > 1 or any(is_dns(a) for a in addresses)
-        self.striped = bool(stripe)
-        self.striping = StripePolicy(stripe_batches=stripe_batches, server_window=server_window,
-                                     stall_timeout_s=stall_timeout_s, resolve_interval_s=resolve_interval_s)
+        given = dict(locals())
+        self.addresses = addresses = check_addresses(address)
+        self.striped = bool(stripe) if stripe is not None else len(addresses) > 1 or any(is_dns(a) for a in addresses)
+        self.striping = group(StripePolicy, striping, given, "striping")
+        self.retry = group(RetryPolicy, retry, given, "retry")
+        self.connection = group(Connection, connection, given, "connection")
+        self.dataset = dataset
         remote_source(dataset, None)  # refuses what is neither a served name nor a Mix of them
         # the options a local DataLoader takes too: validated and resolved in one place (the
         # default device differs on purpose: see gdsload.frontend.options)
@@ -199,46 +194,17 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             remote=True, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
             world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform, fields=fields,
             on_error=on_error, output=output, device=device, share=share)
-        for name, value in (("deadline_s", deadline_s), ("stream_deadline_s", stream_deadline_s),
-                            ("retry_timeout_s", retry_timeout_s), ("backoff_s", backoff_s),
-                            ("max_backoff_s", max_backoff_s)):
-            if not value > 0:
-                raise GdsloadError(f"{name} must be > 0 seconds, got {value!r}")
-        if (max_retries is not None and max_retries < 0) or prefetch < 1 or batches_per_stream < 0:
-            raise GdsloadError(f"max_retries (or None) and batches_per_stream must be >= 0 and prefetch >= 1, "
-                               f"got {max_retries}, {batches_per_stream} and {prefetch}")
-        self.addresses = addresses
-        self.dataset = dataset
-        self._spec = wire.transform_to_spec(opts.transform) if decode else None
-        self._media = []  # video/audio decoded on the server (gdsload.service.protocol.mediawire)
-        if opts.media:
-            from gdsload.service.protocol import mediawire
-
-            self._media = mediawire.to_specs(opts.media)
+        if prefetch < 1 or batches_per_stream < 0:
+            raise GdsloadError(f"batches_per_stream must be >= 0 and prefetch >= 1, got {batches_per_stream} and "
+                               f"{prefetch}")
+        self.prefetch, self.batches_per_stream = int(prefetch), int(batches_per_stream)
+        self._parts = RequestParts.of(opts, fields, self.connection.max_message_bytes, self.batches_per_stream)
         # map / collate_fn run here on the client, in the consumer's thread (gdsload.frontend.usercode)
         self._output = OutputConverter(decode=opts.decode, output=opts.output, device=opts.device,
                                        tuple_fields=opts.tuple_fields, stage=MapStage.create(map, collate_fn, "thread"))
-        self._request_fields = [f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)]
-        self.prefetch = int(prefetch)
-        self.batches_per_stream = int(batches_per_stream)
-        self.max_message_bytes = int(max_message_bytes)
-        pems = None  # PEM bytes, not grpc's credentials: those do not pickle (see _Channels)
-        if tls or tls_ca or tls_cert or tls_key:
-            if bool(tls_cert) != bool(tls_key):
-                raise GdsloadError("mutual TLS needs both tls_cert and tls_key")
-            pems = (read_pem(tls_ca, "tls_ca") if tls_ca else None, read_pem(tls_key, "tls_key") if tls_key else None,
-                    read_pem(tls_cert, "tls_cert") if tls_cert else None)
-        options: list[tuple[str, Any]] = channel_options(self.max_message_bytes, keepalive or Keepalive())
-        if tls_server_name:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
-        rank0 = opts.rank % len(addresses) if opts.rank >= 0 else 0
-        self._link = Link(
-            addresses, rank0, (pems, options, bool(bulk)), metadata(token), dataset=dataset, deadline_s=float(deadline_s),
-            stream_deadline_s=float(stream_deadline_s), retry_timeout_s=float(retry_timeout_s),
-            max_retries=None if max_retries is None else int(max_retries), backoff_s=float(backoff_s),
-            max_backoff_s=float(max_backoff_s))
-        self._link.resolve_names = self.striped
-        self.source = remote_source(dataset, self._link.dataset_info, self._request_fields)
+        first = opts.rank % len(addresses) if opts.rank >= 0 else 0  # rank r starts on address r % len
+        self._link = Link(addresses, first, self.connection, self.retry, dataset=dataset, resolve_names=self.striped)
+        self.source = remote_source(dataset, self._link.dataset_info, self._parts.fields)
         self._plan = None
         self.cursor = Cursor()
         self._start_process()
@@ -315,9 +281,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         """The receiver of a pass from `position` of `epoch`: striped, or one server at a time."""
         plan, link = self.plan, self._link
         dataset, mix = self.source.request_target(plan)
-        template = to_request(self.options, plan, dataset=dataset, mix=mix, epoch=epoch, position=position,
-                              transform_spec=self._spec, media=self._media, fields=self._request_fields,
-                              max_chunk_bytes=self.max_message_bytes, max_batches=self.batches_per_stream)
+        template = self._parts.request(self.options, plan, dataset=dataset, mix=mix, epoch=epoch, position=position)
         where = dict(epoch=epoch, position=position, global_batch=plan.global_batch, end=plan.end_position,
                      prefetch=self.prefetch, stages=self._tally.stages)
         if self.striped:
@@ -364,3 +328,34 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     def __repr__(self) -> str:
         return (f"gdsload.RemoteLoader({self.addresses!r}, dataset={self.dataset!r}, "
                 f"batch_size={self.batch_size}, rank={self.rank}, world_size={self.world_size})")
+
+
+@dataclass(frozen=True)
+class RequestParts:
+    """What a loader's requests say beside its plan and cursor: the transform's spec, the
+    video/audio specs (`gdsload.service.protocol.mediawire`), the fields asked (without the meta
+    fields), the largest chunk and `batches_per_stream`."""
+
+    transform_spec: Any
+    media: list
+    fields: list[str]
+    max_chunk_bytes: int
+    max_batches: int
+
+    @classmethod
+    def of(cls, opts: LoaderOptions, fields: Sequence[str] | None, max_chunk_bytes: int,
+           max_batches: int) -> RequestParts:
+        media = []
+        if opts.media:  # video/audio decoded on the server
+            from gdsload.service.protocol import mediawire
+
+            media = mediawire.to_specs(opts.media)
+        return cls(transform_spec=wire.transform_to_spec(opts.transform) if opts.decode else None, media=media,
+                   fields=[f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)],
+                   max_chunk_bytes=max_chunk_bytes, max_batches=max_batches)
+
+    def request(self, opts: LoaderOptions, plan: Any, **where: Any) -> pb.BatchRequest:
+        """The request for `plan`'s batches from `where` (dataset, mix, epoch, position)."""
+        return request_rules.to_request(opts, plan, transform_spec=self.transform_spec, media=self.media,
+                                        fields=self.fields, max_chunk_bytes=self.max_chunk_bytes,
+                                        max_batches=self.max_batches, **where)

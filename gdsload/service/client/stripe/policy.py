@@ -8,6 +8,7 @@ The first four are `RemoteLoader` keywords (`stripe_batches`, `server_window`, `
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 
 from gdsload.errors import ConfigError
@@ -58,7 +59,7 @@ class StripePolicy:
 
     def __post_init__(self) -> None:
         counts = (self.stripe_batches, self.server_window)
-        if not all(_number(n) and n >= 1 for n in counts):
+        if not all(_number(n) and 1 <= n < float("inf") for n in counts):
             raise ConfigError(f"stripe_batches and server_window must be >= 1, got {self.stripe_batches} "
                               f"and {self.server_window}")
         object.__setattr__(self, "stripe_batches", int(self.stripe_batches))
@@ -72,4 +73,4 @@ class StripePolicy:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

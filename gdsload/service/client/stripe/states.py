@@ -11,7 +11,7 @@ value is the word `RemoteLoader.stats()["servers"][address]["state"]` shows.
 | OK → REFUSED | it answered FAILED_PRECONDITION (it cannot serve this request) |
 | SUSPECT, DOWN → OK | a probe after the backoff answered |
 | SUSPECT ↔ DOWN | another request of it stalled or failed meanwhile |
-| OK ↔ PAUSED | reserved for the priorities issue: a paused server gets no new request and is never hedged; a failure of a request it had keeps it PAUSED (not down) |
+| OK ↔ PAUSED | reserved (priorities): no new request, never hedged; a failure keeps it PAUSED (not down) |
 | PAUSED → REFUSED | a request it had answered FAILED_PRECONDITION |
 | any but GONE → GONE | a `dns:///` name no longer resolves to it (it does not come back within the epoch) |
 
