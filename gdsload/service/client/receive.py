@@ -109,7 +109,7 @@ def read_batches(call: Any, bodies: Any, stages: Any,
     there to the batch's chunk assembled is "receive" (`stages`). A batch that fails its CRC32
     check (`status.CorruptCopy`, handled as its server's DATA_LOSS) cancels the call first: the
     server would go on sending."""
-    asm = wire.BatchAssembler(bodies)
+    asm = wire.ChunkAssembler(bodies)
     it = iter(call)
     shared = False
     while True:

@@ -321,8 +321,9 @@ def new_body(nbytes: int, bodies: Any = None) -> np.ndarray:
     return np.empty(nbytes, np.uint8)
 
 
-class BatchAssembler:
-    """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived."""
+class ChunkAssembler:
+    """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived.
+    (Not `gdsload.loader.assemble.BatchAssembler`, which makes a batch of a ring slot.)"""
 
     def __init__(self, bodies: Any = None) -> None:
         self._bodies = bodies  # a `StagingPool` for the bodies of batches of several chunks, or None
@@ -365,6 +366,10 @@ class BatchAssembler:
         self._next_chunk = 0
         body, self._body = self._body, None
         return decode_body(self._header, body, owned=True)
+
+
+#: The name before issue 48 (kept for callers and tests).
+BatchAssembler = ChunkAssembler
 
 
 def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> dict[str, Any]:
