@@ -322,8 +322,7 @@ def new_body(nbytes: int, bodies: Any = None) -> np.ndarray:
 
 
 class ChunkAssembler:
-    """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived.
-    (Not `gdsload.loader.assemble.BatchAssembler`, which makes a batch of a ring slot.)"""
+    """Collects the chunks of one batch; `add` returns the batch once its last chunk arrived."""
 
     def __init__(self, bodies: Any = None) -> None:
         self._bodies = bodies  # a `StagingPool` for the bodies of batches of several chunks, or None
@@ -368,8 +367,7 @@ class ChunkAssembler:
         return decode_body(self._header, body, owned=True)
 
 
-#: The name before issue 48 (kept for callers and tests).
-BatchAssembler = ChunkAssembler
+BatchAssembler = ChunkAssembler  # its name before issue 48 (loader.assemble has a BatchAssembler too)
 
 
 def decode_body(header: pb.BatchHeader, body: Any, *, owned: bool = False) -> dict[str, Any]:
