@@ -1,22 +1,18 @@
 """The remote feed: `gdsload serve` (server) and `RemoteLoader` (client), over gRPC.
 
-| module | one line |
-| --- | --- |
-| `server.py` | `create_server(roots, ...) -> (server, port)`: streams a `DataLoader`'s batches |
-| `client.py` | `RemoteLoader`: the local loader's batches over gRPC (the facade: arguments, plan, cursor) |
-| `link.py` | how a loader reaches its servers: addresses (`dns:///`, `unix:`), channels, retry policy |
-| `receiver.py` | the receiving threads of an epoch (one server, or striped over several) and its iterator |
-| `wire.py` | batch <-> chunks under the message limit; transform <-> spec |
-| `catalog.py` | datasets below the roots, opened once and shared by every stream |
-| `status.py` | exceptions <-> gRPC status codes (the one mapping), retryable codes |
-| `auth.py` | bearer-token server interceptor, client metadata |
-| `config.py` | limits, keepalive, TLS; the gRPC options both ends set |
-| `metrics.py` | Prometheus metrics of a server |
-| `logs.py` | JSON-lines logs |
-| `cli.py` | `gdsload serve` |
+Three packages (DESIGN.md "Service"; `tests/test_layers.py` enforces who imports whom):
 
-The contract is `proto/gdsload/v1/feed.proto`; the generated code is `gdsload/v1/`. Importing this
-package costs nothing; grpc (the `serve` extra) is imported by the modules that need it.
+| package | what | its reading order |
+| --- | --- | --- |
+| `protocol/` | what both ends agree on: requests and their rules, batches as messages, the bulk connection's framing, statuses, auth, limits | `gdsload.service.protocol` |
+| `client/` | `RemoteLoader`: plan, cursor and output as the local loader's; receivers over one server or striped over many (a pure schedule) | `gdsload.service.client` |
+| `server/` | `create_server`: a thin servicer over one stream loop; loader, stored and shared batches as sources; one memory budget; one loader pool | `gdsload.service.server` |
+
+The client never imports the server nor the server the client; the protocol imports neither.
+`status.py` and `config.py` here re-export `protocol.status` and `protocol.config` for the names
+users import (`RemoteError`, `Limits`, `TlsConfig`, `Keepalive`). The contract is
+`proto/gdsload/v1/feed.proto`; the generated code is `gdsload/v1/`. Importing this package costs
+nothing; grpc (the `serve` extra) is imported by the modules that need it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gdsload.service.protocol import wire
+from gdsload.service.protocol import imagewire, wire
 from gdsload.service.server import create_server
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
@@ -141,10 +141,10 @@ def test_unset_transform_fields_take_the_documented_defaults(server, roots):
 
 
 def test_spec_defaults_follow_the_proto():
-    spec = wire.spec_defaults(pb.ImageTransformSpec(size=224, train=True))
+    spec = imagewire.spec_defaults(pb.ImageTransformSpec(size=224, train=True))
     assert (spec.scale_min, spec.scale_max, spec.ratio_min, spec.ratio_max) == (0.08, 1.0, 0.75, 4 / 3)
     assert (spec.resize, spec.layout, spec.dtype, spec.flip, list(spec.mean)) == (256, "NCHW", "float32", 0.0, [])
-    kept = wire.spec_defaults(pb.ImageTransformSpec(size=64, resize=80, layout="NHWC", dtype="uint8", scale_min=0.5))
+    kept = imagewire.spec_defaults(pb.ImageTransformSpec(size=64, resize=80, layout="NHWC", dtype="uint8", scale_min=0.5))
     assert (kept.resize, kept.layout, kept.dtype, kept.scale_min) == (80, "NHWC", "uint8", 0.5)
 
 

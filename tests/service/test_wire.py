@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gdsload.decode.image import ImageTransform
 from gdsload.frontend.fields import BytesColumn
-from gdsload.service.protocol import wire
+from gdsload.service.protocol import imagewire, wire
 from gdsload.service.protocol.status import BadRequest, OverLimit
 from gdsload.v1 import feed_pb2 as pb
 
@@ -130,12 +130,12 @@ def test_split_chunk_accepts_any_field_order():
     ImageTransform(size=17, scale=(0.3, 0.9), ratio=(0.7, 1.3), flip=0.1, dtype="float16"),
 ])
 def test_transform_travels_exactly(t):
-    spec = pb.ImageTransformSpec.FromString(wire.transform_to_spec(t).SerializeToString())
-    assert wire.spec_to_transform(spec, max_side=4096) == t
+    spec = pb.ImageTransformSpec.FromString(imagewire.transform_to_spec(t).SerializeToString())
+    assert imagewire.spec_to_transform(spec, max_side=4096) == t
 
 
 def test_bad_transform_specs():
-    good = wire.transform_to_spec(ImageTransform(size=32, train=False, resize=40))
+    good = imagewire.transform_to_spec(ImageTransform(size=32, train=False, resize=40))
     for change, words in [({"layout": "CHW"}, "layout"), ({"dtype": "int8"}, "dtype"),
                           ({"resize": 16}, "resize"), ({"flip": 2.0}, "flip")]:
         spec = pb.ImageTransformSpec()
@@ -143,6 +143,6 @@ def test_bad_transform_specs():
         for k, v in change.items():
             setattr(spec, k, v)
         with pytest.raises(BadRequest, match=words):
-            wire.spec_to_transform(spec, max_side=4096)
+            imagewire.spec_to_transform(spec, max_side=4096)
     with pytest.raises(OverLimit, match="limit of 36"):
-        wire.spec_to_transform(good, max_side=36)
+        imagewire.spec_to_transform(good, max_side=36)

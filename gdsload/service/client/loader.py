@@ -68,7 +68,7 @@ from gdsload.service.client.single import SingleReceiver
 from gdsload.service.client.source import remote_source
 from gdsload.service.client.stripe.policy import StripePolicy
 from gdsload.service.client.stripe.receiver import StripedReceiver
-from gdsload.service.protocol import wire
+from gdsload.service.protocol import imagewire, wire
 from gdsload.service.protocol.config import Keepalive, MiB
 from gdsload.service.protocol import request as request_rules
 from gdsload.v1 import feed_pb2 as pb
@@ -350,7 +350,7 @@ class RequestParts:
             from gdsload.service.protocol import mediawire
 
             media = mediawire.to_specs(opts.media)
-        return cls(transform_spec=wire.transform_to_spec(opts.transform) if opts.decode else None, media=media,
+        return cls(transform_spec=imagewire.transform_to_spec(opts.transform) if opts.decode else None, media=media,
                    fields=[f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)],
                    max_chunk_bytes=max_chunk_bytes, max_batches=max_batches)
 

@@ -64,7 +64,8 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
     """The loader options of a request, checked as a local loader's are (first: every float
     field finite, `check_finite`). The request's `fields` select the served dataset's fields
     (the catalog does that); the server's batches are dicts."""
-    from gdsload.service.protocol import wire
+    from gdsload.decode.image import ImageTransform
+    from gdsload.service.protocol import imagewire
 
     check_finite(req)
     if req.payload not in PAYLOADS:
@@ -85,8 +86,8 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
                          "transform")
     transform = None
     if decode:
-        transform = (wire.spec_to_transform(req.transform, max_side=max_image_side)
-                     if req.HasField("transform") else wire.ImageTransform())
+        transform = (imagewire.spec_to_transform(req.transform, max_side=max_image_side)
+                     if req.HasField("transform") else ImageTransform())
     try:
         return LoaderOptions.create(
             remote=False, batch_size=req.batch_size, shuffle=req.shuffle, drop_last=req.drop_last,
