@@ -571,7 +571,8 @@ class Plan:
                 f"this state was saved (it is from the version with {appended_to} samples, id "
                 f"{dataset!r}); the order of an epoch depends on every sample, so start a new "
                 f"epoch from a fresh state, or finish this one on the old version: "
-                f"gdsload.Dataset(path, version=K) (`gdsload inspect` lists the versions)"
+                f"gdsload.Dataset(path, version=K), or RemoteLoader(..., version=K) over the feed "
+                f"(`gdsload inspect` lists the versions)"
             )
         if dataset != self.dataset_id:
             saved_id, current_id = _shorten(dataset, self.dataset_id)

@@ -92,7 +92,11 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     (see `gdsload.service.client.stripe`); a request silent for `stall_timeout_s` is
     cancelled and asked of another server. With one plain address, or `stripe=False`, it reads
     from one server at a time: rank r starts on address ``r % len`` and fails over to the next
-    one. `dataset`: the served name (`ListDatasets`). `batch_size`, `shuffle`,
+    one. `dataset`: the served name (`ListDatasets`). `version`: read the dataset as it was at
+    that manifest version, as `gdsload.Dataset(path, version=K)` (default: the version served when
+    the loader first asks); an append on the server never changes the version a loader reads, and
+    a state from an earlier version resumes with `version=K` (the requests name the version by
+    its dataset id; `gdsload.service.server.catalog`). `batch_size`, `shuffle`,
     `drop_last`, `seed`, `rank`, `world_size` (default: from `torch.distributed` when initialised,
     else 0 and 1), `shuffle_window`, `decode` (decode images on the server; False: encoded
     bytes), `transform` (an `ImageTransform`; None: the default training transform, as locally),
@@ -149,6 +153,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         address: str | Sequence[str],
         *,
         dataset: str | Mix,
+        version: int | None = None,
         # the local loader's options (gdsload.frontend.options.LoaderOptions)
         batch_size: int = 1,
         shuffle: bool = False,
@@ -187,7 +192,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         self.retry = group(RetryPolicy, retry, given, "retry")
         self.connection = group(Connection, connection, given, "connection")
         self.dataset = dataset
-        remote_source(dataset, None)  # refuses what is neither a served name nor a Mix of them
+        remote_source(dataset, None, version=version)  # refuses what is not a served name or a Mix of them
         # the options a local DataLoader takes too: validated and resolved in one place (the
         # default device differs on purpose: see gdsload.frontend.options)
         self.options = opts = LoaderOptions.create(
@@ -204,7 +209,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
                                        tuple_fields=opts.tuple_fields, stage=MapStage.create(map, collate_fn, "thread"))
         first = opts.rank % len(addresses) if opts.rank >= 0 else 0  # rank r starts on address r % len
         self._link = Link(addresses, first, self.connection, self.retry, dataset=dataset, resolve_names=self.striped)
-        self.source = remote_source(dataset, self._link.dataset_info, self._parts.fields)
+        self.source = remote_source(dataset, self._link.dataset_info, self._parts.fields, version)
         self._plan = None
         self.cursor = Cursor()
         self._start_process()

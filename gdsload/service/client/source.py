@@ -24,16 +24,27 @@ Ask = Callable[[str], pb.DatasetInfo]
 
 
 class ServedDataset:
-    """One dataset served by name; `fields`: the fields the loader asks for (each must be there)."""
+    """One dataset served by name; `fields`: the fields the loader asks for (each must be there).
+
+    Versions: the loader plans with the version the server serves when it first asks (or
+    `version=K`, as `gdsload.Dataset(path, version=K)`: the dataset as it was at manifest version
+    K, its first shards, read from the `DatasetInfo`'s manifest), and every request names that
+    version by its dataset id, so an append on the server changes nothing for this loader: the
+    server keeps serving the version its requests name (`gdsload.service.server.catalog`)."""
 
     shards = None
     parts: tuple = ()
 
-    def __init__(self, name: str, ask: Ask, fields: Sequence[str] = ()):
+    def __init__(self, name: str, ask: Ask, fields: Sequence[str] = (), version: int | None = None):
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+            raise GdsloadError(f"version must be a manifest version >= 1 (`gdsload inspect` lists them) or None, "
+                               f"got {version!r}")
         self.name = name
         self.ask = ask
         self.asked_fields = list(fields)
+        self.version = version
         self._info: pb.DatasetInfo | None = None
+        self._versioned: tuple[str, tuple[int, ...], tuple[tuple[str, int], ...]] | None = None
 
     def info(self, name: str | None = None) -> pb.DatasetInfo:
         """The server's `DatasetInfo` (name, id, shard sizes, fields, manifest), asked once."""
@@ -43,13 +54,34 @@ class ServedDataset:
             self._info = self.ask(self.name)
         return self._info
 
+    def _at_version(self) -> tuple[str, tuple[int, ...], tuple[tuple[str, int], ...]]:
+        """(dataset id, shard sizes, earlier versions' (id, samples)) of the version planned with."""
+        if self._versioned is None:
+            from gdsload.errors import FormatError
+            from gdsload.format import manifest as mf
+
+            info = self.info()
+            try:
+                manifest = mf.parse(info.manifest_json, name=f"dataset {self.name!r}'s manifest")
+                if self.version is not None:
+                    manifest = mf.at_version(manifest, self.version)
+            except FormatError as exc:
+                raise GdsloadError(f"dataset {self.name!r} on the server: {exc}") from None
+            shards = manifest["shards"]
+            known = mf.versions(manifest)
+            earlier = tuple((mf.dataset_id(shards[: v["shards"]]), v["num_samples"]) for v in known[:-1])
+            sizes = tuple(int(x["samples"]) for x in shards)
+            ident = mf.dataset_id(shards) if self.version is not None else info.dataset_id
+            self._versioned = ident, (sizes if self.version is not None else tuple(info.shard_sizes)), earlier
+        return self._versioned
+
     @property
     def dataset_id(self) -> str:
-        return self.info().dataset_id
+        return self._at_version()[0]
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
-        return tuple(self.info().shard_sizes)
+        return self._at_version()[1]
 
     @property
     def fields(self) -> list[str]:
@@ -60,7 +92,7 @@ class ServedDataset:
         return [self.name]
 
     def select(self, fields: Sequence[str]) -> ServedDataset:
-        return ServedDataset(self.name, self.ask, fields)
+        return ServedDataset(self.name, self.ask, fields, self.version)
 
     def sources_of(self, ids: np.ndarray) -> None:
         return None  # one dataset: batches have no "__source__"
@@ -73,7 +105,8 @@ class ServedDataset:
         unknown = [f for f in self.asked_fields if f not in info.fields]
         if unknown:
             raise GdsloadError(f"fields {unknown} are not in dataset {self.name!r} (it has {sorted(info.fields)})")
-        return Plan(dataset_id=info.dataset_id, shard_sizes=tuple(info.shard_sizes), **plan_args)
+        ident, sizes, earlier = self._at_version()
+        return Plan(dataset_id=ident, shard_sizes=sizes, earlier=earlier, **plan_args)
 
     def request_target(self, plan: Any) -> tuple[str, pb.MixSpec | None]:
         """What `BatchRequest.dataset` / `.mix` say for it."""
@@ -147,11 +180,16 @@ class ServedMix:
         return "", mixwire.to_pb(self.mix, plan.mix)
 
 
-def remote_source(dataset: Any, ask: Ask, fields: Sequence[str] = ()) -> ServedDataset | ServedMix:
-    """The source of `RemoteLoader(dataset=...)`: a served name, or a `gdsload.Mix` of them."""
+def remote_source(dataset: Any, ask: Ask, fields: Sequence[str] = (),
+                  version: int | None = None) -> ServedDataset | ServedMix:
+    """The source of `RemoteLoader(dataset=..., version=...)`: a served name, or a `gdsload.Mix`
+    of them (whose datasets' versions are those their `Dataset`s name)."""
     if callable(getattr(dataset, "spec_with", None)):  # a Mix (as gdsload.dataset.source.open_source tells)
+        if version is not None:
+            raise GdsloadError("version= names a version of one served dataset; a Mix's datasets are "
+                               "planned as the server serves them")
         return ServedMix(dataset, ask, fields)
     if not isinstance(dataset, str) or not dataset:
         raise GdsloadError(f"dataset must be the served dataset's name (or a gdsload.Mix of served names), "
                            f"got {dataset!r}")
-    return ServedDataset(dataset, ask, fields)
+    return ServedDataset(dataset, ask, fields, version)

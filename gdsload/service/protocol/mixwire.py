@@ -25,7 +25,7 @@ class Catalog(Protocol):
     """What `open_mix` needs of the server's catalog (`gdsload.service.server.catalog.Catalog`),
     so this module, shared with the client, imports nothing of the server."""
 
-    def dataset(self, name: str, fields: list[str]) -> Any: ...
+    def dataset(self, name: str, fields: list[str], dataset_id: str = "") -> Any: ...
 
 _MIX_BY = {"sample": pb.MIX_BY_SAMPLE, "batch": pb.MIX_BY_BATCH}
 _FROM_PB = {pb.MIX_BY_UNSPECIFIED: "sample", pb.MIX_BY_SAMPLE: "sample", pb.MIX_BY_BATCH: "batch"}
@@ -82,7 +82,7 @@ def open_mix(catalog: Catalog, req: pb.BatchRequest) -> Mix:
         raise BadRequest(f"mix.mix_by {m.mix_by} is not one of MIX_BY_SAMPLE, MIX_BY_BATCH")
     datasets = []
     for i, s in enumerate(m.sources):
-        ds = catalog.dataset(s.dataset, list(req.fields))
+        ds = catalog.dataset(s.dataset, list(req.fields), s.dataset_id)
         if s.dataset_id and s.dataset_id != ds.dataset_id:
             raise DatasetChanged(
                 f"dataset {s.dataset!r} (mix source {i}) on this server has id {ds.dataset_id}, the "

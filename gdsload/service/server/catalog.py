@@ -24,7 +24,9 @@ stream and by any other process using the same folder.
 
 Names are rescanned (at most once every `rescan_s`) when a name is not found, so datasets
 converted after the server started appear without a restart; a dataset whose manifest changed
-(rewritten with --overwrite) is reopened.
+(rewritten with --overwrite, or appended to) is reopened. After an append the versions before it
+stay served: a request names the version it planned with by its dataset id, and gets that
+version (`Catalog.dataset`), as a local `Dataset` keeps reading the version it opened.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gdsload.errors import GdsloadError
@@ -48,6 +50,7 @@ class _Entry:
     path: Path | str  # a folder, or the URL of a dataset
     stamp: tuple  # (mtime_ns or ETag, size) of manifest.json when opened
     dataset: Dataset
+    versions: dict[str, Dataset] = field(default_factory=dict)  # earlier versions asked for, by id
 
 
 def find_datasets(roots: Sequence[str | os.PathLike[str]]) -> dict[str, Path | str]:
@@ -158,9 +161,16 @@ class Catalog:
             self._open[name] = entry
         return entry
 
-    def dataset(self, name: str, fields: Sequence[str] = ()) -> Dataset:
-        """The shared dataset, or a view of it limited to `fields` (sharing its shards)."""
-        base = self._entry(name).dataset
+    def dataset(self, name: str, fields: Sequence[str] = (), dataset_id: str = "") -> Dataset:
+        """The shared dataset, or a view of it limited to `fields` (sharing its shards).
+
+        `dataset_id`: the version a request names (`BatchRequest.dataset_id`, what its client
+        planned with): when it is an earlier version of this dataset (shards appended since), that
+        version, opened once and shared (an append never rewrites its shards), so a reader that
+        started on it finishes its epoch on it, and a state saved on it resumes on it; any other
+        id gives the current version (the caller refuses a mismatch)."""
+        entry = self._entry(name)
+        base = self._version(entry, dataset_id) if dataset_id else entry.dataset
         if not fields:
             return base
         have = base.shards.fields
@@ -173,3 +183,21 @@ class Catalog:
         view = copy.copy(base)  # shares .shards (manifest, indexes, descriptors)
         view.fields = list(fields)
         return view
+
+    def _version(self, entry: _Entry, dataset_id: str) -> Dataset:
+        """The version of `entry`'s dataset whose id is `dataset_id`, else the current one."""
+        current = entry.dataset
+        if dataset_id == current.dataset_id or dataset_id not in dict(current.earlier):
+            return current
+        with self._lock:
+            opened = entry.versions.get(dataset_id)
+        if opened is not None:
+            return opened
+        from gdsload.format import manifest as mf
+
+        manifest = current.shards.manifest
+        number = next(v["version"] for v in mf.versions(manifest)
+                      if mf.dataset_id(manifest["shards"][: v["shards"]]) == dataset_id)
+        opened = Dataset(str(entry.path), cache_dir=self.cache_dir, cache_limit=self.cache_limit, version=number)
+        with self._lock:
+            return entry.versions.setdefault(dataset_id, opened)

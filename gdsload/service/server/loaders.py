@@ -217,7 +217,7 @@ class Loaders:
         if req.HasField("mix"):  # a gdsload.Mix of served datasets; req.dataset becomes its label
             dataset = mixwire.open_mix(self.catalog, req)
         else:
-            dataset = self.catalog.dataset(req.dataset, list(req.fields))
+            dataset = self.catalog.dataset(req.dataset, list(req.fields), req.dataset_id)
         if req.dataset_id and req.dataset_id != dataset.dataset_id:
             raise DatasetChanged(
                 f"dataset {req.dataset!r} on this server has id {dataset.dataset_id}, the client "
