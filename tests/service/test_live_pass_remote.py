@@ -92,3 +92,31 @@ def test_break_then_iter_continues_after_the_last_batch_handed_out(server, strip
     lo.set_epoch(7)  # after a drained pass: at once
     assert lo.state_dict()["epoch"] == 7
     lo.close()
+
+
+@pytest.mark.parametrize("striped", [False, True])
+def test_the_last_remote_batch_completes_the_epoch_without_stop_iteration(server, striped):
+    """The remote twin of tests/interop/test_trainers.py's last-batch test: Lightning and the HF
+    Trainer take `len(loader)` batches and never ask for the StopIteration, so the epoch's last
+    batch handed out moves the loader to (next epoch, 0): the next `iter()` runs that epoch, and a
+    state taken there resumes at its start. Before: the state was (0, end) and the next `iter()`
+    gave no batch."""
+    _, addr = server
+    addrs = [addr, addr] if striped else addr
+    ref = remote(addrs)
+    e0 = keys(ref)
+    e1 = keys(ref)
+    ref.close()
+    assert e0 != e1
+    lo = remote(addrs)
+    it = iter(lo)
+    got = [k for _ in range(len(lo)) for k in next(it)["__key__"]]
+    assert got == e0
+    state = lo.state_dict()
+    assert (lo.epoch, state["epoch"], state["position"]) == (1, 1, 0)
+    assert keys(lo) == e1  # the next iter(), the old one never drained
+    other = remote(addrs)
+    other.load_state_dict(state)
+    assert keys(other) == e1
+    lo.close()
+    other.close()

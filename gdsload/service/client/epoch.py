@@ -58,11 +58,14 @@ class Tally:
 class RemoteEpoch:
     """One pass. `open_receiver(epoch, position)` makes the pass's receiver once the cursor said
     where the pass starts; `convert(batch)` is the batch as handed out; `restart()` is a new pass
-    of the loader (for this iterator used in a forked child)."""
+    of the loader (for this iterator used in a forked child); `end`: the epoch's end position
+    (`Plan.end_position`): the batch that reaches it is the epoch's last, and handing it out moves
+    the cursor to (next epoch, 0), as the local `Epoch` does (`gdsload.frontend.cursor`)."""
 
     def __init__(self, open_receiver: Callable[[int, int], Receiver], cursor: Any, convert: Callable[[Any], Any],
-                 tally: Tally, restart: Callable[[], Any]):
+                 tally: Tally, restart: Callable[[], Any], *, end: int):
         self.cursor = cursor
+        self.end = end
         self.convert = convert
         self.tally = tally
         self._restart = restart
@@ -101,7 +104,10 @@ class RemoteEpoch:
         self.tally.waited(waited)
         self.receiver.charge_wait(waited)  # (striped: the receiver charges the servers it waits on)
         if isinstance(item, Delivery):
-            self.cursor.advance(self, self.epoch, item.position)
+            if item.position >= self.end:  # the epoch's last batch completes it, StopIteration asked or not
+                self.cursor.advance(self, self.epoch + 1, 0)  # (Lightning and HF's Trainer take len() batches)
+            else:
+                self.cursor.advance(self, self.epoch, item.position)
             self.tally.delivered(item)
             return self.convert(item.batch)
         if item is END:

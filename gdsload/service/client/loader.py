@@ -280,7 +280,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             active.close()
         return RemoteEpoch(self._open_receiver, self.cursor,
                            functools.partial(self._output.convert, stages=self._tally.stages), self._tally,
-                           restart=self.__iter__)
+                           restart=self.__iter__, end=self.plan.end_position)
 
     def _open_receiver(self, epoch: int, position: int) -> Receiver:
         """The receiver of a pass from `position` of `epoch`: striped, or one server at a time."""
