@@ -20,20 +20,37 @@ iterator):
 - A pass that handed out its epoch's last batch has moved the cursor to the next epoch, position
   0, whether or not its StopIteration was asked for (Lightning and the HF Trainer take `len()`
   batches and call `iter()` again for the next epoch).
+- `skip(n)` (`PlanCursor.skip`) moves the position `n` global steps on within the epoch, never
+  past its end (refused, naming how many steps remain). A live pass over this epoch continues
+  from the new position (`Pass.skip_to`: its prefetched batches are dropped and the skipped steps
+  are not read); before `iter()` the next pass starts there. Skipping exactly to the epoch's end
+  completes the epoch as its last batch does: the cursor moves to (next epoch, 0) and the live
+  pass ends (its next `next()` raises StopIteration). A pass that handed out its epoch's last
+  batch already is left to end: the skip is the next epoch's, from its start.
 """
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from gdsload.errors import ConfigError
+
 
 class Pass(Protocol):
-    """What a cursor needs of a pass: `stop(why)` closes it (producers ended, slots freed) and
-    makes its later `next()` raise `PassStopped` naming `why`."""
+    """What a cursor needs of a pass: `epoch`, the epoch it runs; `stop(why)` closes it (producers
+    ended, slots freed) and makes its later `next()` raise `PassStopped` naming `why`;
+    `skip_to(position)` drops what it fetched ahead and continues from global `position` of its
+    epoch without reading the steps before it (None: the epoch is done, the pass ends and its
+    `next()` raises StopIteration). Both are called in the training loop's thread."""
+
+    epoch: int
 
     def stop(self, why: str) -> None: ...
+
+    def skip_to(self, position: int | None) -> None: ...
 
 
 class Cursor:
@@ -63,6 +80,20 @@ class Cursor:
         if it is not None:
             it.stop(why)
         self._live = None
+
+    def skip(self, position: int, end: int) -> None:
+        """Move to `position` of this epoch (`end`: the epoch's end position; reaching it completes
+        the epoch: (next epoch, 0)) and move the live pass there with it (see the module's rules)."""
+        it = self.live()
+        if it is not None and it.epoch != self.epoch:  # it handed out its epoch's last batch: it ends as
+            self.detach(it)  # it would have, and the skip is the next epoch's
+            it = None
+        if position >= end:
+            self.epoch, self.position = self.epoch + 1, 0
+        else:
+            self.position = position
+        if it is not None:
+            it.skip_to(position if position < end else None)
 
     def begin(self, it: Pass) -> tuple[int, int]:
         """A new pass `it` starts: the (epoch, position) it starts from."""
@@ -112,3 +143,23 @@ class PlanCursor:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._cursor().load(*self.plan.resume(state))
+
+    def skip(self, n: int) -> None:
+        """Skip the next `n` global steps of this epoch, the same steps on every rank (each rank
+        drops its batch of each): nothing of them is read or decoded. During a pass the loop's next
+        batch is the one after them (batches fetched ahead are dropped); before `iter()` the next
+        pass starts after them. `state_dict()` then holds the advanced position. It does not cross
+        the epoch's end: `n` over the steps that remain is refused (`ConfigError`, naming them);
+        skipping exactly the rest completes the epoch, as its last batch does (the state is the next
+        epoch's start). `n=0` changes nothing."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigError(f"skip(n) takes a whole number of global steps >= 0, got {n!r}")
+        c, plan = self._cursor(), self.plan
+        g, end = plan.global_batch, plan.end_position
+        remaining = (end - c.position) // g
+        if n > remaining:
+            raise ConfigError(f"skip({n}) crosses the end of epoch {c.epoch}: {remaining} of its {plan.num_steps} "
+                              f"steps remain (position {c.position} of {end}); skip at most {remaining}, or "
+                              f"set_epoch()/load_state_dict() to move to another epoch")
+        if n:
+            c.skip(c.position + int(n) * g, end)

@@ -299,6 +299,13 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._bind_ranks()
         super().load_state_dict(state)
 
+    def skip(self, n: int) -> None:
+        """Skip the next `n` global steps of this epoch without reading or decoding them
+        (`PlanCursor.skip`); during a pass the loop goes on with the batch after them (the pass
+        restarts behind the same iterator: `gdsload.loader.epoch.Epoch.skip_to`)."""
+        self._bind_ranks()
+        super().skip(n)
+
     @property
     def sampler(self) -> Any:
         """None to give: a torch habit, answered (an AttributeError, so `getattr(loader, "sampler",

@@ -50,14 +50,19 @@ class Epoch:
         self._successor: Iterator[Any] | None = None
         self._closed = True  # until the readers start: `close()` has nothing to stop
         self._stopped_by: str | None = None  # `stop(why)`: the loader's call that ended this pass
+        self._parts = (plan, resources, layout, source, assembler, stage, tuner)  # `_start` again: `skip_to`
+        self.times = StageTimes()  # the pass's stage times and counters (`stats()`), kept across a `skip_to`
+        self.progress: Progress | None = None
         self.epoch, position = cursor.begin(self)
         try:
-            self._start(plan, position, resources, layout, source, assembler, stage, tuner)
+            self._start(position)
         except BaseException:
             cursor.detach(self)
             raise
 
-    def _start(self, plan, position, resources, layout, source, assembler, stage, tuner) -> None:
+    def _start(self, position: int) -> None:
+        """Start the pass's readers from global `position` of its epoch, over a reset ring."""
+        plan, resources, layout, source, assembler, stage, tuner = self._parts
         self.position = position
         self.G = plan.global_batch
         # the pass's batches, each computed when a reader claims it (`Plan.batches_at`): none is
@@ -69,6 +74,7 @@ class Epoch:
             # with `max_batches`, a part of the epoch (a server's stream of one block): nothing past it is read
             first = position // self.G
             stop = plan.num_steps if self.max_batches is None else min(plan.num_steps, first + self.max_batches)
+            self._stop_step = stop
             self.batches = plan.batches_at(self.epoch, range(first, stop))
             self.ends_epoch = self.max_batches is None or position + self.max_batches * self.G >= plan.end_position
         self.ring = resources.ring
@@ -85,7 +91,6 @@ class Epoch:
         self._claim = 0
         self._claim_lock = threading.Lock()
         self.assembler = assembler
-        self.times = StageTimes()
         assembler.times = self.times
         self.decoder = OrderedDecoder(resources, layout.n_images, self.times)
         if tuner is not None:
@@ -93,7 +98,8 @@ class Epoch:
         self.stage = stage.start(resources.num_workers) if stage is not None else None
         self.filler = SlotFiller(resources, layout, source, self.decoder, assembler, self.stage, self.times)
         self.filler.draw_key = (plan.seed, self.epoch)  # clip and crop positions: the plan's, per sample
-        self.progress = Progress(self.epoch, time.perf_counter(), self.ring.stats()["wait_s"], stages=self.times)
+        if self.progress is None:
+            self.progress = Progress(self.epoch, time.perf_counter(), self.ring.stats()["wait_s"], stages=self.times)
         # num_workers=0: no reader thread, `__next__` reads each batch itself (`_fill_here`)
         self.threads = [self._reader(i) for i in range(min(resources.num_workers, max(1, len(self.batches))))]
         self._closed = False
@@ -222,7 +228,7 @@ class Epoch:
             self.cursor.advance(self, self.epoch, self.position)
         info = slot.meta["batch"]
         p = self.progress
-        p.batches = self.next_seq
+        p.batches += 1
         p.samples += info.n - info.skipped
         p.skipped += info.skipped
         p.bytes_read += info.nbytes
@@ -271,6 +277,35 @@ class Epoch:
             self._stopped_by = why
         self.close()
 
+    def skip_to(self, position: int | None) -> None:
+        """The loader's `skip()` moved the cursor to global `position` of this pass's epoch (None:
+        to its end; `gdsload.frontend.cursor`). The pass restarts there behind this same iterator,
+        so the training loop's `for` goes on with the batch after the skipped steps: the readers
+        are stopped and joined and the batches they filled ahead are dropped (their slots freed),
+        then `_start` runs again as a new pass over the same ring would (ring reset, seq numbering
+        from 0, readers claiming the batches from `position`), so no skipped step is read. The
+        batch last handed out stays valid while the loop references it, as across passes (the
+        ring's "Slot lifetime"); `stats()` keeps counting. Process workers (`worker_mode=
+        "process"`) start again, as with each pass. A `steps` or `max_batches` pass keeps the end
+        of its window and drops the steps before `position`. None: the pass closes, and its next
+        `next()` raises StopIteration."""
+        if self._closed or self.pid != os.getpid():  # (a forked child's copy restarts from the cursor)
+            return
+        if position is None:
+            self.close()
+            return
+        self._halt()
+        first = position // self.G
+        if self.steps is not None:
+            self.steps = [s for s in self.steps if s >= first]
+        elif self.max_batches is not None:
+            self.max_batches = max(0, self._stop_step - first)
+        try:
+            self._start(position)
+        except BaseException:
+            self.cursor.detach(self)
+            raise
+
     def close(self) -> None:
         if self._closed:  # closed already, maybe still closing in a reader (`__del__`): its readers end
             if self.pid == os.getpid():  # before this returns, so the caller may start a new pass
@@ -279,6 +314,11 @@ class Epoch:
         if self.pid != os.getpid():  # the parent's iterator in a forked child: touch nothing
             self._closed = True
             return
+        self._halt()
+        self.cursor.detach(self)
+
+    def _halt(self) -> None:
+        """End the readers (joined) and free the slots, as closing does; the cursor is not told."""
         self._closed = True
         self.decoder.close()
         if self.handed is not None:  # keep the fence: the next pass may refill this slot
@@ -293,7 +333,6 @@ class Epoch:
         self._join()
         if self.res.streams is not None and self.next_seq < len(self.batches):
             self.res.streams.synchronize()  # stopped early: unconsumed batches' copies may be queued
-        self.cursor.detach(self)
 
     def _join(self) -> None:
         for t in getattr(self, "threads", ()):
