@@ -66,6 +66,7 @@ class RemoteEpoch:
                  tally: Tally, restart: Callable[[], Any], *, end: int):
         self.cursor = cursor
         self.end = end
+        self._open_receiver = open_receiver  # again from a new position: `skip_to`
         self.convert = convert
         self.tally = tally
         self._restart = restart
@@ -150,11 +151,34 @@ class RemoteEpoch:
             self._stopped_by = why
         self.close()
 
+    def skip_to(self, position: int | None) -> None:
+        """The loader's `skip()` moved the cursor to global `position` of this pass's epoch (None:
+        to its end; `gdsload.frontend.cursor`): the receiver is cancelled, the batches it received
+        ahead are dropped with its queue, and a new receiver asks from `position` (the request's
+        `start_position`), so the servers read none of the skipped steps. The training loop's `for`
+        goes on over this same iterator. None: the pass closes; its next `next()` raises
+        StopIteration."""
+        if self._done or self.pid != os.getpid():  # (a forked child's copy restarts from the cursor)
+            return
+        if position is None:
+            self.close()
+            return
+        self._halt()
+        try:
+            self._start(self._open_receiver(self.epoch, position))
+        except BaseException:
+            self.cursor.detach(self)
+            raise
+
     def close(self) -> None:
         if self._done:
             return
+        self._halt()
+        self.cursor.detach(self)
+
+    def _halt(self) -> None:
+        """Cancel the receiver's calls and wait for its thread; the cursor is not told."""
         self._done = True
         self._finalizer()  # cancels the calls (the parent's are left alone in a forked child)
         if os.getpid() == self.pid and self.thread is not threading.current_thread():
             self.thread.join(timeout=JOIN_S)
-        self.cursor.detach(self)

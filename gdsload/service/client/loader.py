@@ -272,6 +272,13 @@ class RemoteLoader(ProcessLocal, PlanCursor):
                              "(BatchRequest.epoch is a uint64)")
         self.cursor.load(epoch, position)  # stops a live pass first (gdsload.frontend.cursor)
 
+    def skip(self, n: int) -> None:
+        """As `DataLoader.skip` (`PlanCursor.skip`): the next `n` global steps are not served.
+        During a pass its stream is cancelled, the batches received ahead dropped, and the servers
+        asked again from the new position (`start_position`), so none of them reads the skipped
+        steps; the loop goes on over the same iterator (`RemoteEpoch.skip_to`)."""
+        super().skip(n)
+
     def __iter__(self) -> RemoteEpoch:
         self._enter_process()
         keep_large_blocks()  # received messages of megabytes: no page faults each (gdsload.host.malloc)
