@@ -24,7 +24,9 @@ field and serializes again, so the rest of the message is still compared as sent
 - `GetServerInfo`: `version` (the gdsload version string changes with releases, not with the
   wire), `active_streams` and `memory_in_use_bytes` (what other streams hold at that instant:
   parked loaders of earlier cases, a stream still closing), `decode_available` and
-  `media_available` (whether this host has DALI / PyAV installed, a fact of the host).
+  `media_available` (whether this host has DALI / PyAV installed, a fact of the host), and
+  `orders` (the order versions served: a field added after the base, which sends none;
+  tests/service/test_order_feed.py checks it).
   `max_memory_bytes` is pinned by the server's `Limits` instead (its default is half the host's
   memory).
 - `ListDatasets`: serialized again with `deterministic=True`, which only sorts the entries of
@@ -198,8 +200,10 @@ def normalise(method: str, message: bytes) -> bytes:
         return pb.ListDatasetsResponse.FromString(message).SerializeToString(deterministic=True)
     if method == "GetServerInfo":
         info = pb.ServerInfo.FromString(message)
-        for name in ("version", "active_streams", "memory_in_use_bytes", "decode_available", "media_available"):
-            info.ClearField(name)
+        for name in ("version", "active_streams", "memory_in_use_bytes", "decode_available", "media_available",
+                     "orders"):
+            if name in info.DESCRIPTOR.fields_by_name:  # (the base's ServerInfo has no `orders`)
+                info.ClearField(name)
         return info.SerializeToString()
     if method == "bulk":
         chunk = pb.BatchChunk.FromString(message)

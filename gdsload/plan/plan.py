@@ -104,6 +104,7 @@ import numpy as np
 from gdsload.errors import PlanError, StateError  # noqa: F401 (re-exported: defined in errors.py)
 
 __all__ = [
+    "BlockSteps",
     "DEFAULT_ORDER",
     "ORDERS",
     "STATE_VERSION",
@@ -648,7 +649,7 @@ class PlanBatches(Sequence[np.ndarray]):
     CHUNKS_KEPT = 4
 
     def __init__(self, plan: Plan, epoch: int, steps: Sequence[int]):
-        if isinstance(steps, range):
+        if isinstance(steps, (range, BlockSteps)):  # increasing by construction: its ends suffice
             if len(steps):
                 plan._check_step(steps[0])
                 plan._check_step(steps[-1])
@@ -678,3 +679,40 @@ class PlanBatches(Sequence[np.ndarray]):
                 while len(self._chunks) > self.CHUNKS_KEPT:
                     self._chunks.popitem(last=False)
         return chunk[k]
+
+
+class BlockSteps(Sequence[int]):
+    """The steps of every `stride`-th block of `block` steps, from step `first` (the rest of its
+    block, then blocks ``b + stride``, ``b + 2*stride``, ... of ``b = first // block``) below
+    `num_steps`, at most `limit` of them (0: no limit): a feed server's stream of a striped epoch
+    (`BatchRequest.block_stride`). Increasing; O(1) memory, length and indexing, so a stream over
+    an epoch of 10^8 steps lists none of them."""
+
+    def __init__(self, first: int, num_steps: int, block: int, stride: int, limit: int = 0):
+        first, num_steps = _int("first", first, minimum=0), _int("num_steps", num_steps, minimum=0)
+        self.block, self.stride = _int("block", block, minimum=1), _int("stride", stride, minimum=1)
+        self.first, b = first, first // self.block
+        self.head = max(0, min((b + 1) * self.block, num_steps) - first)  # the rest of the first block
+        self.base = b
+        blocks = -(-num_steps // self.block)  # blocks holding steps (the last may be short)
+        later = max(0, (blocks - 1 - b) // self.stride) if first < num_steps else 0
+        n = self.head + later * self.block
+        if later and b + later * self.stride == blocks - 1:  # the epoch's last, short block
+            n -= blocks * self.block - num_steps
+        self.length = min(n, _int("limit", limit, minimum=0)) if limit else n
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.length))]
+        i = range(self.length)[i]  # negative indices; IndexError past the end
+        if i < self.head:
+            return self.first + i
+        k, offset = divmod(i - self.head, self.block)
+        return (self.base + (k + 1) * self.stride) * self.block + offset
+
+    def __repr__(self) -> str:
+        return f"BlockSteps({len(self)} steps from {self[0] if self.length else None}, block {self.block}, " \
+               f"stride {self.stride})"

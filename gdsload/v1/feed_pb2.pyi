@@ -85,7 +85,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes", "serves_block_stride")
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes", "serves_block_stride", "orders")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class ServerInfo(_message.Message):
     MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVES_BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    ORDERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     max_message_bytes: int
@@ -116,7 +117,8 @@ class ServerInfo(_message.Message):
     max_memory_bytes: int
     memory_in_use_bytes: int
     serves_block_stride: bool
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., serves_block_stride: _Optional[bool] = ...) -> None: ...
+    orders: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., serves_block_stride: _Optional[bool] = ..., orders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ImageTransformSpec(_message.Message):
     __slots__ = ("size", "train", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "layout", "dtype")

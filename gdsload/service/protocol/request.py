@@ -8,6 +8,14 @@ the server reads back, validated with the same rules as a local `DataLoader`'s o
 invalid value is a `BadRequest`, INVALID_ARGUMENT, naming the request field). The server's own
 settings (reader threads, prefetch, decode threads, device "cpu", NumPy output, no copies) are not
 the client's to choose and are not in the request.
+
+Order versions (`gdsload.plan.plan`): a request names its plan's order in `dataset_id`, the id
+alone for order 1 and the id followed by ``;order=2`` for order 2 (`with_order`, `split_order`).
+Not a field of its own, on purpose: a server older than order versions would ignore a new field
+and serve order 1 to a client that planned order 2, while it compares the whole `dataset_id` with
+its dataset's id and refuses (FAILED_PRECONDITION) one that carries an order. A request of order 1
+is byte for byte the one made before order versions. `ServerInfo.orders` (`SERVED_ORDERS`) lists
+what a server serves; `served_orders` reads it (an older server's empty list: order 1).
 """
 
 from __future__ import annotations
@@ -16,21 +24,59 @@ import enum
 import math
 from typing import Any
 
-from gdsload.errors import BadRequest, ConfigError
+from gdsload.errors import BadRequest, ConfigError, DatasetChanged
 from gdsload.frontend.options import LoaderOptions
+from gdsload.plan.plan import ORDERS
 from gdsload.v1 import feed_pb2 as pb
 
 PAYLOADS = {pb.PAYLOAD_UNSPECIFIED: "raw", pb.PAYLOAD_RAW: "raw", pb.PAYLOAD_DECODED: "decoded"}
 ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_ERROR_SKIP: "skip"}
 
 
+#: The order versions a server of this code serves (`ServerInfo.orders`).
+SERVED_ORDERS: tuple[int, ...] = ORDERS
+#: What follows the id in `BatchRequest.dataset_id` to name an order other than 1.
+ORDER_TAG = ";order="
+
+
+def with_order(dataset_id: str, order: int) -> str:
+    """`BatchRequest.dataset_id` for a plan of `dataset_id` in order version `order`: the id alone
+    for order 1 (as before order versions), else the id followed by ``;order=N``."""
+    return dataset_id if order == 1 else f"{dataset_id}{ORDER_TAG}{order}"
+
+
+def split_order(dataset_id: str) -> tuple[str, int]:
+    """(the dataset id, the order version) that a `BatchRequest.dataset_id` names (no tag: order 1).
+    A malformed tag is a `BadRequest`; an order this server does not serve is refused as an older
+    server refuses any tag (`DatasetChanged`: FAILED_PRECONDITION), naming the orders served."""
+    ident, tag, version = dataset_id.rpartition(ORDER_TAG)
+    if not tag:
+        return dataset_id, 1
+    if not (version.isascii() and version.isdigit()) or len(version) > 9:
+        raise BadRequest(f"BatchRequest.dataset_id {cut(dataset_id)!r} ends in {cut(tag + version)!r}: "
+                         f"an order is named as '{ORDER_TAG}' and a version number (e.g. '{ORDER_TAG}2')")
+    order = int(version)
+    if order not in SERVED_ORDERS:
+        raise DatasetChanged(f"BatchRequest.dataset_id {cut(dataset_id)!r} asks for order {order}; this server "
+                             f"serves the orders {', '.join(map(str, SERVED_ORDERS))} (ServerInfo.orders)")
+    return ident, order
+
+
+def served_orders(info: pb.ServerInfo) -> tuple[int, ...]:
+    """The order versions a server's `ServerInfo` says it serves (none listed: an older server,
+    which serves order 1 only)."""
+    return tuple(info.orders) or (1,)
+
+
 def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch: int, position: int,
                transform_spec: Any, media: Any, fields: list[str], max_chunk_bytes: int,
                max_batches: int) -> pb.BatchRequest:
     """The request for `plan`'s batches from `position` of `epoch` (`mix`: a `pb.MixSpec` or None;
-    `media`: the video/audio specs of `gdsload.service.protocol.mediawire`)."""
+    `media`: the video/audio specs of `gdsload.service.protocol.mediawire`); `dataset_id` names the
+    plan's order (`with_order`)."""
     return pb.BatchRequest(
-        dataset="" if mix is not None else dataset, dataset_id=plan.dataset_id, mix=mix, seed=plan.seed,
+        dataset="" if mix is not None else dataset, dataset_id=with_order(plan.dataset_id, plan.order), mix=mix,
+        seed=plan.seed,
         epoch=epoch, shuffle=plan.shuffle, shuffle_window=plan.window, drop_last=plan.drop_last,
         batch_size=plan.batch_size, rank=plan.rank, world_size=plan.world_size, start_position=position,
         payload=pb.PAYLOAD_DECODED if opts.decode else pb.PAYLOAD_RAW, transform=transform_spec,

@@ -18,8 +18,10 @@ loader allocates anything) and the ring's own sizing rules, never from arithmeti
 - `wire_bytes`: one batch serialized as chunks (what a share window holds per batch): the body
   (the slot's batch tensors and the largest staged members), `KEY_BYTES` of key and names per
   sample, 8 bytes per field and sample, and each chunk's framing.
-- `order_bytes`: building a `Mix`'s epoch order (`gdsload.plan.mix`), refused when over the
-  whole budget before anything is built.
+- `order_bytes`: building a `Mix`'s epoch order (`gdsload.plan.mix.order_nbytes` of the request's
+  order version), refused when over the whole budget before anything is built. Order 1 grows with
+  the epoch (72 bytes per sample: a `samples_per_epoch` of 10^10 is refused); order 2 does not
+  (its block cache and O(shards) per dataset, whatever the epoch's size).
 """
 
 from __future__ import annotations
@@ -107,15 +109,16 @@ def wire_bytes(layout: Any, *, chunk: int) -> int:
     return body + rows * KEY_BYTES + 64 * (fields + 1) + chunks * CHUNK_OVERHEAD_BYTES
 
 
-def order_bytes(mix: Any, req: pb.BatchRequest, limit: int) -> int:
-    """The bytes building `mix`'s epoch order takes, refused (RESOURCE_EXHAUSTED) when over the
-    whole budget `limit`, before anything is built; the stream reserves them with its ring."""
+def order_bytes(mix: Any, req: pb.BatchRequest, limit: int, order: int = 1) -> int:
+    """The bytes building `mix`'s epoch order of version `order` takes, refused (RESOURCE_EXHAUSTED)
+    when over the whole budget `limit`, before anything is built; the stream reserves them with
+    its ring."""
     from gdsload.plan.mix import check_order_memory, order_nbytes
     from gdsload.plan.plan import PlanError
 
     G = req.batch_size * (req.world_size or 1)
     try:
-        check_order_memory(mix.spec, G, limit, "the server's memory budget (--max-memory)")
+        check_order_memory(mix.spec, G, limit, "the server's memory budget (--max-memory)", order)
     except PlanError as exc:
         raise OverLimit(f"mix {req.dataset!r}: {exc}") from None
-    return order_nbytes(mix.spec, G)
+    return order_nbytes(mix.spec, G, order)

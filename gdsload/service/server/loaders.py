@@ -154,7 +154,7 @@ class Opened:
     label: str  # the dataset's name, or a mix's label
     payload: str  # "raw" | "decoded"
     planned: Any
-    steps: list[int] | None
+    steps: Any  # a `BlockSteps` (a `block_stride` stream) or None
     chunk: int
     reused: bool
 
@@ -195,14 +195,14 @@ class Loaders:
         loader closed, if anything fails."""
         opts = opts if opts is not None else self.check(req)
         payload = "decoded" if opts.decode else "raw"
-        dataset, transform, order = self._dataset(req, opts, payload)
-        key = (dataset.dataset_id, request.identity_key(req))
+        dataset, transform, order, order_memory = self._dataset(req, opts, payload)
+        key = (dataset.dataset_id, request.identity_key(req))  # (the key holds dataset_id's order tag)
         got = self.pool.take(key)
-        loaded, reservation = got if got is not None else (self._build(dataset, opts, transform, req), None)
+        loaded, reservation = got if got is not None else (self._build(dataset, opts, transform, req, order), None)
         try:
             if reservation is None:  # (a parked loader's reservation is the same figure: same request)
                 memory = estimate.stream_bytes(loaded.loader.batch_layout(), prefetch=self.settings.prefetch,
-                                               limits=self.limits, dataset=req.dataset) + order
+                                               limits=self.limits, dataset=req.dataset) + order_memory
                 reservation = self.budget.reserve(memory, self.claim)
             with reservation:
                 planned, steps = _position(loaded.loader, req)
@@ -212,16 +212,18 @@ class Loaders:
             loaded.close()
             raise
 
-    def _dataset(self, req: pb.BatchRequest, opts: Any, payload: str) -> tuple[Any, Any, int]:
-        """(the dataset or mix, the loader's transform, the mix order's bytes) of `req`."""
+    def _dataset(self, req: pb.BatchRequest, opts: Any, payload: str) -> tuple[Any, Any, int, int]:
+        """(the dataset or mix, the loader's transform, the order version, the mix order's bytes)
+        of `req` (the version is named in `dataset_id`: `request.split_order`)."""
+        ident, order = request.split_order(req.dataset_id)
         if req.HasField("mix"):  # a gdsload.Mix of served datasets; req.dataset becomes its label
             dataset = mixwire.open_mix(self.catalog, req)
         else:
-            dataset = self.catalog.dataset(req.dataset, list(req.fields), req.dataset_id)
-        if req.dataset_id and req.dataset_id != dataset.dataset_id:
+            dataset = self.catalog.dataset(req.dataset, list(req.fields), ident)
+        if ident and ident != dataset.dataset_id:
             raise DatasetChanged(
                 f"dataset {req.dataset!r} on this server has id {dataset.dataset_id}, the client "
-                f"planned with {request.cut(req.dataset_id)} (BatchRequest.dataset_id): the dataset was "
+                f"planned with {request.cut(ident)} (BatchRequest.dataset_id): the dataset was "
                 f"rewritten; start from a fresh state"
             )
         kinds = {f: dataset.shards.fields.get(f, "") for f in dataset.fields}
@@ -242,47 +244,46 @@ class Loaders:
             if media:
                 transform = {**media, **({images[0]: transform} if images and transform is not None else {})}
         # building a mix's epoch order takes memory too (gdsload.plan.mix); refused before anything is built
-        order = estimate.order_bytes(dataset, req, self.budget.limit) if req.HasField("mix") else 0
-        return dataset, transform, order
+        memory = estimate.order_bytes(dataset, req, self.budget.limit, order) if req.HasField("mix") else 0
+        return dataset, transform, order, memory
 
-    def _build(self, dataset: Any, opts: Any, transform: Any, req: pb.BatchRequest) -> Loaded:
-        """A new loader (it allocates nothing until iterated), decoding through the decode pool
-        when the server has one (`DataLoader(decoder_factory=)`)."""
+    def _build(self, dataset: Any, opts: Any, transform: Any, req: pb.BatchRequest, order: int) -> Loaded:
+        """A new loader of order version `order` (it allocates nothing until iterated), decoding
+        through the decode pool when the server has one (`DataLoader(decoder_factory=)`)."""
         from gdsload.loader.dataloader import DataLoader
 
         seat = self.decode_pool.seat(req.dataset) if opts.decode and self.decode_pool is not None else None
         s = self.settings
         loader = DataLoader(dataset, **{**request.loader_kwargs(opts), "transform": transform},
-                            num_workers=s.workers, prefetch_factor=s.prefetch, pin_memory=False, io="auto",
-                            decode_threads=s.decode_threads,
+                            order=order, num_workers=s.workers, prefetch_factor=s.prefetch, pin_memory=False,
+                            io="auto", decode_threads=s.decode_threads,
                             decoder_factory=seat.configure if seat is not None else None)
         return Loaded(loader, seat)
 
 
-def _position(loader: Any, req: pb.BatchRequest) -> tuple[Any, list[int] | None]:
+def _position(loader: Any, req: pb.BatchRequest) -> tuple[Any, Any]:
     """Position `loader` at the request's start: (the plan's batches of ids from there, beside the
-    loader's: they name skipped samples; the steps of a `block_stride` stream, or None).
-    Checking start_position here names the request's field in the message."""
+    loader's: they name skipped samples; the steps of a `block_stride` stream, or None). Both are
+    computed as the stream reaches them (`BlockSteps`, `Plan.batches_at`), so a striped stream of
+    an epoch of 10^10 samples lists none of its steps. Checking start_position here names the
+    request's field in the message."""
+    from gdsload.plan.plan import BlockSteps
+
     plan = loader.plan
     planned = plan.batches(req.epoch, req.start_position)
     loader.load_state_dict(plan.state(req.epoch, req.start_position))
     if req.block_stride <= 1:
         return planned, None
     # blocks b, b + stride, ... of the epoch (one stream per server of a stripe)
-    first = req.start_position // plan.global_batch
-    steps = stride_steps(first, len(plan), req.block_batches, req.block_stride, req.max_batches)
-    every = list(planned)
-    return iter([every[s - first] for s in steps]), steps
+    steps = BlockSteps(req.start_position // plan.global_batch, len(plan), req.block_batches, req.block_stride,
+                       req.max_batches)
+    return iter(plan.batches_at(req.epoch, steps)), steps
 
 
 def stride_steps(first: int, num_steps: int, block: int, stride: int, limit: int = 0) -> list[int]:
-    """The steps of a `BatchRequest.block_stride` stream: from `first` to the end of its block of
-    `block` steps, then every `stride`-th block after it, at most `limit` steps (0: no limit)."""
-    steps: list[int] = []
-    b, step = first // block, first
-    while step < num_steps and (not limit or len(steps) < limit):
-        end = min((b + 1) * block, num_steps)
-        steps.extend(range(step, end)[: (limit - len(steps)) if limit else None])
-        b += stride
-        step = b * block
-    return steps
+    """The steps of a `BatchRequest.block_stride` stream, listed: from `first` to the end of its
+    block of `block` steps, then every `stride`-th block after it, at most `limit` steps (0: no
+    limit). Streams use them unlisted (`gdsload.plan.plan.BlockSteps`)."""
+    from gdsload.plan.plan import BlockSteps
+
+    return list(BlockSteps(first, num_steps, block, stride, limit))

@@ -50,6 +50,7 @@ require("grpc", extra="serve", purpose="the feed server (gdsload serve)")
 import grpc
 
 from gdsload.service.protocol.config import PROTOCOL_VERSION, ServerConfig
+from gdsload.service.protocol.request import SERVED_ORDERS
 from gdsload.service.protocol.status import abort, to_status
 from gdsload.service.server import estimate
 from gdsload.service.server.admission import Budget
@@ -153,6 +154,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             decode_available=_available("nvidia.dali"), decode_device="cpu",
             num_datasets=len(self.catalog.names()), media_available=_available("nvidia.dali", "av"),
             max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=in_use, serves_block_stride=True,
+            orders=SERVED_ORDERS,
         )
 
     def StreamBatches(self, request: pb.BatchRequest, context) -> Iterator[bytes]:
