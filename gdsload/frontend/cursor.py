@@ -151,7 +151,8 @@ class PlanCursor:
         pass starts after them. `state_dict()` then holds the advanced position. It does not cross
         the epoch's end: `n` over the steps that remain is refused (`ConfigError`, naming them);
         skipping exactly the rest completes the epoch, as its last batch does (the state is the next
-        epoch's start). `n=0` changes nothing."""
+        epoch's start). `n=0` changes nothing. Call it from the training loop's thread, between
+        batches (as `load_state_dict`)."""
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ConfigError(f"skip(n) takes a whole number of global steps >= 0, got {n!r}")
         c, plan = self._cursor(), self.plan

@@ -9,7 +9,8 @@ published in its place and raised to the consumer in order. `__next__` releases 
 batch's slot, waits for the next in plan order, hands out `BatchAssembler.make(slot)` and
 advances the cursor (`Progress` and `StageTimes` count it for `stats()`). With `"auto"` settings
 it asks the tuner (`gdsload.loader.autotune`) whether to add a slot or a reader, and the
-`Resources` carry it out.
+`Resources` carry it out. The loader's `skip(n)` restarts the pass from the new position behind
+the same iterator (`skip_to`).
 
 The epoch holds its collaborators; its threads hold the epoch only weakly while they wait, so an
 epoch the training loop dropped (a `break`) is collected, and closing it ends the threads.

@@ -81,14 +81,16 @@ def test_skip_before_iter_starts_the_next_pass_after_the_skipped_steps(tiny, wor
     lo.close()
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_skip_mid_pass_the_loop_goes_on_after_the_skipped_steps(tiny, workers):
+@pytest.mark.parametrize("mode", ["workers0", "workers2", "process"])
+def test_skip_mid_pass_the_loop_goes_on_after_the_skipped_steps(tiny, mode):
     """The `for` loop goes on over the same iterator with the batch after the skipped steps; the
     batch the loop still holds keeps its values (its slot is not written over by the restarted
-    pass); a second skip in the same pass works too."""
+    pass); a second skip in the same pass works too; process workers (`map` in `worker_mode=
+    "process"`) are started again behind the same iterator."""
     ref = steps_of(tiny)
-    kw = {"prefetch_factor": None} if workers == 0 else {}
-    lo = make(tiny, num_workers=workers, **kw)
+    kw = {"workers0": {"num_workers": 0, "prefetch_factor": None}, "workers2": {},
+          "process": {"map": dict, "worker_mode": "process"}}[mode]
+    lo = make(tiny, **kw)
     got, held = [], None
     for i, b in enumerate(lo):
         got.append(checked(b))
