@@ -249,3 +249,36 @@ def test_an_old_server_refuses_order_2(old_server, root):
                     raise AssertionError(f"{name}: the old server sent a batch of order 1 (step {c.step})")
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (name, err.value.details())
         assert ";order=2" in err.value.details(), (name, err.value.details())
+
+
+def test_remote_loader_refuses_to_plan_an_order_its_server_does_not_serve(old_server, new_server, root):
+    """RemoteLoader(order=2) asks its server's ServerInfo.orders when it plans: against the old
+    server it raises before any stream, naming the server, the orders and what to do; order=1
+    reads the old server as ever (the local order 1's keys)."""
+    from gdsload.service.client import RemoteLoader
+    from gdsload.service.protocol.status import RemoteError
+
+    loader = RemoteLoader(old_server, dataset="a", batch_size=8, shuffle=True, seed=3, order=2, output="numpy")
+    with pytest.raises(RemoteError, match=rf"the server at {old_server} serves the orders 1 \(ServerInfo.orders; "
+                                          r"none listed: a server older than order versions\) and this loader plans "
+                                          r"order 2: upgrade the server, or pass RemoteLoader\(\.\.\., order=1\)"):
+        iter(loader)
+    old = RemoteLoader(old_server, dataset="a", batch_size=8, shuffle=True, seed=3, order=1, output="numpy")
+    assert [k for b in old for k in b["__key__"]] == _local_keys(root / "a", 1, batch_size=8, shuffle=True, seed=3)
+    with pytest.raises(Exception, match=r"order must be one of the order versions 1 or 2, got 3"):
+        RemoteLoader(new_server, dataset="a", order=3)
+
+
+def test_a_stripe_over_an_old_and_a_new_server_never_mixes_orders(old_server, new_server, root):
+    """Striped over the new server (asked for the plan) and the old one, an order-2 loader gets
+    every batch from the new server, the old one refusing each request (FAILED_PRECONDITION: left
+    out for the epoch): the local order 2's batches, none of order 1."""
+    from gdsload.service.client import RemoteLoader
+
+    kw = dict(batch_size=4, shuffle=True, seed=7)
+    loader = RemoteLoader([new_server, old_server], dataset="a", order=2, stripe_batches=1, output="numpy",
+                          retry_timeout_s=20, **kw)
+    got = [k for b in loader for k in b["__key__"]]
+    assert got == _local_keys(root / "a", 2, **kw) and got != _local_keys(root / "a", 1, **kw)
+    servers = loader.stats()["servers"]
+    assert servers[old_server]["batches"] == 0 and servers[old_server]["state"] == "refused", servers

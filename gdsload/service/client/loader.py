@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from gdsload.errors import GdsloadError, require
+from gdsload.errors import GdsloadError, RemoteError, require
 from gdsload.host.forksafe import ProcessLocal
 from gdsload.host.malloc import keep_large_blocks
 
@@ -59,6 +59,7 @@ require("grpc", extra="serve", purpose="the remote feed (RemoteLoader)")
 from gdsload.frontend.cursor import Cursor, PlanCursor
 from gdsload.frontend.options import LoaderOptions
 from gdsload.frontend.usercode import MapStage
+from gdsload.plan.plan import DEFAULT_ORDER, ORDERS, PlanError
 from gdsload.service.client.epoch import RemoteEpoch, Tally
 from gdsload.service.client.link import Link, check_addresses, is_dns
 from gdsload.service.client.options import Connection, Pem, RetryPolicy, group
@@ -98,7 +99,11 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     a state from an earlier version resumes with `version=K` (the requests name the version by
     its dataset id; `gdsload.service.server.catalog`). `batch_size`, `shuffle`,
     `drop_last`, `seed`, `rank`, `world_size` (default: from `torch.distributed` when initialised,
-    else 0 and 1), `shuffle_window`, `decode` (decode images on the server; False: encoded
+    else 0 and 1), `shuffle_window`, `order` (the order version; default `DEFAULT_ORDER`, as the
+    local loader's, so both give the same batches; the requests name it in `BatchRequest.dataset_id`
+    and the loader first checks that its server serves it, `ServerInfo.orders`, else raises a
+    `RemoteError` saying what to do; `order=1` resumes states saved before order versions and
+    reads servers older than them), `decode` (decode images on the server; False: encoded
     bytes), `transform` (an `ImageTransform`; None: the default training transform, as locally),
     `fields`, `on_error`, `output` ("torch" when torch is installed, else "numpy") mean what
     they mean for `DataLoader`. `device`: where torch tensors go ("cpu", "cuda"; default cuda
@@ -162,6 +167,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         rank: int | None = None,
         world_size: int | None = None,
         shuffle_window: int = 4,
+        order: int = DEFAULT_ORDER,
         decode: bool = True,
         transform: Any = None,
         fields: Sequence[str] | None = None,
@@ -210,7 +216,10 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         first = opts.rank % len(addresses) if opts.rank >= 0 else 0  # rank r starts on address r % len
         self._link = Link(addresses, first, self.connection, self.retry, dataset=dataset, resolve_names=self.striped)
         self.source = remote_source(dataset, self._link.dataset_info, self._parts.fields, version)
-        self._plan = None
+        if isinstance(order, bool) or order not in ORDERS:  # (as the Plan says it, before any call)
+            versions = " or ".join(str(o) for o in ORDERS)  # (`map` is an argument here)
+            raise PlanError(f"order must be one of the order versions {versions}, got {order!r}")
+        self.order, self._plan = int(order), None
         self.cursor = Cursor()
         self._start_process()
 
@@ -242,11 +251,25 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     @property
     def plan(self):
         """The `gdsload.plan.plan.Plan` (or `MixPlan`) of this rank: the source's, as a local
-        loader makes it (asks the server for the dataset on first use)."""
+        loader makes it (asks the server for the dataset on first use), in order `order`; for an
+        order other than 1 the server is asked whether it serves it (`ServerInfo.orders`)."""
         if self._plan is None:
             self._enter_process()
-            self._plan = self.source.make_plan(**self.options.plan_args())
+            plan = self.source.make_plan(**self.options.plan_args(), order=self.order)
+            if plan.order != 1:  # an older server refuses each request of it: say why before any
+                self._check_order_served(plan.order)
+            self._plan = plan
         return self._plan
+
+    def _check_order_served(self, order: int) -> None:
+        served = request_rules.served_orders(self.server_info())
+        if order not in served:
+            address = self._link.address()
+            raise RemoteError(
+                f"the server at {address} serves the orders {', '.join(map(str, served))} (ServerInfo.orders; "
+                f"none listed: a server older than order versions) and this loader plans order {order}: upgrade "
+                f"the server, or pass RemoteLoader(..., order=1) (the order of DataLoader(order=1))",
+                code="FAILED_PRECONDITION", address=address)
 
     def dataset_info(self, name: str | None = None) -> pb.DatasetInfo:
         """The server's `DatasetInfo` of this dataset (name, id, shard sizes, fields, manifest); of
