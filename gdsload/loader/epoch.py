@@ -144,29 +144,28 @@ class Epoch:
             self = ref()
             if self is None:
                 return
-            cache = self.res.cache
             try:
-                self.filler.fill(slot, seq, self.batches[seq])
+                self._fill(slot, seq)
             except RingClosed:
                 return
-            except BaseException as exc:  # delivered to the consumer, in order
-                self.ring.fail(slot, exc)
-                continue
-            finally:
-                if cache is not None:
-                    cache.release(seq)
-                if self.filler.n_images:  # turns not taken (a failure before or between decodes)
-                    self.decoder.skip_batch(seq)
-            self.ring.publish(slot)
 
     def _fill_here(self, seq: int) -> None:
         """`num_workers=0`: batch `seq` read into its slot by the caller of `next()`, as a reader
         would (a failure is published in the slot and raised by `ring.get`, in order)."""
         self._claim = seq + 1
-        slot = self.ring.acquire(seq)
+        try:
+            self._fill(self.ring.acquire(seq), seq)
+        except RingClosed:
+            return
+
+    def _fill(self, slot: Any, seq: int) -> None:
+        """Batch `seq` into `slot`, published; a failure other than the ring closing (raised) is
+        published in its place, delivered to the consumer in order."""
         cache = self.res.cache
         try:
             self.filler.fill(slot, seq, self.batches[seq])
+        except RingClosed:
+            raise
         except BaseException as exc:
             self.ring.fail(slot, exc)
             return
