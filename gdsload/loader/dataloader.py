@@ -71,7 +71,7 @@ from gdsload.frontend.usercode import MapStage
 from gdsload.host.dist import dist_rank_world
 from gdsload.host.forksafe import ProcessLocal
 from gdsload.loader.epoch import Epoch
-from gdsload.plan.plan import DEFAULT_ORDER
+from gdsload.plan.plan import DEFAULT_ORDER, BlockSteps
 
 __all__ = ["DataLoader", "Dataset"]
 
@@ -384,9 +384,11 @@ class DataLoader(ProcessLocal, PlanCursor):
         if max_batches is not None and max_batches < 1:
             raise ConfigError(f"max_batches must be >= 1 or None, got {max_batches!r}")
         if steps is not None:
-            steps = [int(s) for s in steps]
+            if not isinstance(steps, BlockSteps):  # (increasing by construction and never listed: a server's)
+                steps = [int(s) for s in steps]
             n = len(self.plan)
-            if not steps or any(b <= a for a, b in zip(steps, steps[1:])) or steps[0] < 0 or steps[-1] >= n:
+            if (not steps or steps[0] < 0 or steps[-1] >= n
+                    or (isinstance(steps, list) and any(b <= a for a, b in zip(steps, steps[1:])))):
                 raise ConfigError(f"steps must be increasing batch indices in 0..{n - 1}, got "
                                   f"{len(steps)} from {steps[:1]} to {steps[-1:]}")
         self._enter_process()

@@ -33,6 +33,7 @@ from gdsload.loader.decoding import OrderedDecoder
 from gdsload.loader.fill import SlotFiller
 from gdsload.loader.gather import distinct
 from gdsload.loader.stats import Progress, StageTimes
+from gdsload.plan.plan import BlockSteps
 
 
 class Epoch:
@@ -43,7 +44,7 @@ class Epoch:
                  steps: Sequence[int] | None = None):
         self.cursor = cursor
         self.max_batches = max_batches
-        self.steps = None if steps is None else list(steps)
+        self.steps = None if steps is None else steps if isinstance(steps, BlockSteps) else list(steps)
         self.res = resources
         self.tuner = tuner
         self._restart = restart  # the loader's `iter`, for the parent's iterator in a forked child

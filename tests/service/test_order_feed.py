@@ -282,3 +282,62 @@ def test_a_stripe_over_an_old_and_a_new_server_never_mixes_orders(old_server, ne
     assert got == _local_keys(root / "a", 2, **kw) and got != _local_keys(root / "a", 1, **kw)
     servers = loader.stats()["servers"]
     assert servers[old_server]["batches"] == 0 and servers[old_server]["state"] == "refused", servers
+
+
+def _hwm_kb(pid: int) -> int:
+    """VmHWM (peak resident set) of a process, in kB (Linux)."""
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(status["VmHWM"].split()[0])
+
+
+def test_a_striped_remote_loader_over_a_mix_of_10_10_samples(root, tmp_path):
+    """Issue 50's target: a striped RemoteLoader over a mix of 10^10 samples per epoch (order 2)
+    gets its first batch in under 2 s and each server's peak memory grows by less than 64 MB
+    (each serves its blocks as one block_stride stream: steps never listed, batches computed as
+    reached, the mix order's reservation O(shards)); the batches are the local loader's. The
+    same request in order 1 is refused at once (RESOURCE_EXHAUSTED: 72 bytes per sample)."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("reads the servers' peak memory from /proc")
+    from gdsload.dataset.mix import Mix
+    from gdsload.service.client import RemoteLoader
+
+    ports = [free_port(), free_port()]
+    procs = [spawn_server(root, p, tmp_path / f"server{i}.log", "--max-memory", "512MB") for i, p in enumerate(ports)]
+    try:
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        mix = dict(weights=[0.7, 0.3], samples_per_epoch=10**10)
+        kw = dict(batch_size=64, shuffle=True, seed=1, rank=1, world_size=4, order=2)
+        for a in addresses:  # warm: imports and a first loader on each server
+            list(RemoteLoader(a, dataset=Mix(["a", "b"]), batch_size=8, output="numpy", order=2))
+        peak0 = [_hwm_kb(p.pid) for p in procs]
+        t0 = time.perf_counter()
+        loader = RemoteLoader(addresses, dataset=Mix(["a", "b"], **mix), output="numpy", stripe_batches=2, **kw)
+        it = iter(loader)
+        first = next(it)
+        first_s = time.perf_counter() - t0
+        got = [first] + [next(it) for _ in range(11)]
+        it.close()
+        grown = [_hwm_kb(p.pid) - k for p, k in zip(procs, peak0)]
+        print(f"10^10 mix, striped over 2 servers: first batch {first_s:.2f} s, servers' VmHWM +{grown} kB")
+        assert len(loader) == 10**10 // (64 * 4)
+        assert first_s < 2.0, first_s
+        assert max(grown) < 64 * 1024, grown
+        local = DataLoader(Mix([Dataset(str(root / "a")), Dataset(str(root / "b"))], **mix), device="cpu",
+                           output="numpy", **kw)
+        want = local.iter_batches(12)
+        assert [b["__key__"] for b in got] == [b["__key__"] for b in want]
+        local.close()
+        spec = pb.MixSpec(sources=[pb.MixSource(dataset="a", weight=0.7), pb.MixSource(dataset="b", weight=0.3)],
+                          samples_per_epoch=10**10)
+        with pytest.raises(grpc.RpcError) as err:
+            _keys(addresses[0], pb.BatchRequest(mix=spec, batch_size=64, world_size=4, shuffle=True, max_batches=1))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "72 per sample" in err.value.details()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # (a server stuck in a stream: listing the epoch's steps)
+                p.kill()
+                p.wait()
