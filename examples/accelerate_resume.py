@@ -1,6 +1,7 @@
 """HF accelerate fed by `gdsload.DataLoader`: `prepare`, `save_state`, `load_state`, resumed exactly.
 
     python examples/accelerate_resume.py                 # a tiny dataset on the CPU: train, resume, check
+    python examples/accelerate_resume.py --feed          # the same through gdsload.RemoteLoader (a feed on loopback)
 
 No glue beyond two lines:
 
@@ -49,10 +50,32 @@ def tiny_dataset(path: Path, n: int = 48) -> None:
             w.write({"__key__": f"{i:04d}", "npy": np.full(8, i, np.float32), "cls": i % 3})
 
 
+FEED: str | None = None  # --feed: "HOST:PORT" of a feed server started by main() on loopback
+
+
+def open_loader(shards: str, **kw):
+    """The training's loader: `gdsload.DataLoader`, or with --feed `gdsload.RemoteLoader` pulling the
+    same batches from a feed server (the same resume, with no glue either)."""
+    if FEED is None:
+        return gdsload.DataLoader(shards, **kw)
+    return gdsload.RemoteLoader(FEED, dataset=Path(shards).name, **kw)
+
+
+def start_feed(shards: str) -> object:
+    """A feed server on loopback serving `shards` (--feed); sets FEED; returns it (shut it down)."""
+    global FEED
+    from gdsload.service import create_server
+
+    server, port = create_server([str(Path(shards).parent)], address="127.0.0.1:0")
+    server.start()
+    FEED = f"127.0.0.1:{port}"
+    return server
+
+
 def train(shards: str, workdir: Path, resume: Path | None = None, check_rows: bool = True) -> list[str]:
     """Train EPOCHS epochs (from the `save_state` folder `resume` when given); the keys trained on."""
     accelerator = accelerate.Accelerator(cpu=True)
-    loader = gdsload.DataLoader(shards, batch_size=4, shuffle=True, seed=3, device=accelerator.device.type)
+    loader = open_loader(shards, batch_size=4, shuffle=True, seed=3, device=accelerator.device.type)
     model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
@@ -85,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", help="a converted dataset with `npy` (8 floats) and `cls` fields (default: a tiny one)")
     p.add_argument("--workdir", help="states go here (default: a temporary folder)")
+    p.add_argument("--feed", action="store_true",
+                   help="feed the training with gdsload.RemoteLoader from a feed server started here on loopback")
     a = p.parse_args(argv)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-accelerate-"))
     shards = a.shards
@@ -92,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         shards = str(work / "shards")
         if not Path(shards, "manifest.json").exists():
             tiny_dataset(Path(shards))
+    server = start_feed(shards) if a.feed else None
     full = train(shards, work, check_rows=a.shards is None)
     per_epoch = len(full) // EPOCHS // 4
     steps = sorted(int(d.name.split("-")[1]) for d in (work / "state").iterdir())
@@ -106,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"accelerate resume {where} (step {step}): {len(rest)} keys, "
               f"{'exact' if ok else 'NOT the uninterrupted run'}", flush=True)
     print(f"uninterrupted: {len(full)} keys over {EPOCHS} epochs of {per_epoch} steps")
+    if server is not None:
+        server.shutdown(grace_s=1)
     return 1 if failed else 0
 
 

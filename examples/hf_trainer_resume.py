@@ -1,6 +1,7 @@
 """The HF `transformers.Trainer` fed by `gdsload.DataLoader`, resumed exactly from its checkpoints.
 
     python examples/hf_trainer_resume.py                 # a tiny dataset on the CPU: train, resume, check
+    python examples/hf_trainer_resume.py --feed          # the same through gdsload.RemoteLoader (a feed on loopback)
 
 The Trainer builds its own torch DataLoader, saves no loader state and resumes by skipping
 batches. The recipe (`gdsload.integrations.hf`): a subclass that returns the gdsload loader from
@@ -44,6 +45,28 @@ def tiny_dataset(path: Path, n: int = 48) -> None:
             w.write({"__key__": f"{i:04d}", "npy": np.full(8, i, np.float32), "cls": i % 3})
 
 
+FEED: str | None = None  # --feed: "HOST:PORT" of a feed server started by main() on loopback
+
+
+def open_loader(shards: str, **kw):
+    """The training's loader: `gdsload.DataLoader`, or with --feed `gdsload.RemoteLoader` pulling the
+    same batches from a feed server (the same resume, with no glue either)."""
+    if FEED is None:
+        return gdsload.DataLoader(shards, **kw)
+    return gdsload.RemoteLoader(FEED, dataset=Path(shards).name, **kw)
+
+
+def start_feed(shards: str) -> object:
+    """A feed server on loopback serving `shards` (--feed); sets FEED; returns it (shut it down)."""
+    global FEED
+    from gdsload.service import create_server
+
+    server, port = create_server([str(Path(shards).parent)], address="127.0.0.1:0")
+    server.start()
+    FEED = f"127.0.0.1:{port}"
+    return server
+
+
 class Classifier(torch.nn.Module):
     def __init__(self, check_rows: bool):
         super().__init__()
@@ -70,7 +93,7 @@ def train(shards: str, workdir: Path, resume: str | None = None, check_rows: boo
         gradient_accumulation_steps=grad_accum, save_strategy="steps", save_steps=SAVE_EVERY if grad_accum == 1 else 1,
         learning_rate=0.1, use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True)
     # after TrainingArguments (which sets up torch.distributed on several processes): rank, world size
-    loader = gdsload.DataLoader(shards, batch_size=4, shuffle=True, seed=3, device="cpu")
+    loader = open_loader(shards, batch_size=4, shuffle=True, seed=3, device="cpu")
 
     class Trainer(transformers.Trainer):
         def get_train_dataloader(self):
@@ -91,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", help="a converted dataset with `npy` (8 floats) and `cls` fields (default: a tiny one)")
     p.add_argument("--workdir", help="checkpoints go here (default: a temporary folder)")
+    p.add_argument("--feed", action="store_true",
+                   help="feed the training with gdsload.RemoteLoader from a feed server started here on loopback")
     p.add_argument("--grad-accum", type=int, default=1, help="batches per optimizer step (gradient_accumulation_steps)")
     a = p.parse_args(argv)
     transformers.logging.set_verbosity_error()
@@ -101,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(shards, "manifest.json").exists():
             tiny_dataset(Path(shards))
     ga = a.grad_accum
+    server = start_feed(shards) if a.feed else None
     full, weights = train(shards, work, check_rows=a.shards is None, grad_accum=ga)
     batches = len(full) // EPOCHS // 4  # per epoch
     per_epoch = -(-batches // ga)  # optimizer steps per epoch (the last one may take fewer batches)
@@ -121,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf trainer resume {where} (step {step}): {len(rest)} keys, "
               f"{'exact' if ok else 'NOT the uninterrupted run'}", flush=True)
     print(f"uninterrupted: {len(full)} keys over {EPOCHS} epochs of {per_epoch} steps")
+    if server is not None:
+        server.shutdown(grace_s=1)
     return 1 if failed else 0
 
 

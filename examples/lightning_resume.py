@@ -2,6 +2,7 @@
 
     python examples/lightning_resume.py                  # a tiny dataset on the CPU: train, resume, check
     python examples/lightning_resume.py --shards DIR     # a dataset of yours with an `npy` and a `cls` field
+    python examples/lightning_resume.py --feed           # the same through gdsload.RemoteLoader (a feed on loopback)
 
 No glue: hand the loader to `fit(train_dataloaders=loader)` (or return it from your module's or
 datamodule's `train_dataloader()`). Lightning stores `loader.state_dict()` in every checkpoint
@@ -46,6 +47,28 @@ def tiny_dataset(path: Path, n: int = 48) -> None:
             w.write({"__key__": f"{i:04d}", "npy": np.full(8, i, np.float32), "cls": i % 3})
 
 
+FEED: str | None = None  # --feed: "HOST:PORT" of a feed server started by main() on loopback
+
+
+def open_loader(shards: str, **kw):
+    """The training's loader: `gdsload.DataLoader`, or with --feed `gdsload.RemoteLoader` pulling the
+    same batches from a feed server (the same resume, with no glue either)."""
+    if FEED is None:
+        return gdsload.DataLoader(shards, **kw)
+    return gdsload.RemoteLoader(FEED, dataset=Path(shards).name, **kw)
+
+
+def start_feed(shards: str) -> object:
+    """A feed server on loopback serving `shards` (--feed); sets FEED; returns it (shut it down)."""
+    global FEED
+    from gdsload.service import create_server
+
+    server, port = create_server([str(Path(shards).parent)], address="127.0.0.1:0")
+    server.start()
+    FEED = f"127.0.0.1:{port}"
+    return server
+
+
 class Classifier(L.LightningModule):
     def __init__(self, check_rows: bool):
         super().__init__()
@@ -66,7 +89,7 @@ class Classifier(L.LightningModule):
 
 def train(shards: str, workdir: Path, ckpt_path: str | None = None, check_rows: bool = True) -> list[str]:
     """One `fit` over EPOCHS epochs (from `ckpt_path` when given); the keys it trained on."""
-    loader = gdsload.DataLoader(shards, batch_size=4, shuffle=True, seed=3, device="cpu")
+    loader = open_loader(shards, batch_size=4, shuffle=True, seed=3, device="cpu")
     model = Classifier(check_rows)
     # the same Trainer settings for a resumed run; its own checkpoints go to another folder here
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(
@@ -84,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", help="a converted dataset with `npy` (8 floats) and `cls` fields (default: a tiny one)")
     p.add_argument("--workdir", help="checkpoints go here (default: a temporary folder)")
+    p.add_argument("--feed", action="store_true",
+                   help="feed the training with gdsload.RemoteLoader from a feed server started here on loopback")
     a = p.parse_args(argv)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-lightning-"))
     shards = a.shards
@@ -91,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         shards = str(work / "shards")
         if not Path(shards, "manifest.json").exists():
             tiny_dataset(Path(shards))
+    server = start_feed(shards) if a.feed else None
     full = train(shards, work, check_rows=a.shards is None)
     per_epoch = len(full) // EPOCHS // 4
     steps = {int(re.search(r"step=(\d+)", f).group(1)): f for f in glob.glob(str(work / "ckpt" / "*.ckpt"))}
@@ -105,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lightning resume {where} (step {step}): {len(rest)} keys, "
               f"{'exact' if ok else 'NOT the uninterrupted run'}", flush=True)
     print(f"uninterrupted: {len(full)} keys over {EPOCHS} epochs of {per_epoch} steps")
+    if server is not None:
+        server.shutdown(grace_s=1)
     return 1 if failed else 0
 
 

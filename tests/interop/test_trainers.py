@@ -201,18 +201,22 @@ def _run_example(name: str, tmp_path: Path, *args: str, timeout_s: int = 240) ->
     return out.stdout
 
 
+@pytest.mark.parametrize("feed", [False, True], ids=["DataLoader", "RemoteLoader"])
 @pytest.mark.parametrize("name, trainer", [
     ("lightning_resume.py", "lightning"),
     ("accelerate_resume.py", "accelerate"),
     ("hf_trainer_resume.py", "hf trainer"),
 ])
-def test_example_resumes_exactly(name, trainer, tmp_path):
+def test_example_resumes_exactly(name, trainer, feed, tmp_path):
     """Each example trains 2 epochs of 12 steps, then resumes from its checkpoints at step 4 (epoch
     0), 16 (epoch 1) and 12 (the end of epoch 0); each resumed run trains on exactly the keys the
     uninterrupted one had left (the script exits 1 otherwise, and checks every batch's rows; the
-    HF one also the final weights, bit for bit)."""
+    HF one also the final weights, bit for bit). `--feed`: the same with `RemoteLoader` over a
+    feed server on loopback."""
     pytest.importorskip({"lightning": "lightning", "accelerate": "accelerate", "hf trainer": "transformers"}[trainer])
-    text = _run_example(name, tmp_path)
+    if feed:
+        pytest.importorskip("grpc")
+    text = _run_example(name, tmp_path, *(["--feed"] if feed else []))
     for where, step, keys in (("in epoch 0", 4, 80), ("in epoch 1", 16, 32), ("at the end of epoch 0", 12, 48)):
         assert f"{trainer} resume {where} (step {step}): {keys} keys, exact" in text, text
     assert "uninterrupted: 96 keys over 2 epochs of 12 steps" in text
