@@ -15,8 +15,9 @@
   `gdsload` and `python` are the venv's). Each page has `PAGE_CAP_S` seconds; what a page started
   in the background (a feed server) is killed with its process group when the page ends. Blocks
   for Kubernetes, Slurm, Ray and GPU hosts are marked no-run (docs/contributing.md says so too).
-- The README stays a landing page: at most 400 lines, its two CI commands, links into docs/ that
-  exist, and the same install table as docs/getting-started.md.
+- The README stays a landing page: at most 400 lines, its two CI commands (one line each; the test
+  command installs the docs extra), links into docs/ that exist, and the same two commands and
+  install table as docs/getting-started.md.
 """
 
 from __future__ import annotations
@@ -196,6 +197,10 @@ def test_readme_is_a_landing_page():
     test_cmd = re.search(r"<!-- ci:test -->\n```bash\n([^\n]+)\n```", readme).group(1)
     extras = re.search(r"-e '\.\[([a-z0-9,]+)\]'", test_cmd).group(1).split(",")
     assert "docs" in extras and "test" in extras, test_cmd  # so CI builds the site
+    started = (DOCS / "getting-started.md").read_text()
+    for tag in ("demo", "test"):  # the site's Getting started shows the very commands CI runs
+        cmd = re.search(rf"<!-- ci:{tag} -->\n```bash\n([^\n]+)\n```", readme).group(1)
+        assert f"```bash\n{cmd}\n```" in started, f"docs/getting-started.md lacks the README's {tag} command"
     links = re.findall(r"\]\((docs/[^)#\s]+)(?:#[^)]*)?\)", readme)
     assert len(links) >= 10, links
     missing = [ln for ln in links if not (ROOT / ln).is_file()]
