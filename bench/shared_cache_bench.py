@@ -9,7 +9,7 @@ shards of about `--shard-kb` and uploaded. Per round, each with fresh cache fold
     shared   `--jobs` processes, started together, each reading the same epochs through one
              folder (each job is a separate Python process, as on a node)
 
-The limit is the `--jobs * shuffle_window + 1` largest shards (what the README's sizing rule asks
+The limit is the `--jobs * shuffle_window + 1` largest shards (what the sizing rule in docs/training/object-stores.md asks
 for N jobs), unless `--limit-shards` says otherwise. Every job's keys must equal the alone job's
 (the order is the plan's); a refused job (CacheFullError) is reported, not timed. Reported per
 round: wall time of the alone job, the slowest shared job, their ratio (target <= 2.0), and the

@@ -1,4 +1,4 @@
-"""The package's layer rules (README "Module map", shared/DESIGN.md "Layout"), enforced.
+"""The package's layer rules (docs/design.md "Modules", shared/DESIGN.md "Layout"), enforced.
 
 Every `import` and `from ... import` of a `gdsload` module anywhere in a file counts, also the
 function-local ones (that is where the heavy and the backward imports hide). Two rules:
@@ -182,7 +182,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_unit_has_a_layer():
     missing = sorted({package(unit(m)) for m in modules()} - set(LAYER) - {""})
-    assert not missing, f"add {missing} to the layer table (tests/test_layers.py and the README module map)"
+    assert not missing, f"add {missing} to the layer table (tests/test_layers.py and the module map in docs/design.md)"
 
 
 def test_no_forbidden_import():

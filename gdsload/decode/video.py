@@ -119,7 +119,7 @@ class VideoDecoder:
         self.t = transform
         # "mixed": NVDEC decodes the codecs it takes (NVDEC_VIDEO), frames copied back to the host
         # for the crop pipeline; MJPEG and the rest as on a CPU host. Not yet run on a GPU here:
-        # bench/gpu_check.sh's video step is what checks it (README, "Video").
+        # bench/gpu_check.sh's video step is what checks it (docs/training/media.md, "Video").
         self.device = device
         self.device_id = device_id
         self.batch_size = batch_size

@@ -2,7 +2,7 @@
 
 The first four are `RemoteLoader` keywords (`stripe_batches`, `server_window`, `stall_timeout_s`,
 `resolve_interval_s`); the rest are the schedule's tuning, measured on servers held to a CPU quota
-(README, "Striping"), and the polling periods of the receiving threads. Nothing in
+(docs/feed/striping.md), and the polling periods of the receiving threads. Nothing in
 `gdsload.service.client.stripe` decides by a number that is not here.
 """
 
