@@ -95,7 +95,7 @@ class DataLoader(ProcessLocal, PlanCursor):
     `shuffle_window` (shards open at once for the within-window shuffle), `order` (the order
     version, `gdsload.plan.plan`: 2 computes each batch's samples on demand, nothing per sample
     in memory; 1, built whole per epoch, is what states saved before versions resume; the default,
-    `DEFAULT_ORDER`, is 1 while the feed serves order 1 only), `on_error` ("raise" or
+    `DEFAULT_ORDER`, is 2, a `RemoteLoader`'s too), `on_error` ("raise" or
     "skip" corrupt samples), `copy` (return tensors you may keep), `io` (backend name or "auto"),
     `output` ("torch" when torch is installed, else "numpy"), `decode_threads` (DALI's worker
     threads; default: one more than the cores, see `__init__`). User code (`gdsload.frontend.usercode`):

@@ -122,11 +122,11 @@ STATE_VERSION = 1
 ORDERS = (1, 2)
 """The order versions this module plans (module docstring, "Order versions")."""
 
-DEFAULT_ORDER = 1
-"""The order a `DataLoader` plans when not told. Order 2 is the one to default to; it waits for
-the feed: a `RemoteLoader`'s request names no order yet (the server plans order 1 for it), and a
-local loader must give the same order as a remote one, so both default to 1 until the request
-carries the order. `DataLoader(order=2)` plans order 2 now."""
+DEFAULT_ORDER = 2
+"""The order a `DataLoader` and a `RemoteLoader` plan when not told (the same, so that both give
+the same batches; a `RemoteLoader`'s requests name it, and a server older than order versions
+refuses order 2 rather than serve order 1: `gdsload.service.protocol.request`). States saved before
+order versions (no "order" field: order 1) resume with ``order=1``, as the refusal says."""
 
 _DOMAIN = 0x706C616E  # "plan": keeps this stream apart from other users of the same seed
 

@@ -17,7 +17,7 @@ from gdsload.errors import GdsloadError
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.loader.dataloader import DataLoader
 from gdsload.frontend.usercode import default_collate
-from gdsload.plan.plan import epoch_order
+from gdsload.plan.plan import DEFAULT_ORDER, epoch_order
 
 pytestmark = pytest.mark.dali
 
@@ -43,7 +43,8 @@ def plan_keys(path, *, seed: int, shuffle: bool, epoch: int = 0) -> list[str]:
     sd = ShardedDataset(path)
     sizes = [s["samples"] for s in sd.shards]
     keys = sd.keys()
-    return [keys[i] for i in epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=4)]
+    return [keys[i] for i in epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=4,
+                                         order=DEFAULT_ORDER)]  # the loader's default order
 
 
 def no_new_threads(before: set, timeout_s: float = 10.0) -> list[str]:

@@ -29,7 +29,7 @@ from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import FormatError
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.loader.dataloader import DataLoader
-from gdsload.plan.plan import StateError, epoch_order
+from gdsload.plan.plan import DEFAULT_ORDER, StateError, epoch_order
 from gdsload.sampledata import make_image_folder, make_npy_folder
 
 EVAL_U8 = dict(train=False, size=64, resize=72, mean=None, std=None, dtype="uint8", layout="NHWC")
@@ -129,7 +129,8 @@ def to_numpy(x) -> np.ndarray:
 
 def plan_keys(src: Source, *, seed: int, epoch: int, shuffle: bool = True, window: int = 4) -> list[str]:
     sizes = [s["samples"] for s in src.result["manifest"]["shards"]]
-    return [src.storage_keys[i] for i in epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=window)]
+    return [src.storage_keys[i] for i in epoch_order(sizes, seed=seed, epoch=epoch, shuffle=shuffle, window=window,
+                                                     order=DEFAULT_ORDER)]  # the loader's default order
 
 
 def new_threads_finish(before: set[threading.Thread], timeout: float = 10.0) -> list[str]:

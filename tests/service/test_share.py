@@ -397,7 +397,8 @@ def test_a_new_block_takes_the_idle_producers_loader_and_its_window_stays(roots)
     """Block requests as a striping client sends them: a block past an idle producer takes that
     producer's loader (no new loader), the idle one keeps its window; a request that starts in
     that window is served from it (as copies), then moves on to a producer for the rest."""
-    keys = [b["__key__"] for b in local_batches(roots / "feats", batch_size=BATCH, shuffle=True, seed=SEED)]
+    keys = [b["__key__"] for b in local_batches(roots / "feats", batch_size=BATCH, shuffle=True, seed=SEED,
+                                                 order=1)]  # (_steps: no ';order=')
     with _serve(roots, share_window=2, share_hold_s=10.0) as (srv, address), grpc.insecure_channel(address) as ch:
         stub, hub = pb_grpc.FeedStub(ch), srv.servicer.share
         assert [s for s, _, _ in _steps(stub, start_position=0, max_batches=4)] == [0, 1, 2, 3]

@@ -59,7 +59,7 @@ def _stream(address: str, **kw) -> list[tuple[int, dict]]:
 
 def test_a_strided_request_streams_its_blocks_with_their_positions(server, roots):
     _, address = server
-    local = local_batches(roots / "feats", batch_size=BATCH, shuffle=True, seed=SEED)
+    local = local_batches(roots / "feats", batch_size=BATCH, shuffle=True, seed=SEED, order=1)  # (_stream: no ';order=')
     got = _stream(address, start_position=3 * BATCH, block_batches=4, block_stride=3)
     steps = [s for s, _ in got]
     assert steps == [3, 12, 13, 14, 15, 24, 25, 26, 27, 36, 37, 38, 39, 48, 49, 50, 51, 60, 61, 62, 63]
