@@ -18,6 +18,12 @@ batch and VmHWM growth in MB, with the median.
     python bench/plan_bench.py --workdir /tmp/pbench --sizes 1e6,1e7,1e8,1e9,1e10 --rounds 5 \
         --order1-max 1e8 --order1-rounds 1 --out bench/results/plan-cpu2.json
     python bench/plan_bench.py --tiny     # smoke run (10^4 and 10^6, one round); tests/plan/test_plan_bench.py runs it
+
+The feed's counterpart (issue 50's target: a `RemoteLoader` striped over two `gdsload serve`
+processes, a mix of 10^10 samples per epoch in order 2; first batch and each server's VmHWM
+growth) is a test that prints its figures:
+
+    python -m pytest -s tests/service/test_order_feed.py -k striped_remote
 """
 
 from __future__ import annotations
