@@ -6,6 +6,7 @@ it serves in `ServerInfo.orders`, and a server older than order versions (the re
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -264,7 +265,10 @@ def test_remote_loader_refuses_to_plan_an_order_its_server_does_not_serve(old_se
                                           r"order 2: upgrade the server, or pass RemoteLoader\(\.\.\., order=1\)"):
         iter(loader)
     old = RemoteLoader(old_server, dataset="a", batch_size=8, shuffle=True, seed=3, order=1, output="numpy")
-    assert [k for b in old for k in b["__key__"]] == _local_keys(root / "a", 1, batch_size=8, shuffle=True, seed=3)
+    copy = pickle.loads(pickle.dumps(old))  # a worker's copy keeps order 1 (the default, 2, is refused here)
+    want = _local_keys(root / "a", 1, batch_size=8, shuffle=True, seed=3)
+    assert [k for b in old for k in b["__key__"]] == want
+    assert [k for b in copy for k in b["__key__"]] == want
     with pytest.raises(Exception, match=r"order must be one of the order versions 1 or 2, got 3"):
         RemoteLoader(new_server, dataset="a", order=3)
 
