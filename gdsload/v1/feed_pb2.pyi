@@ -85,7 +85,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes", "serves_block_stride", "orders")
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes", "serves_block_stride", "orders", "priorities")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class ServerInfo(_message.Message):
     MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVES_BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     ORDERS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     max_message_bytes: int
@@ -118,7 +119,28 @@ class ServerInfo(_message.Message):
     memory_in_use_bytes: int
     serves_block_stride: bool
     orders: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., serves_block_stride: _Optional[bool] = ..., orders: _Optional[_Iterable[int]] = ...) -> None: ...
+    priorities: _containers.RepeatedCompositeFieldContainer[PriorityUse]
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., serves_block_stride: _Optional[bool] = ..., orders: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[_Union[PriorityUse, _Mapping]]] = ...) -> None: ...
+
+class PriorityUse(_message.Message):
+    __slots__ = ("priority", "streams", "paused", "queued", "batches", "busy_s", "paused_s", "utilisation")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    streams: int
+    paused: int
+    queued: int
+    batches: int
+    busy_s: float
+    paused_s: float
+    utilisation: float
+    def __init__(self, priority: _Optional[int] = ..., streams: _Optional[int] = ..., paused: _Optional[int] = ..., queued: _Optional[int] = ..., batches: _Optional[int] = ..., busy_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
 
 class ImageTransformSpec(_message.Message):
     __slots__ = ("size", "train", "scale_min", "scale_max", "ratio_min", "ratio_max", "resize", "flip", "mean", "std", "layout", "dtype")
@@ -149,7 +171,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "block_batches", "block_stride", "checks_item_crc32", "media")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "block_batches", "block_stride", "checks_item_crc32", "priority", "job", "understands_pause", "media")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +195,9 @@ class BatchRequest(_message.Message):
     BLOCK_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     CHECKS_ITEM_CRC32_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    UNDERSTANDS_PAUSE_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
@@ -197,8 +222,11 @@ class BatchRequest(_message.Message):
     block_batches: int
     block_stride: int
     checks_item_crc32: bool
+    priority: int
+    job: str
+    understands_pause: bool
     media: _containers.RepeatedCompositeFieldContainer[MediaTransformSpec]
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., checks_item_crc32: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., checks_item_crc32: _Optional[bool] = ..., priority: _Optional[int] = ..., job: _Optional[str] = ..., understands_pause: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
 
 class MixSpec(_message.Message):
     __slots__ = ("sources", "samples_per_epoch", "mix_by")
@@ -227,7 +255,7 @@ class MixSource(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., weight: _Optional[float] = ..., repeat: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class BatchChunk(_message.Message):
-    __slots__ = ("step", "position", "epoch", "chunk_index", "last", "header", "data", "bulk")
+    __slots__ = ("step", "position", "epoch", "chunk_index", "last", "header", "data", "bulk", "pause")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +264,7 @@ class BatchChunk(_message.Message):
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
     step: int
     position: int
     epoch: int
@@ -244,7 +273,18 @@ class BatchChunk(_message.Message):
     header: BatchHeader
     data: bytes
     bulk: BulkOffer
-    def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkOffer, _Mapping]] = ...) -> None: ...
+    pause: StreamPause
+    def __init__(self, step: _Optional[int] = ..., position: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., header: _Optional[_Union[BatchHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkOffer, _Mapping]] = ..., pause: _Optional[_Union[StreamPause, _Mapping]] = ...) -> None: ...
+
+class StreamPause(_message.Message):
+    __slots__ = ("reason", "by_priority", "paused_s")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    by_priority: int
+    paused_s: float
+    def __init__(self, reason: _Optional[str] = ..., by_priority: _Optional[int] = ..., paused_s: _Optional[float] = ...) -> None: ...
 
 class BulkOffer(_message.Message):
     __slots__ = ("ticket", "port")

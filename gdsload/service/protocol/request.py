@@ -35,6 +35,8 @@ ON_ERROR = {pb.ON_ERROR_UNSPECIFIED: "raise", pb.ON_ERROR_RAISE: "raise", pb.ON_
 
 #: The order versions a server of this code serves (`ServerInfo.orders`).
 SERVED_ORDERS: tuple[int, ...] = ORDERS
+#: Longest `BatchRequest.job` accepted.
+MAX_JOB_CHARS = 128
 #: What follows the id in `BatchRequest.dataset_id` to name an order other than 1.
 ORDER_TAG = ";order="
 
@@ -70,10 +72,10 @@ def served_orders(info: pb.ServerInfo) -> tuple[int, ...]:
 
 def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch: int, position: int,
                transform_spec: Any, media: Any, fields: list[str], max_chunk_bytes: int,
-               max_batches: int) -> pb.BatchRequest:
+               max_batches: int, priority: int = 0, job: str = "") -> pb.BatchRequest:
     """The request for `plan`'s batches from `position` of `epoch` (`mix`: a `pb.MixSpec` or None;
     `media`: the video/audio specs of `gdsload.service.protocol.mediawire`); `dataset_id` names the
-    plan's order (`with_order`)."""
+    plan's order (`with_order`). `priority` and `job`: the loader's (it understands pauses)."""
     return pb.BatchRequest(
         dataset="" if mix is not None else dataset, dataset_id=with_order(plan.dataset_id, plan.order), mix=mix,
         seed=plan.seed,
@@ -83,6 +85,7 @@ def to_request(opts: LoaderOptions, plan: Any, *, dataset: str, mix: Any, epoch:
         fields=fields, media=media, on_error=pb.ON_ERROR_SKIP if opts.on_error == "skip" else pb.ON_ERROR_RAISE,
         max_chunk_bytes=max_chunk_bytes, max_batches=max_batches, share=opts.share or "",
         checks_item_crc32=True,  # wire.decode_body checks FieldData.item_crc32
+        priority=priority, job=job, understands_pause=True,  # receive.read_batches takes BatchChunk.pause
     )
 
 
@@ -116,6 +119,8 @@ def to_options(req: pb.BatchRequest, *, max_image_side: int) -> LoaderOptions:
     check_finite(req)
     if req.payload not in PAYLOADS:
         raise BadRequest(f"payload {req.payload} is not one of PAYLOAD_RAW, PAYLOAD_DECODED")
+    if len(req.job) > MAX_JOB_CHARS:
+        raise BadRequest(f"BatchRequest.job is {len(req.job)} characters, at most {MAX_JOB_CHARS}")
     if req.on_error not in ON_ERROR:
         raise BadRequest(f"on_error {req.on_error} is not one of ON_ERROR_RAISE, ON_ERROR_SKIP")
     if req.share:  # the group is the server's business (gdsload.service.server.share); the name is checked here, once
@@ -177,6 +182,9 @@ ROLE: dict[str, Role] = {
     "epoch": RANGE, "start_position": RANGE, "max_batches": RANGE, "block_batches": RANGE,
     "block_stride": RANGE,
     "max_chunk_bytes": DELIVERY, "share": DELIVERY, "bulk": DELIVERY, "checks_item_crc32": DELIVERY,
+    # who gets the server's work first (gdsload.service.server.priority), not what the batches are:
+    # a share group's members may differ in them (the group runs at its highest member's priority)
+    "priority": DELIVERY, "job": DELIVERY, "understands_pause": DELIVERY,
 }
 
 
