@@ -24,7 +24,7 @@ LAYER = {
     "dataset": 2,
     "frontend": 3,
     "loader": 4,
-    "service": 5, "convert": 5,
+    "service": 5, "convert": 5, "preprocess": 5,
     "cli": 6, "doctor": 6, "demo": 6, "sampledata": 6, "bench": 6, "__main__": 6,
     "integrations": 6,  # glue for trainers (transformers.Trainer), imported only by the user's script
     "v1": 5,  # generated gRPC code, part of the service
@@ -37,6 +37,7 @@ PEERS = {
     "io": {"format"},          # the store reads and writes the manifest's bytes
     "decode": {"format"},      # the .npy header
     "convert": {"format", "io", "decode"},
+    "preprocess": {"format", "io", "decode", "dataset", "convert"},  # a pass reads a dataset, writes with convert's writer
 }
 # packages only some others may import
 ONLY_BY = {"v1": {"service"}}

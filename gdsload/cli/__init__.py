@@ -1,4 +1,4 @@
-"""The `gdsload` command: convert, inspect, verify, doctor, demo, bench, serve.
+"""The `gdsload` command: convert, inspect, verify, doctor, demo, bench, serve, process.
 
 Exit status: 0 on success, 1 when gdsload refuses or fails with a message (bad input, a
 destination that holds a dataset, a shard that fails verification), 2 for usage errors, 130 on
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_serve_parser(sub)
+    from gdsload.cli.process import add_process_parser
+
+    add_process_parser(sub)
     return p
 
 
