@@ -69,31 +69,40 @@ class Window:
 class RangeFile:
     """Bytes [offset, offset + size) of a shard as a read-only file object (PyAV's input).
 
-    `read_extent(offset, nbytes) -> bytes` reads the shard by range; `READ_AHEAD` bytes are read
-    at a time and kept until the next block. `read_s` accumulates the seconds spent in it."""
+    `read_extent(offset, nbytes) -> bytes` reads the shard by range: at least `READ_AHEAD` bytes
+    a request (more when PyAV asks for more: its buffer is 32 KiB). The last `KEEP_BLOCKS` blocks
+    are kept, so a demuxer that jumps to an MP4's index at the end and back reads nothing twice.
+    `read_s` accumulates the seconds spent reading, `nbytes` the bytes read."""
+
+    KEEP_BLOCKS = 4
 
     def __init__(self, read_extent: Callable[[int, int], bytes], offset: int, size: int):
         self._read = read_extent
         self._off, self._size = offset, size
         self._pos = 0
-        self._buf, self._buf_at = b"", 0
+        self._blocks: list[tuple[int, bytes]] = []  # (start, bytes), newest last
         self.read_s = 0.0
         self.nbytes = 0
+
+    def _block(self, pos: int, want: int) -> tuple[int, bytes]:
+        for b in self._blocks:
+            if b[0] <= pos < b[0] + len(b[1]):
+                return b
+        n = min(max(READ_AHEAD, want), self._size - pos)
+        t0 = time.perf_counter()
+        data = self._read(self._off + pos, n)
+        self.read_s += time.perf_counter() - t0
+        self.nbytes += len(data)
+        self._blocks.append((pos, data))
+        del self._blocks[: -self.KEEP_BLOCKS]
+        return pos, data
 
     def read(self, n: int = -1) -> bytes:
         end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
         out = []
         while self._pos < end:
-            rel = self._pos - self._buf_at
-            if not 0 <= rel < len(self._buf):
-                want = max(READ_AHEAD, end - self._pos) if n is not None and n >= 0 else end - self._pos
-                want = min(want, self._size - self._pos)
-                t0 = time.perf_counter()
-                self._buf = self._read(self._off + self._pos, want)
-                self.read_s += time.perf_counter() - t0
-                self.nbytes += len(self._buf)
-                self._buf_at, rel = self._pos, 0
-            take = self._buf[rel : rel + end - self._pos]
+            at, data = self._block(self._pos, end - self._pos)
+            take = data[self._pos - at : end - at]
             out.append(take)
             self._pos += len(take)
         return b"".join(out)

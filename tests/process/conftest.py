@@ -1,0 +1,53 @@
+"""Source datasets for the pass tests, made once per session with PyAV (`mediakit`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mediakit as mk
+import pytest
+
+import gdsload
+
+VFR_MS = [0, 100, 500, 600, 1500, 1700]  # a variable frame rate: frame i shown from VFR_MS[i]
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file under root, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_same_output(got: Path, want: Path) -> None:
+    """The same files with the same bytes; the manifests differ only in their creation time."""
+    g, w = files(got), files(want)
+    assert sorted(g) == sorted(w)
+    for name in w:
+        if name != "manifest.json":
+            assert g[name] == w[name], f"{name} differs"
+    gm, wm = json.loads(g["manifest.json"]), json.loads(w["manifest.json"])
+    gm["created"].pop("at"), wm["created"].pop("at")
+    gm["created"].pop("source"), wm["created"].pop("source")
+    assert gm == wm
+
+
+@pytest.fixture(scope="session")
+def media_src(tmp_path_factory) -> Path:
+    """Six samples in three input shards: `mp4` (H.264 160x90 at 5 fps, AAC stereo unless said)
+    and `flac` (a 16 kHz tone). v1's video has a variable frame rate, v3's and v4's have no audio,
+    v4's is 320x180."""
+    root = tmp_path_factory.mktemp("process") / "src"
+    samples = [
+        {"__key__": "v0", "mp4": mk.video(3.0), "flac": mk.flac(2.0)},
+        {"__key__": "v1", "mp4": mk.video(times_ms=VFR_MS, audio=False, seconds=2.0), "flac": mk.flac(1.0)},
+        {"__key__": "v2", "mp4": mk.video(4.0, freq=880.0), "flac": mk.flac(2.5)},
+        {"__key__": "v3", "mp4": mk.video(2.0, audio=False), "flac": mk.flac(1.2)},
+        {"__key__": "v4", "mp4": mk.video(2.0, width=320, height=180), "flac": mk.flac(0.5)},
+        {"__key__": "v5", "mp4": mk.video(3.4), "flac": mk.flac(3.0)},
+    ]
+    with gdsload.ShardWriter(root, shard_size="160KB") as w:
+        for s in samples:
+            w.write(s)
+    m = json.loads((root / "manifest.json").read_text())
+    assert len(m["shards"]) >= 3, [s["samples"] for s in m["shards"]]
+    return root
