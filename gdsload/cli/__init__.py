@@ -72,6 +72,8 @@ def _convert(a: argparse.Namespace) -> int:
         validate=a.validate, resume=a.resume, overwrite=a.overwrite, format=a.format,
         labels=a.labels, prefix=a.prefix, progress=not a.quiet, columns=a.columns, append=a.append,
     )
+    if a.tokenizer or a.text_field or a.src.endswith((".jsonl", ".jsonl.gz")):
+        return _convert_corpus(a)
     if a.engine == "ray":
         from gdsload.convert.columnar import is_columnar
         from gdsload.convert.ray_engine import convert_ray
@@ -107,6 +109,22 @@ def _convert(a: argparse.Namespace) -> int:
         print(f"{r['rejected']} inputs rejected and left out: see {os.path.join(a.dst, 'rejected.jsonl')}")
     for field, count in m["created"].get("fortran_to_c", {}).items():
         print(f"{count} Fortran-ordered .{field} arrays stored in C order (same values)")
+    return 0
+
+
+def _convert_corpus(a: argparse.Namespace) -> int:
+    """A text corpus (JSON lines, or Parquet/Arrow with --tokenizer): `gdsload.convert.tokens`."""
+    from gdsload.convert.tokens import convert_corpus
+
+    for flag, on in (("--append", a.append), ("--resume", a.resume), ("--shuffle", a.shuffle),
+                     ("--validate", a.validate), ("--labels", a.labels), ("--engine ray", a.engine == "ray")):
+        if on:
+            raise GdsloadError(f"{flag} does not apply to a text corpus (.jsonl or --tokenizer)")
+    r = convert_corpus(a.src, a.dst, tokenizer=a.tokenizer, text_field=a.text_field or "text", columns=a.columns,
+                       shard_size=a.shard_size, workers=a.workers, prefix=a.prefix, overwrite=a.overwrite)
+    what = f"{r['tokens']} tokens of {r['samples']} documents" if "tokens" in r else f"{r['samples']} documents"
+    print(f"converted {what} into {r['shards']} shards ({_human(r['bytes'])}) in {r['seconds']:.1f} s, "
+          f"{r['workers']} worker(s)")
     return 0
 
 
@@ -299,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--columns", metavar="COL:FIELD,...",
                    help="Parquet/Arrow: which columns become which fields, e.g. image:jpg,label:cls,caption:txt "
                    "(id:__key__ for the keys; default: detected)")
+    c.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                   help="a text corpus (.jsonl[.gz], or Parquet/Arrow with --columns COL:txt) into token shards, "
+                        "tokenized with this local HF tokenizers tokenizer.json (without it: text shards)")
+    c.add_argument("--text-field", metavar="FIELD", help="the text field of a .jsonl corpus (default 'text')")
     c.add_argument("--append", action="store_true",
                    help="add the samples to the dataset in DST as a new version (its shards are kept as they are)")
     c.add_argument("--shard-size", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",

@@ -247,14 +247,15 @@ class ShardFile:
         self.publish()
         return entry
 
-    def finish(self) -> mf.ShardEntry:
+    def finish(self, index_extra: Mapping[str, Any] | None = None) -> mf.ShardEntry:
         """End the archive: every byte written and hashed, the indexes built; returns the
-        manifest entry. The shard is not in place until `publish()` (or dropped by `abort()`)."""
+        manifest entry. The shard is not in place until `publish()` (or dropped by `abort()`).
+        `index_extra`: more arrays for the index (`ShardIndex.to_bytes`: a token shard's documents)."""
         self._write(end_of_archive())
         self._pipe.finish()
         index = ShardIndex.build(self._samples, crc=self._crc, labels=self._labels, npy_c_order=True,
                                  media=self._media)
-        self._indexes = (index.to_bytes(), index.to_dali().encode())
+        self._indexes = (index.to_bytes(index_extra), index.to_dali().encode())
         entry: mf.ShardEntry = {
             "name": f"{self.name}.tar",
             "index": f"{self.name}.idx",

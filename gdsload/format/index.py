@@ -209,7 +209,9 @@ class ShardIndex:
         )
 
     # -- our file ------------------------------------------------------------------------------
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, extra: Mapping[str, np.ndarray] | None = None) -> bytes:
+        """The `.idx` file; `extra`: more named arrays stored beside ours (a token shard's document
+        table, `gdsload.format.tokens`), which this class's reader ignores."""
         meta: dict = {"format": "gdsload-index", "version": INDEX_VERSION, "extensions": list(self.extensions)}
         optional: dict[str, np.ndarray] = {}
         if self.member_crc is not None:
@@ -233,6 +235,7 @@ class ShardIndex:
             member_offset=self.member_offset,
             member_size=self.member_size,
             **optional,
+            **(extra or {}),
         )
         return buf.getvalue()
 

@@ -1,0 +1,291 @@
+"""Packing documents into fixed-length rows: a pure function of the documents' lengths in order.
+
+Terms
+-----
+* A *position* is an index into an epoch's document order (`DocOrder`: the plan's order 2 over
+  documents, so 10^10 documents plan as fast as 10^3). ``lengths(positions)`` gives each
+  document's length in tokens, end-of-document token included (the caller adds it): the packer
+  sees lengths only, never tokens, so every rank packs every global step without reading its
+  documents, and then reads only the tokens of its own rows.
+* A *piece* ``(position, start, length)`` is the tokens ``start:start+length`` of a document; a
+  *row* is a list of pieces of at most ``seq_len`` tokens in all (the rest is padding).
+* A *global step* is ``rows`` rows (the global batch: batch size times world size); rank ``r`` of
+  ``world`` takes rows ``r::world``, so the rows, and the stream, do not depend on the world size.
+
+Modes
+-----
+* ``"concat"``: documents one after another, cut at row ends; every row is full but the last ones.
+  The state between steps is the next position and the tokens of it already emitted (``offset``).
+* ``"best_fit"``: never cuts a document that fits a row; a longer one is cut into pieces of
+  ``seq_len`` (each a full row) and its remainder. Per step, the pieces carried over from the last
+  step, then documents taken in order until the pieces hold at least `LOOKAHEAD` times the step's
+  capacity (``rows * seq_len``), are placed best-fit: carried pieces first (oldest first, so none
+  waits forever: the first always fits an empty row), then the new ones longest first (ties by
+  position), each into the row with the least room that holds it (ties: the lowest row). Pieces
+  that fit nowhere are carried to the next step (the state's ``carry``, at most about one step's
+  tokens). Within a row pieces are ordered by (position, start).
+
+`Packer.step(state)` returns one step's rows and the state after it; the epoch ends with the
+first step that has no piece. Cost: O(pieces * log rows) per step, plus the lengths asked for.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict
+
+import numpy as np
+
+from gdsload.errors import StateError
+
+__all__ = ["LOOKAHEAD", "PACKS", "DocOrder", "PackState", "Packer", "TokenState", "assemble",
+           "check_state", "concat_steps"]
+
+PACKS = ("concat", "best_fit")
+# best_fit takes documents until its pieces hold this many steps' capacity (>= 1: the steps bound
+# relies on it). Measured on the tests' corpus (stdlib text, 831 documents of 31-8,000 tokens, seq_len
+# 2048, rows per step 4/8/16): 1.0 filled 95.2/97.7/97.7 % of all positions, 2.0 97.7/97.7/97.7 %
+# (98.0/99.3/99.8 % of the steps before the last), carrying at most 24-59 pieces.
+LOOKAHEAD = 2.0
+IGNORE = -100  # the label of a position the loss skips (HF and torch's CrossEntropyLoss default)
+BLOCK = 512  # lengths asked for at once
+TOKENS_STATE = 1  # version of the token part of the state
+
+Piece = tuple[int, int, int]  # (position, start, length)
+
+
+class PackState(TypedDict):
+    position: int  # the next position not yet taken into the packer
+    offset: int  # concat: tokens of that position's document already emitted
+    carry: list[list[int]]  # best_fit: pieces taken but not placed yet, [position, start, length]
+
+
+def start_state() -> PackState:
+    return PackState(position=0, offset=0, carry=[])
+
+
+class DocOrder:
+    """The documents of one epoch in order: `at(positions)` gives global document ids.
+
+    Unshuffled: the identity. Shuffled: the plan's order 2 (`gdsload.plan.window.WindowOrder`)
+    with the shards' document counts as its shard sizes: shard order permuted, documents mixed
+    within a window of `window` shards; O(shards) memory, any position computed on demand."""
+
+    def __init__(self, docs_per_shard: Sequence[int], *, seed: int, epoch: int, shuffle: bool, window: int):
+        self.num_documents = int(sum(docs_per_shard))
+        self._order = None
+        if shuffle and self.num_documents:
+            from gdsload.plan.window import WindowOrder
+
+            self._order = WindowOrder(tuple(int(n) for n in docs_per_shard), seed, epoch, True, window)
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, np.int64)
+        return positions.copy() if self._order is None else self._order.at(positions)
+
+
+class _Lengths:
+    """Lengths by position, asked for in blocks of `BLOCK` (a cache of the last block)."""
+
+    def __init__(self, lengths: Callable[[np.ndarray], np.ndarray], num_documents: int):
+        self._fn, self.n = lengths, num_documents
+        self._start, self._block = 0, np.zeros(0, np.int64)
+
+    def __call__(self, pos: int) -> int:
+        i = pos - self._start
+        if not 0 <= i < len(self._block):
+            self._start = pos
+            self._block = np.asarray(self._fn(np.arange(pos, min(pos + BLOCK, self.n), dtype=np.int64)), np.int64)
+            i = 0
+        return int(self._block[i])
+
+
+class Packer:
+    """One epoch's packing: `step(state)` -> (the step's `rows` rows of pieces, the next state).
+
+    `lengths(positions)` (int64 array in, int64 array out) must depend on the positions only:
+    then so do the rows. Not thread-safe (it caches the last block of lengths)."""
+
+    def __init__(self, *, seq_len: int, rows: int, pack: str, num_documents: int,
+                 lengths: Callable[[np.ndarray], np.ndarray]):
+        if pack not in PACKS:
+            raise ValueError(f"pack must be one of {', '.join(map(repr, PACKS))}, got {pack!r}")
+        self.seq_len, self.rows, self.pack, self.n = seq_len, rows, pack, num_documents
+        self._len = _Lengths(lengths, num_documents)
+
+    def step(self, state: PackState) -> tuple[list[list[Piece]], PackState]:
+        return self._concat(state) if self.pack == "concat" else self._best_fit(state)
+
+    def _concat(self, state: PackState) -> tuple[list[list[Piece]], PackState]:
+        pos, off, out = int(state["position"]), int(state["offset"]), []
+        for _ in range(self.rows):
+            row: list[Piece] = []
+            room = self.seq_len
+            while room and pos < self.n:
+                length = self._len(pos)
+                take = min(length - off, room)
+                if take > 0:
+                    row.append((pos, off, take))
+                    off += take
+                    room -= take
+                if off >= length:
+                    pos, off = pos + 1, 0
+            out.append(row)
+        return out, PackState(position=pos, offset=off, carry=[])
+
+    def _best_fit(self, state: PackState) -> tuple[list[list[Piece]], PackState]:
+        seq = self.seq_len
+        carry = [tuple(int(v) for v in p) for p in state["carry"]]
+        total = sum(p[2] for p in carry)
+        pos, new = int(state["position"]), []
+        need = LOOKAHEAD * self.rows * seq
+        while total < need and pos < self.n:
+            length = self._len(pos)
+            start = 0
+            while length - start > seq:
+                new.append((pos, start, seq))
+                start += seq
+            if length > start:
+                new.append((pos, start, length - start))
+            total += length
+            pos += 1
+        new.sort(key=lambda p: (-p[2], p[0], p[1]))
+        free = [(seq, b) for b in range(self.rows)]  # (room, row), sorted
+        rows: list[list[Piece]] = [[] for _ in range(self.rows)]
+        left: list[list[int]] = []
+        for piece in carry + new:
+            i = bisect.bisect_left(free, (piece[2], -1))
+            if i == len(free):
+                left.append(list(piece))
+                continue
+            room, b = free.pop(i)
+            rows[b].append(piece)  # type: ignore[arg-type]
+            if room > piece[2]:
+                bisect.insort(free, (room - piece[2], b))
+        for row in rows:
+            row.sort()
+        return rows, PackState(position=pos, offset=0, carry=left)
+
+
+def exhausted(state: PackState, num_documents: int) -> bool:
+    """Whether a state has nothing left to pack in its epoch."""
+    return state["position"] >= num_documents and not state["carry"] and not state["offset"]
+
+
+def concat_steps(num_tokens: int, *, seq_len: int, rows: int, drop_last: bool) -> int:
+    """Exact global steps of a ``"concat"`` epoch of `num_tokens` tokens (end-of-document tokens
+    included): full steps, plus the padded last one unless `drop_last`."""
+    per_step = seq_len * rows
+    return num_tokens // per_step if drop_last else -(-num_tokens // per_step)
+
+
+def best_fit_steps_bound(num_documents: int, num_tokens: int, *, seq_len: int, rows: int) -> int:
+    """An upper bound of a ``"best_fit"`` epoch's global steps. Every step but the last puts at
+    least one piece in every row (a step with a piece left over has no row that holds it: every
+    row has a piece; a step without leaves its documents' stream exhausted unless all its rows are
+    full), and an epoch has at most ``documents + tokens // seq_len`` pieces."""
+    pieces = num_documents + num_tokens // seq_len
+    return -(-pieces // rows) + 1
+
+
+# -- rows into a batch ----------------------------------------------------------------------------
+def assemble(rows: Sequence[Sequence[Piece]], seq_len: int, tokens: Callable[[Piece], np.ndarray],
+             pad_id: int) -> dict[str, np.ndarray]:
+    """A batch from rows of pieces: `tokens(piece)` gives a piece's ids (its length of them).
+
+    ``input_ids`` (int64 [B, seq_len]); ``labels`` (int64): the ids, with `IGNORE` (-100) at each
+    piece that starts a document (its first token: the model shifts, and that token is not
+    predicted from its own document) and on padding; ``position_ids`` (int64): each piece's
+    offset in its document counting on (0 at a document's start); ``attention_mask`` (int64): 1 on
+    tokens, 0 on padding; ``cu_seqlens`` (int32): the boundaries of the pieces over the flattened
+    batch, each row's padding one sequence of its own, from 0 to ``B * seq_len`` (FlashAttention's
+    varlen layout; the rows' ends are boundaries)."""
+    b = len(rows)
+    ids = np.full((b, seq_len), pad_id, np.int64)
+    labels = np.full((b, seq_len), IGNORE, np.int64)
+    pos_ids = np.zeros((b, seq_len), np.int64)
+    mask = np.zeros((b, seq_len), np.int64)
+    cu = [0]
+    for r, row in enumerate(rows):
+        at = 0
+        for piece in row:
+            _, start, n = piece
+            got = tokens(piece)
+            if len(got) != n:
+                raise ValueError(f"tokens({piece}) gave {len(got)} ids, expected {n}")
+            ids[r, at:at + n] = got
+            labels[r, at:at + n] = got
+            if start == 0:
+                labels[r, at] = IGNORE
+            pos_ids[r, at:at + n] = np.arange(start, start + n)
+            mask[r, at:at + n] = 1
+            at += n
+            cu.append(r * seq_len + at)
+        if at < seq_len:
+            cu.append((r + 1) * seq_len)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos_ids, "attention_mask": mask,
+            "cu_seqlens": np.asarray(cu, np.int32)}
+
+
+# -- state ----------------------------------------------------------------------------------------
+class TokenState(TypedDict):
+    """A token loader's state: the plan's fields (``position`` counts documents of the epoch's
+    order) plus the packing: ``step`` (global steps done in ``epoch``), ``offset`` and ``carry``
+    (`PackState`) and what the rows depend on (``seq_len``, ``pack``, ``eos``, ``tokenizer``)."""
+
+    version: int
+    kind: str  # "tokens"
+    tokens_version: int
+    order: int
+    dataset: str
+    seed: int
+    shuffle: bool
+    window: int
+    drop_last: bool
+    global_batch: int  # rows per global step
+    num_samples: int  # documents
+    seq_len: int
+    pack: str
+    eos: int | None
+    tokenizer: str | None  # SHA-256 of the tokenizer's JSON (pre-tokenized data: the dataset's)
+    epoch: int
+    step: int
+    position: int
+    offset: int
+    carry: list[list[int]]
+
+
+IDENTITY = ("version", "kind", "tokens_version", "order", "dataset", "num_samples", "seq_len", "pack",
+            "eos", "tokenizer", "seed", "shuffle", "window", "drop_last", "global_batch")
+_WHAT = {"dataset": "data", "num_samples": "number of documents", "global_batch": "global batch (rows per step)"}
+
+
+def check_state(state: Any, mine: Mapping[str, Any]) -> tuple[int, int, PackState]:
+    """``(epoch, step, PackState)`` of a saved `state`, after checking it is one of this loader's
+    (`mine`: a `TokenState`); the world size may differ, nothing in `IDENTITY` may. Raises
+    `StateError` naming the first difference."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"a token loader state is a dict, got {type(state).__name__}")
+    if state.get("kind") != "tokens":
+        raise StateError("this state is not a TokenLoader's (it has no kind 'tokens'): a DataLoader's "
+                         "state resumes a DataLoader")
+    for key in IDENTITY:
+        if key not in state:
+            raise StateError(f"the state lacks {key!r}")
+        if state[key] != mine[key]:
+            raise StateError(f"the state is of another {_WHAT.get(key, key)}: {state[key]!r} there, "
+                             f"{mine[key]!r} here; it cannot resume this loader")
+    for key in ("epoch", "step", "position", "offset"):
+        v = state.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise StateError(f"state field {key!r} must be an int >= 0, got {v!r}")
+    carry = state.get("carry")
+    if not isinstance(carry, list) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(v, int) and v >= 0 for v in p)
+            for p in carry):
+        raise StateError("state field 'carry' must be a list of [position, start, length]")
+    if state["position"] > state["num_samples"]:
+        raise StateError(f"state position {state['position']} is past the epoch's {state['num_samples']} documents")
+    return state["epoch"], state["step"], PackState(position=state["position"], offset=state["offset"],
+                                                    carry=[list(p) for p in carry])
