@@ -25,7 +25,6 @@ _LAZY = {
     "RemoteLoader": "gdsload.service.client.loader",
     "ShardWriter": "gdsload.convert.writer",
     "TokenLoader": "gdsload.frontend.tokens",
-    "TokenLoader": "gdsload.frontend.tokens",
     "write": "gdsload.convert.writer",
     "process": "gdsload.preprocess.run",
     "VideoTransform": "gdsload.decode.video",
