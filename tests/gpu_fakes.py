@@ -38,7 +38,12 @@ The model (`FakeGPU`):
   (audit 4 R8).
 - DALI's `copy_to_external` reads its stream only from a `ctypes.c_void_p` (`.value`); anything
   else is the legacy stream (backend_impl.cc `ctypes_void_ptr`, F3). `as_tensor()` refuses a
-  TensorList that is not dense (the fake's never are); `shape()` works.
+  TensorList that is not dense (the fake's never are); `shape()` works; `list[k]` is a sample
+  with its own `copy_to_external`; a copy past the end of its device allocation raises (the
+  real one writes it anyway); `as_cpu()` is logged ("dali_as_cpu").
+- DALI's NVDEC video decoder (`fn.decoders.video(device="mixed")`) is a CPU operator in the real
+  mixed graph run by DALI's CPU backend (`dali_video_mixed_on_cpu`): PyAV decodes after NVDEC's
+  capability checks (`nvdec_check`); `cudaMemsetAsync` is deferred on its stream like a copy.
 - torch's `.to("cuda", non_blocking=True)` is a copy deferred on torch's current stream.
 - Every call of interest is appended to `FakeGPU.log` as a tuple.
 """
@@ -396,6 +401,17 @@ def make_cupy(gpu: FakeGPU) -> types.ModuleType:
         s.enqueue(lambda: ctypes.memmove(dst, src, size), f"memcpy {size}")
 
     runtime.memcpyAsync = memcpy_async
+
+    def memset_async(ptr, value, size, stream):  # cudaMemsetAsync: device memory only
+        gpu.bind()
+        alloc = gpu.allocation_of(ptr)
+        if alloc is None or ptr + size > alloc[0] + alloc[1]:
+            raise RuntimeError("cudaErrorInvalidValue: memsetAsync outside a device allocation")
+        s = gpu.stream_for(stream)
+        gpu.log.append(("memsetAsync", s.ptr, size, value, threading.current_thread().name))
+        s.enqueue(lambda: ctypes.memset(ptr, value, size), f"memset {size}")
+
+    runtime.memsetAsync = memset_async
     return cupy
 
 
@@ -714,9 +730,34 @@ def install_broken_kvikio(monkeypatch, tmp_path, message: str) -> None:
 
 
 # -- DALI "mixed" on the CPU ---------------------------------------------------------------------
+def _dali_copy(gpu: FakeGPU, src: np.ndarray, ptr, cuda_stream, non_blocking: bool, device_id: int) -> None:
+    """`copy_to_external` of a GPU tensor or list (backend_impl.cc): the stream is read only from a
+    `ctypes.c_void_p` (`.value`), anything else is the legacy stream (F3). DALI copies its own byte
+    count to the raw pointer and checks nothing; a device destination that does not hold those
+    bytes (past the end of its allocation) would be silent memory corruption on a GPU, so the
+    fake raises there."""
+    raw = (cuda_stream.value or 0) if isinstance(cuda_stream, ctypes.c_void_p) else 0
+    stream = gpu.stream_for(raw, device_id)
+    nbytes, address = src.nbytes, ptr.value
+    alloc = gpu.allocation_of(address)
+    if alloc is not None and address + nbytes > alloc[0] + alloc[1]:
+        raise RuntimeError(f"[fake DALI] copy_to_external of {nbytes} bytes at {address:#x} runs "
+                           f"{address + nbytes - alloc[0] - alloc[1]} bytes past its device allocation "
+                           f"(the real copy would corrupt memory)")
+    gpu.log.append(("dali_copy", stream.ptr, nbytes, non_blocking, threading.current_thread().name))
+    gpu.log.append(("dali_copy_dst", address, nbytes, alloc[2] if alloc else None))
+
+    def op():
+        ctypes.memmove(address, src.ctypes.data, nbytes)
+
+    stream.enqueue(op, "dali copy_to_external")
+    if not non_blocking:
+        stream.synchronize()
+
+
 class FakeTensorGPU:
-    def __init__(self, buf: np.ndarray):
-        self._buf = buf
+    def __init__(self, buf: np.ndarray, gpu: FakeGPU | None = None, device_id: int = 0):
+        self._buf, self.gpu, self.device_id = buf, gpu, device_id
 
     def shape(self):
         return list(self._buf.shape)
@@ -726,10 +767,14 @@ class FakeTensorGPU:
         return {"shape": self._buf.shape, "typestr": self._buf.dtype.str, "version": 2,
                 "data": (self._buf.ctypes.data, False), "strides": None}
 
+    def copy_to_external(self, ptr, cuda_stream=None, non_blocking=False, use_copy_kernel=False):
+        _dali_copy(self.gpu, self._buf, ptr, cuda_stream, non_blocking, self.device_id)
+
 
 class FakeTensorListGPU:
     """A "mixed" pipeline's output: in one device buffer the decoder reuses on every run (as DALI
-    reuses its output buffers), exported without a stream (CAI version 2)."""
+    reuses its output buffers), exported without a stream (CAI version 2). `as_cpu()` (a copy to
+    the host) is logged as ("dali_as_cpu", bytes)."""
 
     def __init__(self, gpu: FakeGPU, buf: np.ndarray, n: int, device_id: int):
         self.gpu, self._buf, self._n, self.device_id = gpu, buf, n, device_id
@@ -742,27 +787,23 @@ class FakeTensorListGPU:
     def shape(self):
         return [list(self._buf.shape[1:])] * self._n
 
+    def __getitem__(self, k: int) -> FakeTensorGPU:
+        if not 0 <= k < self._n:
+            raise IndexError(f"[fake DALI] sample index {k} out of range for a list of {self._n}")
+        return FakeTensorGPU(self._buf[k], self.gpu, self.device_id)
+
+    def as_cpu(self):
+        self.gpu.log.append(("dali_as_cpu", self._buf[: self._n].nbytes, threading.current_thread().name))
+        return [np.array(x) for x in self._buf[: self._n]]
+
     def as_tensor(self):
         if not self.dense:
             raise RuntimeError("[DALI] TensorListGPU.as_tensor: the list is not dense (its samples are "
                                "not one contiguous buffer); use copy_to_external")
-        return FakeTensorGPU(self._buf[: self._n])
+        return FakeTensorGPU(self._buf[: self._n], self.gpu, self.device_id)
 
     def copy_to_external(self, ptr, cuda_stream=None, non_blocking=False, use_copy_kernel=False):
-        # DALI's ctypes_void_ptr: `.value` of a ctypes.c_void_p; anything else is nullptr (F3)
-        raw = (cuda_stream.value or 0) if isinstance(cuda_stream, ctypes.c_void_p) else 0
-        stream = self.gpu.stream_for(raw, self.device_id)
-        src = self._buf[: self._n]
-        nbytes, address = src.nbytes, ptr.value
-        self.gpu.log.append(("dali_copy", stream.ptr, nbytes, non_blocking, threading.current_thread().name))
-        snapshot_src = src
-
-        def op():
-            ctypes.memmove(address, snapshot_src.ctypes.data, nbytes)
-
-        stream.enqueue(op, "dali copy_to_external")
-        if not non_blocking:
-            stream.synchronize()
+        _dali_copy(self.gpu, self._buf[: self._n], ptr, cuda_stream, non_blocking, self.device_id)
 
 
 def dali_mixed_on_cpu(monkeypatch, gpu: FakeGPU) -> list[dict]:
@@ -836,92 +877,110 @@ def install_nvdec(monkeypatch, table: dict | None = HOPPER_NVDEC) -> None:
     monkeypatch.setattr(hg, "_nvdec_cache", {})
 
 
-class _FakeVideoOut:
-    """A "mixed" video decoder's output: `as_cpu()` then one (k, H, W, 3) array per sample."""
+def nvdec_check(table: dict | None, codec: str, pix: str, w: int, h: int) -> str:
+    """What DALI's `NVDECCache::GetDecoder` (frames_decoder_gpu.cc) checks before NVDEC decodes a
+    stream: `cuvidGetDecoderCaps` for its codec, chroma and bit depth (`table`; None: no
+    libnvcuvid), then the minimum and maximum coded size; each refusal raised with DALI's message.
+    Returns the table's key."""
+    if table is None:
+        raise RuntimeError("[fake DALI] Failed to load libnvcuvid.so.1 (NVDEC)")
+    bits = 10 if "10" in pix else 8
+    key = codec if bits == 8 else f"{codec}-{bits}"
+    ok, (w0, h0), (w1, h1) = table.get(key, (False, (0, 0), (0, 0)))
+    chroma = "YUV 4:2:0" if "420" in pix or pix in ("nv12", "p010le") else "YUV 4:4:4" if "444" in pix else pix
+    if not ok or chroma != "YUV 4:2:0":
+        raise RuntimeError(f"[fake DALI] Assert on \"caps.bIsSupported\" failed: Codec configuration not supported "
+                           f"on this GPU. Codec: {codec}, chroma format: {chroma}, bit depth: {bits}")
+    if w < w0 or h < h0:
+        raise RuntimeError(f"[fake DALI] Video is too small in at least one dimension. Provided: {w}x{h} vs "
+                           f"supported:{w0}x{h0}")
+    if w > w1 or h > h1:
+        raise RuntimeError(f"[fake DALI] Video is too large in at least one dimension. Provided: {w}x{h}")
+    return key
 
-    def __init__(self, frames: list[np.ndarray]):
-        self._frames = frames
 
-    def as_cpu(self):
-        return self
+class FakeMixedPipeline:
+    """A mixed pipeline built on the CPU: `run()` hands its output back as a `FakeTensorListGPU`
+    in one buffer reused by every run (as DALI reuses its output buffers)."""
 
-    def __getitem__(self, k: int) -> np.ndarray:
-        return self._frames[k]
-
-    def __len__(self) -> int:
-        return len(self._frames)
-
-
-class FakeNvdecPipeline:
-    """DALI's `fn.decoders.video(device="mixed")` (NVDEC) on the CPU. Each sample is checked as DALI's
-    `NVDECCache::GetDecoder` checks it (frames_decoder_gpu.cc): `cuvidGetDecoderCaps` for its codec,
-    chroma and bit depth (the fake `table`), then the minimum and maximum coded size, then the
-    macroblock count, each refusal raised with DALI's message and failing the whole `run()` as
-    DALI does; the frames themselves are decoded by PyAV. With no table (no libnvcuvid) every
-    run fails. Decodes are logged as ("nvdec", key, width, height)."""
-
-    def __init__(self, gpu: FakeGPU, table: dict | None, device_id: int):
-        self.gpu, self.table, self.device_id = gpu, table, device_id
-        self.inputs: dict[str, list] = {}
+    def __init__(self, gpu: FakeGPU, pipe, device_id: int):
+        self.gpu, self.pipe, self.device_id = gpu, pipe, device_id
+        self._buf = None
+        self._pipe = getattr(pipe, "_pipe", None)  # image._disown_inherited_pipelines looks here
 
     def build(self) -> None:
         pass
 
     def feed_input(self, name: str, data, layout=None) -> None:
-        self.inputs[name] = list(data)
-
-    def _check(self, codec: str, pix: str, w: int, h: int) -> str:
-        if self.table is None:
-            raise RuntimeError("[fake DALI] Failed to load libnvcuvid.so.1 (NVDEC)")
-        bits = 10 if "10" in pix else 8
-        key = codec if bits == 8 else f"{codec}-{bits}"
-        ok, (w0, h0), (w1, h1) = self.table.get(key, (False, (0, 0), (0, 0)))
-        chroma = "YUV 4:2:0" if "420" in pix or pix in ("nv12", "p010le") else "YUV 4:4:4" if "444" in pix else pix
-        if not ok or chroma != "YUV 4:2:0":
-            raise RuntimeError(f"[fake DALI] Assert on \"caps.bIsSupported\" failed: Codec configuration not supported "
-                               f"on this GPU. Codec: {codec}, chroma format: {chroma}, bit depth: {bits}")
-        if w < w0 or h < h0:
-            raise RuntimeError(f"[fake DALI] Video is too small in at least one dimension. Provided: {w}x{h} vs "
-                               f"supported:{w0}x{h0}")
-        if w > w1 or h > h1:
-            raise RuntimeError(f"[fake DALI] Video is too large in at least one dimension. Provided: {w}x{h}")
-        return key
+        self.pipe.feed_input(name, data, layout=layout) if layout else self.pipe.feed_input(name, data)
 
     def run(self):
-        import io
-
-        import av
-
-        outs = []
-        for enc, idx in zip(self.inputs["enc"], self.inputs["idx"]):
-            with av.open(io.BytesIO(np.asarray(enc).tobytes())) as c:
-                cc = c.streams.video[0].codec_context
-                key = self._check(cc.name, cc.pix_fmt or "", int(cc.width), int(cc.height))
-                frames = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
-            self.gpu.log.append(("nvdec", key, int(cc.width), int(cc.height), threading.current_thread().name))
-            outs.append(np.stack([frames[int(i)] for i in np.asarray(idx)]))
-        return (_FakeVideoOut(outs),)
+        (out,) = self.pipe.run()
+        host = [np.array(out[k]) for k in range(len(out))]
+        shapes = {x.shape for x in host}
+        if len(shapes) != 1:  # the fake's reused buffer is uniform; DALI's lists need not be
+            raise AssertionError(f"fake mixed pipeline: samples of several shapes {shapes}")
+        shape = host[0].shape
+        if self._buf is None or self._buf.shape[1:] != shape or len(self._buf) < len(host):
+            self._buf = np.empty((max(len(host), self.pipe.max_batch_size), *shape), host[0].dtype)
+        for k, x in enumerate(host):
+            self._buf[k] = x  # DALI's run writes its (reused) output buffer
+        return (FakeTensorListGPU(self.gpu, self._buf, len(host), self.device_id),)
 
 
-def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPPER_NVDEC) -> None:
-    """`VideoDecoder(device="mixed")` with `FakeNvdecPipeline` for DALI's NVDEC decoder; the crop
-    pipeline is DALI's real CPU one (as on a GPU host, where it runs on the CPU too)."""
-    import os
+def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPPER_NVDEC) -> list[dict]:
+    """`VideoDecoder(device="mixed")` with its real mixed graph (`_gpu_graph`: resize, crop/mirror/
+    normalise, reshape/transpose) built by DALI's CPU backend, `fn.decoders.video(device="mixed")`
+    standing in as a CPU operator that decodes with PyAV after `nvdec_check`, and the output handed
+    back as a `FakeTensorListGPU`. The stand-in takes only arguments the real operator's schema
+    (DALI 2.4 `decoders__Video`) has, and its `frames` as the real one does: any order, repeats,
+    past the end padded with zero frames (`pad_mode="constant"`, the default, checked on the CPU
+    decoder); a negative index raises (the schema says indices must be non-negative). Each
+    decode is logged as ("nvdec", key, width, height, thread). Returns the operator's argument
+    sets, one dict per graph built."""
+    import io
+
+    from nvidia.dali import backend, fn
 
     from gdsload.decode import video
 
-    pipes = video.VideoDecoder._pipes
+    real_video = fn.decoders.video
+    allowed = set(backend.GetSchema("decoders__Video").GetArgumentNames()) | {"device", "name", "seed"}
+    ops: list[dict] = []
 
-    def _pipes(self):
-        if self.device != "mixed":
-            return pipes(self)
-        if self._dec is not None and self._pid == os.getpid():
-            return
-        self.device = "cpu"
+    def decode(enc: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        import av
+
+        frames = np.asarray(frames)
+        if (frames < 0).any():
+            raise RuntimeError(f"[fake DALI] frame indices must be non-negative, got {frames.tolist()}")
+        with av.open(io.BytesIO(np.asarray(enc).tobytes())) as c:
+            cc = c.streams.video[0].codec_context
+            key = nvdec_check(table, cc.name, cc.pix_fmt or "", int(cc.width), int(cc.height))
+            decoded = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
+        gpu.log.append(("nvdec", key, int(cc.width), int(cc.height), threading.current_thread().name))
+        pad = np.zeros_like(decoded[0])
+        return np.stack([decoded[int(i)] if i < len(decoded) else pad for i in frames])
+
+    def mixed_video(*inputs, device="cpu", **kw):
+        if device != "mixed":
+            return real_video(*inputs, device=device, **kw)
+        unknown = set(kw) - allowed
+        if unknown:
+            raise TypeError(f"[fake DALI] decoders.video got unexpected keyword argument(s) {sorted(unknown)}")
+        if "frames" not in kw or len(inputs) != 1:
+            raise AssertionError("fake mixed video decoder: one encoded input and `frames` expected")
+        ops.append({k: v for k, v in kw.items() if k != "frames"})
+        return fn.python_function(inputs[0], kw["frames"], function=decode, num_outputs=1, output_layouts="FHWC")
+
+    def _build_gpu(self, row_shape):
+        monkeypatch.setattr(fn.decoders, "video", mixed_video)
         try:
-            pipes(self)
+            pipe = self._gpu_graph(row_shape, None)  # the same graph, on DALI's CPU backend
         finally:
-            self.device = "mixed"
-        self._dec = FakeNvdecPipeline(gpu, table, self.device_id)
+            monkeypatch.setattr(fn.decoders, "video", real_video)
+        gpu.log.append(("dali_build_mixed", self.device_id, tuple(row_shape)))
+        return FakeMixedPipeline(gpu, pipe, self.device_id)
 
-    monkeypatch.setattr(video.VideoDecoder, "_pipes", _pipes)
+    monkeypatch.setattr(video.VideoDecoder, "_build_gpu", _build_gpu)
+    return ops

@@ -3,15 +3,11 @@
 Per sample: the clip's source frame indices (`gdsload.decode.media.clip_indices`, positions drawn
 from the seeded plan), refused before any decoding when the video's frame count or frame size is
 over the transform's limits (`max_frames`, `max_pixels`: from the index, probed at conversion).
-Decoding: on a GPU host DALI's `fn.decoders.video(device="mixed")` (NVDEC) for H.264, HEVC, VP8,
-VP9 and AV1 that this GPU's NVDEC takes (codec, bit depth and size from the index against
-`gdsload.host.gpu.nvdec_caps`, probed once per process; what it refuses, then or at decode time,
-takes the CPU path, not the corrupt count; `routes` counts samples per decoder), the frames copied
-back to host memory for the crop pipeline; on a CPU host (and for the rest) `device="cpu"` for VP8, VP9 and MJPEG, which its CPU build decodes, with the frame list
-as a per-sample argument; PyAV (the `media` extra) for
-H.264, HEVC and the rest, decoding from the keyframe before the clip (a constant-frame-rate
-stream; others from the stream's start) to the last frame wanted (decode amplification: frames
-decoded / frames returned, in `stats`). Frames are counted in
+Decoding on a CPU host (`device="cpu"`): DALI's `fn.decoders.video(device="cpu")` for VP8, VP9
+and MJPEG, which its CPU build decodes, with the frame list as a per-sample argument; PyAV (the
+`media` extra) for H.264, HEVC and the rest, decoding from the keyframe before the clip (a
+constant-frame-rate stream; others from the stream's start) to the last frame wanted (decode
+amplification: frames decoded / frames returned, in `stats`). Frames are counted in
 presentation order, as both decoders return them; indices are positions, not timestamps, so a
 variable-frame-rate video is sampled by frame count, not by time. 10-bit video comes out as
 8-bit RGB; full-range (JPEG) video is converted with its range; rotation metadata is ignored.
@@ -22,12 +18,42 @@ resized to `size` and normalised in one DALI pipeline on the frames as a sequenc
 `dtype="uint8"` with `size=None` returns the decoded frames untouched (every video of the
 dataset must then have one frame size). Padding frames (index -1) are zeros in the output.
 
+GPU hosts (`device="mixed"`, audit 4 R11): the frames never visit the host. The videos this GPU's
+NVDEC takes (H.264, HEVC, VP8, VP9, AV1, MPEG-4 by codec, bit depth and size from the index,
+against `gdsload.host.gpu.nvdec_caps`, probed once per process) go through ONE mixed DALI
+pipeline: `fn.decoders.video(device="mixed", frames=...)` (NVDEC) -> `fn.resize` with the clip's
+relative crop window as `roi_start`/`roi_end` -> `fn.crop_mirror_normalize` (dtype, mean/std,
+flip, layout), all on the GPU; for `layout="NCTHW"` with several clips a `fn.reshape` and
+`fn.transpose` make the slot row's (clips, C, T, H, W). The crop window needs only the frame
+size and the draws (`crop_roi`), and the index holds width and height, so nothing is decoded to
+choose it. One sample is one video: its `frames` are the row's clips back to back (DALI takes any
+order and repeats), so NVDEC decodes each video once however many clips it has. The output goes
+into the caller's device memory (the ring's device slot) with `copy_to_external` on the
+loader's private stream (a `ctypes.c_void_p`, as images do, `gdsload.decode.image`), one copy
+for a batch whose NVDEC rows are consecutive, one per row otherwise; complete when it returns
+(DALI reuses its output buffers on the next run). A padding position (index -1) is given the
+clip's last real frame to decode and zeroed afterwards in the slot with `cudaMemsetAsync` on the
+same stream, so padding is zeros as on the CPU path (no arithmetic on the frames: DALI's CPU
+arithmetic has no float16). What NVDEC does not take, by the probe or by its refusal at decode
+time (a chroma the index does not record), is decoded by PyAV on the CPU, cropped by the CPU
+pipeline into host memory (the ring's pinned "__h_" field) and copied to its rows on the same
+stream: the one host-to-device copy, for those rows only. `routes` counts samples per decoder
+("nvdec", "dali-cpu", "pyav"). The shapes, dtypes and layouts are the CPU path's; the values
+are GPU resampling's (bilinear on the GPU, not bit-equal to the CPU's). A host `dst` is refused
+with `device="mixed"`: that would be the round trip.
+
+NVDEC's thread pool is built with `affine=False` (DALI's default pins thread i to core i of
+the GPU's NVML affinity set, `OldThreadPool(..., affine)`): a loader shares the host's cores
+with its reader threads, PyAV's pool and the training process, and a container's cgroup/cpuset
+may not hold the cores DALI picks, so the OS places those threads instead.
+
 Threads: the decoder may be called from several reader threads; its DALI pipelines each run
 under a lock, PyAV decodes outside it. Corrupt media follow `on_error` naming shard and key.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -116,9 +142,11 @@ class VideoDecoder:
     def __init__(self, transform: VideoTransform, *, batch_size: int, threads: int = 2,
                  on_error: Literal["raise", "skip"] = "raise", device: Literal["cpu", "mixed"] = "cpu",
                  device_id: int = 0):
+        if device not in ("cpu", "mixed"):
+            raise ValueError(f"VideoDecoder(device={device!r}): 'cpu' or 'mixed'")
         self.t = transform
-        # "mixed": NVDEC decodes the codecs it takes (NVDEC_VIDEO), frames copied back to the host
-        # for the crop pipeline; MJPEG and the rest as on a CPU host. Not yet run on a GPU here:
+        # "mixed": NVDEC rows decoded, cropped and normalised by one mixed DALI pipeline straight
+        # into device memory (module docstring); the rest on the CPU. Not yet run on a GPU here:
         # bench/gpu_check.sh's video step is what checks it (docs/training/media.md, "Video").
         self.device = device
         self.device_id = device_id
@@ -129,14 +157,16 @@ class VideoDecoder:
         self.frames_decoded = 0  # decode amplification: frames_decoded / frames_returned
         self.frames_returned = 0
         self.routes: dict[str, int] = {}  # samples per decoder: "nvdec", "dali-cpu", "pyav"
-        self._dec = self._xf = None
-        self._pid = os.getpid()
+        self._dec = self._xf = None  # the CPU pipelines: decoder ("cpu" only) and crop
+        self._cpu_pid: int | None = None  # the process that built them (None: build again)
+        self._gpu = None  # the mixed pipeline (NVDEC -> resize -> crop_mirror_normalize)
+        self._gpu_key: tuple | None = None  # (process, slot row shape) it was built for
         self._lock = threading.Lock()
         self._pool = None  # PyAV decodes, `threads` at a time
 
-    # -- DALI pipelines (built on first use, one lock each run) ------------------------------
+    # -- CPU pipelines (built on first use, one lock each run) -------------------------------
     def _pipes(self) -> None:
-        if self._dec is not None and self._pid == os.getpid():
+        if self._cpu_pid == os.getpid():
             return
         require("nvidia.dali", extra="cpu" if self.device == "cpu" else "cuda12", purpose="video decoding")
         from nvidia.dali import fn, pipeline_def, types
@@ -145,15 +175,12 @@ class VideoDecoder:
 
         t = self.t
 
-        mixed = self.device == "mixed"
-
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
-                      device_id=self.device_id if mixed else None,
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
         def dec():
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
             idx = fn.external_source(name="idx", dtype=types.INT32, ndim=1)
-            return fn.decoders.video(enc, device=self.device, frames=idx)
+            return fn.decoders.video(enc, device="cpu", frames=idx)
 
         @pipeline_def(batch_size=self.batch_size * t.clips, num_threads=self.threads, device_id=None,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
@@ -170,15 +197,17 @@ class VideoDecoder:
                 mean=[255 * v for v in t.mean] if norm else [0.0],
                 std=[255 * v for v in t.std] if norm and t.std else [1.0])
 
-        self._dec, self._xf = dec(), xf() if t.size is not None else None
+        # "mixed" decodes on NVDEC (the mixed pipeline) or with PyAV: no CPU DALI decoder then
+        self._dec = dec() if self.device == "cpu" else None
+        self._xf = xf() if t.size is not None else None
         for p in (self._dec, self._xf):
             if p is not None:
                 p.build()
                 _BUILT.add(p)
-        self._pid = os.getpid()
+        self._cpu_pid = os.getpid()
 
     def _dali_decode(self, items: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[int, Any]:
-        """{row: (k, H, W, 3) uint8 or the exception} for DALI-decodable rows."""
+        """{row: (k, H, W, 3) uint8 or the exception} for rows DALI's CPU decoder takes."""
         out: dict[int, Any] = {}
         if not items:
             return out
@@ -188,25 +217,196 @@ class VideoDecoder:
                 self._dec.feed_input("enc", [e for _, e, _ in items])
                 self._dec.feed_input("idx", [w.astype(np.int32) for _, _, w in items])
                 (res,) = self._dec.run()
-                res = res.as_cpu() if self.device == "mixed" else res
                 for k, (i, _, _) in enumerate(items):
                     out[i] = np.array(res[k])
                 return out
             except RuntimeError:
-                self._dec = None  # DALI invalidates a pipeline after an operator error
+                self._cpu_pid = None  # DALI invalidates a pipeline after an operator error
             for i, e, w in items:  # one by one, to name the bad ones
                 try:
                     self._pipes()
                     self._dec.feed_input("enc", [e])
                     self._dec.feed_input("idx", [w.astype(np.int32)])
                     (res,) = self._dec.run()
-                    out[i] = np.array((res.as_cpu() if self.device == "mixed" else res)[0])
+                    out[i] = np.array(res[0])
                 except RuntimeError as exc:
                     from gdsload.decode.image import dali_reason
 
-                    self._dec = None
+                    self._cpu_pid = None
                     out[i] = ValueError(dali_reason(exc))
         return out
+
+    # -- the mixed pipeline (GPU hosts; module docstring) -----------------------------------------
+    def _gpu_graph(self, row_shape: tuple[int, ...], device_id: int | None) -> Any:
+        """The mixed pipeline for slot rows of `row_shape`, built: NVDEC -> resize (roi) ->
+        crop_mirror_normalize (-> reshape + transpose for NCTHW clips), per sample one video."""
+        from nvidia.dali import fn, pipeline_def, types
+
+        t = self.t
+        ncthw = t.layout == "NCTHW"
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=device_id,
+                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+        def gpu():
+            enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+            idx = fn.external_source(name="idx", dtype=types.INT32, ndim=1)
+            # affine=False: the OS places NVDEC's host threads (module docstring)
+            x = fn.decoders.video(enc, device="mixed", frames=idx, affine=False)  # (clips*T, H, W, 3) "FHWC"
+            one = t.clips == 1
+            if t.size is not None:
+                r0 = fn.external_source(name="r0", dtype=types.FLOAT, ndim=1)
+                r1 = fn.external_source(name="r1", dtype=types.FLOAT, ndim=1)
+                m = fn.external_source(name="m", dtype=types.INT32, ndim=0)
+                x = fn.resize(x, size=[t.size, t.size], roi_start=r0, roi_end=r1, roi_relative=True)
+                norm = t.mean is not None and t.dtype != "uint8"
+                out = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[t.dtype]
+                x = fn.crop_mirror_normalize(
+                    x, dtype=out, output_layout="CFHW" if ncthw and one else "FHWC", mirror=m,
+                    mean=[255 * v for v in t.mean] if norm else [0.0],
+                    std=[255 * v for v in t.std] if norm and t.std else [1.0])
+            elif ncthw and one:
+                x = fn.transpose(x, perm=[3, 0, 1, 2])  # FHWC -> CFHW
+            if not one:  # (clips*T, H, W, C) -> (clips, T, H, W, C) (no copy) [-> (clips, C, T, H, W)]
+                h, w = row_shape[-2:] if ncthw else row_shape[-3:-1]
+                x = fn.reshape(x, shape=[t.clips, t.frames, h, w, 3])
+                if ncthw:
+                    x = fn.transpose(x, perm=[0, 4, 1, 2, 3])
+            return x
+
+        p = gpu()
+        p.build()
+        return p
+
+    def _build_gpu(self, row_shape: tuple[int, ...]) -> Any:
+        """The mixed pipeline on this decoder's GPU (tests/gpu_fakes.py runs `_gpu_graph` on the CPU)."""
+        require("nvidia.dali", extra="cuda12", purpose="video decoding on the GPU")
+        return self._gpu_graph(row_shape, self.device_id)
+
+    def _gpu_items(self, rows: list[int], encoded: Sequence[np.ndarray], plans: dict, u: np.ndarray) -> list[dict]:
+        """Per NVDEC row, the mixed pipeline's inputs: the encoded video, its clips' frames back to
+        back (a padding position decodes the clip's last real frame, zeroed later), and the
+        crop window from the index's frame size and the draws."""
+        t = self.t
+        items = []
+        for i in rows:
+            idx, _, meta = plans[i]
+            frames = idx.copy()
+            for c in range(t.clips):
+                valid = frames[c] >= 0
+                frames[c][~valid] = frames[c][valid][-1]
+            item = {"enc": encoded[i], "idx": frames.reshape(-1).astype(np.int32)}
+            if t.size is not None:
+                a, b = crop_roi(int(meta["height"]), int(meta["width"]), t.train, t.scale, t.ratio, t.size, t.resize,
+                                u[i, 1:5])
+                item.update(r0=np.array(a, np.float32), r1=np.array(b, np.float32),
+                            m=np.array(int(t.train and u[i, 5] < t.flip), np.int32))
+            items.append(item)
+        return items
+
+    def _gpu_decode(self, rows: list[int], encoded: Sequence[np.ndarray], plans: dict, u: np.ndarray, dst: Any,
+                    stream: ctypes.c_void_p | None) -> dict[int, Exception | None]:
+        """Rows `rows` through the mixed pipeline into `dst`'s rows: {row: None (written) or the
+        exception}. A failed batch is retried sample by sample (DALI invalidates a pipeline after
+        an operator error), to name the bad ones and keep the rest."""
+        out: dict[int, Exception | None] = {}
+        if not rows:
+            return out
+        items = self._gpu_items(rows, encoded, plans, u)
+        with self._lock:
+            try:
+                self._gpu_run(items, rows, dst, stream)
+                out = dict.fromkeys(rows)
+            except RuntimeError:
+                self._gpu = None
+                from gdsload.decode.image import dali_reason
+
+                for i, item in zip(rows, items):
+                    try:
+                        self._gpu_run([item], [i], dst, stream)
+                        out[i] = None
+                    except RuntimeError as exc:
+                        self._gpu = None
+                        out[i] = ValueError(dali_reason(exc))
+        self._zero_padding([i for i in rows if out[i] is None], plans, dst, stream)
+        return out
+
+    def _gpu_run(self, items: list[dict], rows: list[int], dst: Any, stream: ctypes.c_void_p | None) -> None:
+        """One run of the mixed pipeline, its output copied into `dst`'s `rows` on `stream`
+        (`copy_to_external`, complete when this returns: the next run reuses DALI's buffers)."""
+        row_shape = tuple(dst.shape[1:])
+        key = (os.getpid(), row_shape)
+        if self._gpu is None or self._gpu_key != key:
+            from gdsload.decode.image import _BUILT
+
+            self._gpu = self._build_gpu(row_shape)
+            self._gpu_key = key
+            _BUILT.add(self._gpu)
+        for name in items[0]:
+            self._gpu.feed_input(name, [it[name] for it in items])
+        (res,) = self._gpu.run()
+        shapes = [tuple(s) for s in res.shape()]
+        if len(shapes) != len(rows) or any(s != row_shape for s in shapes):
+            raise ValueError(f"the mixed video pipeline made samples of shape {sorted(set(shapes))}, the slot's rows "
+                             f"are {row_shape}")
+        base = dst.__cuda_array_interface__["data"][0]
+        row_nb = int(np.prod(row_shape)) * dst.dtype.itemsize
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive rows: one copy
+            res.copy_to_external(ctypes.c_void_p(base + rows[0] * row_nb), cuda_stream=stream, non_blocking=False)
+        else:
+            for k, i in enumerate(rows):
+                res[k].copy_to_external(ctypes.c_void_p(base + i * row_nb), cuda_stream=stream, non_blocking=False)
+
+    def _zero_padding(self, rows: list[int], plans: dict, dst: Any, stream: ctypes.c_void_p | None) -> None:
+        """Zero the padding frames (index -1: a video shorter than the clip) of NVDEC rows in
+        `dst`, on `stream` after their copy: `cudaMemsetAsync` per padded run."""
+        t = self.t
+        spans = []  # (byte offset, bytes)
+        item = dst.dtype.itemsize
+        row_nb = int(np.prod(dst.shape[1:])) * item
+        for i in rows:
+            idx = plans[i][0]
+            for c in range(t.clips):
+                n = int((idx[c] >= 0).sum())  # padding is each clip's tail (clip_indices)
+                if n == t.frames:
+                    continue
+                if t.layout == "NCTHW":  # (clips, C, T, H, W): per channel, frames n.. of clip c
+                    plane = int(np.prod(dst.shape[-2:])) * item
+                    for ch in range(3):
+                        spans.append((i * row_nb + ((c * 3 + ch) * t.frames + n) * plane, (t.frames - n) * plane))
+                else:  # (clips, T, H, W, C): frames n.. of clip c
+                    frame = int(np.prod(dst.shape[-3:])) * item
+                    spans.append((i * row_nb + (c * t.frames + n) * frame, (t.frames - n) * frame))
+        if not spans:
+            return
+        import cupy
+
+        base = dst.__cuda_array_interface__["data"][0]
+        handle = stream.value if stream is not None else 0
+        with cupy.cuda.Device(self.device_id):
+            for off, nb in spans:
+                cupy.cuda.runtime.memsetAsync(base + off, 0, nb, handle or 0)
+
+    def _to_device(self, host: np.ndarray, dst: Any, rows: list[int], stream: ctypes.c_void_p | None,
+                   wait: bool) -> None:
+        """Copy `host`'s `rows` (the CPU path's, in mixed mode) into `dst`'s, on `stream`; runs of
+        consecutive rows in one copy each. `wait`: synchronise the stream (a scratch `host`)."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        row_nb = int(np.prod(dst.shape[1:])) * dst.dtype.itemsize
+        base, src = dst.__cuda_array_interface__["data"][0], host.ctypes.data
+        handle = (stream.value if stream is not None else 0) or 0
+        runs: list[list[int]] = []
+        for i in rows:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        with cupy.cuda.Device(self.device_id):
+            for a, b in runs:
+                rt.memcpyAsync(base + a * row_nb, src + a * row_nb, (b - a) * row_nb, rt.memcpyHostToDevice, handle)
+            if wait:
+                cupy.cuda.ExternalStream(handle, self.device_id).synchronize()
 
     def _nvdec_takes(self, meta: dict) -> bool:
         """"mixed": whether this GPU's NVDEC decodes the video (codec, bit depth, size from the
@@ -305,10 +505,36 @@ class VideoDecoder:
             self._pool = None
 
     def decode_into(self, encoded: Sequence[np.ndarray], names: Sequence[str], metas: Sequence[dict | None],
-                    u: np.ndarray, dst: np.ndarray, frames_dst: np.ndarray) -> list[int]:
-        """Decode row i's clip(s) into `dst[i]`, their indices into `frames_dst[i]`; `metas[i]`:
-        the index's metadata (None: probed now), `u[i]`: its 6 draws. Returns the rows kept."""
+                    u: np.ndarray, dst: Any, frames_dst: np.ndarray, *, host: np.ndarray | None = None,
+                    stream: Any = None) -> list[int]:
+        """Decode row i's clip(s) into `dst[i]`, their indices into `frames_dst[i]` (host memory);
+        `metas[i]`: the index's metadata (None: probed now), `u[i]`: its 6 draws. Returns the rows
+        kept.
+
+        `device="mixed"`: `dst` is device memory (CuPy, C-contiguous: the ring's device slot
+        field); NVDEC rows are written there by the mixed pipeline with `copy_to_external` on
+        `stream` (a `ctypes.c_void_p` or an int handle: the loader's private stream; None: the
+        legacy default stream); CPU-path rows are made in `host` (a host array shaped like `dst`,
+        pinned in a loader; None: a scratch array, then the stream is synchronised) and copied to
+        their rows on `stream` (module docstring)."""
         t = self.t
+        mixed = self.device == "mixed"
+        if mixed:
+            cai = getattr(dst, "__cuda_array_interface__", None)
+            if cai is None:
+                raise ValueError("VideoDecoder(device='mixed') writes device memory: dst is a host array (a "
+                                 "GPU -> host round trip); pass the device slot (CuPy) and `host=` for the CPU path")
+            if cai.get("strides") is not None:
+                raise ValueError(f"VideoDecoder(device='mixed'): dst must be C-contiguous, not strides {cai['strides']}")
+            if host is not None and (tuple(host.shape) != tuple(dst.shape) or np.dtype(host.dtype) != np.dtype(dst.dtype)
+                                     or not host.flags.c_contiguous):
+                raise ValueError(f"host= must be a C-contiguous {np.dtype(dst.dtype)} array of dst's shape "
+                                 f"{tuple(dst.shape)}, not {host.dtype} {tuple(host.shape)}")
+            if isinstance(stream, int) and not isinstance(stream, bool):
+                stream = ctypes.c_void_p(stream)
+            if stream is not None and not isinstance(stream, ctypes.c_void_p):
+                raise TypeError(f"stream must be a ctypes.c_void_p, an int handle or None, not {type(stream).__name__} "
+                                f"(DALI's copy_to_external reads any other object as the legacy stream)")
         bad: list[tuple[int, str]] = []
         plans: dict[int, tuple[np.ndarray, np.ndarray, dict]] = {}
         for i, (e, meta) in enumerate(zip(encoded, metas)):
@@ -328,20 +554,28 @@ class VideoDecoder:
             idx = clip_indices(meta["frames"], t.frames, t.stride, t.clips, t.sampling, float(u[i, 0]))
             wanted = np.unique(idx[idx >= 0])
             plans[i] = (idx, wanted, meta)
-        on_dali = NVDEC_VIDEO if self.device == "mixed" else DALI_CPU_VIDEO
-        dali = [(i, encoded[i], w) for i, (_, w, m) in plans.items() if m["codec"] in on_dali and self._nvdec_takes(m)]
-        got: dict[int, Any] = self._dali_decode(dali)
-        if self.device == "mixed":  # NVDEC refused it after all (a chroma the index does not record): CPU path
+        on_gpu: dict[int, Exception | None] = {}  # mixed: NVDEC rows, None once in dst
+        got: dict[int, Any] = {}  # rows decoded on the host: (k, H, W, 3) frames or the exception
+        if mixed:
+            nv = [i for i, (_, w, m) in plans.items() if m["codec"] in NVDEC_VIDEO and self._nvdec_takes(m)]
+            on_gpu = self._gpu_decode(nv, encoded, plans, u, dst, stream)
             from gdsload.host.gpu import nvdec_refused
 
-            for i in [i for i, r in got.items() if isinstance(r, Exception) and nvdec_refused(str(r))]:
-                del got[i]
-        self._route("nvdec" if self.device == "mixed" else "dali-cpu",
-                    sum(not isinstance(r, Exception) for r in got.values()))
-        for i, (_, w, m) in plans.items():
-            if i in got and not isinstance(got[i], Exception):
-                self.frames_decoded += int(w[-1]) + 1 if m["codec"] != "mjpeg" else len(w)
-        rest = [i for i in plans if i not in got]
+            for i in [i for i, r in on_gpu.items() if isinstance(r, Exception) and nvdec_refused(str(r))]:
+                del on_gpu[i]  # NVDEC refused it after all (a chroma the index does not record): CPU path
+            self._route("nvdec", sum(r is None for r in on_gpu.values()))
+            for i, r in on_gpu.items():
+                if r is None:
+                    self.frames_decoded += int(plans[i][1][-1]) + 1
+        else:
+            dali = [(i, encoded[i], w) for i, (_, w, m) in plans.items() if m["codec"] in DALI_CPU_VIDEO]
+            got = self._dali_decode(dali)
+            self._route("dali-cpu", sum(not isinstance(r, Exception) for r in got.values()))
+            for i, r in got.items():
+                if not isinstance(r, Exception):
+                    m = plans[i][2]
+                    self.frames_decoded += int(plans[i][1][-1]) + 1 if m["codec"] != "mjpeg" else len(plans[i][1])
+        rest = [i for i in plans if i not in got and i not in on_gpu]
         self._route("pyav", len(rest))
         if rest:  # PyAV (H.264, HEVC, ...): `threads` videos at a time, the GIL released in FFmpeg
             if self._pool is None:
@@ -362,8 +596,9 @@ class VideoDecoder:
                     got[i], n = r
                     self.frames_decoded += n
         for i in list(plans):
-            if isinstance(got[i], Exception):
-                bad.append((i, str(got[i])))
+            r = on_gpu[i] if i in on_gpu else got[i]
+            if isinstance(r, Exception):
+                bad.append((i, str(r)))
                 del plans[i]
         if bad and self.on_error == "raise":
             i, why = min(bad)
@@ -371,17 +606,33 @@ class VideoDecoder:
                               remedy="pass on_error='skip' to skip and count such samples")
         self.skipped += len(bad)
         kept = sorted(plans)
-        clips: list[tuple[int, int, np.ndarray, int]] = []  # (row, clip, frames (T', H, W, 3), T')
         for i in kept:
-            idx, wanted, _ = plans[i]
+            idx = plans[i][0]
             frames_dst[i] = idx.reshape(frames_dst[i].shape)
+            self.frames_returned += int((idx >= 0).sum())
+        cpu_rows = [i for i in kept if i not in on_gpu]
+        if not mixed:
+            self._host_rows(cpu_rows, plans, got, u, dst)
+        elif cpu_rows:  # the CPU path's rows, made on the host, one copy to the device each run of rows
+            scratch = host is None
+            out = np.zeros(dst.shape, np.dtype(dst.dtype)) if scratch else host
+            self._host_rows(cpu_rows, plans, got, u, out)
+            self._to_device(out, dst, cpu_rows, stream, wait=scratch)
+        return kept
+
+    def _host_rows(self, rows: list[int], plans: dict, got: dict, u: np.ndarray, dst: np.ndarray) -> None:
+        """The CPU path's crop pipeline: rows `rows` (their frames decoded on the host, in `got`)
+        cropped, resized and normalised into host array `dst` (untouched frames for size=None)."""
+        t = self.t
+        clips: list[tuple[int, int, np.ndarray, int]] = []  # (row, clip, frames (T', H, W, 3), T')
+        for i in rows:
+            idx, wanted, _ = plans[i]
             arr = got[i]
             for c in range(t.clips):
                 valid = idx[c][idx[c] >= 0]
                 clips.append((i, c, arr[np.searchsorted(wanted, valid)], len(valid)))
-                self.frames_returned += len(valid)
         out_rows = dst if t.clips > 1 else dst[:, None]
-        for i in kept:
+        for i in rows:
             out_rows[i] = 0  # padding frames are zeros
         if t.size is None:  # untouched frames
             for i, c, fr, n in clips:
@@ -390,7 +641,9 @@ class VideoDecoder:
                     o[:, :n] = fr.transpose(3, 0, 1, 2)
                 else:
                     o[:n] = fr
-            return kept
+            return
+        if not clips:
+            return
         r0, r1, mirror = [], [], []
         for i, c, fr, _ in clips:
             h, w = fr.shape[1:3]
@@ -414,4 +667,3 @@ class VideoDecoder:
                         o[:, :n] = np.array(res[k])
                     else:
                         o[:n] = np.array(res[k])
-        return kept

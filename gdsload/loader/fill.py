@@ -115,9 +115,14 @@ class SlotFiller:
                        for name in reads.tensors} if reads.tensor_checks else None
         if own:  # packed members: a few crc32 calls, each giving the GIL up once
             self._check(reads, staging, tensor_rows)
-        with self._cpu:  # per-sample values (and CRC32s member by member); images decode after, in their turn
-            if not own:
+        else:
+            with self._cpu:  # CRC32s member by member
                 self._check(reads, staging, tensor_rows)
+        # the fields written through `bufs` (labels, images, media): a reader's slot is handed out
+        # before the consumer's loop variable lets go of them (`Ring.acquire(defer=True)`), so this
+        # batch was planned, read and checked while the batch before it decoded; wait for it here
+        slot.settle()
+        with self._cpu:  # per-sample values; images decode after, in their turn
             self._host_values(reads, staging, info, to_host, bufs)
         for fp in self.layout.fields:
             if fp.kind == "image":
@@ -189,10 +194,19 @@ class SlotFiller:
         salt = video.SALT if fp.kind == "video" else audio.SALT
         u = draws(*self.draw_key, ids, salt + 0x10000 * zlib_crc(fp.name), k=6)
         streams = self.res.streams
+        dec = self.res.media_decoder(fp)
         dst = bufs["__h_" + fp.name] if streams else bufs[fp.name]
         aux = bufs["__h_" + fp.aux] if streams else bufs[fp.aux]
         t0 = time.perf_counter()
-        kept = self.res.media_decoder(fp).decode_into(encoded, names, metas, u, dst, aux)
+        if streams and getattr(dec, "device", "cpu") == "mixed":
+            # NVDEC video: one mixed pipeline writes the device slot on the private stream; only
+            # rows that take the CPU path go through the host field (gdsload.decode.video, R11)
+            kept = dec.decode_into(encoded, names, metas, u, bufs[fp.name], aux, host=dst,
+                                   stream=streams.stream_handle)
+            self.times.add("decode", time.perf_counter() - t0)
+            streams.to_device(bufs[fp.aux][: len(ids)], aux[: len(ids)])
+            return kept
+        kept = dec.decode_into(encoded, names, metas, u, dst, aux)
         self.times.add("decode", time.perf_counter() - t0)
         if streams:
             streams.to_device(bufs[fp.name][: len(ids)], dst[: len(ids)])
