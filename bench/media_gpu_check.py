@@ -17,7 +17,10 @@ audit 4 R2), so every side is >= `MIN_SIDE` = 144 and a multiple of 16.
 `VideoTransform(frames=6, stride=3, clips=2, size=None, dtype="uint8")` draws, the two rows of
 every clip and compares each returned frame with PyAV's frame of the same index: PSNR >= 30 dB per
 frame passes (YUV->RGB conversions differ by rounding, not by frame). Then `--runs` more decodes of
-the same batch, timed: clips/s. With `--device mixed` each clip is routed as the decoder routes it
+the same batch, timed: clips/s. With `--device mixed` the output is device memory written on a
+private stream, as in the loader (`VideoDecoder`'s one mixed pipeline: NVDEC, crop and layout on
+the GPU, `copy_to_external`; audit 4 R11), read back once for the comparison; the clips/s are of
+that path. A host without CuPy or a CUDA device decodes with `device="cpu"` and says so. With `--device mixed` each clip is routed as the decoder routes it
 (`gdsload.host.gpu.nvdec_route` over this GPU's NVDEC capabilities): NVDEC when it takes the
 codec, bit depth and size, else the CPU path. The row says where it ran (`on`: "gpu" only when
 every sample went to NVDEC, from the decoder's own `routes` counters) and where the probe said it
@@ -37,6 +40,7 @@ itself crashed (gpu_check.sh's "media" row).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -173,20 +177,33 @@ def _video(rows: _Rows, d: Path, name: str, device: str, ref, meta: dict, runs: 
         rows.add(f"video_{name}", "SKIP", f"{device} decoding does not take {name}", "cpu", "cpu")
         return
     expect, why = _route(device, name, meta)
-    dec = VideoDecoder(t, batch_size=ROWS, threads=2, device=device)
     enc = np.frombuffer(path.read_bytes(), np.uint8)
     u = _draws()
     out = np.zeros((ROWS, *t.output_shape((H, W))), np.uint8)
     idx = np.zeros((ROWS, *t.frames_shape()), np.int64)
-    args = ([enc] * ROWS, [f"{name}:{i}" for i in range(ROWS)], [meta] * ROWS, u, out, idx)
+    dst, kw, stream, dec_device = out, {}, None, device
+    if device == "mixed":  # as the loader: into device memory on a private stream (audit 4 R11)
+        try:
+            import cupy
+
+            cupy.cuda.runtime.getDeviceCount()  # raises without a CUDA device
+            stream = cupy.cuda.Stream(non_blocking=True)
+            dst = cupy.zeros(out.shape, out.dtype)
+            kw = {"host": np.zeros_like(out), "stream": ctypes.c_void_p(stream.ptr)}
+        except Exception as exc:  # noqa: BLE001 (no CuPy or no device: nothing runs on a GPU here)
+            dec_device, why = "cpu", f"{why}; no CUDA device for the output ({type(exc).__name__})"
+    dec = VideoDecoder(t, batch_size=ROWS, threads=2, device=dec_device)
+    args = ([enc] * ROWS, [f"{name}:{i}" for i in range(ROWS)], [meta] * ROWS, u, dst, idx)
     try:
-        kept = dec.decode_into(*args)
+        kept = dec.decode_into(*args, **kw)
     except MissingDependencyError as exc:  # the CPU fallback needs PyAV, which the GPU host lacks
         routes = dict(dec.routes)
         on = "gpu" if routes.get("nvdec") and len(routes) == 1 else "cpu"
         rows.add(f"video_{name}", "INFO" if expect == "cpu" else "FAIL",
                  f"routed to the CPU ({why}); not decoded here: {exc}"[:300], on, expect, routes=routes)
         return
+    if stream is not None:
+        out[...] = dst.get(stream=stream)
     routes = dict(dec.routes)
     on = "gpu" if routes.get("nvdec") == ROWS and len(routes) == 1 else "cpu"
     stored = ref[f"{name}_frames"]
@@ -204,7 +221,9 @@ def _video(rows: _Rows, d: Path, name: str, device: str, ref, meta: dict, runs: 
                 psnrs.append(_psnr(out[i, c, k], ref[name][pos]))
     t0 = time.perf_counter()
     for _ in range(runs):
-        dec.decode_into(*args)
+        dec.decode_into(*args, **kw)
+    if stream is not None:
+        stream.synchronize()
     rate = runs * ROWS * t.clips / max(time.perf_counter() - t0, 1e-9)
     ok = len(kept) == ROWS and bool(psnrs) and not missing and min(psnrs) >= 30.0
     label = "nvdec" if on == "gpu" else "cpu" if device == "cpu" else f"cpu fallback ({why})"

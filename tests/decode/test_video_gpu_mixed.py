@@ -207,3 +207,29 @@ def test_device_ring_gets_nvdec_video_without_a_host_to_device_copy(monkeypatch,
     assert sorted(c[2] for c in copies) == [row, 2 * row, 2 * row]
     assert all(size <= 2 * 4 * 8 for _, _, size, _, _ in gpu.log_calls("memcpyAsync"))  # frame indices only
     assert not gpu.log_calls("dali_as_cpu") and loader.stats()["media"]["mp4"]["frames_decoded"] > 0
+
+
+def test_gpu_checks_video_step_runs_the_mixed_path(monkeypatch, tmp_path):
+    """bench/media_gpu_check.py `check --device mixed` (gpu_check.sh part 2's media step) decodes
+    into device memory on a private stream, as the loader does: on Hopper's NVDEC table every clip
+    goes through the mixed pipeline (rows on "gpu", as expected, PSNR against PyAV), with no
+    `as_cpu` and no host-to-device copy. Before, it passed a host array, which the mixed decoder
+    now refuses (the round trip)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import media_gpu_check as mc
+
+    mc.make(tmp_path / "m")
+    gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
+    gpu_fakes.install_nvdec(monkeypatch)
+    gpu_fakes.dali_video_mixed_on_cpu(monkeypatch, gpu)
+    rows = {r["step"]: r for r in mc.check(tmp_path / "m", "mixed", runs=1)}
+    for codec in mc.CODECS:
+        row = rows[f"video_{codec}"]
+        assert (row["status"], row["on"], row["expect"]) == ("PASS", "gpu", "gpu"), row
+        assert row["figure"].startswith("nvdec: ") and "PSNR min 99.0" in row["figure"]
+    private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
+    copies = gpu.log_calls("dali_copy")
+    assert len(copies) == 2 * len(mc.CODECS) and all(c[1] in private for c in copies)  # checked + 1 timed run
+    assert not gpu.log_calls("dali_as_cpu") and not gpu.log_calls("memcpyAsync")
