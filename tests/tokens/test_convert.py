@@ -55,6 +55,8 @@ def test_token_shards_hold_every_document_checked(corpus):
         members = [x for x in t.getmembers() if x.isfile()]
     assert len(members) >= 2 and all(x.name.endswith(".tokens") and x.offset_data % 4096 == 0 for x in members)
     assert all(x.size <= CHUNK_TOKENS * 2 for x in members[:-1])
+    # and the dataset is an ordinary one: gdsload verify's checks pass (sizes, hashes, index, DALI index)
+    assert not any(ShardedDataset(str(corpus.tokens)).verify().values())
 
 
 def test_disk_is_at_most_1_05x_the_token_bytes(corpus):

@@ -220,6 +220,13 @@ def test_text_tokenized_on_the_fly_gives_the_pretokenized_rows(corpus):
         len(text)
     with pytest.raises(ConfigError, match="pass tokenizer="):
         gdsload.TokenLoader(str(corpus.text), 256, 4)
+    from conftest import train_tokenizer
+
+    other = train_tokenizer(corpus.docs[:20], vocab=300)
+    with pytest.raises(ConfigError, match="tokenized with another tokenizer"):
+        gdsload.TokenLoader(str(corpus.tokens), 256, 4, tokenizer=other)
+    same = gdsload.TokenLoader(str(corpus.tokens), 256, 4, tokenizer=str(corpus.tokenizer_json), eos_token="<eos>")
+    assert same.eos_id == corpus.eos
 
 
 def test_eos_pad_and_drop_last(corpus):
