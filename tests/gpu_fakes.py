@@ -936,7 +936,7 @@ def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPP
     (DALI 2.4 `decoders__Video`) has, and its `frames` as the real one does: any order, repeats,
     past the end padded with zero frames (`pad_mode="constant"`, the default, checked on the CPU
     decoder); a negative index raises (the schema says indices must be non-negative). Each
-    decode is logged as ("nvdec", key, width, height, thread). Returns the operator's argument
+    decode is logged as ("nvdec", key, width, height, thread, frames). Returns the operator's argument
     sets, one dict per graph built."""
     import io
 
@@ -958,7 +958,8 @@ def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPP
             cc = c.streams.video[0].codec_context
             key = nvdec_check(table, cc.name, cc.pix_fmt or "", int(cc.width), int(cc.height))
             decoded = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
-        gpu.log.append(("nvdec", key, int(cc.width), int(cc.height), threading.current_thread().name))
+        gpu.log.append(("nvdec", key, int(cc.width), int(cc.height), threading.current_thread().name,
+                        tuple(int(i) for i in frames)))
         pad = np.zeros_like(decoded[0])
         return np.stack([decoded[int(i)] if i < len(decoded) else pad for i in frames])
 

@@ -26,8 +26,9 @@ relative crop window as `roi_start`/`roi_end` -> `fn.crop_mirror_normalize` (dty
 flip, layout), all on the GPU; for `layout="NCTHW"` with several clips a `fn.reshape` and
 `fn.transpose` make the slot row's (clips, C, T, H, W). The crop window needs only the frame
 size and the draws (`crop_roi`), and the index holds width and height, so nothing is decoded to
-choose it. One sample is one video: its `frames` are the row's clips back to back (DALI takes any
-order and repeats), so NVDEC decodes each video once however many clips it has. The output goes
+choose it. One sample is one video: NVDEC decodes the sorted, unique frames its clips need (the
+CPU path's list: each frame once, in stream order, however many clips overlap), and after the
+resize `fn.sequence_rearrange` lays the clips' frames back to back (repeats allowed). The output goes
 into the caller's device memory (the ring's device slot) with `copy_to_external` on the
 loader's private stream (a `ctypes.c_void_p`, as images do, `gdsload.decode.image`), one copy
 for a batch whose NVDEC rows are consecutive, one per row otherwise; complete when it returns
@@ -238,8 +239,9 @@ class VideoDecoder:
 
     # -- the mixed pipeline (GPU hosts; module docstring) -----------------------------------------
     def _gpu_graph(self, row_shape: tuple[int, ...], device_id: int | None) -> Any:
-        """The mixed pipeline for slot rows of `row_shape`, built: NVDEC -> resize (roi) ->
-        crop_mirror_normalize (-> reshape + transpose for NCTHW clips), per sample one video."""
+        """The mixed pipeline for slot rows of `row_shape`, built: NVDEC (the sorted unique frames)
+        -> resize (roi) -> sequence_rearrange (the clips' frames back to back) ->
+        crop_mirror_normalize (-> reshape [+ transpose] for several clips); one video per sample."""
         from nvidia.dali import fn, pipeline_def, types
 
         t = self.t
@@ -250,14 +252,17 @@ class VideoDecoder:
         def gpu():
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
             idx = fn.external_source(name="idx", dtype=types.INT32, ndim=1)
+            order = fn.external_source(name="order", dtype=types.INT32, ndim=1)
             # affine=False: the OS places NVDEC's host threads (module docstring)
-            x = fn.decoders.video(enc, device="mixed", frames=idx, affine=False)  # (clips*T, H, W, 3) "FHWC"
+            x = fn.decoders.video(enc, device="mixed", frames=idx, affine=False)  # (k, H, W, 3) "FHWC"
             one = t.clips == 1
             if t.size is not None:
                 r0 = fn.external_source(name="r0", dtype=types.FLOAT, ndim=1)
                 r1 = fn.external_source(name="r1", dtype=types.FLOAT, ndim=1)
                 m = fn.external_source(name="m", dtype=types.INT32, ndim=0)
                 x = fn.resize(x, size=[t.size, t.size], roi_start=r0, roi_end=r1, roi_relative=True)
+            x = fn.sequence_rearrange(x, new_order=order)  # the clips back to back: (clips*T, h, w, 3)
+            if t.size is not None:
                 norm = t.mean is not None and t.dtype != "uint8"
                 out = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[t.dtype]
                 x = fn.crop_mirror_normalize(
@@ -283,18 +288,20 @@ class VideoDecoder:
         return self._gpu_graph(row_shape, self.device_id)
 
     def _gpu_items(self, rows: list[int], encoded: Sequence[np.ndarray], plans: dict, u: np.ndarray) -> list[dict]:
-        """Per NVDEC row, the mixed pipeline's inputs: the encoded video, its clips' frames back to
-        back (a padding position decodes the clip's last real frame, zeroed later), and the
-        crop window from the index's frame size and the draws."""
+        """Per NVDEC row, the mixed pipeline's inputs: the encoded video, the frames to decode (the
+        CPU path's: sorted, unique), where each clip position takes its frame from (a padding
+        position the clip's last real frame, zeroed later), and the crop window from the
+        index's frame size and the draws."""
         t = self.t
         items = []
         for i in rows:
-            idx, _, meta = plans[i]
+            idx, wanted, meta = plans[i]
             frames = idx.copy()
             for c in range(t.clips):
                 valid = frames[c] >= 0
                 frames[c][~valid] = frames[c][valid][-1]
-            item = {"enc": encoded[i], "idx": frames.reshape(-1).astype(np.int32)}
+            item = {"enc": encoded[i], "idx": wanted.astype(np.int32),
+                    "order": np.searchsorted(wanted, frames.reshape(-1)).astype(np.int32)}
             if t.size is not None:
                 a, b = crop_roi(int(meta["height"]), int(meta["width"]), t.train, t.scale, t.ratio, t.size, t.resize,
                                 u[i, 1:5])
