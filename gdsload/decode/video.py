@@ -18,35 +18,38 @@ resized to `size` and normalised in one DALI pipeline on the frames as a sequenc
 `dtype="uint8"` with `size=None` returns the decoded frames untouched (every video of the
 dataset must then have one frame size). Padding frames (index -1) are zeros in the output.
 
-GPU hosts (`device="mixed"`, audit 4 R11): the frames never visit the host. The videos this GPU's
-NVDEC takes (H.264, HEVC, VP8, VP9, AV1, MPEG-4 by codec, bit depth and size from the index,
-against `gdsload.host.gpu.nvdec_caps`, probed once per process) go through ONE mixed DALI
-pipeline: `fn.decoders.video(device="mixed", frames=...)` (NVDEC) -> `fn.resize` with the clip's
-relative crop window as `roi_start`/`roi_end` -> `fn.crop_mirror_normalize` (dtype, mean/std,
-flip, layout), all on the GPU; for `layout="NCTHW"` with several clips a `fn.reshape` and
-`fn.transpose` make the slot row's (clips, C, T, H, W). The crop window needs only the frame
-size and the draws (`crop_roi`), and the index holds width and height, so nothing is decoded to
-choose it. One sample is one video: NVDEC decodes the sorted, unique frames its clips need (the
-CPU path's list: each frame once, in stream order, however many clips overlap), and after the
-resize `fn.sequence_rearrange` lays the clips' frames back to back (repeats allowed). The output goes
-into the caller's device memory (the ring's device slot) with `copy_to_external` on the
-loader's private stream (a `ctypes.c_void_p`, as images do, `gdsload.decode.image`), one copy
-for a batch whose NVDEC rows are consecutive, one per row otherwise; complete when it returns
-(DALI reuses its output buffers on the next run). A padding position (index -1) is given the
-clip's last real frame to decode and zeroed afterwards in the slot with `cudaMemsetAsync` on the
-same stream, so padding is zeros as on the CPU path (no arithmetic on the frames: DALI's CPU
-arithmetic has no float16). What NVDEC does not take, by the probe or by its refusal at decode
-time (a chroma the index does not record), is decoded by PyAV on the CPU, cropped by the CPU
-pipeline into host memory (the ring's pinned "__h_" field) and copied to its rows on the same
-stream: the one host-to-device copy, for those rows only. `routes` counts samples per decoder
-("nvdec", "dali-cpu", "pyav"). The shapes, dtypes and layouts are the CPU path's; the values
-are GPU resampling's (bilinear on the GPU, not bit-equal to the CPU's). A host `dst` is refused
-with `device="mixed"`: that would be the round trip.
+GPU hosts (`device="mixed"`, audit 4 R11): NVDEC's frames never visit the host. The videos this
+GPU's NVDEC takes (H.264, HEVC, VP8, VP9, AV1, MPEG-4 by codec, bit depth and size from the index,
+against `gdsload.host.gpu.nvdec_caps`, probed once per process) go through ONE mixed DALI pipeline,
+one video per sample, all on the GPU after the demux:
+`fn.decoders.video(device="mixed", frames=...)` (NVDEC decodes the sorted, unique frames the clips
+need: the CPU path's list, each frame once in stream order however the clips overlap) ->
+`fn.resize` with the row's relative crop window as `roi_start`/`roi_end` ->
+`fn.sequence_rearrange` (the clips' frames back to back, repeats allowed) ->
+`fn.crop_mirror_normalize` (dtype, mean/std, flip, "CFHW" or "FHWC") -> with several clips a
+`fn.reshape` to (clips, T, H, W, C), and for "NCTHW" a `fn.transpose` to (clips, C, T, H, W).
+The crop window needs only the frame size and the draws (`crop_roi`), and the index holds width
+and height, so nothing is decoded to choose it. The output goes into the caller's device memory
+(the ring's device slot) with `copy_to_external` on the loader's private stream (a
+`ctypes.c_void_p`, as images do, `gdsload.decode.image`): one copy for a batch whose NVDEC rows
+are consecutive, one per row otherwise, complete when it returns (DALI reuses its output
+buffers on the next run). A padding position (index -1) takes the clip's last real frame and is
+zeroed afterwards in the slot by `cudaMemsetAsync` on the same stream, so padding is zeros as on
+the CPU path (a memset rather than a mask multiply in the graph: only padded rows pay, and DALI's
+CPU arithmetic, on which the tests run this graph, has no float16). What NVDEC does not take, by
+the probe or by refusing it at decode time (a chroma the index does not record), is decoded by
+PyAV, cropped by the CPU pipeline into host memory (the ring's pinned "__h_" field, `host=`) and
+copied to its rows on the same stream: the only host-to-device copy, for those rows only.
+`routes` counts samples per decoder ("nvdec", "dali-cpu", "pyav"). Shapes, dtypes and layouts
+are the CPU path's; values may differ from it by the GPU kernels' rounding (not yet compared on
+a GPU: bench/gpu_check.sh's video step checks NVDEC's frames against PyAV's). A host `dst` is
+refused with `device="mixed"`: that would be the round trip.
 
-NVDEC's thread pool is built with `affine=False` (DALI's default pins thread i to core i of
-the GPU's NVML affinity set, `OldThreadPool(..., affine)`): a loader shares the host's cores
-with its reader threads, PyAV's pool and the training process, and a container's cgroup/cpuset
-may not hold the cores DALI picks, so the OS places those threads instead.
+NVDEC's host thread pool is built with `affine=False`. DALI's default (`affine=True`) has each of
+its threads call `nvml::SetCPUAffinity`, restricting it to the CPUs NVML reports as close to the
+GPU; a loader shares the host's cores with its reader threads, PyAV's pool and the training
+process, and a container's cgroup/cpuset decides which cores it may use, so the OS scheduler
+places these threads instead (they demux and feed NVDEC; the decoding itself is on the GPU).
 
 Threads: the decoder may be called from several reader threads; its DALI pipelines each run
 under a lock, PyAV decodes outside it. Corrupt media follow `on_error` naming shard and key.
