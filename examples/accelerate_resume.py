@@ -35,41 +35,11 @@ import tempfile
 from pathlib import Path
 
 import accelerate
-import numpy as np
 import torch
 
-import gdsload
+from resume_kit import open_loader, start_feed, tiny_dataset
 
 EPOCHS, SAVE_EVERY = 2, 4
-
-
-def tiny_dataset(path: Path, n: int = 48) -> None:
-    """`n` samples, each an 8-float `npy` row equal to its index and a `cls` label."""
-    with gdsload.ShardWriter(str(path), shard_size="48KiB", classes=["a", "b", "c"]) as w:
-        for i in range(n):
-            w.write({"__key__": f"{i:04d}", "npy": np.full(8, i, np.float32), "cls": i % 3})
-
-
-FEED: str | None = None  # --feed: "HOST:PORT" of a feed server started by main() on loopback
-
-
-def open_loader(shards: str, **kw):
-    """The training's loader: `gdsload.DataLoader`, or with --feed `gdsload.RemoteLoader` pulling the
-    same batches from a feed server (the same resume, with no glue either)."""
-    if FEED is None:
-        return gdsload.DataLoader(shards, **kw)
-    return gdsload.RemoteLoader(FEED, dataset=Path(shards).name, **kw)
-
-
-def start_feed(shards: str) -> object:
-    """A feed server on loopback serving `shards` (--feed); sets FEED; returns it (shut it down)."""
-    global FEED
-    from gdsload.service import create_server
-
-    server, port = create_server([str(Path(shards).parent)], address="127.0.0.1:0")
-    server.start()
-    FEED = f"127.0.0.1:{port}"
-    return server
 
 
 def train(shards: str, workdir: Path, resume: Path | None = None, check_rows: bool = True) -> list[str]:
