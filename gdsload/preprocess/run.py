@@ -94,7 +94,7 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
             return {**_summary(done, [], Stages(), t0, engine, workers), "complete": True}
         todo = [u for u in range(len(ds.shards)) if not store.exists(unit_name(u))]
         total_s = sum(it_seconds(ds, u, sel) for u in range(len(ds.shards)))
-        report = _reporter(progress, total_s, len(ds.shards))
+        report = _Progress(progress, total_s, len(ds.shards))
         for u in range(len(ds.shards)):
             if u not in todo:
                 report.unit(json.loads(store.read(unit_name(u))))
@@ -270,7 +270,7 @@ def _summary(manifest: dict[str, Any], records: list[dict[str, Any]], stages: St
             "workers": workers or 1, "manifest": manifest}
 
 
-class _reporter:
+class _Progress:
     """Progress in media hours: printed to stderr (`progress=True`) or handed to a callable."""
 
     def __init__(self, progress: Any, total_s: float, units: int):

@@ -1,15 +1,19 @@
 """The `fn`s of the pass tests, importable by name (`--fn passfns:NAME` with this folder as the
 working directory, or `passfns.NAME` here), so a killed CLI pass and its in-process resume run the
-same `module:qualname`. `$PASS_LOG`, when set, gets one line per window `fn` saw."""
+same `module:qualname`. `$PASS_LOG`, when set, gets one line per window `fn` saw; `$PASS_SLOW`
+makes each call sleep that many seconds."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
 
 def _log(b: dict) -> None:
+    if os.environ.get("PASS_SLOW"):  # seconds per batch: a pass slow enough to be stopped
+        time.sleep(float(os.environ["PASS_SLOW"]))
     path = os.environ.get("PASS_LOG")
     if path:
         with open(path, "a") as f:

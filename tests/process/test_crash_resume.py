@@ -110,3 +110,25 @@ def test_cli_summary_json_and_usage(media_src: Path, tmp_path: Path) -> None:
                         "passfns:speech_stats", "--speech", "1", "--frames", "1:2"], cwd=HERE, env=env,
                        capture_output=True, timeout=120)
     assert p.returncode == 2 and "not allowed with argument" in p.stderr.decode()
+
+
+def test_sigterm_stops_the_cli_and_resume_finishes(media_src: Path, reference, tmp_path: Path) -> None:
+    """SIGTERM mid-pass: exit status 143, no manifest, no half-written shard left under its name;
+    --resume then writes the uninterrupted pass's bytes."""
+    import time
+
+    log = tmp_path / "fn.log"
+    env = {**os.environ, "PASS_LOG": str(log), "PASS_SLOW": "0.1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "out"), "--fn",
+                          "passfns:frame_stats", *ARGS], cwd=HERE, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("\n") < 10):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err.decode()[-2000:]
+    assert "interrupted" in err.decode() and not (tmp_path / "out" / "manifest.json").exists()
+    gdsload.process(media_src, tmp_path / "out", passfns.frame_stats, resume=True, **KW)
+    assert_same_output(tmp_path / "out", reference[0])
