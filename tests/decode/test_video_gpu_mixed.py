@@ -231,7 +231,11 @@ def test_gpu_checks_video_step_runs_the_mixed_path(monkeypatch, tmp_path):
         row = rows[f"video_{codec}"]
         assert (row["status"], row["on"], row["expect"]) == ("PASS", "gpu", "gpu"), row
         assert row["figure"].startswith("nvdec: ") and "PSNR min 99.0" in row["figure"]
+        assert "cropped and normalised: PSNR min" in row["figure"]
     private = {ptr for _, ptr, _, nb in gpu.log_calls("stream_create") if nb}
     copies = gpu.log_calls("dali_copy")
-    assert len(copies) == 2 * len(mc.CODECS) and all(c[1] in private for c in copies)  # checked + 1 timed run
+    assert all(c[1] in private for c in copies)
+    raw = mc.ROWS * 2 * 6 * mc.H * mc.W * 3  # uint8 (2 clips of 6 frames), untouched
+    crop = mc.ROWS * 2 * 3 * 6 * mc.H * mc.H * 4  # float32 NCTHW, the centre square
+    assert sorted(c[2] for c in copies) == sorted([raw, raw, crop] * len(mc.CODECS))  # checked, 1 timed, cropped
     assert not gpu.log_calls("dali_as_cpu") and not gpu.log_calls("memcpyAsync")
