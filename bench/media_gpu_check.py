@@ -17,12 +17,17 @@ audit 4 R2), so every side is >= `MIN_SIDE` = 144 and a multiple of 16.
 `VideoTransform(frames=6, stride=3, clips=2, size=None, dtype="uint8")` draws, the two rows of
 every clip and compares each returned frame with PyAV's frame of the same index: PSNR >= 30 dB per
 frame passes (YUV->RGB conversions differ by rounding, not by frame). Then `--runs` more decodes of
-the same batch, timed: clips/s. With `--device mixed` the output is device memory written on a
-private stream, as in the loader (`VideoDecoder`'s one mixed pipeline: NVDEC, crop and layout on
-the GPU, `copy_to_external`; audit 4 R11), read back once for the comparison; the clips/s are of
-that path. A host without CuPy or a CUDA device decodes with `device="cpu"` and says so. With `--device mixed` each clip is routed as the decoder routes it
-(`gdsload.host.gpu.nvdec_route` over this GPU's NVDEC capabilities): NVDEC when it takes the
-codec, bit depth and size, else the CPU path. The row says where it ran (`on`: "gpu" only when
+the same batch, timed: clips/s. Then the same clips once more through the crop path (`CROP`: the
+centre 160x160 square at 1:1, so nothing is resampled, ImageNet-normalised, "NCTHW"), untimed:
+the output un-normalised against PyAV's square, PSNR >= 30 dB per frame, is part of PASS.
+
+With `--device mixed` the output is device memory written on a private stream, as in the loader
+(`VideoDecoder`'s one mixed pipeline: NVDEC, then crop, normalisation and layout on the GPU,
+`copy_to_external`; audit 4 R11), read back once for the comparison; the clips/s are of that
+path. A host without CuPy or a CUDA device decodes with `device="cpu"` and says so. With
+`--device mixed` each clip is routed as the decoder routes it (`gdsload.host.gpu.nvdec_route` over
+this GPU's NVDEC capabilities): NVDEC when it takes the codec, bit depth and size, else the CPU
+path. The row says where it ran (`on`: "gpu" only when
 every sample went to NVDEC, from the decoder's own `routes` counters) and where the probe said it
 would run (`expect`); the verdict FAILs a row whose two differ, so a CPU fallback is never reported
 as a GPU figure. A CPU fallback that cannot decode on the GPU host (H.264/HEVC need PyAV, which

@@ -535,9 +535,13 @@ class VideoDecoder:
                 raise ValueError("VideoDecoder(device='mixed') writes device memory: dst is a host array (a "
                                  "GPU -> host round trip); pass the device slot (CuPy) and `host=` for the CPU path")
             if cai.get("strides") is not None:
-                raise ValueError(f"VideoDecoder(device='mixed'): dst must be C-contiguous, not strides {cai['strides']}")
-            if host is not None and (tuple(host.shape) != tuple(dst.shape) or np.dtype(host.dtype) != np.dtype(dst.dtype)
-                                     or not host.flags.c_contiguous):
+                raise ValueError(f"VideoDecoder(device='mixed'): dst must be C-contiguous, not strides "
+                                 f"{cai['strides']}")
+            if np.dtype(dst.dtype) != np.dtype(t.dtype):  # DALI copies its own bytes to the pointer
+                raise ValueError(f"VideoDecoder(device='mixed'): dst is {np.dtype(dst.dtype)}, the transform "
+                                 f"makes {t.dtype}")
+            if host is not None and (tuple(host.shape) != tuple(dst.shape) or not host.flags.c_contiguous
+                                     or np.dtype(host.dtype) != np.dtype(dst.dtype)):
                 raise ValueError(f"host= must be a C-contiguous {np.dtype(dst.dtype)} array of dst's shape "
                                  f"{tuple(dst.shape)}, not {host.dtype} {tuple(host.shape)}")
             if isinstance(stream, int) and not isinstance(stream, bool):

@@ -140,9 +140,10 @@ def test_without_a_host_buffer_the_cpu_rows_use_a_scratch_and_wait(monkeypatch, 
 
 
 def test_mixed_refuses_a_host_destination_and_a_wrong_stream(monkeypatch, clips):
-    """A host `dst` with device="mixed" would be the GPU -> host round trip: refused, naming it. A
-    stream DALI cannot read (a CuPy Stream object: copy_to_external reads only ctypes.c_void_p,
-    anything else is the legacy stream) is refused too."""
+    """A host `dst` with device="mixed" would be the GPU -> host round trip: refused, naming it; so is
+    a device `dst` of another dtype (DALI would copy its own byte count to it). A stream DALI
+    cannot read (a CuPy Stream object: copy_to_external reads only ctypes.c_void_p, anything else
+    is the legacy stream) is refused too."""
     t = TRANSFORMS["raw-NTHWC"]
     gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False)
     gpu_fakes.install_nvdec(monkeypatch)
@@ -153,6 +154,8 @@ def test_mixed_refuses_a_host_destination_and_a_wrong_stream(monkeypatch, clips)
     with pytest.raises(ValueError, match="dst is a host array"):
         dec.decode_into([clips["long"]], ["v0"], metas, u, np.zeros(shape, np.uint8), idx)
     cupy = sys.modules["cupy"]
+    with pytest.raises(ValueError, match="dst is float32, the transform makes uint8"):
+        dec.decode_into([clips["long"]], ["v0"], metas, u, cupy.zeros(shape, np.float32), idx)
     with pytest.raises(TypeError, match="ctypes.c_void_p"):
         dec.decode_into([clips["long"]], ["v0"], metas, u, cupy.zeros(shape, np.uint8), idx,
                         stream=cupy.cuda.Stream(non_blocking=True))
