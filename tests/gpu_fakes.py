@@ -906,7 +906,7 @@ class FakeMixedPipeline:
     def __init__(self, gpu: FakeGPU, pipe, device_id: int):
         self.gpu, self.pipe, self.device_id = gpu, pipe, device_id
         self._buf = None
-        self._pipe = getattr(pipe, "_pipe", None)  # image._disown_inherited_pipelines looks here
+        self._pipe = None  # the real pipeline inside is in image._BUILT itself (fork safety)
 
     def build(self) -> None:
         pass
@@ -980,6 +980,9 @@ def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPP
             pipe = self._gpu_graph(row_shape, None)  # the same graph, on DALI's CPU backend
         finally:
             monkeypatch.setattr(fn.decoders, "video", real_video)
+        from gdsload.decode.image import _BUILT
+
+        _BUILT.add(pipe)  # disowned in a forked child, as the loader's own pipelines are
         gpu.log.append(("dali_build_mixed", self.device_id, tuple(row_shape)))
         return FakeMixedPipeline(gpu, pipe, self.device_id)
 
