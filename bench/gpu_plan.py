@@ -84,7 +84,7 @@ BENCH_STEPS = {  # gpu_bench step -> (typical s, cap s)
 PART_STEPS = {1: ["data_npy", "device_path", "kvikio_rows", "raw_tier", "ring_safety"],
               2: ["data_jpg", "mixed_vs_cpu", "mixed_busy", "dali_pipeline", "resnet50"]}
 MEDIA_START_S = (6, 20)
-MEDIA_STEP_S = (3, 10)  # per media row: one checked decode and --runs timed ones
+MEDIA_STEP_S = (4, 12)  # per media row: one checked decode, --runs timed ones, one cropped normalised decode (R11)
 
 # fixed phases: name -> (typical s, cap s); gpu_check.sh puts the cap on each
 FIXED = {
