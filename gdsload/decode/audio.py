@@ -38,19 +38,24 @@ window (shorter than its index says: truncated or corrupt) is an error naming bo
 `features="logmel"`: log-mel features (N, n_mels, 1 + samples // hop): a Hann-windowed STFT of
 `n_fft` points every `hop` samples (centred, reflect-padded, as `torch.stft(center=True)`), power
 spectrum, an HTK mel filter bank from 0 Hz to Nyquist (triangles of height 1, `mel_filters`),
-then `10 * log10(max(x, 1e-10))`. Computed with NumPy (`numpy.fft.rfft` over a strided view of
-the frames, each filter as one product over its band of bins) on the cropped waveform, in
-the reader thread that decodes the batch; within 0.5 dB of the same steps in `torch.stft` (the
-test checks it). DALI has these steps too (`fn.spectrogram`, `fn.mel_filter_bank`,
-`fn.to_decibels`), and they were the first implementation: on this 2-core VM they cost 6.7 ms
-of CPU per 10 s recording against 2.0 for `torch.stft` and about 4 for NumPy, and as a second
-pipeline under the decoder's lock they left one reader thread waiting for the other (10 s log-mel
-from FLAC: 92 recordings/s, below torch DataLoader + PyAV). The FFT runs in float64: NumPy 2's
-float32 `rfft` took 2.7 ms for the 1,001 frames of 10 s against 0.8 ms in float64 (here); the mel
-sums are one small product per filter over its band of bins (a filter spans <= 14 of 201 bins):
-0.4 ms against 1.1 ms for gather-and-reduceat; the frames and spectrum live in buffers of each
-reader thread. Features differ from float32's by ~1e-5 dB, up to 0.08 dB in bins near float32's
-noise floor (a pure tone's far bins).
+then `10 * log10(max(x, 1e-10))`. Computed with NumPy (`_LogMel`) on the cropped waveform, in
+the reader thread that decodes the batch, in that thread's buffers: the crop goes straight into
+a float64 buffer with the padding (no zero-filled copy, no `numpy.pad`); frames are windowed and
+transformed (`numpy.fft.rfft`, float64) `LOGMEL_BLOCK` at a time, so a block stays in cache
+between the product and the FFT; the squared real and imaginary parts of every bin are kept side
+by side in float32; each filter is one float32 product over its band of that array (a filter
+spans <= 14 of 201 bins: 80 small products, no BLAS threads); frames past the last nonzero
+sample (a recording shorter than the crop) are not computed: they are silent, -100 dB. Within
+2e-5 dB of the same steps in float64 (tests/decode/test_logmel.py; the float32 sums have no
+cancellation: every term is positive) and 0.5 dB of `torch.stft`'s (tests/test_media.py).
+Measured here (thread CPU on a shared 2-core VM, indicative only): 10 s of a bench FLAC recording
+in ~1.8-2.1 ms against ~2.8 for the version before (fresh zero-filled and padded copies of each
+crop, float64 spectrum and sums, each filter over a stride-2 view); NumPy 2's float32 `rfft` takes
+2.5-2.7 ms for the 1,001 frames against 0.7 ms in float64, hence the float64 FFT (torch's float32
+`rfft`, 0.18 ms, is not a dependency of decoding). DALI has these steps too (`fn.spectrogram`,
+`fn.mel_filter_bank`, `fn.to_decibels`), and they were the first implementation: 6.7 ms of CPU
+per 10 s recording, and as a second pipeline under the decoder's lock they left one reader thread
+waiting for the other (10 s log-mel from FLAC: 92 recordings/s, below torch DataLoader + PyAV).
 
 Threads: the DALI decoding pipeline (and the windows' resampling one) runs under a lock (it is
 short: ~1 ms of a 10 s FLAC recording); PyAV decodes and the features are computed outside it, in parallel across reader
@@ -120,6 +125,8 @@ class AudioTransform:
             raise ValueError("AudioTransform(features='logmel') needs mono=True")
         if not (self.sample_rate > 0 and self.seconds > 0 and self.n_fft > 0 and self.hop > 0 and self.n_mels > 0):
             raise ValueError("AudioTransform: sample_rate, seconds, n_fft, hop and n_mels must be positive")
+        if self.features and self.n_fft % 2:  # 1 + samples // hop frames (torch.stft gives one fewer for odd n_fft)
+            raise ValueError(f"AudioTransform(n_fft={self.n_fft}): features='logmel' needs an even n_fft")
 
     @property
     def samples(self) -> int:
@@ -161,9 +168,9 @@ def decode_nbytes(t: AudioTransform, batch_size: int) -> int:
     `WHOLE_FACTOR` x (output + 1 s) of float32), twice for DALI's own buffers; a window holds its
     output and its source samples (the window and <= 8 s of grid, usually 0.1 s, at the source
     rate: within the same bound while the source rate is up to ~3x the output's); plus log-mel
-    buffers (float64 windowed frames and spectrum) of two reader threads (the server's default)."""
+    buffers (`_LogMel.nbytes`) of two reader threads (the server's default)."""
     oc = 1 if t.mono else t.channels
-    feats = 2 * 2 * (1 + t.samples // t.hop) * (t.n_fft + 2) * 8 if t.features else 0
+    feats = 2 * _LogMel.nbytes(t) if t.features else 0
     return batch_size * 2 * WHOLE_FACTOR * (t.samples + t.sample_rate) * oc * 4 + feats
 
 
@@ -239,6 +246,97 @@ def mel_filters(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
     return np.maximum(0, np.minimum((bins - lo) / (c - lo), (hi - bins) / (hi - c))).astype(np.float32)
 
 
+#: Frames per block of the log-mel STFT: a block's windowed frames and spectrum (64 x 400 float64
+#: and 64 x 201 complex128: 0.2 MB each) are reused block after block, in cache (64 and 128 were
+#: the fastest of 32-1,024 for 10 s at n_fft 400 here; 1,024: ~8 % slower).
+LOGMEL_BLOCK = 64
+
+
+class _LogMel:
+    """Log-mel features as the module docstring says: `(seg, n, dst)` writes the features of
+    `seg` zero-padded to `n` samples into `dst` (n_mels, 1 + n // hop), in buffers of the calling
+    thread (made on its first call, grown as needed)."""
+
+    def __init__(self, t: AudioTransform):
+        self.n_fft, self.hop, self.n_mels = t.n_fft, t.hop, t.n_mels
+        self.bins = t.n_fft // 2 + 1
+        self.window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(t.n_fft) / t.n_fft)  # periodic Hann, float64
+        fb = mel_filters(t.sample_rate, t.n_fft, t.n_mels)
+        # each filter as its band of bins (a triangle: contiguous) in the interleaved spectrum
+        # (re^2, im^2 of each bin, side by side), its weights twice; an empty filter (narrower
+        # than a bin) has no band and stays 0 (-100 dB), not a neighbour's value
+        self.bands: list[tuple[int, int, int, np.ndarray]] = []
+        self.empty: list[int] = []
+        for m in range(t.n_mels):
+            nz = np.flatnonzero(fb[m])
+            if len(nz):
+                self.bands.append((m, 2 * int(nz[0]), 2 * (int(nz[-1]) + 1), np.repeat(fb[m, nz[0] : nz[-1] + 1], 2)))
+            else:
+                self.empty.append(m)
+        self._local = threading.local()
+
+    @staticmethod
+    def nbytes(t: AudioTransform) -> int:
+        """Bytes of one thread's buffers for `t`'s waveforms (`t.samples`): the padded waveform
+        (float64), a block's windowed frames (float64) and spectrum (complex128), and the squared
+        spectrum of every frame (float32)."""
+        frames, bins = 1 + t.samples // t.hop, t.n_fft // 2 + 1
+        return (t.samples + t.n_fft) * 8 + LOGMEL_BLOCK * (t.n_fft * 8 + bins * 16) + frames * bins * 2 * 4
+
+    def _buffers(self, n: int, frames: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        b = getattr(self._local, "b", None)
+        if b is None or len(b[0]) < n + 2 * (self.n_fft // 2) or len(b[3]) < frames:
+            n0, f0 = (len(b[0]), len(b[3])) if b is not None else (0, 0)
+            block = LOGMEL_BLOCK
+            b = (np.empty(max(n0, n + 2 * (self.n_fft // 2))),  # the padded waveform, float64
+                 np.empty((block, self.n_fft)),  # a block's windowed frames
+                 np.empty((block, self.bins), np.complex128),  # their spectrum
+                 np.empty((max(f0, frames), 2 * self.bins), np.float32))  # re^2, im^2 of every frame
+            self._local.b = b
+        return b
+
+    def __call__(self, seg: np.ndarray, n: int, dst: np.ndarray) -> None:
+        N, hop, pad = self.n_fft, self.hop, self.n_fft // 2
+        F = 1 + n // hop
+        m = min(len(seg), n)
+        xp_, fw, spec, power = self._buffers(n, F)
+        xp = xp_[: n + 2 * pad]
+        # the waveform zero-padded to n, then padded by n_fft // 2 on each side: reflected (as
+        # torch.stft(center=True, pad_mode="reflect")) when longer than that, else zeros
+        xp[pad : pad + m] = seg[:m]
+        xp[pad + m : pad + n] = 0.0
+        reflect = n > pad
+        if reflect:
+            xp[:pad] = xp[2 * pad : pad : -1]
+            xp[pad + n :] = xp[pad + n - 2 : n - 2 : -1]  # n > pad >= 1 (n_fft is even)
+        else:
+            xp[:pad] = 0.0
+            xp[pad + n :] = 0.0
+        # frames past the last nonzero sample are silent: -100 dB, not computed
+        end = n + 2 * pad if reflect and m > n - 1 - pad else pad + m
+        need = min(F, -(-end // hop))
+        frames = np.lib.stride_tricks.sliding_window_view(xp, N)[::hop]  # a view: (F, n_fft)
+        for a in range(0, need, len(fw)):
+            b = min(need, a + len(fw))
+            w = fw[: b - a]
+            np.multiply(frames[a:b], self.window, out=w)
+            if _RFFT_OUT:
+                s = spec[: b - a]
+                np.fft.rfft(w, axis=-1, out=s)
+            else:
+                s = np.fft.rfft(w, axis=-1)
+            np.square(s.view(np.float64), out=power[a:b])
+        p = power[:need]
+        for k, lo, hi, wt in self.bands:  # one small product per filter over its band, float32
+            np.matmul(p[:, lo:hi], wt, out=dst[k, :need])
+        if self.empty:
+            dst[self.empty, :need] = 0.0
+        dst[:, need:] = 0.0
+        np.maximum(dst, 1e-10, out=dst)
+        np.log10(dst, out=dst)
+        dst *= 10.0
+
+
 class AudioDecoder:
     def __init__(self, transform: AudioTransform, *, batch_size: int, threads: int = 2,
                  on_error: Literal["raise", "skip"] = "raise"):
@@ -249,8 +347,7 @@ class AudioDecoder:
         self.skipped = 0
         self._pipe = None
         self._rpipe = None  # DALI's resampler for windows of long recordings, built on first use
-        self._fb = self._window = None  # log-mel: mel filters and STFT window, made on first use
-        self._scratch = threading.local()  # log-mel: each reader thread's frame and spectrum buffers
+        self._logmel = _LogMel(transform) if transform.features else None
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pool = None  # PyAV decodes, `threads` at a time
@@ -261,52 +358,13 @@ class AudioDecoder:
 
     def features(self, waves: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Log-mel features (n_mels, 1 + len // hop) of mono float32 waveforms."""
+        lm = self._logmel or _LogMel(self.t)
         out = []
         for w in waves:
             dst = np.empty((self.t.n_mels, 1 + len(w) // self.t.hop), np.float32)
-            self._logmel_into(np.ascontiguousarray(w, np.float32), dst)
+            lm(np.asarray(w, np.float32), len(w), dst)
             out.append(dst)
         return out
-
-    def _logmel_into(self, wave: np.ndarray, dst: np.ndarray) -> None:
-        """`dst` (n_mels, 1 + len(wave) // hop) = log-mel of `wave`, as the module docstring says."""
-        t = self.t
-        if self._fb is None:
-            n = np.arange(t.n_fft)
-            self._window = 0.5 - 0.5 * np.cos(2 * np.pi * n / t.n_fft)  # periodic Hann, float64
-            fb = mel_filters(t.sample_rate, t.n_fft, t.n_mels).astype(np.float64)
-            # each filter as its band of bins (a triangle: contiguous); an empty filter (narrower
-            # than a bin) has no band and stays 0 (-100 dB), not a neighbour's value
-            bands = []
-            for m in range(t.n_mels):
-                nz = np.flatnonzero(fb[m])
-                bands.append((m, int(nz[0]), int(nz[-1]) + 1, fb[m, nz[0] : nz[-1] + 1]) if len(nz) else None)
-            self._fb = [b for b in bands if b is not None]
-        pad = t.n_fft // 2
-        x = np.pad(wave, (pad, pad), mode="reflect" if len(wave) > pad else "constant")
-        frames = np.lib.stride_tricks.sliding_window_view(x, t.n_fft)[:: t.hop]  # a view: (frames, n_fft)
-        # float64 (3x faster than NumPy 2's float32 rfft), in this thread's buffers: fresh multi-MB
-        # arrays cost their pages' first touch (2.2 against 3.9 ms for 10 s, here)
-        bufs = getattr(self._scratch, "bufs", None)
-        if bufs is None or bufs[0].shape[0] != len(frames):
-            bufs = (np.empty((len(frames), t.n_fft)), np.empty((len(frames), t.n_fft // 2 + 1), np.complex128))
-            self._scratch.bufs = bufs
-        fw, spec = bufs
-        np.multiply(frames, self._window, out=fw)
-        if _RFFT_OUT:
-            np.fft.rfft(fw, axis=-1, out=spec)
-        else:
-            spec = np.fft.rfft(fw, axis=-1)
-        v = spec.view(np.float64)  # (frames, 2 x bins): real and imaginary parts, squared in place
-        np.square(v, out=v)
-        power = v[:, 0::2]
-        power += v[:, 1::2]
-        dst[...] = 0.0
-        for m, lo, hi, w in self._fb:  # one small product per filter, no BLAS threads
-            dst[m] = power[:, lo:hi] @ w
-        np.maximum(dst, 1e-10, out=dst)
-        np.log10(dst, out=dst)
-        dst *= 10.0
 
     def _build(self) -> None:
         require("nvidia.dali", extra="cpu", purpose="audio decoding")
@@ -611,9 +669,7 @@ class AudioDecoder:
                 seg = x[start : start + L]
             m = seg.shape[0]
             if t.features:
-                wave = np.zeros(L, np.float32)
-                wave[:m] = seg
-                self._logmel_into(wave, dst[i])
+                self._logmel(seg, L, dst[i])  # seg zero-padded to L
                 length_dst[i] = 1 + m // t.hop
             elif t.mono:
                 dst[i, :m] = seg
