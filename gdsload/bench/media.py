@@ -15,6 +15,7 @@ amplification (frames decoded / frames returned) where the contestant can count 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -121,15 +122,24 @@ def _crop_resize_torch(frames: np.ndarray) -> Any:
     return x.permute(1, 0, 2, 3).contiguous()
 
 
-def _logmel_torch(x: np.ndarray) -> Any:
+@functools.cache
+def _torch_mel() -> tuple[Any, Any]:
+    """The baselines' Hann window and mel filters as tensors, made once per process (as a user's
+    `torchaudio.transforms.MelSpectrogram` holds them), not per recording."""
     import torch
 
     from gdsload.decode.audio import mel_filters
 
+    return torch.hann_window(N_FFT), torch.from_numpy(mel_filters(SR, N_FFT, N_MELS))
+
+
+def _logmel_torch(x: np.ndarray) -> Any:
+    import torch
+
+    window, fb = _torch_mel()
     t = torch.from_numpy(np.ascontiguousarray(x, np.float32))
-    spec = torch.stft(t, N_FFT, HOP, window=torch.hann_window(N_FFT), center=True, pad_mode="reflect",
+    spec = torch.stft(t, N_FFT, HOP, window=window, center=True, pad_mode="reflect",
                       return_complex=True).abs().pow(2)
-    fb = torch.from_numpy(mel_filters(SR, N_FFT, N_MELS))
     return 10 * torch.log10(torch.clamp(fb @ spec, min=1e-10))
 
 
