@@ -145,6 +145,10 @@ class Unauthenticated(ServiceError):
     """Missing or wrong bearer token."""
 
 
+class PermissionDenied(ServiceError):
+    """The caller's credentials do not allow what it asked (a priority over its limit)."""
+
+
 class RemoteError(GdsloadError):
     """A feed call failed; `code` is the gRPC status code name, `address` the server."""
 

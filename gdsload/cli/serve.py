@@ -35,7 +35,13 @@ def configure_serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1:50051; 0.0.0.0:PORT for all interfaces; "
                         "unix:PATH for clients on this host)")
-    s.add_argument("--token-file", metavar="PATH", help="require 'authorization: Bearer TOKEN' (token in PATH)")
+    s.add_argument("--token-file", metavar="PATH",
+                   help="require 'authorization: Bearer TOKEN' (token in PATH); or one line per client, 'NAME "
+                        "TOKEN HIGHEST_PRIORITY' (TOKEN may be tls:IDENTITY, a mutual-TLS client): a request "
+                        "over its client's priority is refused. Without it every asked priority is trusted")
+    s.add_argument("--batch-slots", type=int, default=0, metavar="N",
+                   help="batches made at once, taken by priority (RemoteLoader(priority=...)) and shared "
+                        "equally among the jobs of a priority (default 0: one per core)")
     s.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (TLS)")
     s.add_argument("--tls-key", metavar="PEM", help="server private key (TLS)")
     s.add_argument("--tls-client-ca", metavar="PEM", help="CA of client certificates: mutual TLS")
@@ -98,7 +104,7 @@ def warm_up() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from gdsload.errors import GdsloadError
     from gdsload.host.malloc import keep_large_blocks
-    from gdsload.service.protocol.auth import read_token
+    from gdsload.service.protocol.auth import read_clients
     from gdsload.service.protocol.config import Limits, ServerConfig, tls_from_files
     from gdsload.service.server import create_server
     from gdsload.service.server.logs import configure, event
@@ -117,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise GdsloadError(f"--max-memory: {exc}") from None
     # every value is checked once, where it is declared (Limits, ServerConfig), naming its flag
     config = ServerConfig(
-        address=args.listen, token=read_token(args.token_file) if args.token_file else None,
+        address=args.listen, token=read_clients(args.token_file) if args.token_file else None,
         tls=tls_from_files(args.tls_cert, args.tls_key, args.tls_client_ca),
         limits=Limits(max_message_bytes=args.max_message_bytes, max_batch_size=args.max_batch_size,
                       max_batch_bytes=args.max_batch_bytes, max_streams=args.max_streams,
@@ -125,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, metrics_address=args.metrics_address, workers=args.workers,
         prefetch=args.prefetch, decode_threads=args.decode_threads, decode_pool=args.decode_pool,
         share_window=args.share_window, share_hold_s=args.share_hold, bulk=args.bulk, bulk_port=args.bulk_port,
+        batch_slots=args.batch_slots,
         grace_s=args.grace, cache_dir=False if args.cache_dir == "none" else args.cache_dir,
         cache_limit=args.cache_limit,
     )

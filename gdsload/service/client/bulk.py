@@ -245,6 +245,8 @@ class BulkCall:
                 self._let_go(reuse=got is END)
                 return None
             first, size = got
+            if not size and first.HasField("pause") and not first.HasField("header"):
+                return first, b""  # a pause notice (BatchChunk.pause): receive.read_batches takes it
             if first.chunk_index != 0 or not first.HasField("header"):
                 raise wire.ProtocolError(f"a batch starts with chunk {first.chunk_index} (no header)")
             total = first.header.body_nbytes if not first.last else size

@@ -15,6 +15,7 @@ its finalizer cancels the receiver's calls at once.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -44,6 +45,17 @@ class Tally:
     def __init__(self) -> None:
         self.counts: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0, "shared_batches": 0}
         self.stages = StageTimes(STAGES)
+        self.span: list[float] = []  # [clock, wait_s] at the first batch, the clock at the last
+
+    def servers_needed(self, servers: int) -> int | None:
+        """`servers` (in use) scaled by the loop's time over its time not waiting since its first
+        batch: the servers that would have fed it without a stall at their observed rate (None
+        before two batches; `servers` when it never waited: fewer may do, it cannot tell)."""
+        if not self.span or not self.span[2]:
+            return None
+        took = self.span[2] - self.span[0]
+        stall = min(took, max(0.0, self.counts["wait_s"] - self.span[1]))
+        return max(1, min(100 * servers, math.ceil(servers * took / max(took - stall, 1e-3 * took, 1e-9))))
 
     def waited(self, seconds: float) -> None:
         self.counts["wait_s"] += seconds
@@ -51,6 +63,10 @@ class Tally:
 
     def delivered(self, d: Delivery) -> None:
         self.counts["batches"] += 1
+        if self.span:
+            self.span[2] = time.monotonic()
+        else:
+            self.span = [time.monotonic(), self.counts["wait_s"], 0.0]
         self.counts["shared_batches"] += bool(d.shared)
         self.counts["bytes"] += d.nbytes
 

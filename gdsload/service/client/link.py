@@ -236,12 +236,14 @@ class Link(ProcessLocal):
         return resp.datasets[0]
 
     def bump(self, address: str, **add: float) -> None:
-        """Add to the counters of `address` (batches, bytes, wait_s, failures, stalls, duplicates)."""
+        """Add to the counters of `address` (batches, bytes, wait_s, failures, stalls, duplicates,
+        pauses, paused_s; `paused_reason` and `paused_at` are marked)."""
         with self._lock:
             row = self.servers.get(address)
             if row is None:
                 row = self.servers[address] = {"batches": 0, "bytes": 0, "in_flight": 0, "wait_s": 0.0,
-                                               "failures": 0, "stalls": 0, "duplicates": 0, "state": "new"}
+                                               "failures": 0, "stalls": 0, "duplicates": 0, "state": "new",
+                                               "pauses": 0, "paused_s": 0.0, "paused_reason": "", "paused_at": None}
             for key, value in add.items():
                 row[key] += value
 

@@ -46,11 +46,13 @@ forkserver, continuing from the parent's cursor. grpc is imported here, not by `
 from __future__ import annotations
 
 import functools
+import numbers
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from gdsload.errors import GdsloadError, RemoteError, require
+from gdsload.errors import ConfigError, GdsloadError, RemoteError, require
 from gdsload.host.forksafe import ProcessLocal
 from gdsload.host.malloc import keep_large_blocks
 
@@ -147,6 +149,17 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     the batches that came as a copy of another loader's (`shared_batches`). See
     `gdsload.service.server.share`.
 
+    Priorities (issue 49): `priority` (an int, default 0, higher first) is this loader's job's
+    priority on every server; a server makes the next batch of a higher priority before any lower
+    one's and shares a priority's time equally among its jobs (one loader, all its streams on all
+    servers, is one job: `job`, a random id unless given; give the ranks of one training one id to
+    make them one job). A server with tokens refuses a priority over the token's limit
+    (PERMISSION_DENIED naming it); one without tokens trusts it. While a server holds this
+    loader's stream back for higher work, the stream is only slower: its batches still come in
+    plan order, and `stats()["servers"][address]` says so (`state` "paused", `pauses`,
+    `paused_s`, `paused_reason`, `paused_at`); a paused stream is neither failed over, nor hedged,
+    nor timed out (`retry_timeout_s`). See docs/feed.md, "Jobs and priorities".
+
     Processes: pickles to its configuration and cursor; a copy or a forked child connects afresh
     and continues where the loader stood (`state_dict()`).
     """
@@ -177,6 +190,8 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         map: Any = None,
         collate_fn: Any = None,
         share: str | None = None,
+        priority: int = 0,
+        job: str | None = None,
         prefetch: int = 2,
         batches_per_stream: int = 0,
         stripe: bool | None = None,
@@ -209,7 +224,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             raise GdsloadError(f"batches_per_stream must be >= 0 and prefetch >= 1, got {batches_per_stream} and "
                                f"{prefetch}")
         self.prefetch, self.batches_per_stream = int(prefetch), int(batches_per_stream)
-        self._parts = RequestParts.of(opts, fields, self.connection.max_message_bytes, self.batches_per_stream)
+        self.priority, self.job = check_priority(priority, job)
+        self._parts = RequestParts.of(opts, fields, self.connection.max_message_bytes, self.batches_per_stream,
+                                      priority=self.priority, job=self.job)
         # map / collate_fn run here on the client, in the consumer's thread (gdsload.frontend.usercode)
         self._output = OutputConverter(decode=opts.decode, output=opts.output, device=opts.device,
                                        tuple_fields=opts.tuple_fields, stage=MapStage.create(map, collate_fn, "thread"))
@@ -335,7 +352,12 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         `stalls` (requests cancelled after `stall_timeout_s` of silence), `duplicates` (batches
         it sent that had arrived from another server already, dropped), `state` (new, ok,
         suspect: stalled, down: failing, refused: another dataset version or cannot serve this
-        request, gone: no longer resolved; `gdsload.service.client.stripe.states`).
+        request, gone: no longer resolved, paused: held back for higher-priority work;
+        `gdsload.service.client.stripe.states`), `pauses`, `paused_s`, `paused_reason`, `paused_at`
+        (how often, how long, why and when, as `time.time()`, its streams were last paused for
+        higher-priority work). `servers_needed`: the servers in use times the loop's time over its
+        time not waiting since its first batch (the servers that would have fed it without a stall
+        at the rate seen; None before two batches).
 
         `stages`, shaped as `DataLoader.stats()["stages"]` (`gdsload.frontend.stages.StageTimes`):
         wall seconds since the loader was made, `total_s` and `per_batch_s` (over the batches
@@ -343,9 +365,11 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         batches, server time and network included; with striping summed over the requests in
         flight, so they overlap), `map` (`map` / `collate_fn`, in the caller's thread) and `wait`
         (the caller waiting for a batch: `wait_s`)."""
-        tally = self._tally
+        tally, servers = self._tally, self._link.server_stats()
+        used = sum(1 for row in servers.values() if row["batches"]) if self.striped else 1
         return dict(tally.counts, reconnects=self._link.reconnects, address=self._link.address(),
-                    servers=self._link.server_stats(), stages=tally.stages.report(tally.counts["batches"]))
+                    servers=servers, stages=tally.stages.report(tally.counts["batches"]),
+                    servers_needed=tally.servers_needed(max(1, used)))
 
     def close(self) -> None:
         self._enter_process()
@@ -376,10 +400,12 @@ class RequestParts:
     fields: list[str]
     max_chunk_bytes: int
     max_batches: int
+    priority: int = 0
+    job: str = ""
 
     @classmethod
     def of(cls, opts: LoaderOptions, fields: Sequence[str] | None, max_chunk_bytes: int,
-           max_batches: int) -> RequestParts:
+           max_batches: int, priority: int = 0, job: str = "") -> RequestParts:
         media = []
         if opts.media:  # video/audio decoded on the server
             from gdsload.service.protocol import mediawire
@@ -387,10 +413,23 @@ class RequestParts:
             media = mediawire.to_specs(opts.media)
         return cls(transform_spec=imagewire.transform_to_spec(opts.transform) if opts.decode else None, media=media,
                    fields=[f for f in (fields or []) if f not in (wire.KEY, wire.SOURCE)],
-                   max_chunk_bytes=max_chunk_bytes, max_batches=max_batches)
+                   max_chunk_bytes=max_chunk_bytes, max_batches=max_batches, priority=priority, job=job)
 
     def request(self, opts: LoaderOptions, plan: Any, **where: Any) -> pb.BatchRequest:
         """The request for `plan`'s batches from `where` (dataset, mix, epoch, position)."""
         return request_rules.to_request(opts, plan, transform_spec=self.transform_spec, media=self.media,
                                         fields=self.fields, max_chunk_bytes=self.max_chunk_bytes,
-                                        max_batches=self.max_batches, **where)
+                                        max_batches=self.max_batches, priority=self.priority, job=self.job,
+                                        **where)
+
+
+def check_priority(priority: Any, job: str | None) -> tuple[int, str]:
+    """(priority, job) checked: an int of the proto's int32, and a job id of at most 128
+    characters (None: a new random id)."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or not -2**31 <= priority < 2**31:
+        raise ConfigError(f"priority must be an integer (int32; higher first, default 0), got {priority!r}")
+    if job is None:
+        job = uuid.uuid4().hex
+    if not isinstance(job, str) or not 1 <= len(job) <= request_rules.MAX_JOB_CHARS:
+        raise ConfigError(f"job must be a string of 1 to {request_rules.MAX_JOB_CHARS} characters, got {job!r}")
+    return int(priority), job

@@ -102,11 +102,14 @@ class Receiver:
         return req
 
 
-def read_batches(call: Any, bodies: Any, stages: Any,
-                 waiting: Callable[[float | None], None]) -> Iterator[tuple[pb.BatchChunk, dict[str, Any], bool]]:
+def read_batches(call: Any, bodies: Any, stages: Any, waiting: Callable[[float | None], None],
+                 paused: Callable[[pb.StreamPause], None] | None = None,
+                 ) -> Iterator[tuple[pb.BatchChunk, dict[str, Any], bool]]:
     """The whole batches of one stream, as `(last chunk, batch, shared)`. `waiting(t)` is called
     with the clock before each message is awaited and with None once it came; the time from
-    there to the batch's chunk assembled is "receive" (`stages`). A batch that fails its CRC32
+    there to the batch's chunk assembled is "receive" (`stages`). A pause notice (a message with
+    only `BatchChunk.pause`: the server holds the stream back for higher-priority work) goes to
+    `paused` and is no batch (without `paused`, it is dropped). A batch that fails its CRC32
     check (`status.CorruptCopy`, handled as its server's DATA_LOSS) cancels the call first: the
     server would go on sending."""
     asm = wire.ChunkAssembler(bodies)
@@ -122,6 +125,10 @@ def read_batches(call: Any, bodies: Any, stages: Any,
         finally:
             waiting(None)
         if chunk.chunk_index == 0:  # a share group's copy (BatchHeader.shared)
+            if not chunk.HasField("header") and chunk.HasField("pause"):
+                if paused is not None:
+                    paused(chunk.pause)
+                continue
             shared = chunk.header.shared
         try:
             batch = asm.add(chunk, data)

@@ -15,6 +15,7 @@ its list of addresses in order; a schedule of one would change what it asks of a
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -45,6 +46,7 @@ class SingleReceiver(Receiver):
         self._call: Any = None
         self._waiting_since: float | None = None
         self._idle_cancelled = False
+        self._paused_since: float | None = None  # the stream in flight is paused (BatchChunk.pause)
 
     def cancel_calls(self) -> None:
         with self._call_lock:
@@ -95,6 +97,7 @@ class SingleReceiver(Receiver):
         finally:
             with self._call_lock:
                 self._call = None
+            self._resumed(address)
             self.link.mark(address, in_flight=0)
 
     def _stream(self, address: str, attempts: Attempts, corrupt: set[str]) -> str | None:
@@ -107,7 +110,9 @@ class SingleReceiver(Receiver):
             call.cancel()
             return _STOP
         link.mark(address, state=ServerState.OK.value, in_flight=(self.end - self.next_request) // self.G)
-        for chunk, batch, shared in read_batches(call, link.channels.bodies, self.stages, self._waiting):
+        paused = functools.partial(self._paused, address)
+        for chunk, batch, shared in read_batches(call, link.channels.bodies, self.stages, self._waiting, paused):
+            self._resumed(address)
             expected = self.next_request + self.G
             check_position(chunk, self.epoch, expected)
             nbytes = wire.body_nbytes(batch)
@@ -121,6 +126,20 @@ class SingleReceiver(Receiver):
         if self.next_request < self.end and not self.progressed:
             raise EndedEarly(f"{address} ended the stream without a batch (draining?)")
         return None
+
+    def _paused(self, address: str, notice: pb.StreamPause) -> None:
+        """The server holds the stream back for higher-priority work: a slower stream, not a
+        failure (each notice is a message: the watchdog sees a live stream)."""
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+            self.link.bump(address, pauses=1)
+        self.link.mark(address, state=ServerState.PAUSED.value, paused_reason=notice.reason, paused_at=time.time())
+
+    def _resumed(self, address: str) -> None:
+        since, self._paused_since = self._paused_since, None
+        if since is not None:
+            self.link.bump(address, paused_s=time.monotonic() - since)
+            self.link.mark(address, state=ServerState.OK.value)
 
     def _rpc_failed(self, err: grpc.RpcError, address: str, attempts: Attempts, corrupt: set[str]) -> str | None:
         if self.stop.is_set():

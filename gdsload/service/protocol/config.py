@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MiB = 1 << 20
 
@@ -253,7 +254,7 @@ class ServerConfig:
     """
 
     address: str = "127.0.0.1:0"
-    token: str | None = None
+    token: Any = None  # a bearer token, or `auth.Clients` (one line per client: issue 49), or None
     tls: TlsConfig | None = None
     limits: Limits = field(default_factory=Limits)
     keepalive: Keepalive = field(default_factory=Keepalive)
@@ -270,6 +271,7 @@ class ServerConfig:
     share_hold_s: float = 0.5
     bulk: bool = True
     bulk_port: int = 0
+    batch_slots: int = 0  # batches made at once (gdsload.service.server.priority); 0: the cores
 
     def __post_init__(self) -> None:
         from gdsload.errors import GdsloadError
@@ -279,6 +281,7 @@ class ServerConfig:
                             ("--decode-threads", self.decode_threads), ("--share-window", self.share_window)):
             _count(value, flag, 1)
         _count(self.decode_pool, "--decode-pool", 0)
+        _count(self.batch_slots, "--batch-slots", 0)
         if not (isinstance(self.grace_s, (int, float)) and self.grace_s >= 0):  # also refuses NaN
             raise GdsloadError(f"--grace must be >= 0 seconds, got {self.grace_s!r}")
         h = self.share_hold_s

@@ -13,6 +13,7 @@ Server side, every handler (and the auth interceptor) funnels what it raises thr
 | `StorageError` (an I/O error, a shard that cannot be opened)    | UNAVAILABLE         |
 | `Unavailable` (at capacity, shutting down)                      | UNAVAILABLE         |
 | `Unauthenticated`                                               | UNAUTHENTICATED     |
+| `PermissionDenied` (a priority over the caller's limit)         | PERMISSION_DENIED   |
 | anything else (a bug; logged with its traceback)                | INTERNAL            |
 
 A storage fault is this server's problem, not the request's: a transient one (`StorageError`:
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from gdsload.errors import DecodeError, ServiceError, UnknownDataset, BadRequest, OverLimit, DatasetChanged, Unavailable, Unauthenticated, RemoteError  # noqa: F401 (re-exported: defined in errors.py)
+from gdsload.errors import DecodeError, ServiceError, UnknownDataset, BadRequest, OverLimit, DatasetChanged, Unavailable, Unauthenticated, PermissionDenied, RemoteError  # noqa: F401 (re-exported: defined in errors.py)
 from gdsload.errors import CorruptDataError, FormatError, GdsloadError, MissingDependencyError, StorageError, require
 
 require("grpc", extra="serve", purpose="the remote feed (gdsload serve, RemoteLoader)")
@@ -47,6 +48,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DatasetChanged, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (MissingDependencyError, grpc.StatusCode.FAILED_PRECONDITION),
     (FormatError, grpc.StatusCode.DATA_LOSS),
 )

@@ -22,7 +22,7 @@ require("grpc_health", extra="serve", purpose="the feed server's health service"
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gdsload.service.protocol.auth import TokenInterceptor
+from gdsload.service.protocol.auth import interceptors as auth_interceptors
 from gdsload.service.protocol.config import ServerConfig, bind_host, server_options, unix_path
 from gdsload.service.protocol.request import offers_bulk
 from gdsload.service.server.bulk import BulkListener
@@ -231,7 +231,7 @@ def _grpc_server(config: ServerConfig, servicer: FeedServicer, metrics: Metrics,
         metrics.errors.labels("UNAUTHENTICATED").inc()
         event(log, "call_failed", level=logging.WARNING, method=method, code="UNAUTHENTICATED", message=reason)
 
-    interceptors = [TokenInterceptor(config.token, on_reject=rejected)] if config.token else []
+    interceptors = auth_interceptors(config.token, on_reject=rejected)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.limits.max_streams + 8, thread_name_prefix="gdsload-feed"),
         interceptors=interceptors, options=server_options(config.limits, config.keepalive),

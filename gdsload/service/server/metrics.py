@@ -23,6 +23,10 @@ process, as in the tests), exposed over HTTP on `--metrics-port`.
 | gdsload_feed_share_window_bytes         | gauge     |                   |
 | gdsload_feed_bulk_streams_total         | counter   |                   |
 | gdsload_feed_stored_streams_total       | counter   |                   |
+| gdsload_feed_priority_queue             | gauge     | priority          |
+| gdsload_feed_priority_paused            | gauge     | priority          |
+| gdsload_feed_priority_batches_total     | counter   | priority          |
+| gdsload_feed_priority_paused_seconds_total | counter | priority         |
 
 read: time a stream waited for its next batch from the loader (read + decode, after prefetch).
 send: time from handing a batch's first chunk to gRPC until gRPC asked for the next batch
@@ -35,6 +39,10 @@ subscribers); batches produced (read and decoded once) and sent (to each subscri
 produced is how many times a batch was used); fallbacks: subscribers given a producer of their
 own because they arrived behind every producer's window (`behind`) or held a full window up too
 long (`detached`); bytes of serialized batches held in the windows now.
+priorities (`gdsload.service.server.priority`, BatchRequest.priority; a share group's streams at
+their highest member's): streams waiting for their turn to make a batch now (paused ones
+included), streams paused now for a higher level's work, batches made, and seconds streams spent
+paused (summed over streams).
 bulk streams: streams whose client took the side connection (`gdsload.service.server.bulk`); the others
 went inside gRPC.
 """
@@ -84,6 +92,16 @@ class Metrics:
         self.stored_streams = prom.Counter("gdsload_feed_stored_streams",
                                            "Raw streams sent as stored, from the page cache "
                                            "(gdsload.service.server.stored)", registry=r)
+        self.priority_queue = prom.Gauge("gdsload_feed_priority_queue",
+                                         "Streams waiting for their turn to make a batch (paused ones included)",
+                                         ["priority"], registry=r)
+        self.priority_paused = prom.Gauge("gdsload_feed_priority_paused",
+                                          "Streams paused for a higher priority's work", ["priority"], registry=r)
+        self.priority_batches = prom.Counter("gdsload_feed_priority_batches", "Batches made, per priority level",
+                                             ["priority"], registry=r)
+        self.priority_paused_s = prom.Counter("gdsload_feed_priority_paused_seconds",
+                                              "Seconds streams spent paused, summed over streams", ["priority"],
+                                              registry=r)
         self._http = None
         self.address: tuple[str, int] | None = None
 

@@ -29,6 +29,11 @@ that reservation: gRPC's sync server waits for each chunk to be sent, which happ
 the client's HTTP/2 flow-control window, so the rest of what is in flight lives in the client and
 the kernel.
 
+Priorities (issue 49, `priority.Arbiter`): a request's priority is checked against its caller's
+limit first (`auth.Clients.check_priority`: PERMISSION_DENIED; a server without tokens trusts
+it), then its stream takes turns with the others at each batch boundary (`stream.serve`'s turn):
+its job is the caller's identity with `BatchRequest.job`, its share group (if any) its group.
+
 Shutdown (`close`, after `FeedServer.shutdown` or `stop`): health turns NOT_SERVING and `draining`
 is set (new streams are refused with UNAVAILABLE, open streams end at the next batch boundary with
 OK), then the share groups, parked loaders, bulk port and decode pool are closed, once.
@@ -39,6 +44,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +55,7 @@ require("grpc", extra="serve", purpose="the feed server (gdsload serve)")
 
 import grpc
 
+from gdsload.service.protocol.auth import Clients
 from gdsload.service.protocol.config import PROTOCOL_VERSION, ServerConfig
 from gdsload.service.protocol.request import SERVED_ORDERS
 from gdsload.service.protocol.status import abort, to_status
@@ -58,7 +65,8 @@ from gdsload.service.server.catalog import Catalog
 from gdsload.service.server.loaders import LoaderPool, Loaders, Settings
 from gdsload.service.server.logs import LOGGER, event
 from gdsload.service.server.metrics import Metrics
-from gdsload.service.server.share import ShareHub
+from gdsload.service.server.priority import Arbiter
+from gdsload.service.server.share import ShareHub, identity
 from gdsload.service.server.sources import LoaderSource, open_source
 from gdsload.service.server.stream import Meter, serve
 from gdsload.service.server.transport import open_transport
@@ -75,6 +83,10 @@ def _available(*modules: str) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in modules)
     except ModuleNotFoundError:
         return False
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _peer(context: grpc.ServicerContext) -> str:
@@ -107,6 +119,8 @@ class FeedServicer(pb_grpc.FeedServicer):
             log=self.log, window=config.share_window, hold_s=config.share_hold_s)
         self.budget.on_short(self.share.evict_idle)  # idle windows first, then parked loaders
         self.budget.on_short(self.warm.evict)
+        self.clients = Clients.of(config.token)  # None: a trusted network (every priority allowed)
+        self.arbiter = Arbiter(config.batch_slots or _cores(), metrics)
 
     # -- the one place where exceptions become statuses ----------------------------------------
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
@@ -154,7 +168,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             decode_available=_available("nvidia.dali"), decode_device="cpu",
             num_datasets=len(self.catalog.names()), media_available=_available("nvidia.dali", "av"),
             max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=in_use, serves_block_stride=True,
-            orders=SERVED_ORDERS,
+            orders=SERVED_ORDERS, priorities=self.arbiter.usage(),
         )
 
     def StreamBatches(self, request: pb.BatchRequest, context) -> Iterator[bytes]:
@@ -163,15 +177,26 @@ class FeedServicer(pb_grpc.FeedServicer):
             if transport is None:
                 return  # the call ended while the client connected
             try:
+                if self.clients is not None:
+                    self.clients.check_priority(request.priority, context.invocation_metadata() or (),
+                                                context.auth_context() or {})
                 source = open_source(request, loaders=self.loaders, hub=self.share, context=context,
                                      bulk=transport.bulk, log=self.log, metrics=self.metrics)
             except BaseException:
                 transport.close()
                 raise
+            turn = self.turn(request, context, source)
             yield from serve(source, transport, Meter(self.metrics, self.log, source, _peer(context)),
-                             draining=self.draining)
+                             draining=self.draining, turn=turn)
         except Exception as exc:
             self._fail(context, "StreamBatches", exc)
+
+    def turn(self, request: pb.BatchRequest, context: grpc.ServicerContext, source: Any) -> Any:
+        """The stream's place in the arbiter: its job (the caller and `BatchRequest.job`; no job: a
+        job of its own), priority and share group (`share.SharedSource.key`)."""
+        job = (identity(context), request.job) if request.job else ("stream", id(source))
+        return self.arbiter.enter(job, request.priority, getattr(source, "key", None),
+                                  notices=request.understands_pause)
 
     # -- state and shutdown ------------------------------------------------------------------------
     def active_streams(self) -> int:

@@ -27,6 +27,11 @@ Lifecycle contract (what happens to the loader, the reservations and the bulk co
 
 Whatever the outcome, `source.close(outcome)`, `meter.end(outcome, ...)` and `transport.close()`
 run exactly once, in that order.
+
+Priorities (`turn`, a `priority.Turn`, or None): before each batch the loop waits for its turn
+(`Turn.wait`: a paused stream waits here, at a batch boundary, sending the pause notices the
+turn hands it), holds its slot while the source makes the batch (`Turn.made`), and says when the
+batch went (`Turn.sent`); the turn is left when the stream ends, whatever the outcome.
 """
 
 from __future__ import annotations
@@ -84,14 +89,15 @@ class Meter:
               mb_per_s=round(self.nbytes / el / 1e6, 1) if el > 0 else None, **s.log_fields(True))
 
 
-def serve(source: Any, transport: Any, meter: Meter, *, draining: threading.Event) -> Iterator[bytes]:
+def serve(source: Any, transport: Any, meter: Meter, *, draining: threading.Event,
+          turn: Any = None) -> Iterator[bytes]:
     """Send `source`'s batches over `transport` until it ends, the call ends or the server drains
     (the module docstring is the contract). Yields what goes through the gRPC call."""
     outcome = "error"
     try:
         meter.start()
         try:
-            outcome = yield from _loop(source, transport, meter, draining)
+            outcome = yield from _loop(source, transport, meter, draining, turn)
         except (GeneratorExit, ClientGone):
             outcome = "cancelled"
             raise
@@ -100,6 +106,8 @@ def serve(source: Any, transport: Any, meter: Meter, *, draining: threading.Even
             raise
         finally:
             try:
+                if turn is not None:
+                    turn.leave()
                 source.close(outcome)
             finally:
                 meter.end(outcome)
@@ -110,18 +118,44 @@ def serve(source: Any, transport: Any, meter: Meter, *, draining: threading.Even
         transport.close()
 
 
-def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event) -> Iterator[bytes]:
+class Notice:
+    """A pause notice (`priority.Turn.wait`) as frames for the transport: one message, no batch."""
+
+    def __init__(self, message: bytes):
+        self.message = message
+
+    def pieces(self) -> list[list[bytes]]:
+        return [[self.message]]  # (the whole message is its head: it has no `data`)
+
+    def messages(self) -> list[bytes]:
+        return [self.message]
+
+
+def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, turn: Any) -> Iterator[bytes]:
     """The batches, at each boundary checking the server and the call; returns the outcome."""
+    stop = lambda: draining.is_set() or not transport.active()  # noqa: E731
     while True:
         if draining.is_set():
             return "drained"  # at a batch boundary: the client resumes from its cursor
         if not transport.active():
             return "cancelled"
+        if turn is not None:
+            got = turn.wait(stop)
+            if got is not None:  # a pause notice to send, or the call or server ended meanwhile
+                if got is not False:
+                    yield from transport.send(Notice(got))
+                continue
         t_read = time.perf_counter()
-        frames = source.next()
+        try:
+            frames = source.next()
+        finally:
+            if turn is not None:
+                turn.made()
         if frames is None:
             return "drained" if draining.is_set() else "ok" if transport.active() else "cancelled"
         meter.read(t_read)
         t_send = time.perf_counter()
         yield from transport.send(frames)  # from the batch's memory, before the loader reuses it
         meter.sent(frames, t_send)
+        if turn is not None:
+            turn.sent()

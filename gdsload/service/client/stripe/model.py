@@ -59,6 +59,7 @@ class Server:
         self.pace = Pace(pace_s)
         self.delivered = 0  # batches it delivered this epoch, duplicates included (0: cold)
         self.strided = False  # it serves BatchRequest.block_stride (ServerInfo.serves_block_stride)
+        self.paused_at = 0.0  # when it last became PAUSED (`pause`)
 
     @property
     def batch_s(self) -> float:

@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from gdsload.service.client.stripe import pause
 from gdsload.service.client.stripe.actions import EXIT, PROBE, Delivered, Failure, Wait
 from gdsload.service.client.stripe.model import Fetch, Server
 from gdsload.service.client.stripe.policy import StripePolicy
@@ -184,7 +185,7 @@ class Schedule:
         self.last_error = error
         self.budget.fail(now)
         srv.fails += 1
-        if srv.state not in FINAL and srv.state is not S.PAUSED and srv.move(state):
+        if srv.state not in FINAL and srv.state is not S.PAUSED and srv.move(state):  # (`pause.resumed`)
             self.stats.mark(srv.address, state=state.value)
         srv.next_try = now + self.backoff(srv.fails)
 
@@ -220,7 +221,8 @@ class Schedule:
             if start >= self.block_end(b) or srv.address in self.corrupt.get(b, ()):
                 continue
             claim = next((f for f in streams if f.claims(b)), None)
-            if claim is not None and (claim.server is srv or self.window(claim.server, median) == self.W):
+            if claim is not None and claim.server.state is not S.PAUSED and (
+                    claim.server is srv or self.window(claim.server, median) == self.W):
                 continue  # a later block of a server's stream (stolen only from a straggler)
             if self.fetchers.get(b):
                 continue
@@ -310,6 +312,7 @@ class Schedule:
         srv.pace.arrived(now)
         srv.delivered += 1
         srv.fails = 0
+        pause.resumed(self, srv, now)
         out = Delivered()
         if step in self.have or step < self.out:
             self.stats.bump(srv.address, duplicates=1)
@@ -434,13 +437,15 @@ class Schedule:
         """`f`'s call is over."""
         self.fetchers.get(f.block, set()).discard(f)
         f.server.fetches.discard(f)
+        if not f.server.fetches:  # a paused server without requests: OK again (DOWN if one failed)
+            pause.resumed(self, f.server, f.last)
         self._in_flight(f.server)
 
     # -- the hand-out loop ---------------------------------------------------------------------------
     def watch(self, now: float) -> tuple[list[Fetch], bool]:
         """Requests silent for `stall_timeout_s` (to cancel), and whether the retry budget is spent
         with nothing in flight (the epoch then ends)."""
-        stalled = [f for s in self.servers.values() for f in s.fetches
+        stalled = [f for s in self.servers.values() if s.state is not S.PAUSED for f in s.fetches
                    if f.reason is None and f.opened and now - f.last > self.policy.stall_timeout_s]
         spent = self.budget.spent(now) and not any(s.fetches for s in self.servers.values())
         return self._cancel(stalled, C.STALL), spent
@@ -464,7 +469,7 @@ class Schedule:
     def head_waits(self, now: float) -> bool:
         """The head batch is missing at `now`; whether no batch arrived for `retry_timeout_s` since
         the head began to wait (the retry budget is then spent: the epoch ends)."""
-        if self.waiting_since is None:
+        if self.waiting_since is None or pause.holds_head(self):  # (a pause is not a failure)
             self.waiting_since = now
             self.progress_at = max(self.progress_at, now)
             return False

@@ -11,7 +11,8 @@ value is the word `RemoteLoader.stats()["servers"][address]["state"]` shows.
 | OK → REFUSED | it answered FAILED_PRECONDITION (it cannot serve this request) |
 | SUSPECT, DOWN → OK | a probe after the backoff answered |
 | SUSPECT ↔ DOWN | another request of it stalled or failed meanwhile |
-| OK ↔ PAUSED | reserved (priorities): no new request, never hedged; a failure keeps it PAUSED (not down) |
+| OK → PAUSED | it holds a request back for higher-priority work (`BatchChunk.pause`): no new request, never hedged, not timed out (`pause`) |
+| PAUSED → OK | a batch of it came, or none of its requests is left (→ DOWN then if one failed meanwhile); a failure keeps it PAUSED |
 | PAUSED → REFUSED | a request it had answered FAILED_PRECONDITION |
 | any but GONE → GONE | a `dns:///` name no longer resolves to it (it does not come back within the epoch) |
 
@@ -30,7 +31,7 @@ class ServerState(Enum):
     DOWN = "down"  # failed: probed after a backoff
     REFUSED = "refused"  # another dataset version, or cannot serve this request: not asked again
     GONE = "gone"  # no longer resolved
-    PAUSED = "paused"  # reserved (priorities): no new requests, no hedging, not down
+    PAUSED = "paused"  # held back for higher-priority work: no new requests, no hedging, not down
 
 
 class CancelReason(Enum):

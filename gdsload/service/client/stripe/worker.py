@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from gdsload.service.client.receive import Delivery, check_position, read_batches
+from gdsload.service.client.stripe import pause
 from gdsload.service.client.stripe.actions import EXIT, PROBE, Failure, Wait
 from gdsload.service.client.stripe.model import Fetch, Server
 from gdsload.service.protocol import status, wire
@@ -117,7 +118,12 @@ class FetchWorker:
             if t is None:
                 f.heard(time.monotonic())
 
-        for chunk, batch, shared in read_batches(call, rx.link.channels.bodies, rx.stages, waiting):
+        def paused(notice: pb.StreamPause) -> None:  # (higher-priority work on its server)
+            with rx.cond:
+                pause.paused(rx.schedule, f, notice.reason, time.monotonic())
+            rx.link.mark(self.server.address, paused_at=time.time())
+
+        for chunk, batch, shared in read_batches(call, rx.link.channels.bodies, rx.stages, waiting, paused):
             expected = (f.next + 1) * rx.G
             check_position(chunk, rx.epoch, expected)
             if f.stride:

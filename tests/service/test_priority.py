@@ -1,0 +1,372 @@
+"""Priorities and preemption in the feed (issue 49), on real servers on loopback.
+
+The arbiter's rules are checked first on their own, with a clock that moves only by the seconds
+each batch takes (so the order of grants is the rules' alone): strict priority between levels,
+equal seconds per job within a level (a job of two streams gets no more than one of one stream,
+a job of dear batches gets fewer batches, not fewer seconds), a share group at its highest
+member's priority. Then on servers: higher work held on a server (a turn of priority 100 that
+holds the server's one batch slot: the lower streams pause at their batch boundary) pauses a
+RemoteLoader's stream; its client sees a slower stream (stats say paused, when and why), never an
+error, not even with `stall_timeout_s` and `retry_timeout_s` far below the pause; its epoch is
+the local loader's keys in plan order, and a state taken while paused resumes exactly. A request
+that does not declare it understands pauses (an older client) gets no pause message, only its
+batches. A high job among three low ones: no batch of a lower level is ever made while a higher
+stream waits for its turn, and every job's every epoch is exact. The token file's limits refuse
+a priority above them with PERMISSION_DENIED naming the limit. No assertion is on a duration;
+every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from gdsload import RemoteLoader
+from gdsload.errors import GdsloadError, RemoteError
+from gdsload.service.protocol import auth
+from gdsload.service.protocol.status import PermissionDenied
+from gdsload.service.server import create_server
+from gdsload.service.server.priority import Arbiter
+from gdsload.v1 import feed_pb2 as pb
+from gdsload.v1 import feed_pb2_grpc as pb_grpc
+
+from feedkit import local_batches
+
+B = 8  # feats: 256 samples, 32 batches an epoch
+
+
+def keys(batches) -> list[str]:
+    return [k for b in batches for k in b["__key__"]]
+
+
+def until(cond, what: str, timeout: float = 20.0, every: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(every)
+
+
+# -- the rules, on their own ------------------------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run_streams(arbiter: Arbiter, clock: Clock, streams: list, grants: int) -> None:
+    """Each stream (a turn, its batch's cost in clock seconds) asks again at once after each batch,
+    until `grants` batches were made in all; the clock moves only while a batch is made."""
+    made = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def run(turn, cost):
+        while not stop.is_set():
+            got = turn.wait(stop.is_set)
+            if got is False:
+                return
+            if got is not None:
+                continue
+            with lock:
+                clock.t += cost
+                made[0] += 1
+                if made[0] >= grants:
+                    stop.set()
+            turn.made()
+            turn.sent()
+
+    blocker = arbiter.enter(("test", "blocker"), 1 << 30)  # holds the slot until every stream waits
+    assert blocker.wait(stop.is_set) is None
+    arbiter.grants.clear()
+    threads = [threading.Thread(target=run, args=s, daemon=True) for s in streams]
+    for t in threads:
+        t.start()
+    until(lambda: all(turn.state == "waiting" for turn, _ in streams), "every stream waits")
+    blocker.made()
+    blocker.leave()
+    for t in threads:
+        t.join(60)
+    stop.set()
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_within_a_level_each_job_gets_an_equal_share_of_seconds_not_of_batches():
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    a1, a2 = arb.enter(("id", "A"), 0), arb.enter(("id", "A"), 0)  # job A: two streams
+    b = arb.enter(("id", "B"), 0)
+    c = arb.enter(("id", "C"), 0)  # job C: batches three times as dear (decoded, say)
+    run_streams(arb, clock, [(a1, 1.0), (a2, 1.0), (b, 1.0), (c, 3.0)], grants=120)
+    used = {j: arb.jobs[("id", j)].used for j in "ABC"}
+    assert max(used.values()) - min(used.values()) <= 3.0 + 1e-9, used  # within one dear batch
+    count = {j: sum(1 for job, _, _ in arb.grants if job == ("id", j)) for j in "ABC"}
+    assert abs(count["A"] - count["B"]) <= 2, count  # two streams: no more than one stream
+    assert count["C"] * 2 < count["B"], count  # a third of the batches for the same seconds
+
+
+def test_strict_priority_between_levels_and_a_share_group_at_its_highest_member():
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    lows = [arb.enter(("id", f"low{i}"), 0) for i in range(3)]
+    member = arb.enter(("id", "member"), 0, group="g")  # priority 0, in the group of a priority-5 stream
+    peer = arb.enter(("id", "peer"), 5, group="g")
+    assert arb.level_of(member) == 5
+    stop = threading.Event()
+    assert peer.wait(stop.is_set) is None  # the group's priority-5 stream makes a batch: it wants the server
+    out: list = []
+
+    def one(turn):
+        out.append(turn.wait(stop.is_set))
+
+    t = threading.Thread(target=one, args=(lows[0],), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # level 0 waits while level 5 wants the server
+    stop.set()
+    t.join(5)
+    assert out == [False]
+    peer.made()
+    peer.sent()
+    peer.leave()
+    clock.t += 1.0  # (the group's peer left long ago: it wants nothing)
+    high = arb.enter(("id", "high"), 10)
+    run_streams(arb, clock, [(x, 1.0) for x in lows] + [(member, 1.0), (high, 1.0)], grants=40)
+    assert [job for job, _, _ in arb.grants] == [("id", "high")] * 40  # high asks again at once: only it
+    assert all(level >= (waiting or 0) for _, level, waiting in arb.grants)
+    high.leave()
+    run_streams(arb, clock, [(x, 1.0) for x in lows] + [(member, 1.0)], grants=40)
+    assert {job for job, _, _ in arb.grants} == {("id", f"low{i}") for i in range(3)} | {("id", "member")}
+
+
+# -- on servers --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_slot(roots):
+    """Two servers that make one batch at a time (`batch_slots=1`): contention on every batch."""
+    servers = [create_server([str(roots)], batch_slots=1, max_message_bytes=64 * 1024) for _ in range(2)]
+    for srv, _ in servers:
+        srv.start()
+    yield [(srv, f"127.0.0.1:{port}") for srv, port in servers]
+    for srv, _ in servers:
+        srv.shutdown(grace_s=2)
+
+
+class Held:
+    """Higher work held on a server: a turn of priority 100 making a batch (its one slot taken)
+    until `release()`; every lower stream pauses at its next batch boundary."""
+
+    def __init__(self, srv):
+        self.turn = srv.servicer.arbiter.enter(("test", "held"), 100)
+        assert self.turn.wait(lambda: False) is None
+
+    def release(self):
+        self.turn.made()
+        self.turn.leave()
+
+
+@pytest.mark.parametrize("striped", [False, True])
+def test_a_paused_job_sees_a_slower_stream_and_its_state_resumes_exactly(one_slot, roots, striped):
+    (srv, addr), (srv2, addr2) = one_slot
+    local = keys(local_batches(roots / "feats", batch_size=B))
+    kw = dict(dataset="feats", batch_size=B, output="numpy", prefetch=1, stall_timeout_s=0.5,
+              retry_timeout_s=1.0, deadline_s=1.0)
+    addresses = [addr, addr2] if striped else addr
+    loader = RemoteLoader(addresses, **kw, stripe_batches=2, server_window=1)
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    errors: list = []
+
+    def consume():  # the training loop, waiting for its next batch while the stream is paused
+        try:
+            got.extend(it)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    held = Held(srv)
+    loop = threading.Thread(target=consume, daemon=True)
+    try:
+        loop.start()
+        until(lambda: loader.stats()["servers"][addr]["state"] == "paused", "the stream paused")
+        until(lambda: loader.stats()["wait_s"] > 0.2, "the loop waits", timeout=10)
+        handed = len(got)
+        state = loader.state_dict()
+        time.sleep(2.5)  # paused for 5x stall_timeout_s and 2.5x retry_timeout_s: still no error
+        row = loader.stats()["servers"][addr]
+        assert row["state"] == "paused" and row["stalls"] == 0 and row["failures"] == 0, row
+        assert "priority 100" in row["paused_reason"] and row["paused_at"] <= time.time()
+        assert len(got) == handed and not errors
+    finally:
+        held.release()
+    loop.join(60)
+    assert not loop.is_alive() and not errors, errors
+    assert keys(got) == local  # the epoch, exact and in plan order, across the pause
+    row = loader.stats()["servers"][addr]
+    assert row["pauses"] >= 1 and row["paused_s"] > 0 and row["state"] != "paused", row
+    assert all(r["stalls"] == 0 and r["failures"] == 0 for r in loader.stats()["servers"].values())
+    again = RemoteLoader(addresses, **kw)
+    again.load_state_dict(state)
+    assert keys(list(again)) == local[len(keys(got[:handed])):]  # the state taken while paused
+    assert loader.stats()["servers_needed"] >= 1
+    loader.close()
+    again.close()
+
+
+def _stream(addr: str, understands_pause: bool) -> tuple[list, threading.Thread]:
+    req = pb.BatchRequest(dataset="feats", batch_size=B, world_size=1, max_batches=3,
+                          understands_pause=understands_pause, priority=0)
+    messages: list = []
+    ch = grpc.insecure_channel(addr)
+    call = pb_grpc.FeedStub(ch).StreamBatches(req, timeout=30)
+
+    def read():
+        for m in call:
+            messages.append(m)
+        ch.close()
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return messages, t
+
+
+def test_only_a_request_that_understands_pauses_is_told(one_slot):
+    srv, addr = one_slot[0]
+    held = Held(srv)
+    try:
+        old, t_old = _stream(addr, False)
+        new, t_new = _stream(addr, True)
+        arb = srv.servicer.arbiter
+        until(lambda: sum(u.paused for u in arb.usage() if u.priority == 0) == 2, "both streams paused")
+        until(lambda: len(new) >= 2, "two notices to the new request", timeout=10)
+        assert old == []  # an older client: no message while paused
+    finally:
+        held.release()
+    t_old.join(30)
+    t_new.join(30)
+    assert not t_old.is_alive() and not t_new.is_alive()
+    assert all(not m.HasField("pause") for m in old) and sum(m.last for m in old) == 3
+    notices = [m for m in new if m.HasField("pause")]
+    assert len(notices) >= 2 and new[:len(notices)] == notices  # told first, then its batches
+    assert notices[0].pause.by_priority == 100 and notices[-1].pause.paused_s >= 1.0
+    assert not notices[0].HasField("header") and not notices[0].data
+    assert sum(m.last for m in new) == 3
+
+
+def test_a_high_job_among_three_low_ones(one_slot, roots):
+    """Every grant goes to the highest level waiting; the high job's batches were made while low
+    ones waited (they yielded); each job's epoch is exact."""
+    srv, addr = one_slot[0]
+    arb = srv.servicer.arbiter
+    local = keys(local_batches(roots / "feats", batch_size=B))
+    lows = [RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", priority=0) for _ in range(3)]
+    low_keys: list[list[str]] = [[] for _ in lows]
+    started = threading.Barrier(4, timeout=30)
+    errors: list = []
+
+    def run(i):
+        try:
+            it = iter(lows[i])
+            low_keys[i] += next(it)["__key__"]
+            started.wait()
+            for b in it:
+                low_keys[i] += b["__key__"]
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait()
+    arb.grants.clear()
+    high = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", priority=10, job="train")
+    high_keys = keys(high)
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert high_keys == local
+    assert all(k == local for k in low_keys)
+    grants = list(arb.grants)
+    assert all(level >= (waiting if waiting is not None else level) for _, level, waiting in grants), grants
+    mine = [g for g in grants if g[1] == 10]
+    assert len(mine) == len(local) // B  # every batch of the high job made once
+    assert any(waiting == 0 for _, _, waiting in mine)  # made while low streams waited: they yielded
+    use = {u.priority: u for u in high.server_info().priorities}
+    assert use[10].batches >= 32 and use[0].batches >= 3 * 32 and use[0].paused_s > 0
+    text = srv.metrics.text()
+    assert 'gdsload_feed_priority_batches_total{priority="10"}' in text
+    assert 'gdsload_feed_priority_paused_seconds_total{priority="0"}' in text
+    for lo in lows + [high]:
+        lo.close()
+
+
+# -- who may ask for what ---------------------------------------------------------------------------
+def test_token_file_limits_priorities(roots, tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# name token highest\ntrain tok-train 10\nprep tok-prep 0\ninfer tls:infer.local 5\n")
+    clients = auth.read_clients(path)
+    srv, port = create_server([str(roots)], token=clients)
+    srv.start()
+    addr = f"127.0.0.1:{port}"
+    try:
+        def first(token, priority):
+            lo = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", token=token, priority=priority,
+                              retry_timeout_s=2)
+            try:
+                return next(iter(lo))["__key__"]
+            finally:
+                lo.close()
+
+        assert first("tok-train", 10) and first("tok-prep", 0)
+        with pytest.raises(RemoteError) as e:
+            first("tok-prep", 1)
+        assert e.value.code == "PERMISSION_DENIED" and "priority 0 at most" in str(e.value), e.value
+        with pytest.raises(RemoteError) as e:
+            first("tok-train", 11)
+        assert e.value.code == "PERMISSION_DENIED" and "'train'" in str(e.value) and "10 at most" in str(e.value)
+        with pytest.raises(RemoteError) as e:
+            first("wrong", 0)
+        assert e.value.code == "UNAUTHENTICATED"
+    finally:
+        srv.shutdown(grace_s=2)
+
+
+def test_token_file_formats_and_tls_identities(tmp_path):
+    one = tmp_path / "one"
+    one.write_text("s3cret\n")
+    assert auth.read_clients(one) == "s3cret"  # the file of before: one token, priority 0 at most
+    only = auth.Clients.of("s3cret")
+    only.check_priority(0, [("authorization", "Bearer s3cret")], {})
+    with pytest.raises(PermissionDenied, match="priority 0 at most"):
+        only.check_priority(1, [("authorization", "Bearer s3cret")], {})
+    many = tmp_path / "many"
+    many.write_text("infer tls:infer.local 5\nbatch tok 1\n")
+    clients = auth.read_clients(many)
+    tls = {"x509_common_name": [b"infer.local"]}
+    clients.check_priority(5, [], tls)  # a mutual-TLS client mapped by its certificate's name
+    with pytest.raises(PermissionDenied, match="'infer', which may ask priority 5 at most"):
+        clients.check_priority(6, [], tls)
+    with pytest.raises(PermissionDenied, match="not listed"):
+        clients.check_priority(1, [], {"x509_common_name": [b"other"]})
+    assert auth.interceptors(clients)[0] is not None and auth.interceptors(auth.Clients([auth.Client(
+        "x", "tls:x", 3)])) == []  # TLS identities only: no token check
+    bad = tmp_path / "bad"
+    bad.write_text("train tok ten\n")
+    with pytest.raises(GdsloadError, match="line 1 must be 'NAME TOKEN HIGHEST_PRIORITY'"):
+        auth.read_clients(bad)
+    bad.write_text("a tok 1\nb tok 2\n")
+    with pytest.raises(GdsloadError, match="appears twice"):
+        auth.read_clients(bad)
+
+
+def test_remote_loader_checks_its_priority():
+    with pytest.raises(GdsloadError, match="priority must be an integer"):
+        RemoteLoader("127.0.0.1:1", dataset="feats", priority=1.5)
+    with pytest.raises(GdsloadError, match="job must be a string"):
+        RemoteLoader("127.0.0.1:1", dataset="feats", job="x" * 129)
+    lo = RemoteLoader("127.0.0.1:1", dataset="feats", priority=-3)
+    other = RemoteLoader("127.0.0.1:1", dataset="feats")
+    assert lo.priority == -3 and len(lo.job) == 32 and lo.job != other.job
