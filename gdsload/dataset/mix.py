@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gdsload.host.forksafe import ProcessLocal
-from gdsload.plan.mix import MIX_BY, MixSource, MixSpec
+from gdsload.plan.mix import MIX_BY, MixSource, MixSpec, check_schedule
 from gdsload.plan.plan import PlanError, _int
 
 __all__ = ["Mix"]
@@ -68,6 +68,10 @@ class Mix(ProcessLocal):
     A Mix is a description; the order it gives is `mix_order` (pure). With opened datasets it
     offers what the loader reads from a `Dataset` (`dataset_id`, `shard_sizes`, `fields`,
     `shards`), the datasets' shards one after another.
+
+    `schedule` (a `gdsload.TokenLoader` only: its weights are tokens): ``[(tokens, weights), ...]``,
+    from each count of tokens consumed (the whole run's, epochs before included) the weights are
+    those (one per dataset); `weights` hold before the first. `gdsload.plan.tokenmix` has the rule.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class Mix(ProcessLocal):
         samples: Sequence[int | None] | None = None,
         mix_by: Literal["sample", "batch"] = "sample",
         names: Sequence[str] | None = None,
+        schedule: Sequence[tuple[int, Sequence[float]]] | None = None,
     ):
         if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence) or not datasets:
             raise PlanError(f"Mix takes a non-empty list of datasets, got {datasets!r}")
@@ -121,6 +126,9 @@ class Mix(ProcessLocal):
             if not all(isinstance(n, str) and n for n in names) or len(set(names)) != k:
                 raise PlanError(f"names must be {k} different non-empty strings, got {names!r}")
         self.names = list(names)
+        self.schedule = check_schedule(schedule, k)
+        if self.schedule and any(x is not None for x in self.repeat + self.samples):
+            raise PlanError("a weight schedule changes weights: every dataset needs a weight (no repeat/samples)")
         self._fields: list[str] | None = None
         self._start_process()
 
@@ -138,7 +146,7 @@ class Mix(ProcessLocal):
             weight = None if fixed else (self.weights[i] if self._weights_given else float(sum(sizes)))
             sources.append(MixSource(name=self.names[i], dataset_id=str(dataset_id), shard_sizes=sizes,
                                      weight=weight, repeat=self.repeat[i], samples=self.samples[i]))
-        return MixSpec(tuple(sources), self.samples_per_epoch, self.mix_by)
+        return MixSpec(tuple(sources), self.samples_per_epoch, self.mix_by, schedule=self.schedule)
 
     def open(self, opener: Callable[[str], Any]) -> Mix:
         """This mix with every string entry replaced by ``opener(entry)`` (a `Dataset`)."""
@@ -185,6 +193,9 @@ class Mix(ProcessLocal):
         """The `gdsload.plan.mix.MixPlan` of this mix with the loader's order options."""
         from gdsload.plan.mix import MixPlan
 
+        if self.schedule:
+            raise PlanError("a Mix with a weight schedule (weights by tokens consumed) is read by "
+                            "gdsload.TokenLoader; a DataLoader or RemoteLoader mixes samples")
         return MixPlan(dataset_id=self.dataset_id, shard_sizes=self.shard_sizes, mix=self.spec, **plan_args)
 
     def select(self, fields: Sequence[str]) -> Mix:
@@ -224,4 +235,5 @@ class Mix(ProcessLocal):
 
     def __repr__(self) -> str:
         return (f"gdsload.Mix({self.names}, weights={self.weights}, samples_per_epoch="
-                f"{self.samples_per_epoch}, mix_by={self.mix_by!r})")
+                f"{self.samples_per_epoch}, mix_by={self.mix_by!r}"
+                + (f", schedule={[(a, list(w)) for a, w in self.schedule]}" if self.schedule else "") + ")")

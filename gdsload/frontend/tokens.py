@@ -35,20 +35,24 @@ for text tokenized on the fly (`TypeError`).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from gdsload.errors import ConfigError, CorruptDataError, FormatError
+from gdsload.errors import ConfigError, CorruptDataError, FormatError, PassStopped, StateError
 from gdsload.format import tokens as tf
 from gdsload.format.crc import crc32
 from gdsload.format.manifest import dataset_id
+from gdsload.frontend.cursor import Cursor
 from gdsload.frontend.output import as_output, default_output
 from gdsload.host.dist import dist_rank_world
 from gdsload.plan import pack as pk
 from gdsload.plan.plan import STATE_VERSION
+from gdsload.plan.tokenmix import MixCursor, TokenMix
 
 ORDER = 2  # the plan's order version the document order uses
 _GAP = 64 << 10  # documents of a shard at most this many bytes apart are read in one read
@@ -60,18 +64,20 @@ class TokenLoader:
     `position_ids`, `attention_mask` ([batch_size, seq_len]) and `cu_seqlens` (int32, 1-D),
     NumPy arrays or torch tensors (`output`) on `device`.
 
-    `data`: a dataset path or URL, or a `gdsload.Dataset`. `eos_token` (a token string, or an id)
-    is appended to every document. `pad_id` fills padding (default: the eos id, else 0).
-    `window`: the shuffle's window of shards (the plan's). `rank`/`world_size` default to the
-    initialised `torch.distributed` group, else 0 of 1.
+    `data`: a dataset path or URL, a `gdsload.Dataset`, or a `gdsload.Mix` of token datasets
+    (mixed by tokens: `gdsload.plan.tokenmix`). `eos_token` (a token string, or an id) is appended
+    to every document. `pad_id` fills padding (default: the eos id, else 0). `window`: the
+    shuffle's window of shards (the plan's). `rank`/`world_size` default to the initialised
+    `torch.distributed` group, else 0 of 1. `prefetch`: global steps packed, read and assembled
+    ahead on a thread of the loader while the training step runs (0: on the training thread).
     """
 
     def __init__(self, data: Any, seq_len: int, batch_size: int, *, shuffle: bool = False, seed: int = 0,
                  pack: str = "concat", tokenizer: Any = None, eos_token: Any = None, pad_id: int | None = None,
                  drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 output: str | None = None, device: str = "cpu", window: int = 4):
+                 output: str | None = None, device: str = "cpu", window: int = 4, prefetch: int = 2):
         for name, v, lo in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
-                            ("window", window, 1)):
+                            ("window", window, 1), ("prefetch", prefetch, 0)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
                 raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}")
         if pack not in pk.PACKS:
@@ -84,23 +90,35 @@ class TokenLoader:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is not one of world_size {world_size}")
         self.seq_len, self.batch_size, self.shuffle, self.seed = int(seq_len), int(batch_size), bool(shuffle), int(seed)
-        self.pack, self.drop_last, self.window = pack, bool(drop_last), int(window)
+        self.pack, self.drop_last, self.window, self.prefetch = pack, bool(drop_last), int(window), int(prefetch)
         self.rank, self.world_size = rank, world_size
         self.output, self.device = default_output(output), device
-        self._source = _open(data)
+        mix = data if type(data).__name__ == "Mix" else None
+        self._parts = [_open(d) for d in mix.datasets] if mix is not None else [_open(data)]
+        self._source = self._parts[0]
         self.manifest = self._source.manifest
-        self.meta = tf.check_meta(self.manifest, name=self._source.root)
         self._tok = tf.load_tokenizer(tokenizer) if tokenizer is not None else None
         tok_sha = tf.tokenizer_info(self._tok)["tokenizer_sha256"] if self._tok is not None else None
+        metas = [tf.check_meta(p.manifest, name=p.root) for p in self._parts]
+        self.meta = metas[0]
+        if mix is not None:
+            for p, m in zip(self._parts, metas):
+                if m is None:
+                    raise ConfigError(f"{p.root} of the mix is not a token dataset: a TokenLoader mixes token "
+                                      f"datasets (convert it with --tokenizer)")
+                if m["tokenizer_sha256"] != metas[0]["tokenizer_sha256"]:
+                    raise ConfigError(f"{p.root} of the mix was tokenized with another tokenizer than "
+                                      f"{self._parts[0].root} (SHA-256 {m['tokenizer_sha256'][:12]}... and "
+                                      f"{metas[0]['tokenizer_sha256'][:12]}...): mixed datasets share one tokenizer")
         if self.meta is not None:
             if tok_sha is not None and tok_sha != self.meta["tokenizer_sha256"]:
                 raise ConfigError(f"{self._source.root} was tokenized with another tokenizer (SHA-256 "
                                   f"{self.meta['tokenizer_sha256'][:12]}..., this one {tok_sha[:12]}...); pass "
                                   f"its tokenizer, or none (pre-tokenized data needs none)")
             tok_sha = self.meta["tokenizer_sha256"]
-            self._docs_per_shard = [int(s["documents"]) for s in self.manifest["shards"]]
-            self._dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
-            vocab = self.meta["vocab_size"]
+            per_part = [[int(s["documents"]) for s in p.manifest["shards"]] for p in self._parts]
+            self._dtypes = [np.dtype(m["dtype"]).newbyteorder("<") for m in metas]
+            vocab = max(m["vocab_size"] for m in metas)
         else:
             if tf.TEXT_FIELD not in self.manifest["fields"]:
                 raise FormatError(f"{self._source.root} is neither a token dataset nor a text dataset (fields "
@@ -108,23 +126,63 @@ class TokenLoader:
             if self._tok is None:
                 raise ConfigError(f"{self._source.root} holds text (converted without --tokenizer): pass "
                                   f"tokenizer= (a tokenizer.json) to tokenize it on the fly")
-            self._docs_per_shard = [int(s["samples"]) for s in self.manifest["shards"]]
+            per_part = [[int(s["samples"]) for s in self.manifest["shards"]]]
+            self._dtypes = [np.dtype("<u4")]
             vocab = self._tok.get_vocab_size(with_added_tokens=True)
         special = self.meta["special_tokens"] if self.meta is not None else None
         self.eos_id = tf.resolve_token(eos_token, tok=self._tok, special=special, vocab_size=vocab)
         self.pad_id = int(pad_id) if pad_id is not None else (self.eos_id if self.eos_id is not None else 0)
         self.tokenizer_sha256 = tok_sha
+        # global shards: every part's shards one after another; documents numbered shard-major
+        self._shards = [(p, s) for p, sizes in enumerate(per_part) for s in range(len(sizes))]
+        self._entries = [e for p in self._parts for e in p.manifest["shards"]]
+        self._docs_per_shard = [n for sizes in per_part for n in sizes]
         self._doc_start = np.concatenate([[0], np.cumsum(self._docs_per_shard)]).astype(np.int64)
         self.num_documents = int(self._doc_start[-1])
-        self._id = dataset_id(self.manifest["shards"])
-        self._verify = getattr(data, "verify", "fast") is not None
+        self._verify = all(getattr(d, "verify", "fast") is not None
+                           for d in (mix.datasets if mix is not None else [data]))
         self._tables: OrderedDict[int, tuple[tf.DocTable, np.ndarray]] = OrderedDict()
         self._docs: OrderedDict[int, np.ndarray] = OrderedDict()  # document id -> ids (eos included)
         self._docs_tokens = 0
-        self._docs_limit = max(1 << 22, 8 * self.global_batch * self.seq_len)
-        self._packers: dict[int, tuple[pk.DocOrder, pk.Packer]] = {}
+        self._docs_limit = max(1 << 22, 8 * (self.prefetch + 2) * self.global_batch * self.seq_len)
+        self._lock = threading.RLock()  # the caches, between the prefetch thread and the caller
+        self.mix = None
+        if mix is not None:
+            self._setup_mix(mix, per_part, metas)
+            self._id = self.mix.mix_id
+        else:
+            self._id = dataset_id(self.manifest["shards"])
         self._epoch, self._step, self._state = 0, 0, pk.start_state()
-        self._loads = 0  # bumped by load_state_dict / set_epoch: a live pass adopts the new cursor
+        self._mixpos: tuple[int, MixCursor] | None = None  # a mix: (base position, the stream there)
+        self._cursor = Cursor()  # the live pass (gdsload.frontend.cursor's rules)
+
+    def _setup_mix(self, mix: Any, per_part: list[list[int]], metas: list[Any]) -> None:
+        from gdsload.plan.mix import MixSource, MixSpec
+
+        if any(r is not None for r in mix.repeat) or any(n is not None for n in mix.samples):
+            raise ConfigError("a TokenLoader mixes by token weights: repeat= and samples= (counts of samples) "
+                              "do not apply; give weights")
+        if mix.samples_per_epoch is not None:
+            raise ConfigError("a TokenLoader's mix epoch is the datasets' tokens together; samples_per_epoch "
+                              "does not apply (count steps with max_steps instead)")
+        if mix.mix_by != "sample":
+            raise ConfigError("mix_by='batch' is not supported by TokenLoader: documents of every dataset are "
+                              "packed into the rows by their token weights")
+        extra = 1 if self.eos_id is not None else 0
+        tokens = [m["num_tokens"] + extra * m["num_documents"] for m in metas]
+        for p, t in zip(self._parts, tokens):
+            if t == 0:
+                raise ConfigError(f"{p.root} of the mix has no tokens")
+        w0 = list(mix.weights) if mix._weights_given else [float(t) for t in tokens]
+        sources = tuple(MixSource(name=n, dataset_id=dataset_id(p.manifest["shards"]), shard_sizes=tuple(sizes),
+                                  weight=float(w)) for n, p, sizes, w in zip(mix.names, self._parts, per_part, w0))
+        self.mix = MixSpec(sources, None, "sample", schedule=tuple(mix.schedule))
+        self.tokens_per_epoch = int(sum(tokens))
+        offsets = np.concatenate([[0], np.cumsum([sum(s) for s in per_part])]).tolist()
+        self._mixer = TokenMix(docs_per_shard=per_part, offsets=offsets[:-1],
+                               phases=[(0, w0)] + [(int(b), list(w)) for b, w in mix.schedule],
+                               seed=self.seed, shuffle=self.shuffle, window=self.window,
+                               tokens_per_epoch=self.tokens_per_epoch, lengths=self._lengths)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -136,12 +194,18 @@ class TokenLoader:
         """Tokens of an epoch, end-of-document tokens included (a token dataset only)."""
         if self.meta is None:
             raise TypeError("a text dataset tokenized on the fly has no known token count")
+        if self.mix is not None:
+            return self.tokens_per_epoch
         return self.meta["num_tokens"] + (self.num_documents if self.eos_id is not None else 0)
 
     def __len__(self) -> int:
         if self.meta is None:
             raise TypeError("len() of a TokenLoader over text tokenized on the fly is not known (its token "
                             "count is known only once tokenized): convert the corpus with --tokenizer")
+        if self.mix is not None:
+            raise TypeError("len() of a TokenLoader over a Mix is not known: a mix's epoch ends with the "
+                            f"document that crosses its {self.tokens_per_epoch} tokens (tokens_per_epoch); "
+                            "count steps (max_steps) instead")
         if self.pack == "concat":
             return pk.concat_steps(self.num_tokens, seq_len=self.seq_len, rows=self.global_batch,
                                    drop_last=self.drop_last)
@@ -154,80 +218,134 @@ class TokenLoader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """Start the next pass at `epoch`'s start; a live pass is stopped (`gdsload.frontend.cursor`'s
+        rule: its `next()` raises `PassStopped`). The epoch the loader is at changes nothing."""
         if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
         if int(epoch) != self._epoch:
-            self._epoch, self._step, self._state = int(epoch), 0, pk.start_state()
-            self._loads += 1
+            self._cursor.stop(f"set_epoch({int(epoch)})")
+            self._epoch, self._step, self._state, self._mixpos = int(epoch), 0, pk.start_state(), None
 
     def _identity(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "kind": "tokens", "tokens_version": pk.TOKENS_STATE, "order": ORDER,
-                "dataset": self._id, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
-                "drop_last": self.drop_last, "global_batch": self.global_batch, "num_samples": self.num_documents,
-                "seq_len": self.seq_len, "pack": self.pack, "eos": self.eos_id, "tokenizer": self.tokenizer_sha256}
+        out = {"version": STATE_VERSION, "kind": "tokens", "tokens_version": pk.TOKENS_STATE, "order": ORDER,
+               "dataset": self._id, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
+               "drop_last": self.drop_last, "global_batch": self.global_batch, "num_samples": self.num_documents,
+               "seq_len": self.seq_len, "pack": self.pack, "eos": self.eos_id, "tokenizer": self.tokenizer_sha256}
+        if self.mix is not None:
+            out["mix"] = self.mix.describe()
+        return out
 
     def state_dict(self) -> pk.TokenState:
-        """Where the next batch comes from (JSON-serialisable; `gdsload.plan.pack.TokenState`)."""
+        """Where the next batch comes from (JSON-serialisable; `gdsload.plan.pack.TokenState`; a
+        mix adds ``mix`` and ``mix_cursor``). While a pass is live: after its last batch handed out."""
         st = self._state
-        return pk.TokenState(**self._identity(), epoch=self._epoch, step=self._step,  # type: ignore[typeddict-item]
-                             position=int(st["position"]), offset=int(st["offset"]),
-                             carry=[[int(v) for v in p] for p in st["carry"]])
+        out = dict(**self._identity(), epoch=self._epoch, step=self._step, position=int(st["position"]),
+                   offset=int(st["offset"]), carry=[[int(v) for v in p] for p in st["carry"]])
+        if self.mix is not None:
+            with self._lock:
+                base, cur = self._mixpos if self._mixpos is not None else (0, self._mixer.epoch_start(self._epoch))
+            out["mix_cursor"] = {"base": base, **cur.to_json()}
+        return out  # type: ignore[return-value]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._epoch, self._step, self._state = pk.check_state(state, self._identity())
-        self._loads += 1
+        """Resume from `state` (checked first: a state that does not fit is refused and changes
+        nothing); a live pass is stopped (its `next()` raises `PassStopped`)."""
+        mixpos = None
+        if self.mix is not None and isinstance(state, Mapping) and state.get("kind") == "tokens":
+            if "mix" not in state:
+                raise StateError(f"the state is from a single dataset, this loader reads a mix of "
+                                 f"{[s.name for s in self.mix.sources]}")
+            why = self.mix.differences(state["mix"])
+            if why is not None:
+                raise StateError(f"state field 'mix' does not match: {why}")
+            mc = state.get("mix_cursor")
+            if not isinstance(mc, Mapping) or not isinstance(mc.get("base"), int) or mc["base"] < 0:
+                raise StateError("a mix's state needs 'mix_cursor' with an int 'base' >= 0")
+            mixpos = (mc["base"], MixCursor.from_json(mc, len(self.mix.sources)))
+        epoch, step, st = pk.check_state(state, self._identity())
+        if mixpos is not None and mixpos[0] > min([st["position"]] + [p[0] for p in st["carry"]]):
+            raise StateError("state field 'mix_cursor' is after the state's position")
+        self._cursor.stop("load_state_dict()")
+        self._epoch, self._step, self._state, self._mixpos = epoch, step, st, mixpos
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self._pass()
+        old = self._cursor.live()
+        if old is not None:
+            old.close()  # a new iter() closes the live pass (its iterator ends) and continues
+        it = _Pass(self, self._epoch, self._step, self._state, self._mixpos)
+        self._cursor.begin(it)
+        it.start()
+        return it
 
-    def _packer(self, epoch: int) -> pk.Packer:
-        got = self._packers.get(epoch)
-        if got is None:
+    def _epoch_packer(self, epoch: int, mixpos: tuple[int, MixCursor] | None) -> tuple[Any, pk.Packer, Any]:
+        """(positions -> document ids, the epoch's packer, the mixed epoch or None)."""
+        if self.mix is None:
             order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                                 window=self.window)
-            got = (order, pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack,
-                                    num_documents=self.num_documents,
-                                    lengths=lambda positions: self._lengths(order.at(positions))))
-            self._packers = {epoch: got}  # one epoch at a time
-        return got[1]
+            packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack,
+                               num_documents=self.num_documents, lengths=lambda pos: self._lengths(order.at(pos)))
+            return order.at, packer, None
+        mixed = self._mixer.epoch(epoch, *(mixpos[::-1] if mixpos is not None else ()))
+        packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack, num_documents=None,
+                           lengths=mixed.lengths)
+        return mixed.at, packer, mixed
+
+    @staticmethod
+    def _named(at: Any, rows: list[list[pk.Piece]]) -> list[list[pk.Piece]]:
+        flat = [p for row in rows for p in row]
+        ids = {}
+        if flat:
+            got = at(np.asarray([p[0] for p in flat], np.int64)).tolist()
+            ids = dict(zip((p[0] for p in flat), got))
+        return [[(ids[p[0]], p[1], p[2]) for p in row] for row in rows]
 
     def rows(self, epoch: int, state: pk.PackState) -> tuple[list[list[pk.Piece]], pk.PackState]:
-        """The global step's rows from `state` (pieces name document ids) and the state after."""
-        packer = self._packer(epoch)
-        order = self._packers[epoch][0]
-        rows, nxt = packer.step(state)
-        ids = {}
-        flat = [p for row in rows for p in row]
-        if flat:
-            got = order.at(np.asarray([p[0] for p in flat], np.int64)).tolist()
-            ids = dict(zip((p[0] for p in flat), got))
-        return [[(ids[p[0]], p[1], p[2]) for p in row] for row in rows], nxt
+        """The global step's rows from `state` (pieces name document ids) and the state after (a
+        mix: `state` of the epoch's start or the loader's own position)."""
+        with self._lock:
+            at, packer, _ = self._epoch_packer(epoch, self._mixpos if epoch == self._epoch else None)
+            rows, nxt = packer.step(state)
+            return self._named(at, rows), nxt
 
-    def _pass(self) -> Iterator[dict[str, Any]]:
-        epoch, loads = self._epoch, self._loads
+    def _steps(self, epoch: int, step: int, state: pk.PackState,
+               mixpos: tuple[int, MixCursor] | None) -> Iterator[tuple[Any, Any]]:
+        """The pass's items, each ``(arrays or None, the loader's state after it)``: a batch and
+        the state once it is handed out, or (None, state) for the end of the epoch."""
+        with self._lock:
+            at, packer, mixed = self._epoch_packer(epoch, mixpos)
         while True:
-            if self._loads != loads:
-                epoch, loads = self._epoch, self._loads
-            if self._epoch != epoch:
-                return  # this pass's epoch is done (the cursor is at the next one)
-            rows, nxt = self.rows(epoch, self._state)
-            pieces = sum(len(r) for r in rows)
-            last = pk.exhausted(nxt, self.num_documents)
-            full = all(sum(p[2] for p in r) == self.seq_len for r in rows)
-            if not pieces or (last and self.drop_last and not full):
-                self._epoch, self._step, self._state = epoch + 1, 0, pk.start_state()
+            with self._lock:
+                rows, nxt = packer.step(state)
+                rows = self._named(at, rows)
+                pieces = sum(len(r) for r in rows)
+                last = packer.exhausted(nxt)
+                full = all(sum(p[2] for p in r) == self.seq_len for r in rows)
+                ends = not pieces or (last and self.drop_last and not full)
+                if ends or last:
+                    after = (epoch + 1, 0, pk.start_state(), None)
+                    if mixed is not None:
+                        end = mixed.cursor(mixed.end)
+                        self._mixer.remember_start(epoch + 1, end)
+                        after = (epoch + 1, 0, pk.start_state(), (0, end))
+                else:
+                    mp = None
+                    if mixed is not None:
+                        base = min([int(nxt["position"])] + [p[0] for p in nxt["carry"]])
+                        mp = (base, mixed.cursor(base))
+                        mixed.forget(base)
+                    after = (epoch, step + 1, nxt, mp)
+                arrays = None if ends else self._batch(rows[self.rank::self.world_size])
+            yield arrays, after
+            if ends or last:
                 return
-            batch = self._batch(rows[self.rank::self.world_size])
-            if last:
-                self._epoch, self._step, self._state = epoch + 1, 0, pk.start_state()
-            else:
-                self._step, self._state = self._step + 1, nxt
-            yield batch
+            state, step = nxt, step + 1
 
-    def _batch(self, rows: list[list[pk.Piece]]) -> dict[str, Any]:
+    def _batch(self, rows: list[list[pk.Piece]]) -> dict[str, np.ndarray]:
         self._fetch({p[0] for row in rows for p in row})
-        arrays = pk.assemble(rows, self.seq_len, lambda p: self._docs[p[0]][p[1]:p[1] + p[2]], self.pad_id)
+        return pk.assemble(rows, self.seq_len, lambda p: self._docs[p[0]][p[1]:p[1] + p[2]], self.pad_id)
+
+    def _hand_out(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         return {k: as_output(v, self.output, self.device) for k, v in arrays.items()}
 
     # -- documents -----------------------------------------------------------------------------
@@ -235,20 +353,21 @@ class TokenLoader:
         return np.searchsorted(self._doc_start, ids, side="right") - 1
 
     def _table(self, shard: int) -> tuple[tf.DocTable, np.ndarray]:
-        """A shard's document table and each document's byte offset in the shard."""
+        """A (global) shard's document table and each document's byte offset in the shard."""
         got = self._tables.get(shard)
         if got is not None:
             self._tables.move_to_end(shard)
             return got
-        src = self._source
-        entry = self.manifest["shards"][shard]
+        part, local = self._shards[shard]
+        src = self._parts[part]
+        entry = self._entries[shard]
         where = f"{src.root}/{entry['index']}"
         data = src.read_file(entry["index"])
-        index = src.index(shard)
+        index = src.index(local)
         table = tf.DocTable.from_index_bytes(data, name=where, num_chunks=index.num_samples)
         if table.num_documents != entry["documents"]:
             raise FormatError(f"{where}: {table.num_documents} documents, the manifest says {entry['documents']}")
-        got = (table, table.byte_offsets(index.member_offset, self._dtype.itemsize))
+        got = (table, table.byte_offsets(index.member_offset, self._dtypes[part].itemsize))
         self._tables[shard] = got
         while len(self._tables) > _TABLES_KEPT:
             self._tables.popitem(last=False)
@@ -303,8 +422,10 @@ class TokenLoader:
         out: dict[int, np.ndarray] = {}
         arr = np.asarray(ids, np.int64)
         shards = self._shard_of(arr)
-        item = self._dtype.itemsize
         for s in np.unique(shards).tolist():
+            part, local_shard = self._shards[s]
+            src, dtype = self._parts[part], self._dtypes[part]
+            item = dtype.itemsize
             table, offsets = self._table(s)
             sel_ids = arr[shards == s]
             local = sel_ids - self._doc_start[s]
@@ -319,17 +440,116 @@ class TokenLoader:
                     j += 1
                     end = max(end, off[by[j]] + size[by[j]])
                 lo = int(off[by[k]])
-                blob = self._source.read_extent(s, lo, int(end) - lo) if end > lo else b""
+                blob = src.read_extent(local_shard, lo, int(end) - lo) if end > lo else b""
                 for t in by[k:j + 1].tolist():
                     d = int(local[t])
                     raw = memoryview(blob)[int(off[t]) - lo:int(off[t]) - lo + int(size[t])]
                     if self._verify and crc32(raw) != int(table.crc[d]):
                         raise CorruptDataError(
-                            f"{self._source.shard_path(s)}: document {d} of the shard (offset {int(off[t])}, "
+                            f"{src.shard_path(local_shard)}: document {d} of the shard (offset {int(off[t])}, "
                             f"{int(size[t])} bytes) fails its CRC32 check: the shard is damaged; re-run gdsload convert")
-                    out[int(sel_ids[t])] = np.frombuffer(raw, self._dtype)
+                    out[int(sel_ids[t])] = np.frombuffer(raw, dtype)
                 k = j + 1
         return [out[i] for i in ids]
+
+
+
+_END = object()
+
+
+class _Pass:
+    """One `iter()` of a TokenLoader: its steps, made `prefetch` steps ahead on a thread (or on the
+    caller's thread with prefetch=0). Only handing a batch out moves the loader's state, so the
+    state is exact whatever was made ahead. Follows `gdsload.frontend.cursor`'s rules: `stop(why)`
+    (load_state_dict, set_epoch) ends the producer before it returns and makes the next `next()`
+    raise `PassStopped`; `close()` (a newer iter()) ends it with StopIteration."""
+
+    def __init__(self, loader: TokenLoader, epoch: int, step: int, state: pk.PackState,
+                 mixpos: tuple[int, MixCursor] | None):
+        self.epoch, self._loader = epoch, loader
+        self._gen = loader._steps(epoch, step, state, mixpos)
+        self._stopped_by: str | None = None
+        self._done = False
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, loader.prefetch))
+
+    def start(self) -> None:
+        if self._loader.prefetch > 0:
+            self._thread = threading.Thread(target=_produce, args=(self._gen, self._q, self._halt),
+                                            name="gdsload-tokens", daemon=True)
+            self._thread.start()
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._stopped_by is not None:
+            raise PassStopped(f"this pass was stopped by the loader's {self._stopped_by}: call iter(loader) "
+                              "again for the pass it set up")
+        if self._done:
+            raise StopIteration
+        if self._thread is None:
+            item = next(self._gen, _END)
+        else:
+            item = self._q.get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        arrays, after = item
+        lo = self._loader
+        lo._epoch, lo._step, lo._state, lo._mixpos = after
+        if arrays is None:
+            self.close()
+            raise StopIteration
+        return lo._hand_out(arrays)
+
+    def _end(self) -> None:
+        self._done = True
+        self._halt.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._loader._cursor.detach(self)
+
+    def close(self) -> None:
+        self._end()
+
+    def stop(self, why: str) -> None:
+        self._stopped_by = why
+        self._end()
+
+    def skip_to(self, position: int | None) -> None:  # the cursor's Pass protocol; TokenLoader has no skip
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        self._halt.set()
+
+
+def _produce(gen: Iterator[Any], q: queue.Queue, halt: threading.Event) -> None:
+    """The prefetch thread: the pass's items into `q` until the pass ends or `halt` is set. It holds
+    no reference to the pass, so a pass dropped unfinished is collected and its thread ends."""
+    try:
+        for item in gen:
+            while not halt.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if halt.is_set():
+                return
+        item = _END
+    except BaseException as exc:  # handed to the training thread at its next()
+        item = exc
+    while not halt.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return
+        except queue.Full:
+            continue
 
 
 def _open(data: Any) -> Any:
@@ -338,13 +558,11 @@ def _open(data: Any) -> Any:
 
     if isinstance(data, (str, os.PathLike)):
         return _Source(ShardedDataset(data))
-    if type(data).__name__ == "Mix":
-        raise ConfigError("a Mix of token datasets is not supported by TokenLoader yet (mixing by tokens is "
-                          "its own step); pass one dataset")
     path = getattr(data, "path", None)
     if isinstance(path, str) and hasattr(data, "verify"):
         return _Source(ShardedDataset(path, version=getattr(data, "version", None)))
-    raise ConfigError(f"data must be a dataset path or URL or a gdsload.Dataset, got {type(data).__name__}")
+    raise ConfigError(f"data must be a dataset path or URL, a gdsload.Dataset or a gdsload.Mix of them, "
+                      f"got {type(data).__name__}")
 
 
 class _Source:

@@ -156,6 +156,9 @@ class MixSpec:
     sources: tuple[MixSource, ...]
     samples_per_epoch: int | None = None
     mix_by: str = "sample"
+    # a token mix's weight schedule: ((tokens consumed, (weight per dataset, ...)), ...), increasing
+    # token counts > 0; from each count on, the weights are its (`gdsload.plan.tokenmix`)
+    schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -177,6 +180,7 @@ class MixSpec:
                     f"every dataset of the mix has repeat or samples (together {fixed} samples); "
                     f"samples_per_epoch {self.samples_per_epoch} would contradict them: leave it out"
                 )
+        check_schedule(self.schedule, len(self.sources))
         self.units(1)  # refuses a samples_per_epoch below the fixed counts (also holds per batch)
 
     @property
@@ -223,12 +227,15 @@ class MixSpec:
         return self.units(unit) * unit
 
     def describe(self) -> MixState:
-        return MixState(
+        out = MixState(
             datasets=[MixSourceState(name=s.name, dataset=s.dataset_id, num_samples=s.num_samples,
                                      weight=s.weight, repeat=s.repeat, samples=s.samples)
                       for s in self.sources],
             samples_per_epoch=self.samples_per_epoch, mix_by=self.mix_by,
         )
+        if self.schedule:  # only then: a mix without one keeps its id and states
+            out["schedule"] = [[at, list(w)] for at, w in self.schedule]  # type: ignore[typeddict-unknown-key]
+        return out
 
     @functools.cached_property
     def mix_id(self) -> str:
@@ -256,10 +263,42 @@ class MixSpec:
                         x, y = _shorten(x, y)
                     return (f"dataset {i} ({b['name']!r}) differs in {key!r}: the state has {x}, "
                             f"this loader has {y}")
+        if saved.get("schedule", []) != now.get("schedule", []):
+            return (f"the weight schedule differs: the state has {saved.get('schedule', [])!r}, this loader "
+                    f"has {now.get('schedule', [])!r}")
         for key in ("samples_per_epoch", "mix_by"):
             if saved.get(key) != now[key]:
                 return f"{key!r} differs: the state has {saved.get(key)!r}, this loader has {now[key]!r}"
         return None
+
+
+def check_schedule(schedule: Any, k: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """A weight schedule checked and normalised: ``[(tokens, [w_0 .. w_k-1]), ...]`` with token
+    counts > 0 and increasing, each a list of `k` finite weights >= 0, not all 0."""
+    if schedule is None:
+        return ()
+    if isinstance(schedule, (str, bytes)) or not isinstance(schedule, (list, tuple)):
+        raise PlanError(f"schedule must be a list of (tokens, weights) pairs, got {schedule!r}")
+    out, last = [], 0
+    for n, entry in enumerate(schedule):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise PlanError(f"schedule[{n}] must be a (tokens, weights) pair, got {entry!r}")
+        at, weights = entry
+        if isinstance(at, bool) or not isinstance(at, (int, np.integer)) or at <= last:
+            raise PlanError(f"schedule[{n}]: the token count must be an int > {last} (counts increase), got {at!r}")
+        if isinstance(weights, (str, bytes)) or not isinstance(weights, (list, tuple, np.ndarray)) or len(weights) != k:
+            raise PlanError(f"schedule[{n}]: give {k} weights, one per dataset, got {weights!r}")
+        ws = []
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                    or not np.isfinite(w) or w < 0:
+                raise PlanError(f"schedule[{n}]: weights must be finite numbers >= 0, got {w!r}")
+            ws.append(float(w))
+        if sum(ws) <= 0:
+            raise PlanError(f"schedule[{n}]: the weights are all 0; at least one must be > 0")
+        out.append((int(at), tuple(ws)))
+        last = int(at)
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -86,17 +86,33 @@ class DocOrder:
 
 
 class _Lengths:
-    """Lengths by position, asked for in blocks of `BLOCK` (a cache of the last block)."""
+    """Lengths by position, asked for in blocks of `BLOCK` (a cache of the last block). With
+    `num_documents` None the epoch ends where `lengths` first gives fewer lengths than asked for."""
 
-    def __init__(self, lengths: Callable[[np.ndarray], np.ndarray], num_documents: int):
+    def __init__(self, lengths: Callable[[np.ndarray], np.ndarray], num_documents: int | None):
         self._fn, self.n = lengths, num_documents
         self._start, self._block = 0, np.zeros(0, np.int64)
+        self._end: int | None = num_documents
+
+    def _load(self, pos: int) -> None:
+        want = BLOCK if self.n is None else max(0, min(BLOCK, self.n - pos))
+        self._start = pos
+        self._block = np.asarray(self._fn(np.arange(pos, pos + want, dtype=np.int64)), np.int64)
+        if len(self._block) < want:
+            self._end = pos + len(self._block)
+
+    def has(self, pos: int) -> bool:
+        """Whether the epoch has a document at `pos`."""
+        if self._end is not None:
+            return pos < self._end
+        if not 0 <= pos - self._start < len(self._block):
+            self._load(pos)
+        return 0 <= pos - self._start < len(self._block)
 
     def __call__(self, pos: int) -> int:
         i = pos - self._start
         if not 0 <= i < len(self._block):
-            self._start = pos
-            self._block = np.asarray(self._fn(np.arange(pos, min(pos + BLOCK, self.n), dtype=np.int64)), np.int64)
+            self._load(pos)
             i = 0
         return int(self._block[i])
 
@@ -105,9 +121,11 @@ class Packer:
     """One epoch's packing: `step(state)` -> (the step's `rows` rows of pieces, the next state).
 
     `lengths(positions)` (int64 array in, int64 array out) must depend on the positions only:
-    then so do the rows. Not thread-safe (it caches the last block of lengths)."""
+    then so do the rows. `num_documents` None: not known ahead (a mix by tokens): `lengths` then
+    gives fewer lengths than asked for at the epoch's end. Not thread-safe (it caches the last
+    block of lengths)."""
 
-    def __init__(self, *, seq_len: int, rows: int, pack: str, num_documents: int,
+    def __init__(self, *, seq_len: int, rows: int, pack: str, num_documents: int | None,
                  lengths: Callable[[np.ndarray], np.ndarray]):
         if pack not in PACKS:
             raise ValueError(f"pack must be one of {', '.join(map(repr, PACKS))}, got {pack!r}")
@@ -122,7 +140,7 @@ class Packer:
         for _ in range(self.rows):
             row: list[Piece] = []
             room = self.seq_len
-            while room and pos < self.n:
+            while room and self._len.has(pos):
                 length = self._len(pos)
                 take = min(length - off, room)
                 if take > 0:
@@ -140,7 +158,7 @@ class Packer:
         total = sum(p[2] for p in carry)
         pos, new = int(state["position"]), []
         need = LOOKAHEAD * self.rows * seq
-        while total < need and pos < self.n:
+        while total < need and self._len.has(pos):
             length = self._len(pos)
             start = 0
             while length - start > seq:
@@ -166,6 +184,11 @@ class Packer:
         for row in rows:
             row.sort()
         return rows, PackState(position=pos, offset=0, carry=left)
+
+
+    def exhausted(self, state: PackState) -> bool:
+        """Whether `state` has nothing left to pack in this epoch."""
+        return not self._len.has(int(state["position"])) and not state["carry"] and not state["offset"]
 
 
 def exhausted(state: PackState, num_documents: int) -> bool:
@@ -285,7 +308,7 @@ def check_state(state: Any, mine: Mapping[str, Any]) -> tuple[int, int, PackStat
             isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(v, int) and v >= 0 for v in p)
             for p in carry):
         raise StateError("state field 'carry' must be a list of [position, start, length]")
-    if state["position"] > state["num_samples"]:
+    if "mix" not in mine and state["position"] > state["num_samples"]:  # a mix's epoch may take more
         raise StateError(f"state position {state['position']} is past the epoch's {state['num_samples']} documents")
     return state["epoch"], state["step"], PackState(position=state["position"], offset=state["offset"],
                                                     carry=[list(p) for p in carry])
