@@ -21,33 +21,25 @@ from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy, routed_through
+from npykit import npy_dataset
+from s3kit import SpaceWatch, fetch_log, upload
 
-from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.errors import CorruptDataError, StorageError
 from gdsload.loader.dataloader import DataLoader, Dataset
-from gdsload.sampledata import make_npy_folder
 
 BUCKET = "gdsload-faults"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _upload(s3, local: Path, name: str) -> str:
-    if not s3.exists(BUCKET):
-        s3.mkdir(BUCKET)
-    s3.put(str(local), f"{BUCKET}/{name}", recursive=True)
-    s3.invalidate_cache()
-    return f"s3://{BUCKET}/{name}"
 
 
 @pytest.fixture(scope="module")
 def remote(s3, tmp_path_factory):
     """64 uint8[3, 16, 16] .npy samples with labels in 10+ small shards: (local path, s3 URL)."""
     root = tmp_path_factory.mktemp("faults")
-    make_npy_folder(root / "src", num_samples=64, shape=(3, 16, 16), dtype="uint8", seed=4)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=16_384))
-    assert len(ShardedDataset(root / "ds").shards) >= 10
-    return root / "ds", _upload(s3, root / "ds", "ds")
+    ds = npy_dataset(root / "src", root / "ds", num_samples=64, shape=(3, 16, 16), dtype="uint8", seed=4,
+                     shard_size=16_384)
+    assert len(ShardedDataset(ds).shards) >= 10
+    return ds, upload(s3, ds, BUCKET, "ds")
 
 
 @pytest.fixture
@@ -72,12 +64,6 @@ def _keys(ds, epochs=(0,), **kw) -> list[tuple[str, ...]]:
         loader.close()
 
 
-def _log(folder: Path, outcome: str) -> list[str]:
-    p = folder / "fetch.log"
-    lines = [line.split() for line in p.read_text().splitlines()] if p.exists() else []
-    return [f[2] for f in lines if f[-1] == outcome]
-
-
 # -- row 3: a byte flipped in transit ------------------------------------------------------------
 def test_a_byte_flipped_in_transit_once_is_fetched_again(remote, proxy, tmp_path):
     local, url = remote
@@ -87,7 +73,7 @@ def test_a_byte_flipped_in_transit_once_is_fetched_again(remote, proxy, tmp_path
     folder = tmp_path / "c"
     assert _keys(Dataset(url, cache_dir=folder)) == want
     assert proxy.corrupt[victim] == 0  # the fault happened
-    assert _log(folder, "ok").count(victim) == 1 and _log(folder, "corrupt") == [victim]
+    assert fetch_log(folder, "ok").count(victim) == 1 and fetch_log(folder, "corrupt") == [victim]
 
 
 def test_a_byte_flipped_in_transit_every_time_names_the_shard(remote, proxy, tmp_path):
@@ -97,7 +83,7 @@ def test_a_byte_flipped_in_transit_every_time_names_the_shard(remote, proxy, tmp
     folder = tmp_path / "c"
     with pytest.raises(CorruptDataError, match=rf"shard {victim} .*fetched twice"):
         _keys(Dataset(url, cache_dir=folder))
-    assert _log(folder, "corrupt") == [victim, victim] and victim not in _log(folder, "ok")
+    assert fetch_log(folder, "corrupt") == [victim, victim] and victim not in fetch_log(folder, "ok")
 
 
 # -- row 8: a restart with the store down --------------------------------------------------------
@@ -182,44 +168,6 @@ def _jobs(url: str, folder: Path, limit: int, n: int, tmp_path: Path) -> list[di
     return outs
 
 
-class _Peak:
-    """The most bytes of shards (complete and partial) the folder held, looked at under its
-    space lock as a reserving process does (a listing is not a snapshot otherwise)."""
-
-    def __init__(self, folder: Path):
-        import threading
-
-        self.folder, self.peak, self._done = folder, 0, threading.Event()
-        self._t = threading.Thread(target=self._watch)
-        self._t.start()
-
-    def _watch(self):
-        import fcntl
-
-        while not self._done.is_set():
-            if (self.folder / ".space.lock").exists():
-                fd = os.open(self.folder / ".space.lock", os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    sizes = {}
-                    for e in os.scandir(self.folder):
-                        if ".tar" in e.name:
-                            try:
-                                st = e.stat()
-                            except FileNotFoundError:
-                                continue
-                            sizes[st.st_ino] = st.st_size
-                    self.peak = max(self.peak, sum(sizes.values()))
-                finally:
-                    os.close(fd)
-            time.sleep(0.002)
-
-    def stop(self) -> int:
-        self._done.set()
-        self._t.join()
-        return self.peak
-
-
 def _sizes(local: Path) -> list[int]:
     return sorted((s["bytes"] for s in ShardedDataset(local).shards), reverse=True)
 
@@ -237,7 +185,7 @@ def test_four_processes_share_one_folder_and_all_finish(remote, proxy, tmp_path)
     want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]
     alone = _jobs(url, tmp_path / "alone", limit, 1, tmp_path)[0]
     assert alone["keys"] == want
-    peak = _Peak(tmp_path / "shared")
+    peak = SpaceWatch(tmp_path / "shared", every_s=0.002)  # the most bytes of shards it holds
     try:
         outs = _jobs(url, tmp_path / "shared", limit, 4, tmp_path)
     finally:
@@ -260,7 +208,7 @@ def test_a_limit_too_small_for_the_processes_sharing_it_is_refused(remote, proxy
     sizes = _sizes(local)
     limit = sum(sizes[:5])
     want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]
-    peak = _Peak(tmp_path / "shared")
+    peak = SpaceWatch(tmp_path / "shared", every_s=0.002)
     try:
         outs = _jobs(url, tmp_path / "shared", limit, 4, tmp_path)
     finally:
@@ -294,10 +242,10 @@ def test_a_damaged_index_copy_in_the_cache_folder_is_read_again_from_the_store(r
 def small_shards(s3, tmp_path_factory):
     """48 uint8[3, 64, 64] samples, two or three per shard (every batch of 4 spans shards)."""
     root = tmp_path_factory.mktemp("small-shards")
-    make_npy_folder(root / "src", num_samples=48, shape=(3, 64, 64), dtype="uint8", seed=6)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=40_000))
-    assert len(ShardedDataset(root / "ds").shards) >= 16
-    return root / "ds", _upload(s3, root / "ds", "small-shards")
+    ds = npy_dataset(root / "src", root / "ds", num_samples=48, shape=(3, 64, 64), dtype="uint8", seed=6,
+                     shard_size=40_000)
+    assert len(ShardedDataset(ds).shards) >= 16
+    return ds, upload(s3, ds, BUCKET, "small-shards")
 
 
 def test_four_processes_whose_batches_span_shards_never_deadlock(small_shards, tmp_path):
@@ -309,7 +257,7 @@ def test_four_processes_whose_batches_span_shards_never_deadlock(small_shards, t
     local, url = small_shards
     limit = sum(_sizes(local)[:9])
     want = [list(k) for k in _keys(Dataset(str(local)), epochs=(0, 1))]
-    peak = _Peak(tmp_path / "shared")
+    peak = SpaceWatch(tmp_path / "shared", every_s=0.002)
     try:
         outs = _jobs(url, tmp_path / "shared", limit, 4, tmp_path)
     finally:

@@ -13,7 +13,6 @@ is refused; `cache_dir=False` reads ranges as before.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -25,36 +24,28 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from npykit import npy_dataset
+from s3kit import SpaceWatch, fetch_log, shard_bytes, upload
 
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import CorruptDataError, GdsloadError
 from gdsload.io.cache import CacheFullError
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.loader.dataloader import DataLoader, Dataset
-from gdsload.sampledata import make_npy_folder
 
 BUCKET = "gdsload-cache-test"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _upload(s3, local: Path, name: str) -> str:
-    if not s3.exists(BUCKET):
-        s3.mkdir(BUCKET)
-    s3.put(str(local), f"{BUCKET}/{name}", recursive=True)
-    s3.invalidate_cache()
-    return f"s3://{BUCKET}/{name}"
 
 
 @pytest.fixture(scope="module")
 def remote(s3, tmp_path_factory):
     """60 uint8[3, 32, 32] .npy samples with labels in 9 shards: (local path, s3 URL)."""
     root = tmp_path_factory.mktemp("cache")
-    make_npy_folder(root / "src", num_samples=60, shape=(3, 32, 32), dtype="uint8", seed=3)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=40_000))
-    assert len(ShardedDataset(root / "ds").shards) >= 8
-    return root / "ds", _upload(s3, root / "ds", "ds")
+    ds = npy_dataset(root / "src", root / "ds", num_samples=60, shape=(3, 32, 32), dtype="uint8", seed=3,
+                     shard_size=40_000)
+    assert len(ShardedDataset(ds).shards) >= 8
+    return ds, upload(s3, ds, BUCKET, "ds")
 
 
 def _batches(ds, epochs=(0, 1), **kw):
@@ -71,20 +62,6 @@ def _batches(ds, epochs=(0, 1), **kw):
         return out, loader.stats()
     finally:
         loader.close()
-
-
-def _folder_bytes(folder: Path) -> int:
-    """What the folder holds: complete shards and partial downloads at their size now. By inode:
-    a .part renamed to its final name while the folder is listed is one file, not two."""
-    sizes = {}
-    for e in os.scandir(folder):
-        if ".tar" in e.name:
-            try:
-                st = e.stat()
-            except FileNotFoundError:
-                continue
-            sizes[st.st_ino] = st.st_size
-    return sum(sizes.values())
 
 
 def test_cached_reads_equal_the_local_copy_in_content_and_order(remote, tmp_path):
@@ -129,36 +106,17 @@ def test_small_limit_evicts_by_the_plan_and_never_exceeds_it(remote, tmp_path):
     sizes = sorted((s.stat().st_size for s in local.glob("*.tar")), reverse=True)
     limit = sum(sizes[:4])  # window 3 (+1 for a batch across a round boundary)
     folder = tmp_path / "c"
-    peak = [0]
-    done = threading.Event()
-
-    def watch():
-        # Each look holds the folder's space lock, as a reserving process does: a listing is not
-        # a snapshot, and one that saw a shard before its eviction and the download that took its
-        # place after would count both.
-        while not done.is_set():
-            if (folder / ".space.lock").exists():
-                fd = os.open(folder / ".space.lock", os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    peak[0] = max(peak[0], _folder_bytes(folder))
-                finally:
-                    os.close(fd)
-            time.sleep(0.0005)
-
-    t = threading.Thread(target=watch)
-    t.start()
+    watch = SpaceWatch(folder, shard_bytes, every_s=0.0005)
     try:
         got, stats = _batches(Dataset(url, cache_dir=folder, cache_limit=limit))
     finally:
-        done.set()
-        t.join()
+        peak = watch.stop()
     want, _ = _batches(Dataset(str(local)))
     assert got == want
     c = stats["cache"]
     assert c["evictions"] > 0 and c["fetches"] > len(sizes) / 2
-    assert 0 < peak[0] <= limit, (peak[0], limit)
-    assert _folder_bytes(folder) <= limit
+    assert 0 < peak <= limit, (peak, limit)
+    assert shard_bytes(folder) <= limit
 
 
 def test_a_limit_below_the_shuffle_window_is_refused(remote, tmp_path):
@@ -203,13 +161,6 @@ def _child(url: str, folder: Path, go: Path | None = None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _log(folder: Path, outcome: str = "ok") -> list[str]:
-    """Shard names of the downloads in the cache's fetch.log that ended with `outcome`."""
-    p = folder / "fetch.log"
-    lines = [line.split() for line in p.read_text().splitlines()] if p.exists() else []
-    return [f[2] for f in lines if f[-1] == outcome]
-
-
 def test_two_processes_sharing_a_folder_download_each_shard_once(remote, tmp_path):
     local, url = remote
     folder = tmp_path / "shared"
@@ -225,7 +176,7 @@ def test_two_processes_sharing_a_folder_download_each_shard_once(remote, tmp_pat
     want = [list(k) for k, _, _ in _batches(Dataset(str(local)), epochs=(0,))[0]]
     assert outs[0]["keys"] == want and outs[1]["keys"] == want
     names = sorted(s["name"] for s in ShardedDataset(local).shards)
-    assert sorted(_log(folder)) == names  # every shard downloaded exactly once, by one of them
+    assert sorted(fetch_log(folder)) == names  # every shard downloaded exactly once, by one of them
     assert sum(o["cache"]["fetches"] for o in outs) == len(names)
     assert [p.name for p in folder.glob("*.lock")] == [".space.lock"]  # each shard's removed by its holder
 
@@ -234,10 +185,10 @@ def test_two_processes_sharing_a_folder_download_each_shard_once(remote, tmp_pat
 def big(s3, tmp_path_factory):
     """One 32 MB shard, so a download lasts long enough to be killed in the middle."""
     root = tmp_path_factory.mktemp("big")
-    make_npy_folder(root / "src", num_samples=8, shape=(4, 1024, 1024), dtype="uint8", seed=5)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=2**30))
-    assert len(ShardedDataset(root / "ds").shards) == 1
-    return root / "ds", _upload(s3, root / "ds", "big")
+    ds = npy_dataset(root / "src", root / "ds", num_samples=8, shape=(4, 1024, 1024), dtype="uint8", seed=5,
+                     shard_size=2**30)
+    assert len(ShardedDataset(ds).shards) == 1
+    return ds, upload(s3, ds, BUCKET, "big")
 
 
 def test_a_killed_download_is_never_taken_as_complete(big, tmp_path):
@@ -278,11 +229,11 @@ def test_a_corrupt_object_is_fetched_twice_then_named(s3, remote, tmp_path):
     data = bytearray((bad / victim).read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, other bytes
     (bad / victim).write_bytes(bytes(data))
-    url = _upload(s3, bad, "corrupt")
+    url = upload(s3, bad, BUCKET, "corrupt")
     folder = tmp_path / "c"
     with pytest.raises(CorruptDataError, match=rf"shard {victim} .*SHA-256.*fetched twice"):
         _batches(Dataset(url, cache_dir=folder), epochs=(0,))
-    assert victim not in _log(folder) and _log(folder, "corrupt") == [victim, victim]
+    assert victim not in fetch_log(folder) and fetch_log(folder, "corrupt") == [victim, victim]
     sha = ShardedDataset(local).shards[2]["sha256"]
     assert not list(folder.glob(f"{sha}.tar*"))  # nothing of it is kept
 
@@ -309,7 +260,7 @@ def test_feed_server_serves_a_dataset_at_a_url_through_the_cache(remote, tmp_pat
             assert got == want
     finally:
         srv.shutdown(grace_s=2)
-    assert sorted(_log(folder)) == sorted(s["name"] for s in ShardedDataset(local).shards)
+    assert sorted(fetch_log(folder)) == sorted(s["name"] for s in ShardedDataset(local).shards)
     with pytest.raises(SystemExit):  # a bad --cache-limit is a usage error at start
         cli_main(["serve", url, "--cache-limit", "lots"])
 
@@ -324,7 +275,7 @@ def test_decoded_images_through_a_tight_cache_equal_the_local_copy(s3, tmp_path)
     make_image_folder(tmp_path / "src", num_images=40, num_classes=2, mean_size=(48, 32), workers=1)
     convert(str(tmp_path / "src"), tmp_path / "ds", ConvertOptions(workers=1, progress=False, shard_size=30_000))
     local = tmp_path / "ds"
-    url = _upload(s3, local, "imgs")
+    url = upload(s3, local, BUCKET, "imgs")
     sizes = sorted((s.stat().st_size for s in local.glob("*.tar")), reverse=True)
     assert len(sizes) >= 6
     kw = {"batch_size": 4, "shuffle": True, "seed": 3, "shuffle_window": 2, "output": "numpy", "device": "cpu",
@@ -421,5 +372,5 @@ def test_a_mix_reads_each_url_part_through_its_own_cache(remote, tmp_path):
     assert stats["io_path"] == "posix"  # cached parts are local files: no range requests
     n = len(ShardedDataset(local).shards)
     assert stats["cache"]["fetches"] == n and stats["cache"]["folder"] == str(tmp_path / "c")
-    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) and _folder_bytes(tmp_path / "c") == sum(
+    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) and shard_bytes(tmp_path / "c") == sum(
         s.stat().st_size for s in local.glob("*.tar"))

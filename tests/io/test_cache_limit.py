@@ -18,33 +18,21 @@ downloads of one shard exclusive between processes.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from npykit import npy_dataset
+from s3kit import SpaceWatch, upload
 
-from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.loader.dataloader import DataLoader, Dataset
-from gdsload.sampledata import make_npy_folder
 
 BUCKET = "gdsload-cache-limit-test"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _upload(s3, local: Path, name: str) -> str:
-    if not s3.exists(BUCKET):
-        s3.mkdir(BUCKET)
-    s3.put(str(local), f"{BUCKET}/{name}", recursive=True)
-    s3.invalidate_cache()
-    return f"s3://{BUCKET}/{name}"
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +42,10 @@ def three(s3, tmp_path_factory):
     root = tmp_path_factory.mktemp("limit")
     out = []
     for k in range(3):
-        make_npy_folder(root / f"src{k}", num_samples=60, shape=(3, 32, 32), dtype="uint8", seed=20 + k)
-        convert(str(root / f"src{k}"), root / f"ds{k}",
-                ConvertOptions(workers=1, progress=False, shard_size=20_000))
-        assert len(ShardedDataset(root / f"ds{k}").shards) >= 8
-        out.append((root / f"ds{k}", _upload(s3, root / f"ds{k}", f"ds{k}")))
+        ds = npy_dataset(root / f"src{k}", root / f"ds{k}", num_samples=60, shape=(3, 32, 32), dtype="uint8",
+                         seed=20 + k, shard_size=20_000)
+        assert len(ShardedDataset(ds).shards) >= 8
+        out.append((ds, upload(s3, ds, BUCKET, f"ds{k}")))
     return out
 
 
@@ -82,34 +69,11 @@ def _walk(folder: Path) -> tuple[int, int, list[str]]:
     return sum(sizes.values()), users, locks
 
 
-class _Watch:
-    """The most bytes and lock files the folder held, each look under its space lock (a listing
-    is not a snapshot otherwise)."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.bytes, self.users, self.locks = folder, 0, 0, 0
-        self._done = threading.Event()
-        self._t = threading.Thread(target=self._run)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            if (self.folder / ".space.lock").exists():
-                fd = os.open(self.folder / ".space.lock", os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    total, users, locks = _walk(self.folder)
-                    self.bytes = max(self.bytes, total - users)
-                    self.users = max(self.users, users)
-                    self.locks = max(self.locks, len([n for n in locks if n != ".space.lock"]))
-                finally:
-                    os.close(fd)
-            time.sleep(0.001)
-
-    def stop(self) -> "_Watch":
-        self._done.set()
-        self._t.join()
-        return self
+def _held(folder: Path) -> tuple[int, int, int]:
+    """Bytes of every file under `folder` but users/, bytes in users/, lock files but the space
+    lock: what `SpaceWatch` keeps the most of."""
+    total, users, locks = _walk(folder)
+    return total - users, users, len([n for n in locks if n != ".space.lock"])
 
 
 def test_three_datasets_through_one_small_cache_stay_within_the_limit(three, tmp_path):
@@ -119,7 +83,7 @@ def test_three_datasets_through_one_small_cache_stay_within_the_limit(three, tmp
     assert sum(sizes) > 2 * limit  # every dataset evicts the one before
     kw = {"batch_size": 4, "shuffle": True, "seed": 7, "shuffle_window": 3, "output": "numpy",
           "device": "cpu", "num_workers": 2}
-    watch = _Watch(folder)
+    watch = SpaceWatch(folder, _held, every_s=0.001, start=(0, 0, 0))
     try:
         for local, url in three:
             ref = DataLoader(Dataset(str(local)), **kw)
@@ -132,11 +96,11 @@ def test_three_datasets_through_one_small_cache_stay_within_the_limit(three, tmp
             finally:
                 loader.close()
     finally:
-        watch.stop()
-    assert 0 < watch.bytes <= limit, (watch.bytes, limit)  # everything but users/
-    assert watch.users <= 21 + 65 * 3, watch.users  # the need, and the next shards its window holds
+        most, most_users, most_locks = watch.stop()
+    assert 0 < most <= limit, (most, limit)  # everything but users/
+    assert most_users <= 21 + 65 * 3, most_users  # the need, and the next shards its window holds
     # lock files: one per download in progress (4 read-ahead threads, 2 readers), none after it
-    assert watch.locks <= 4 + 2, watch.locks
+    assert most_locks <= 4 + 2, most_locks
     total, users, locks = _walk(folder)
     assert total <= limit and users == 0, (total, limit)
     assert locks == [".space.lock"]

@@ -1,0 +1,27 @@
+"""Helpers shared by tests that read a small converted .npy dataset: `npy_dataset` makes one
+(`gdsload.sampledata.make_npy_folder`, then `convert` with one worker), `keys` lists what a loader
+delivers. Each test file keeps its own sizes, seed and shard size (its data), only the steps are
+shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def npy_dataset(src: Path, dst: Path, *, num_samples: int, shape: tuple[int, ...], dtype: str, seed: int,
+                shard_size: int | None = None) -> Path:
+    """`num_samples` arrays of `shape` and `dtype` (with labels) written to `src` with `seed`, then
+    converted into `dst` in shards of `shard_size` bytes (convert's default when None); returns
+    `dst`."""
+    from gdsload.convert.engine import ConvertOptions, convert
+    from gdsload.sampledata import make_npy_folder
+
+    make_npy_folder(src, num_samples=num_samples, shape=shape, dtype=dtype, seed=seed)
+    opts = {} if shard_size is None else {"shard_size": shard_size}
+    convert(str(src), dst, ConvertOptions(workers=1, progress=False, **opts))
+    return dst
+
+
+def keys(loader) -> list[str]:
+    """Every key `loader` delivers in one pass, in order."""
+    return [k for b in loader for k in b["__key__"]]
