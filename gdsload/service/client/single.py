@@ -54,9 +54,10 @@ class SingleReceiver(Receiver):
                 self._call.cancel()
 
     def watchdog(self) -> None:
-        """Cancel a stream that sent nothing for `deadline_s` (it is then resumed)."""
+        """Cancel a stream that sent nothing for `deadline_s` (it is then resumed); a paused one
+        (`BatchChunk.pause`: its server tells it so every second) is slower, not silent."""
         since = self._waiting_since
-        if since is not None and time.monotonic() - since > self.link.deadline_s:
+        if since is not None and self._paused_since is None and time.monotonic() - since > self.link.deadline_s:
             with self._call_lock:
                 if self._call is not None and self._waiting_since is not None:
                     self._idle_cancelled = True
