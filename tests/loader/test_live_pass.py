@@ -12,21 +12,18 @@ import numpy as np
 import pytest
 
 import fieldsample as fs
+from npykit import keys, npy_dataset
 from gdsload.errors import PassStopped
 from gdsload.loader.dataloader import DataLoader
-from gdsload.sampledata import make_npy_folder
 
 BATCH = 4
 
 
 @pytest.fixture(scope="module")
 def feats(tmp_path_factory):
-    from gdsload.convert.engine import ConvertOptions, convert
-
     root = tmp_path_factory.mktemp("livepass")
-    make_npy_folder(root / "src", num_samples=48, shape=(64,), dtype="float32", seed=5)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=16_384))
-    return str(root / "ds")
+    return str(npy_dataset(root / "src", root / "ds", num_samples=48, shape=(64,), dtype="float32", seed=5,
+                           shard_size=16_384))
 
 
 def make(path, **kw):
@@ -141,7 +138,7 @@ def test_set_epoch_during_a_drained_live_pass_is_what_the_checkpoint_says(feats)
     assert (state["epoch"], state["position"]) == (5, 0)
     other = make(feats)
     other.load_state_dict(state)
-    assert [k for b in other for k in b["__key__"]] == order5
+    assert keys(other) == order5
     lo.close()
     other.close()
 

@@ -6,24 +6,17 @@ in `stats()`, and autotune changing the loader's resources, not its configuratio
 from __future__ import annotations
 
 import pytest
+from npykit import keys, npy_dataset
 
 from gdsload.errors import ConfigError, GdsloadError
 from gdsload.loader.dataloader import DataLoader
-from gdsload.sampledata import make_npy_folder
 
 
 @pytest.fixture(scope="module")
 def feats(tmp_path_factory):
-    from gdsload.convert.engine import ConvertOptions, convert
-
     root = tmp_path_factory.mktemp("stages")
-    make_npy_folder(root / "src", num_samples=40, shape=(4,), dtype="float32", seed=1)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=40_000))
-    return str(root / "ds")
-
-
-def keys(loader):
-    return [k for b in loader for k in b["__key__"]]
+    return str(npy_dataset(root / "src", root / "ds", num_samples=40, shape=(4,), dtype="float32", seed=1,
+                           shard_size=40_000))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -94,10 +87,9 @@ def test_iter_batches_stops_early_without_ending_the_epoch(feats):
     dl = DataLoader(feats, batch_size=4, shuffle=True, seed=3, device="cpu", output="numpy", prefetch_factor=4)
     it = dl.iter_batches(2)
     assert len(it.batches) == 2 and not it.ends_epoch  # the readers have nothing past the block to claim
-    got = [k for b in it for k in b["__key__"]]
-    assert got == full[:8]
+    assert keys(it) == full[:8]
     assert (dl.state_dict()["epoch"], dl.state_dict()["position"]) == (0, 8)
-    rest = [k for b in dl.iter_batches(100) for k in b["__key__"]]  # over the end: the epoch ends
+    rest = keys(dl.iter_batches(100))  # over the end: the epoch ends
     assert rest == full[8:]
     assert (dl.state_dict()["epoch"], dl.state_dict()["position"]) == (1, 0)
     with pytest.raises(ValueError, match="max_batches"):
