@@ -11,8 +11,8 @@ value is the word `RemoteLoader.stats()["servers"][address]["state"]` shows.
 | OK → REFUSED | it answered FAILED_PRECONDITION (it cannot serve this request) |
 | SUSPECT, DOWN → OK | a probe after the backoff answered |
 | SUSPECT ↔ DOWN | another request of it stalled or failed meanwhile |
-| OK → PAUSED | it holds a request back for higher-priority work (`BatchChunk.pause`): no new request, never hedged, not timed out (`pause`) |
-| PAUSED → OK | a batch of it came, or none of its requests is left (→ DOWN then if one failed meanwhile); a failure keeps it PAUSED |
+| OK → PAUSED | it holds a request back for higher-priority work (`BatchChunk.pause`; see `pause`) |
+| PAUSED → OK | a batch of it came, or none of its requests is left (DOWN if one failed meanwhile) |
 | PAUSED → REFUSED | a request it had answered FAILED_PRECONDITION |
 | any but GONE → GONE | a `dns:///` name no longer resolves to it (it does not come back within the epoch) |
 
