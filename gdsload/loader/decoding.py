@@ -58,6 +58,25 @@ class DecodeTurns:
             self._cv.notify_all()
 
 
+class SettledField:
+    """Slot field `name` as the decoder's `dst`, for a slot handed out before the consumer's loop
+    variable let go of its last batch (`gdsload.ring.ring`, "Slot lifetime": `acquire(defer=True)`):
+    the decoder's first slice of it (`ImageDecoder.decode_into`, after its DALI run, before the copy
+    out) settles the slot, so the run overlaps the consumer taking the batch before. Only the
+    loader's own `ImageDecoder`, which does nothing with `dst` but slice it and copy into the slice,
+    gets one (a `decoder_factory`'s decoder gets the field itself, settled first)."""
+
+    __slots__ = ("slot", "name")
+
+    def __init__(self, slot: Any, name: str):
+        self.slot = slot
+        self.name = name
+
+    def __getitem__(self, key: Any) -> Any:
+        self.slot.settle()
+        return self.slot.buffers[self.name][key]
+
+
 class OrderedDecoder:
     """The loader's one image decoder (`Resources.decoder`, one DALI pipeline) run in batch order.
 

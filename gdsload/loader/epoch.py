@@ -138,8 +138,8 @@ class Epoch:
             self = None
             if ref() is None:  # this thread held the pass last and closed it just now (`__del__`), which
                 return  # close() cannot join: a new pass may own the ring already, touch nothing
-            try:
-                slot = ring.acquire(seq)
+            try:  # `defer`: the slot the loop variable still names is read into before it lets go (fill)
+                slot = ring.acquire(seq, defer=True)
             except RingClosed:
                 return
             self = ref()

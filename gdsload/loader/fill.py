@@ -32,6 +32,7 @@ from gdsload.dataset.verify import check_crcs, label
 from gdsload.io.table import ExtentTable, read_table
 from gdsload.frontend import fields as _fieldkinds
 from gdsload.loader.assemble import BatchInfo
+from gdsload.loader.decoding import SettledField
 from gdsload.loader.gather import distinct
 
 
@@ -118,21 +119,27 @@ class SlotFiller:
         else:
             with self._cpu:  # CRC32s member by member
                 self._check(reads, staging, tensor_rows)
-        # the fields written through `bufs` (labels, images, media): a reader's slot is handed out
-        # before the consumer's loop variable lets go of them (`Ring.acquire(defer=True)`), so this
-        # batch was planned, read and checked while the batch before it decoded; wait for it here
-        slot.settle()
-        with self._cpu:  # per-sample values; images decode after, in their turn
-            self._host_values(reads, staging, info, to_host, bufs)
+        # The fields written through `bufs` (images, labels, media) may still be the consumer's loop
+        # variable: the slot was handed out before it let go (`Ring.acquire(defer=True)`), so this
+        # batch was planned, read and checked while the batch before it decoded. The loader's own
+        # decoder settles the slot after its DALI run, before its first copy into the slot
+        # (`decoding.SettledField`); labels and media come after the decode.
+        lazy = slot.unsettled and self.res.decoder_factory is None
+        if not lazy:
+            slot.settle()
         for fp in self.layout.fields:
             if fp.kind == "image":
                 pos, nb, _ = reads.staged[fp.name]
                 encoded = [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())]
                 turn = seq * self.n_images + len(kepts)
-                kept = kepts[fp.name] = self._decode(turn, encoded, names, bufs[fp.name])
+                dst = SettledField(slot, fp.name) if lazy else bufs[fp.name]
+                kept = kepts[fp.name] = self._decode(turn, encoded, names, dst)
                 if len(kept) < n:
                     keep = kept if keep is None else _both(keep, kept)
                 info.skipped += n - len(kept)
+        slot.settle()  # (every image skipped: nothing was copied)
+        with self._cpu:  # per-sample values
+            self._host_values(reads, staging, info, to_host, bufs)
         for fp in self.layout.media_fields:
             pos, nb, _ = reads.staged[fp.name]
             kept = self._media(fp, [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())], names, ids, bufs)

@@ -58,7 +58,13 @@ Slot lifetime
         variable (`for batch in loader` rebinds it only after the next `next()` returns), so the
         producer waits until those references go (a weakref callback wakes it: no replacement) or
         the consumer releases another batch or waits in `get` for this one (then it is kept:
-        replaced). A plain loop therefore never replaces anything;
+        replaced). A plain loop therefore never replaces anything. A producer that asks for it
+        (`acquire(seq, defer=True)`, the loader's readers) does not wait there when only fields
+        outside `flat` are still named: it gets the slot at once, with those fields left out of
+        `buffers`, reads into the rest (the staging area: encoded bytes) while the consumer is
+        still waiting for the batch before, and calls `Slot.settle()` before writing them, which
+        waits (or replaces) as above and then adds them to `buffers` (`publish` settles a slot
+        that was not);
       - otherwise the arrays are kept: the slot gets other memory. Fields in `flat` (those written
         through `Slot.flat`/`Slot.host_flat` by offset; by default all) move as one block: a
         spare block not referenced any more (the `spares` made up front, or a block of the arena a
@@ -204,7 +210,7 @@ class Slot:
     `buffers`, `flat` and `host_flat` (arrays taken from them before stay valid: see "Slot
     lifetime")."""
 
-    __slots__ = ("index", "seq", "buffers", "meta", "flat", "host_flat", "fence")
+    __slots__ = ("index", "seq", "buffers", "meta", "flat", "host_flat", "fence", "_settle")
 
     def __init__(self, index: int, seq: int, buffers: dict[str, Any], flat: Any = None):
         self.index = index
@@ -216,6 +222,21 @@ class Slot:
         self.flat = flat
         self.host_flat = None  # the host-memory fields' range (Ring(host_spec=...)), else None
         self.fence = None  # the release fence of the slot's previous batch (see "Device fences")
+        self._settle: Callable[[Slot], None] | None = None  # `acquire(defer=True)` left fields out
+
+    @property
+    def unsettled(self) -> bool:
+        """Fields were left out of `buffers` by `acquire(seq, defer=True)` (see "Slot lifetime")."""
+        return self._settle is not None
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Before writing a field left out by `acquire(seq, defer=True)`: wait until the slot's
+        last batch's arrays of those fields are let go (or the consumer moved on: they get other
+        memory), then add them to `buffers`. A no-op for a slot with every field (see "Slot
+        lifetime"). Raises `RingClosed`, `RingTimeout`, or the allocation's error."""
+        settle = self._settle
+        if settle is not None:
+            settle(self, timeout)
 
     def wait_fence(self) -> None:
         """Block until the consumer's queued work on the slot's previous batch is done."""
@@ -237,6 +258,7 @@ class Slot:
         return out
 
     def _forget(self) -> None:
+        self._settle = None
         self.buffers = {}
         self.flat = self.host_flat = None
 
@@ -440,6 +462,7 @@ class Ring:
         self._base = 0  # batch seq goes to slot (seq + _base) % num_slots (see "Invariant")
         self._linger: int | None = None  # the slot the consumer released last (see "Slot lifetime")
         self._linger_wait: set[int] = set()  # seqs whose producer waits for that slot's arrays to go
+        self._unsettled: set[int] = set()  # slots handed out by `acquire(defer=True)` without their loose fields
         self._getting: int | None = None  # the seq the consumer waits for in get()
         self._drop_fence = drop_fence
         self._ref = weakref.ref(self)
@@ -495,9 +518,10 @@ class Ring:
                 return spare.pop(j)
         return None
 
-    def _refresh(self, i: int) -> bool:
+    def _refresh(self, i: int, loose: bool = True) -> bool:
         """Give slot `i` memory nothing references (see "Slot lifetime"); whether any moved
-        because its last batch is kept. Lock held."""
+        because its last batch is kept. `loose=False`: the `flat` blocks only (the others at
+        `settle`). Lock held."""
         replaced = False
         blocks = self._blocks[i]
         for kind, block in blocks.items():
@@ -511,6 +535,12 @@ class Ring:
                 home = self._take_spare(kind)
                 if home is not None:
                     blocks[kind] = home  # the fresh one is freed
+        return self._refresh_loose(i) or replaced if loose else replaced
+
+    def _refresh_loose(self, i: int) -> bool:
+        """`_refresh` of the fields outside `flat`, each moving alone. Lock held."""
+        replaced = False
+        blocks = self._blocks[i]
         own = self._own[i]
         for name in self._loose:
             kind, _, _, _, nbytes = self._field_at[name]
@@ -527,12 +557,15 @@ class Ring:
                 replaced = True
         return replaced
 
-    def _hand_out(self, i: int, fences: list[Any]) -> dict[str, Any]:
+    def _hand_out(self, i: int, fences: list[Any], names: Any = None, skip: Any = ()) -> dict[str, Any]:
         """Slot `i`'s buffers for one batch: fresh views, each field's watched by a weakref. The
-        drop fences of the memory handed out are added to `fences`."""
+        drop fences of the memory handed out are added to `fences`. `names`: only these fields
+        (None: all); `skip`: not these."""
         blocks, own = self._blocks[i], self._own[i]
         out = {}
         for name, (kind, offset, shape, dtype, nbytes) in self._field_at.items():
+            if (names is not None and name not in names) or name in skip:
+                continue
             block = own.get(name)
             if block is None:
                 block = blocks[kind]
@@ -644,12 +677,14 @@ class Ring:
 
     # -- producer side -------------------------------------------------------------------------
 
-    def acquire(self, seq: int, timeout: float | None = None) -> Slot:
+    def acquire(self, seq: int, timeout: float | None = None, *, defer: bool = False) -> Slot:
         """Slot for batch `seq` (the one batch `seq - num_slots` used, unless the ring grew, see
         "Growth"); blocks until the consumer released batch `seq - num_slots`, and for the slot the
         consumer released last until its arrays are let go or the consumer moves on (see "Slot
-        lifetime"). Raises `RingClosed` (also when the ring failed this batch itself: no memory for
-        a slot whose batch is kept), `RingTimeout`, or `RingError` if `seq` was already acquired."""
+        lifetime"). `defer`: when only fields outside `flat` hold it there, hand the slot out now
+        without them (`Slot.settle()` adds them). Raises `RingClosed` (also when the ring failed
+        this batch itself: no memory for a slot whose batch is kept), `RingTimeout`, or `RingError`
+        if `seq` was already acquired."""
         seq = self._check_seq(seq)
         with self._lock:
             if (seq < self._released or seq in self._where or seq in self._recycled) and not self._closed:
@@ -657,7 +692,7 @@ class Ring:
             picked: list[int] = []
 
             def ready() -> bool:
-                i = self._pick(seq)
+                i = self._pick(seq, defer)
                 if i is not None:
                     picked.append(i)
                 return i is not None
@@ -669,8 +704,9 @@ class Ring:
             i = picked[-1]
             self._seq[i] = seq
             self._where[seq] = i
+            deferred = defer and self._lingering(i, seq)  # only loose fields still named (`_pick`)
             try:
-                replaced = self._refresh(i)
+                replaced = self._refresh(i, loose=not deferred)
             except Exception as exc:  # no memory for a kept batch's successor: that batch fails
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"the ring could not allocate memory for batch {seq}: the batches still "
@@ -683,30 +719,79 @@ class Ring:
             blocks = self._blocks[i]
             fences = [self._fence[i]] if self._fence[i] is not None else []
             self._fence[i] = None
-            slot = Slot(i, seq, self._hand_out(i, fences), blocks["main"].raw)
+            slot = Slot(i, seq, self._hand_out(i, fences, skip=self._loose if deferred else ()), blocks["main"].raw)
+            if deferred:
+                self._unsettled.add(i)
+                slot._settle = self._settle
             slot.fence = fences[0] if len(fences) == 1 else _Fences(fences) if fences else None
             slot.host_flat = blocks["host"].raw if "host" in blocks else None
             self._state[i] = _FILLING
             self._slot[i] = slot
             return slot
 
-    def _pick(self, seq: int) -> int | None:
-        """The slot batch `seq` may take now, or None. Lock held."""
+    def _pick(self, seq: int, defer: bool = False) -> int | None:
+        """The slot batch `seq` may take now, or None; with `defer`, also the slot the consumer
+        released last when only its fields outside `flat` are still named. Lock held."""
         before = seq - self.num_slots
         if not ((before < 0 or self._recycled_seq(before)) and _FREE in self._state):
             return None
         i = (seq + self._base) % self.num_slots
         if self._state[i] != _FREE:  # only after a grow(): any free slot (one is, see "Growth")
             i = self._state.index(_FREE)
-        if i == self._linger and self._getting != seq and self._kept(i):
+        if self._lingering(i, seq) and not (defer and self._loose and not self._kept(i, self._fixed)):
             # added before the producer waits; `_lease_dropped` reads it without the lock, which
             # is safe: a weakref is dead before its callback runs, so a drop it misses is seen here
             self._linger_wait.add(seq)
             return None
         return i
 
-    def _kept(self, i: int) -> bool:
-        return any(b.held() for b in self._blocks[i].values()) or any(b.held() for b in self._own[i].values())
+    def _kept(self, i: int, names: Any = None) -> bool:
+        """Whether arrays of slot `i`'s last batch (of fields `names`; a dict by arena kind, or
+        None: any) are still alive. Lock held."""
+        if isinstance(names, dict):
+            return any(b.held(names[kind]) for kind, b in self._blocks[i].items())
+        return (any(b.held(names) for b in self._blocks[i].values())
+                or any(b.held(names) for b in self._own[i].values()))
+
+    def _lingering(self, i: int, seq: int) -> bool:
+        """Slot `i` is the one the consumer released last, its batch still named, and the consumer
+        is not waiting for `seq` (see "Slot lifetime"). Lock held."""
+        return i == self._linger and self._getting != seq and self._kept(i)
+
+    def _settle(self, slot: Slot, timeout: float | None = None) -> None:
+        """`Slot.settle()`: wait as `acquire` would have for the fields it left out, then give them
+        memory and views (see "Slot lifetime")."""
+        fences: list[Any] = []
+        with self._lock:
+            i = self._held(slot, _FILLING, "settle")
+            if i not in self._unsettled:
+                slot._settle = None
+                return
+            seq = slot.seq
+            loose = frozenset(self._loose)
+
+            def ready() -> bool:
+                if i == self._linger and self._getting != seq and self._kept(i, loose):
+                    self._linger_wait.add(seq)  # woken by `_lease_dropped`, `get` or `release`
+                    return False
+                return True
+
+            try:
+                self._wait(ready, timeout, f"settling batch {seq}", "_producer_wait_s")
+            finally:
+                self._linger_wait.discard(seq)
+            try:
+                self._replaced += self._refresh_loose(i)
+            except Exception as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"the ring could not allocate memory for batch {seq}: the batches still "
+                                 f"referenced keep theirs (drop them, or copy what you keep)")
+                raise
+            self._unsettled.discard(i)
+            slot._settle = None
+            slot.buffers.update(self._hand_out(i, fences, names=loose))
+        for fence in fences:  # the memory's drop fences (see "Device fences"), before it is written
+            fence.synchronize()
 
     def _recycled_seq(self, seq: int) -> bool:
         return seq < self._released or seq in self._recycled
@@ -719,7 +804,12 @@ class Ring:
             return None
 
     def publish(self, slot: Slot) -> None:
-        """Hand a filled slot to the consumer. A no-op after `close()`."""
+        """Hand a filled slot to the consumer (settled first: `Slot.settle`). A no-op after `close()`."""
+        if getattr(slot, "_settle", None) is not None and not self._closed:
+            try:
+                slot.settle()
+            except RingClosed:
+                return
         with self._lock:
             if self._closed:
                 return
@@ -815,6 +905,7 @@ class Ring:
     def _recycle(self, i: int) -> None:
         seq = self._seq[i]
         self._state[i] = _FREE
+        self._unsettled.discard(i)
         slot, self._slot[i] = self._slot[i], None
         if slot is not None:  # a stale handle (a producer's local) must not keep the batch's arrays
             slot._forget()
@@ -850,6 +941,7 @@ class Ring:
             self._next_get = 0
             self._closed = False
             self._linger_wait = set()
+            self._unsettled = set()
             self._getting = None
             self._base = 0 if self._linger is None else (self._linger + 1) % self.num_slots
 
