@@ -229,14 +229,24 @@ class BatchRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., checks_item_crc32: _Optional[bool] = ..., priority: _Optional[int] = ..., job: _Optional[str] = ..., understands_pause: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
 
 class MixSpec(_message.Message):
-    __slots__ = ("sources", "samples_per_epoch", "mix_by")
+    __slots__ = ("sources", "samples_per_epoch", "mix_by", "schedule")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MIX_BY_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
     samples_per_epoch: int
     mix_by: MixBy
-    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., samples_per_epoch: _Optional[int] = ..., mix_by: _Optional[_Union[MixBy, str]] = ...) -> None: ...
+    schedule: _containers.RepeatedCompositeFieldContainer[MixPhase]
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., samples_per_epoch: _Optional[int] = ..., mix_by: _Optional[_Union[MixBy, str]] = ..., schedule: _Optional[_Iterable[_Union[MixPhase, _Mapping]]] = ...) -> None: ...
+
+class MixPhase(_message.Message):
+    __slots__ = ("tokens", "weights")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[int] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class MixSource(_message.Message):
     __slots__ = ("dataset", "dataset_id", "name", "weight", "repeat", "samples")

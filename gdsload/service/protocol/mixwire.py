@@ -58,7 +58,13 @@ def to_pb(mix: Mix, spec: MixSpec) -> pb.MixSpec:
             src.samples = s.samples
         sources.append(src)
     return pb.MixSpec(sources=sources, samples_per_epoch=spec.samples_per_epoch or 0,
-                      mix_by=_MIX_BY[spec.mix_by])
+                      mix_by=_MIX_BY[spec.mix_by],
+                      schedule=[pb.MixPhase(tokens=at, weights=list(w)) for at, w in spec.schedule])
+
+
+def schedule_of(m: pb.MixSpec) -> list[tuple[int, list[float]]]:
+    """The weight schedule a MixSpec message carries (issue 51; empty: none)."""
+    return [(int(p.tokens), list(p.weights)) for p in m.schedule]
 
 
 # -- server -----------------------------------------------------------------------------------
@@ -80,6 +86,9 @@ def open_mix(catalog: Catalog, req: pb.BatchRequest) -> Mix:
         raise BadRequest("the request's mix has no datasets")
     if m.mix_by not in _FROM_PB:
         raise BadRequest(f"mix.mix_by {m.mix_by} is not one of MIX_BY_SAMPLE, MIX_BY_BATCH")
+    if m.schedule:
+        raise BadRequest("the request's mix has a weight schedule (MixSpec.schedule, weights by tokens "
+                         "consumed): this server mixes samples; a schedule is read by gdsload.TokenLoader")
     datasets = []
     for i, s in enumerate(m.sources):
         ds = catalog.dataset(s.dataset, list(req.fields), s.dataset_id)
