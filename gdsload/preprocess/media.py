@@ -3,8 +3,10 @@
 `RangeFile` gives PyAV a member of a shard as a file: it reads the shard by range (`read_extent`,
 `READ_AHEAD` bytes at a time), never the whole member, and counts the seconds spent reading.
 `frame_windows` and `speech_windows` decode one member from its start to its end with PyAV and
-yield `Window`s as they fill, so memory is one window, the decoder's own buffers and one read
-block, whatever the video's length.
+yield `Window`s as they fill, so memory is one window, the decoder's own buffers, one read
+block and (frames) one group of pictures' encoded packets (at most `GOP_LIMIT_BYTES`), whatever
+the video's length. The demuxer skips the streams a mode does not decode (in an MP4 their bytes
+are not read).
 
 Times count from the container's start: the earliest start of its video and audio streams
 (exact, as fractions of each stream's time base), so a frame at t and speech at t line up.
@@ -17,9 +19,14 @@ holds samples [w * window, (w + 1) * window); the last window is padded with zer
 t = -1. `t` is k/fps (the sampling time). `size` resizes the short side to `size` pixels (the
 long side rounded to the nearest pixel) with FFmpeg's swscale, bilinear (`INTERPOLATION`), in the
 same conversion to RGB24; every frame of a member is converted to the size its first frame gives.
+Less work than decoding every frame, with the same windows: only picked frames are converted
+(once, however often they repeat), and for H.264 in MP4/MOV/Matroska only the frames a sample
+picks and those they are predicted from are decoded (`_frames`: at 1 fps from 30 fps, B-frames
+between picks and each group's frames after its last pick are left out).
 
 Speech (`speech_windows(chunk_s)`): the first audio stream, downmixed to mono and resampled to
-16 kHz float32 by FFmpeg's resampler (`av.AudioResampler`) in one sequential decode: a pass reads
+16 kHz float32 by FFmpeg's resampler (`av.AudioResampler`, in frames of `RESAMPLED` samples: the
+same samples as frame by frame, in fewer calls) in one sequential decode: a pass reads
 every chunk, so the loader's windowed decode (`gdsload.decode.audio`: a seek per crop) would only
 add seeks. The first decoded sample sits at its frame's timestamp (samples before it, from the
 container's start, are zeros and count as valid); later samples follow contiguously. Chunk j
@@ -44,6 +51,7 @@ from gdsload.errors import require
 
 READ_AHEAD = 1 << 20  # bytes read per range request
 RATE = 16000  # speech sample rate (Hz)
+RESAMPLED = 1 << 16  # samples per resampled frame (the resampler's FIFO: fewer, larger frames)
 INTERPOLATION = "BILINEAR"  # swscale's, for `size` (the bench's PyAV loop uses the same)
 
 
@@ -149,24 +157,186 @@ def out_size(width: int, height: int, size: int | None) -> tuple[int, int]:
     return max(1, round(width * size / height)), size
 
 
+def _threads(s: Any, threads: int | None) -> None:
+    """Decoder threads: None, FFmpeg's choice (frame and slice threads, as many as cores); n, at
+    most n (1: none; a pass in `workers` processes gives each cores // workers)."""
+    cc = s.codec_context
+    if threads is None:
+        s.thread_type = "AUTO"
+    elif threads <= 1:
+        cc.thread_type, cc.thread_count = "NONE", 1
+    else:
+        cc.thread_type, cc.thread_count = "AUTO", threads
+
+
+def _discard_others(av: Any, c: Any, keep: Any) -> None:
+    """The demuxer skips every other stream's packets (an MP4's are not even read)."""
+    for st in c.streams:
+        if st.index != keep.index:
+            st.discard = av.stream.Discard.all
+
+
+def _avcc_nal_size(s: Any) -> int:
+    """Bytes of the NAL length prefix of H.264 in AVCC form (MP4, MOV, Matroska), else 0."""
+    cc = s.codec_context
+    try:
+        ext = bytes(cc.extradata or b"")
+    except (TypeError, ValueError):
+        return 0
+    if cc.name != "h264" or len(ext) < 7 or ext[0] != 1:
+        return 0
+    return (ext[4] & 3) + 1
+
+
+def _nal_kind(p: Any, nsize: int) -> tuple[bool, bool]:
+    """(IDR, non-reference) of an H.264 AVCC packet, from its first slice's NAL header
+    (nal_unit_type 5: IDR; nal_ref_idc 0: no picture refers to this one, H.264 7.4.1). Unknown
+    (no slice, a truncated length): (False, False), the safe answer (keep it, no cut before it)."""
+    mv = memoryview(p)
+    n, pos = len(mv), 0
+    while pos + nsize < n:
+        length = int.from_bytes(mv[pos : pos + nsize], "big")
+        hdr = mv[pos + nsize]
+        kind = hdr & 31
+        if kind in (1, 5):
+            return kind == 5, (hdr >> 5) & 3 == 0
+        if length <= 0:
+            break
+        pos += nsize + length
+    return False, False
+
+
+class _Picker:
+    """Which presentation times get a sample: integer arithmetic on timestamps (no Fraction per
+    frame). A frame shown over [pts, next_pts) (stream time base) is picked when a sample
+    time k/fps falls in it."""
+
+    def __init__(self, step: Fraction, tb: Fraction, origin: Fraction):
+        a, b = step * tb, step * origin  # sample index at pts: pts * a - b
+        self.an, self.ad, self.bn, self.bd = a.numerator, a.denominator, b.numerator, b.denominator
+
+    def first_sample(self, pts: int) -> int:
+        """The smallest k >= 0 with k/fps at or after pts."""
+        num = pts * self.an * self.bd - self.bn * self.ad
+        return max(0, -((-num) // (self.ad * self.bd)))
+
+    def before(self, k: int, pts: int) -> bool:
+        """k/fps < pts (as times from the container's start)."""
+        return k * self.ad * self.bd < pts * self.an * self.bd - self.bn * self.ad
+
+
+GOP_LIMIT_PACKETS = 1024  # a longer group of pictures is decoded whole (bounded look-ahead)
+GOP_LIMIT_BYTES = 32 << 20
+
+
+def _plan_gop(gop: list[tuple[Any, int, bool]], next_pts: int, picker: _Picker, first: bool) -> list[Any]:
+    """The packets of one closed group (an IDR and what follows it up to the next IDR, in
+    decode order: (packet, pts, non-reference)) that are decoded: the frames picked, and every
+    reference frame decoded before the last one picked. `next_pts`: the next group's IDR, the
+    first frame shown after this group's. `first`: the video's first group (its first frame
+    is shown before the first frame too)."""
+    order = sorted(range(len(gop)), key=lambda i: gop[i][1])
+    picked = [False] * len(gop)
+    for j, i in enumerate(order):
+        succ = gop[order[j + 1]][1] if j + 1 < len(order) else next_pts
+        picked[i] = (first and j == 0) or picker.before(picker.first_sample(gop[i][1]), succ)
+    last = max((i for i in range(len(gop)) if picked[i]), default=-1)
+    return [p for i, (p, _, nonref) in enumerate(gop) if picked[i] or (i < last and not nonref)]
+
+
+def _frames(av: Any, c: Any, s: Any, picker: _Picker | None, stats: dict[str, int]) -> Iterator[Any]:
+    """The video's decoded frames in output order. With a `picker` (H.264 in AVCC form) only the
+    frames a sample can pick and those they are predicted from are decoded (`_plan_gop`): each
+    group (an IDR up to the next) is planned once the next IDR is demuxed. Decoded whole: what
+    comes before the first IDR, the last group (its last frame ends the video), a group over
+    the look-ahead limits (`GOP_LIMIT_*`), one with a packet without a timestamp, repeated
+    timestamps, or a timestamp at or after the next IDR's. Exact: a frame left out is shown at
+    no sampling time and no decoded frame refers to it (a non-reference frame, or one after the
+    last picked frame before an IDR, which no later frame can refer past); this assumes that
+    timestamps rise in the decoder's output order, as every H.264 muxer writes them (the caller
+    checks it on the frames decoded). tests/process/test_decode_plan.py compares with decoding
+    every frame."""
+    cc = s.codec_context
+    if picker is None:
+        yield from c.decode(s)
+        return
+    nsize = _avcc_nal_size(s)
+    gop: list[tuple[Any, int, bool]] = []
+    gop_bytes = 0
+    planning = False  # the packets of the current group are held for a plan
+    sent = False  # a packet was given to the decoder
+
+    def send(packets: list[Any]) -> Iterator[Any]:
+        nonlocal sent
+        for q in packets:
+            sent = True
+            yield from cc.decode(q)
+
+    for p in c.demux(s):
+        if p.size == 0:
+            continue
+        idr, nonref = _nal_kind(p, nsize)
+        if idr:
+            held = [g[0] for g in gop]
+            if planning and gop and p.pts is not None:
+                pts = [g[1] for g in gop]
+                if len(set(pts)) == len(pts) and max(pts) < p.pts:
+                    held = _plan_gop(gop, p.pts, picker, first=not sent)
+                    stats["dropped"] += len(gop) - len(held)
+                    kept = {id(q) for q in held}
+                    stats["dropped_nonref"] += sum(1 for g in gop if g[2] and id(g[0]) not in kept)
+            yield from send(held)
+            gop, gop_bytes = [], 0
+            planning = p.pts is not None
+            stats["groups"] += 1
+        if planning and p.pts is None:
+            planning = False
+            yield from send([g[0] for g in gop])
+            gop = []
+        if not planning:
+            yield from send([p])
+            continue
+        gop.append((p, p.pts, nonref))
+        gop_bytes += p.size
+        if len(gop) > GOP_LIMIT_PACKETS or gop_bytes > GOP_LIMIT_BYTES:
+            planning = False
+            yield from send([g[0] for g in gop])
+            gop = []
+    yield from send([g[0] for g in gop])
+    yield from cc.decode(None)
+
+
 def frame_windows(f: RangeFile, fps: float, window: int, size: int | None,
-                  skip: int = 0) -> Iterator[Window]:
+                  skip: int = 0, threads: int | None = None, plan: bool = True,
+                  stats: dict[str, int] | None = None) -> Iterator[Window]:
     """The member's frame windows (module docstring), from window `skip` on (earlier ones are
-    decoded, not converted or yielded)."""
+    decoded, not converted or yielded). `threads`: decoder threads (`_threads`). `plan`: decode
+    only the frames that are picked and those they need (H.264 in MP4/MOV/Matroska; `_frames`);
+    False decodes every frame (the same windows; the tests' reference). `stats`, if given,
+    counts IDR `groups`, frames `dropped` (not decoded) and of those `dropped_nonref` (non-reference
+    frames)."""
     av = _av()
+    from av.video.reformatter import VideoReformatter
+
     step = Fraction(fps).limit_denominator(1 << 20)
+    stats = stats if stats is not None else {}
+    stats.update(groups=0, dropped=0, dropped_nonref=0)
     with _open(av, f) as c:
         if not c.streams.video:
             raise NoStream("no video stream")
         s = c.streams.video[0]
-        s.thread_type = "AUTO"
+        _threads(s, threads)
+        _discard_others(av, c, s)
         origin, tb = _origin(c), s.time_base
         rate = s.average_rate or s.guessed_rate
         default_dur = Fraction(1) / Fraction(rate) if rate else Fraction(0)
+        picker = _Picker(step, tb, origin) if tb else None
         k = 0
         wh: tuple[int, int] | None = None
-        buf: list[np.ndarray] = []
+        out: np.ndarray | None = None  # the window being filled
+        n = 0  # frames in it
         cache: tuple[Any, np.ndarray] | None = None  # the last frame converted (repeats reuse it)
+        sws = VideoReformatter()  # one scaler context for the member (a fresh one per frame costs as much again)
 
         def convert(fr: Any) -> np.ndarray:
             nonlocal wh, cache
@@ -174,51 +344,68 @@ def frame_windows(f: RangeFile, fps: float, window: int, size: int | None,
                 return cache[1]
             if wh is None:
                 wh = out_size(fr.width, fr.height, size)
-            img = fr.reformat(width=wh[0], height=wh[1], format="rgb24", interpolation=INTERPOLATION).to_ndarray()
+            img = sws.reformat(fr, width=wh[0], height=wh[1], format="rgb24", interpolation=INTERPOLATION).to_ndarray()
             cache = (fr, img)
             return img
 
+        def times(w: int, m: int) -> np.ndarray:
+            t = np.full(window, -1.0)
+            t[:m] = [float(Fraction(i) / step) for i in range(w * window, w * window + m)]
+            return t
+
         def emit(fr: Any) -> Iterator[Window]:
-            nonlocal k
+            nonlocal k, out, n
             w = k // window
             if w >= skip:
-                buf.append(convert(fr))
-                if len(buf) == window:
-                    t = np.array([float(Fraction(i) / step) for i in range(w * window, (w + 1) * window)])
-                    yield Window(w, np.stack(buf), t)
-                    buf.clear()
+                img = convert(fr)
+                if out is None or out.shape[1:] != img.shape:
+                    if n:  # a frame size change inside a window: as np.stack would refuse
+                        raise ValueError(f"frame size changes inside window {w} ({out.shape[1:]} to {img.shape})")
+                    out = np.empty((window, *img.shape), np.uint8)
+                out[n] = img
+                n += 1
+                if n == window:
+                    yield Window(w, out, times(w, window))
+                    out, n = None, 0
             k += 1
 
-        prev, end = None, Fraction(0)
-        last_t = None
+        prev = None
+        end_pts: Any = None  # the end of the last frame (pts units; a Fraction where a duration is guessed)
+        last_pts: Any = None
+        dur_pts = default_dur / tb if tb else Fraction(0)
+        use_plan = plan and picker is not None and _avcc_nal_size(s) > 0
         try:
-            for fr in c.decode(s):
-                if fr.pts is not None:
-                    tf = Fraction(fr.pts) * tb - origin
-                elif last_t is not None:
-                    tf = last_t + default_dur
-                else:
-                    tf = Fraction(0)
+            for fr in _frames(av, c, s, picker if use_plan else None, stats):
+                planned = stats["dropped"] > 0
+                pts = fr.pts
+                if pts is None:  # no timestamp: one (guessed) frame duration after the last
+                    pts = last_pts + dur_pts if last_pts is not None else origin / tb
                 shown = prev if prev is not None else fr  # before the first frame: the first
-                while Fraction(k) / step < tf:
-                    yield from emit(shown)
-                prev, last_t = fr, tf
-                dur = Fraction(fr.duration) * tb if getattr(fr, "duration", None) else default_dur
-                end = max(end, tf + dur)
+                if planned and last_pts is not None and pts <= last_pts:
+                    raise ValueError(f"frame timestamps go back ({pts} after {last_pts}, time base {tb}): frames "
+                                     f"were left out of the decode by their timestamps, which this file breaks")
+                if picker is not None and isinstance(pts, int):
+                    while picker.before(k, pts):
+                        yield from emit(shown)
+                else:
+                    while Fraction(k) / step < pts * tb - origin:
+                        yield from emit(shown)
+                prev, last_pts = fr, pts
+                d = fr.duration if getattr(fr, "duration", None) else dur_pts
+                e = pts + d
+                if end_pts is None or e > end_pts:
+                    end_pts = e
         except av.FFmpegError as exc:
             raise ValueError(f"corrupt video after {k} frames sampled: {exc}") from None
         if prev is None:
             raise ValueError("no video frame decodes")
+        end = max(Fraction(0), end_pts * tb - origin)
         while Fraction(k) / step < end:
             yield from emit(prev)
-        if buf:
+        if n:
             w = (k - 1) // window
-            n = len(buf)
-            frames = np.zeros((window, *buf[0].shape), np.uint8)
-            frames[:n] = np.stack(buf)
-            t = np.full(window, -1.0)
-            t[:n] = [float(Fraction(i) / step) for i in range(w * window, w * window + n)]
-            yield Window(w, frames, t)
+            out[n:] = 0
+            yield Window(w, out, times(w, n))
 
 
 def speech_windows(f: RangeFile, chunk_s: float, skip: int = 0) -> Iterator[Window]:
@@ -229,8 +416,9 @@ def speech_windows(f: RangeFile, chunk_s: float, skip: int = 0) -> Iterator[Wind
         if not c.streams.audio:
             raise NoStream("no audio stream")
         s = c.streams.audio[0]
+        _discard_others(av, c, s)
         origin, tb = _origin(c), s.time_base
-        rs = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+        rs = av.AudioResampler(format="flt", layout="mono", rate=RATE, frame_size=RESAMPLED)
         buf = np.zeros(chunk, np.float32)
         pos: int | None = None  # samples at 16 kHz from the container's start placed so far
         j = 0  # the chunk being filled

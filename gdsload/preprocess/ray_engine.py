@@ -37,7 +37,7 @@ def _task(src: str, dst: str, unit: int, opts: PassOptions, fields: list[str], f
     from gdsload.preprocess.unit import run_unit
 
     with ShardedDataset(src) as ds:
-        return run_unit(ds, open_store(dst), unit, opts, fields, fn)
+        return run_unit(ds, open_store(dst), unit, opts, fields, fn, threads=1)  # a task holds one CPU
 
 
 def run_ray(src: str, dst: str, todo: list[int], opts: PassOptions, fields: list[str], fn: Any,

@@ -37,7 +37,7 @@ from gdsload.format import manifest as mf
 from gdsload.format.index import ShardIndex
 from gdsload.io.store import LOCK, load_manifest, open_store, save_manifest
 from gdsload.preprocess.options import MAX_HOURS, PassOptions, fn_name, load_fn, make_options
-from gdsload.preprocess.unit import Stages, kill_point, run_unit, unit_name
+from gdsload.preprocess.unit import Stages, decode_threads, kill_point, run_unit, unit_name
 
 RECORD = f"{STATE_DIR}/process.json"
 
@@ -311,23 +311,25 @@ class _Progress:
 
 # -- workers -------------------------------------------------------------------------------------
 _JOB: tuple | None = None  # (src, dst, opts, fields, fn): set before forking the pool
+_THREADS: int | None = None  # decoder threads per worker (cores // workers): set before forking
 
 
 def _pool_unit(u: int) -> dict[str, Any]:
     src, dst, opts, fields, fn = _JOB  # type: ignore[misc]
     with ShardedDataset(src) as ds:
-        return run_unit(ds, open_store(dst), u, opts, fields, fn)
+        return run_unit(ds, open_store(dst), u, opts, fields, fn, threads=_THREADS)
 
 
 def _run_pool(src: str, dst: str, todo: list[int], opts: PassOptions, fields: list[str], fn: Any,
               workers: int, on_unit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     """Units in `workers` forked processes (`fn` inherited, never pickled); results in unit order."""
-    global _JOB
+    global _JOB, _THREADS
     from gdsload.convert.engine import _stop_pool
 
     if not todo:
         return []
     _JOB = (src, dst, opts, fields, fn)
+    _THREADS = decode_threads(min(workers, len(todo)))
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx)
     results: dict[int, dict[str, Any]] = {}

@@ -173,7 +173,8 @@ def test_corrupt_media_follow_on_error(media_src: Path, tmp_path: Path) -> None:
 
 def test_members_are_read_by_range(media_src: Path, tmp_path: Path, monkeypatch) -> None:
     """The encoded member is read in range requests (READ_AHEAD bytes, or what PyAV asks for: its
-    32 KiB buffer), never whole; each byte about once."""
+    32 KiB buffer), never whole; each byte at most about once (a frames pass skips the audio
+    stream's bytes: the demuxer jumps over them)."""
     monkeypatch.setattr(pmedia, "READ_AHEAD", 4096)
     sizes: list[int] = []
     real = gdsload.ShardedDataset.read_extent
@@ -187,7 +188,7 @@ def test_members_are_read_by_range(media_src: Path, tmp_path: Path, monkeypatch)
     ds = gdsload.open_dataset(media_src)
     mp4 = [n for s in range(len(ds.shards)) for j in range(ds.shards[s]["samples"])
            for e, _, n in ds.index(s).members(j) if e == "mp4"]
-    assert max(sizes) <= 32768 < max(mp4) and sum(mp4) <= sum(sizes) < 1.2 * sum(mp4)
+    assert max(sizes) <= 32768 < max(mp4) and 0.5 * sum(mp4) < sum(sizes) < 1.2 * sum(mp4)
 
 
 def test_workers_give_the_same_bytes(media_src: Path, tmp_path: Path) -> None:

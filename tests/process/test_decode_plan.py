@@ -1,0 +1,120 @@
+"""A frames pass decodes only what its samples need (`gdsload.preprocess.media._frames`): the
+windows are those of decoding every frame (`plan=False`), byte for byte, on B-frame videos with
+short groups of pictures, a variable frame rate and both, at sampling rates below, near and at
+the frame rate; frames were really left out (the test would pass vacuously otherwise), non-
+reference ones among them; and the look-ahead limit decodes a long group whole, still exact."""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+
+import mediakit as mk
+import numpy as np
+import pytest
+from conftest import VFR_MS
+
+from gdsload.preprocess import media as pmedia
+
+X264_B = "bframes=3:b-adapt=0:b-pyramid=normal:scenecut=0"  # B-frames always; non-reference ones among them
+
+
+def _video(n: int, *, fps: int = 10, gop: int = 12, times_ms: list[int] | None = None,
+           params: str = X264_B) -> bytes:
+    """H.264 in MP4, 96x64, frame i grey at `mk.level(i)`, an IDR every `gop` frames."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        v = c.add_stream("libx264", rate=fps)
+        v.width, v.height, v.pix_fmt = 96, 64, "yuv420p"
+        v.options = {"preset": "veryfast", "x264-params": f"{params}:keyint={gop}:min-keyint={gop}"}
+        if times_ms is not None:
+            v.codec_context.time_base = Fraction(1, 1000)
+        for i in range(n):
+            f = av.VideoFrame.from_ndarray(np.full((64, 96, 3), mk.level(i), np.uint8), format="rgb24")
+            if times_ms is not None:
+                f.pts, f.time_base = times_ms[i], Fraction(1, 1000)
+            for p in v.encode(f):
+                c.mux(p)
+        for p in v.encode():
+            c.mux(p)
+    return buf.getvalue()
+
+
+def _windows(data: bytes, fps: float, *, plan: bool, stats: dict | None = None) -> list[tuple]:
+    f = pmedia.RangeFile(lambda o, n: data[o : o + n], 0, len(data))
+    return [(w.index, w.data.tobytes(), w.data.shape, w.t.tobytes())
+            for w in pmedia.frame_windows(f, fps, 3, None, threads=1, plan=plan, stats=stats)]
+
+
+def _nonref_packets(data: bytes) -> int:
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        s = c.streams.video[0]
+        n = pmedia._avcc_nal_size(s)
+        return sum(pmedia._nal_kind(p, n)[1] for p in c.demux(s) if p.size)
+
+
+VFR = sorted({int(x) for x in np.cumsum(np.random.default_rng(7).integers(20, 260, 70))})
+
+
+@pytest.mark.parametrize("name, make", [
+    ("cfr-b", lambda: _video(90, gop=12)),
+    ("vfr-b", lambda: _video(len(VFR), gop=9, times_ms=VFR)),
+    ("vfr-fixture", lambda: mk.video(times_ms=VFR_MS, audio=False, seconds=2.0)),
+    ("p-only", lambda: _video(90, gop=25, params="bframes=0")),
+])
+def test_planned_decode_gives_the_windows_of_decoding_every_frame(name, make) -> None:
+    data = make()
+    dropped = {}
+    for fps in (0.3, 1.0, 2.5, 7.0, 10.0):
+        st: dict = {}
+        got = _windows(data, fps, plan=True, stats=st)
+        want = _windows(data, fps, plan=False)
+        assert got == want, f"{name} at {fps} fps"
+        assert len(want) >= 1
+        dropped[fps] = st
+    if name != "vfr-fixture":  # one IDR there: the last group is always decoded whole
+        assert dropped[0.3]["dropped"] > dropped[10.0]["dropped"] >= 0 and dropped[1.0]["dropped"] > 0
+    if name.endswith("-b"):
+        assert _nonref_packets(data) > 10
+        assert dropped[2.5]["dropped_nonref"] > 0  # B-frames left out between picks, not only group tails
+
+
+def test_the_frames_picked_follow_the_rule_with_frames_left_out() -> None:
+    """On a variable-rate B-frame video sampled at 2 fps, frame k is the last shown at or before
+    k/2 s (checked by grey level against the timestamps), with frames left out of the decode."""
+    data = _video(len(VFR), gop=9, times_ms=VFR)
+    st: dict = {}
+    f = pmedia.RangeFile(lambda o, n: data[o : o + n], 0, len(data))
+    got = [mk.frame_of(fr.mean()) for w in pmedia.frame_windows(f, 2.0, 3, None, threads=1, stats=st)
+           for fr, t in zip(w.data, w.t) if t >= 0]
+    rel = [ms - VFR[0] for ms in VFR]  # times count from the container's start: the first frame
+    want = [max(i for i, ms in enumerate(rel) if ms <= 500 * k) % 20 for k in range(len(got))]
+    assert got == want and st["dropped"] > len(VFR) // 3 and len(got) > rel[-1] // 500
+
+
+def test_a_group_over_the_look_ahead_limit_is_decoded_whole(monkeypatch) -> None:
+    data = _video(90, gop=30)
+    want = _windows(data, 1.0, plan=False)
+    st: dict = {}
+    assert _windows(data, 1.0, plan=True, stats=st) == want and st["dropped"] > 0
+    monkeypatch.setattr(pmedia, "GOP_LIMIT_PACKETS", 10)
+    st2: dict = {}
+    assert _windows(data, 1.0, plan=True, stats=st2) == want and st2["dropped"] == 0
+
+
+def test_nal_headers() -> None:
+    """IDR and non-reference read from the first slice's NAL header behind 4-byte lengths; a
+    packet with no slice is neither (kept)."""
+    def pkt(*nals: bytes) -> bytes:
+        return b"".join(len(n).to_bytes(4, "big") + n for n in nals)
+
+    sei, idr, p_ref, b_nonref = b"\x06\x05\x00", b"\x65\x88\x80", b"\x41\x9a\x00", b"\x01\x9e\x00"
+    assert pmedia._nal_kind(pkt(sei, idr), 4) == (True, False)
+    assert pmedia._nal_kind(pkt(p_ref), 4) == (False, False)
+    assert pmedia._nal_kind(pkt(sei, b_nonref), 4) == (False, True)
+    assert pmedia._nal_kind(pkt(sei), 4) == (False, False)
+    assert pmedia._nal_kind(b"\x00\x00", 4) == (False, False)
