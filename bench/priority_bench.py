@@ -1,0 +1,332 @@
+"""Priorities in the feed (issue 49): a high job among three low ones, servers capacity-limited.
+
+Servers are limited as `remote_scale_bench` limits them (`Throttle`: a cgroup v1 CPU quota of
+`--server-cores` each, else a SIGSTOP/SIGCONT duty cycle; with `--pin`, the default on >= 2 CPUs,
+the servers run on CPU 1 and the clients on CPU 0), so the servers, not the clients, bound every
+run: each job is a process of its own (a `RemoteLoader` striping over the `--servers` servers) and
+its CPU seconds are reported beside its rate, to show it. Each round (`--rounds`, default 5), per
+payload (raw, decoded), runs in a rotating order:
+
+- solo:      the high job (priority 10) alone reads `--batches` batches flat out: its rate and its
+             median batch time (the time between batches).
+- contended: three low jobs (priority 0) read flat out; after `--warmup-s` the high job reads
+             `--batches` batches (a) flat out and (b) as a training loop whose step takes 1.1x
+             its solo median batch time (a sleep per batch): its rate against solo (target
+             >= 0.9x, median of the rounds) and its data stall (the loop's wait over its wall
+             time; target <= 5 %). After the high job leaves, how long until the low jobs' summed
+             rate over a 1-s window is back to 0.9x what it was before the high job came
+             (target: 2 s raw, 5 s decoded).
+- equal:     four jobs at priority 0 read flat out for `--equal-s`: each job's batches over the
+             span where all four ran, max/min (target <= 1.2x).
+
+Every job checks every epoch it finished against the local loader's keys in plan order (a
+partial last epoch as a prefix); any difference fails the run. The servers' memory in use
+(`ServerInfo.memory_in_use_bytes`) is sampled every 0.2 s and compared with `--max-memory`.
+
+The lead's run (a quiet 2-core machine, ~25 min):
+
+    python bench/priority_bench.py --rounds 5 --out bench/results/priority-cpu2.json
+
+Smoke run (one round, tiny data, < 2 min; its figures mean nothing):
+
+    python bench/priority_bench.py --tiny
+
+Prints a table and writes JSON (`--out`, default bench/results/priority-<host>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from remote_bench import _free_port, _self_cpu_s, image_dataset
+from remote_scale_bench import Throttle, _wait_serving, popen_pinned
+
+HIGH, LOW = 10, 0
+
+
+# -- one job (a child process) ------------------------------------------------------------------------
+def run_job(spec: dict) -> dict:
+    """Read as `spec` says (a RemoteLoader of its own); return batch times, waits, CPU, exactness."""
+    from gdsload import RemoteLoader
+    from gdsload.loader.dataloader import DataLoader, Dataset
+
+    kw = dict(dataset="imgs", batch_size=spec["batch_size"], shuffle=True, seed=0, decode=spec["decoded"],
+              output="numpy")
+    if spec["decoded"]:
+        from gdsload.decode.image import ImageTransform
+
+        kw["transform"] = ImageTransform(size=64, train=False)
+    loader = RemoteLoader(spec["addresses"], priority=spec["priority"], job=spec["name"], stall_timeout_s=30,
+                          **kw)
+    plan = DataLoader(Dataset(spec["dataset"]), batch_size=spec["batch_size"], shuffle=True, seed=0,
+                      decode=False, device="cpu", output="numpy")
+    stop = Path(spec["stop"])
+    times, exact, epochs = [], True, 0
+    c0, t_wait, first_wait = _self_cpu_s(), 0.0, 0.0
+    while True:
+        plan.set_epoch(epochs)
+        want = [k for b in plan for k in b["__key__"]]
+        got: list[str] = []
+        it = iter(loader)
+        while True:
+            t0 = time.monotonic()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            t_wait += time.monotonic() - t0
+            first_wait = t_wait if not times else first_wait
+            got += list(batch["__key__"])
+            times.append(time.monotonic())
+            if len(times) == 1:
+                Path(f"{spec['stop']}.started-{spec['name']}").touch()  # (the orchestrator times from here)
+            if spec["step_s"]:
+                time.sleep(spec["step_s"])
+            if (spec["batches"] and len(times) >= spec["batches"]) or stop.exists():
+                break
+        exact = exact and got == want[:len(got)] and (len(got) == len(want) or len(times) >= spec["batches"]
+                                                        or stop.exists())
+        if (spec["batches"] and len(times) >= spec["batches"]) or stop.exists():
+            break
+        epochs += 1
+    stats = loader.stats()
+    loader.close()
+    plan.close()
+    return {"name": spec["name"], "times": times, "wait_s": t_wait - first_wait, "cpu_s": _self_cpu_s() - c0,
+            "exact": exact, "epochs": epochs, "pauses": sum(r.get("pauses", 0) for r in stats["servers"].values()),
+            "paused_s": sum(r.get("paused_s", 0.0) for r in stats["servers"].values()),
+            "servers_needed": stats.get("servers_needed")}
+
+
+class Jobs:
+    """Job processes on the client CPU; `start(name, priority, ...)`, `stop_all()`, `results()`."""
+
+    def __init__(self, a, addresses: list[str], dataset: Path, work: Path, cpus):
+        self.a, self.addresses, self.dataset, self.work, self.cpus = a, addresses, dataset, work, cpus
+        self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+        self.stop = work / f"stop-{time.monotonic_ns()}"
+
+    def start(self, name: str, priority: int, *, decoded: bool, batches: int = 0, step_s: float = 0.0) -> None:
+        spec = dict(addresses=self.addresses, dataset=str(self.dataset), batch_size=self.a.batch_size,
+                    decoded=decoded, priority=priority, name=name, batches=batches, step_s=step_s,
+                    stop=str(self.stop))
+        out = self.work / f"job-{name}-{time.monotonic_ns()}.json"
+        proc = popen_pinned([sys.executable, __file__, "--job", json.dumps(spec), "--job-out", str(out)], self.cpus)
+        self.procs[name] = (proc, out)
+
+    def started(self, *names: str, timeout: float = 120) -> None:
+        """Wait until each job `names` has its first batch (imports and plans are not timed)."""
+        deadline = time.monotonic() + timeout
+        while not all(Path(f"{self.stop}.started-{n}").exists() for n in names):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"jobs {names} did not start within {timeout} s")
+            time.sleep(0.05)
+
+    def wait(self, name: str, timeout: float = 900) -> dict:
+        proc, out = self.procs.pop(name)
+        if proc.wait(timeout=timeout) != 0:
+            raise SystemExit(f"job {name} failed with status {proc.returncode}")
+        return json.loads(out.read_text())
+
+    def stop_all(self) -> dict[str, dict]:
+        self.stop.touch()
+        done = {name: self.wait(name) for name in list(self.procs)}
+        self.stop.unlink()
+        for marker in self.work.glob(f"{self.stop.name}.started-*"):
+            marker.unlink()
+        return done
+
+
+def _rate(times: list[float], t0: float | None = None, t1: float | None = None) -> float:
+    ts = [t for t in times if (t0 is None or t >= t0) and (t1 is None or t <= t1)]
+    return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) >= 2 and ts[-1] > ts[0] else 0.0
+
+
+def _recovery_s(lows: list[dict], before: float, after: float) -> float | None:
+    """Seconds after `after` until the low jobs' summed rate over a 1-s window reaches 0.9x their
+    rate over the 2 s before `before` (None: not within the run)."""
+    times = sorted(t for r in lows for t in r["times"])
+    earlier = sum(1 for t in times if before - 2.0 <= t < before) / 2.0
+    if not earlier:
+        return None
+    for t in [t for t in times if t >= after]:
+        if sum(1 for u in times if t <= u < t + 1.0) >= 0.9 * earlier:
+            return t - after
+    return None
+
+
+# -- the scenarios ------------------------------------------------------------------------------------
+def solo(jobs: Jobs, decoded: bool, batches: int) -> dict:
+    jobs.start("high", HIGH, decoded=decoded, batches=batches)
+    r = jobs.wait("high")
+    gaps = [b - a for a, b in zip(r["times"], r["times"][1:])]
+    return {"rate": _rate(r["times"]), "median_batch_s": statistics.median(gaps) if gaps else 0.0,
+            "cpu_s": r["cpu_s"], "exact": r["exact"]}
+
+
+def contended(jobs: Jobs, decoded: bool, batches: int, step_s: float, warmup_s: float, after_s: float) -> dict:
+    for i in range(3):
+        jobs.start(f"low{i}", LOW, decoded=decoded)
+    jobs.started("low0", "low1", "low2")
+    time.sleep(warmup_s)
+    came = time.monotonic()
+    jobs.start("high", HIGH, decoded=decoded, batches=batches, step_s=step_s)
+    high = jobs.wait("high")
+    left = time.monotonic()
+    time.sleep(after_s)
+    lows = list(jobs.stop_all().values())
+    took = high["times"][-1] - high["times"][0] if len(high["times"]) >= 2 else 0.0
+    return {"rate": _rate(high["times"]), "stall": high["wait_s"] / took if took else None,
+            "recovery_s": _recovery_s(lows, came, left), "exact": high["exact"] and all(r["exact"] for r in lows),
+            "high_cpu_s": high["cpu_s"], "low_cpu_s": sum(r["cpu_s"] for r in lows),
+            "low_pauses": sum(r["pauses"] for r in lows), "low_paused_s": sum(r["paused_s"] for r in lows),
+            "servers_needed": high["servers_needed"]}
+
+
+def equal(jobs: Jobs, decoded: bool, seconds: float) -> dict:
+    for i in range(4):
+        jobs.start(f"eq{i}", LOW, decoded=decoded)
+    jobs.started("eq0", "eq1", "eq2", "eq3")
+    time.sleep(seconds)
+    done = list(jobs.stop_all().values())
+    t0 = max(r["times"][0] for r in done if r["times"])
+    t1 = min(r["times"][-1] for r in done if r["times"])
+    counts = [sum(1 for t in r["times"] if t0 <= t <= t1) for r in done]
+    return {"counts": counts, "max_over_min": max(counts) / max(1, min(counts)),
+            "exact": all(r["exact"] for r in done), "cpu_s": sum(r["cpu_s"] for r in done)}
+
+
+class MemoryWatch:
+    """Samples every server's `memory_in_use_bytes` every 0.2 s; `peak` and `limit` per server."""
+
+    def __init__(self, addresses: list[str]):
+        import grpc
+
+        from gdsload.v1 import feed_pb2 as pb
+        from gdsload.v1 import feed_pb2_grpc as pb_grpc
+
+        self.peak = dict.fromkeys(addresses, 0)
+        self.limit: dict[str, int] = {}
+        self._stop = threading.Event()
+        chans = {a: grpc.insecure_channel(a) for a in addresses}
+
+        def run():
+            while not self._stop.wait(0.2):
+                for a, ch in chans.items():
+                    try:
+                        info = pb_grpc.FeedStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=2)
+                    except grpc.RpcError:
+                        continue
+                    self.peak[a] = max(self.peak[a], info.memory_in_use_bytes)
+                    self.limit[a] = info.max_memory_bytes
+            for ch in chans.values():
+                ch.close()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def close(self) -> dict:
+        self._stop.set()
+        self._thread.join(10)
+        return {a: {"peak": self.peak[a], "limit": self.limit.get(a)} for a in self.peak}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=2400)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batches", type=int, default=60, help="batches the high job reads per run")
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--server-cores", type=float, default=0.25)
+    ap.add_argument("--max-memory", default="1GB", help="each server's --max-memory")
+    ap.add_argument("--payloads", default="raw,decoded")
+    ap.add_argument("--warmup-s", type=float, default=4.0)
+    ap.add_argument("--after-s", type=float, default=8.0, help="low jobs kept after the high one left")
+    ap.add_argument("--equal-s", type=float, default=15.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--throttle", choices=("auto", "cgroup", "sigstop"), default="auto")
+    ap.add_argument("--pin", choices=("auto", "yes", "no"), default="auto")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="a smoke run: small data, one round, short phases")
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--job-out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.job:
+        Path(a.job_out).write_text(json.dumps(run_job(json.loads(a.job))))
+        return {}
+    if a.tiny:
+        a.images, a.batch_size, a.batches, a.rounds = 64, 4, 12, 1
+        a.warmup_s, a.after_s, a.equal_s = 1.0, 2.0, 2.0
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-priority-"))
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = image_dataset(work, a.images, a.tiny)
+    pin = a.pin == "yes" or (a.pin == "auto" and (os.cpu_count() or 1) >= 2)
+    server_cpus, client_cpus = ({1}, {0}) if pin else (None, None)
+    throttle = Throttle(a.throttle)
+    procs, addresses = [], []
+    out: dict = {"host": platform.node(), "cpus": os.cpu_count(), "throttle": throttle.kind, "args": vars(a),
+                 "rounds": []}
+    try:
+        for _ in range(a.servers):
+            address = f"127.0.0.1:{_free_port()}"
+            with open(work / "servers.log", "ab") as err:
+                proc = popen_pinned([sys.executable, "-m", "gdsload.service", str(dataset.parent), "--listen", address,
+                                     "--log-level", "WARNING", "--grace", "1", "--max-memory", a.max_memory],
+                                    server_cpus, stdout=subprocess.DEVNULL, stderr=err)
+            procs.append(proc)
+            _wait_serving(address, proc, work / "servers.log")
+            throttle.limit(proc.pid, a.server_cores)
+            addresses.append(address)
+        jobs = Jobs(a, addresses, dataset, work, client_cpus)
+        memory = MemoryWatch(addresses)
+        payloads = a.payloads.split(",")
+        for r in range(a.rounds):
+            row: dict = {}
+            for payload in payloads[r % len(payloads):] + payloads[:r % len(payloads)]:  # rotating order
+                decoded = payload == "decoded"
+                s = solo(jobs, decoded, a.batches)
+                c = contended(jobs, decoded, a.batches, 0.0, a.warmup_s, a.after_s)
+                t = contended(jobs, decoded, a.batches, 1.1 * s["median_batch_s"], a.warmup_s, a.after_s)
+                e = equal(jobs, decoded, a.equal_s)
+                row[payload] = {"solo": s, "contended": c, "training": t, "equal": e,
+                                "rate_vs_solo": c["rate"] / s["rate"] if s["rate"] else None}
+                print(f"round {r + 1} {payload}: high {c['rate']:.1f}/s vs solo {s['rate']:.1f}/s "
+                      f"({row[payload]['rate_vs_solo'] or 0:.2f}x), training stall {100 * (t['stall'] or 0):.1f} %, "
+                      f"low recovery {c['recovery_s']} s, equal max/min {e['max_over_min']:.2f}, exact "
+                      f"{s['exact'] and c['exact'] and t['exact'] and e['exact']}", flush=True)
+            out["rounds"].append(row)
+        out["memory"] = memory.close()
+    finally:
+        throttle.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=15)
+    out["summary"] = {p: {
+        "rate_vs_solo_median": statistics.median(r[p]["rate_vs_solo"] or 0 for r in out["rounds"]),
+        "training_stall_median": statistics.median(r[p]["training"]["stall"] or 0 for r in out["rounds"]),
+        "recovery_s": [r[p]["contended"]["recovery_s"] for r in out["rounds"]],
+        "equal_max_over_min_median": statistics.median(r[p]["equal"]["max_over_min"] for r in out["rounds"]),
+        "all_exact": all(r[p][k]["exact"] for r in out["rounds"] for k in ("solo", "contended", "training", "equal")),
+    } for p in a.payloads.split(",")}
+    print(json.dumps(out["summary"], indent=1))
+    path = Path(a.out or Path(__file__).parent / "results" / f"priority-{platform.node()}.json")
+    if not a.tiny or a.out:
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
