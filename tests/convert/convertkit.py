@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -17,6 +18,12 @@ def write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return path
+
+
+def shard_list(dst: Path) -> list[tuple[str, int, str]]:
+    """(name, bytes, sha256) of each shard in the manifest at `dst`, in its order."""
+    m = json.loads((dst / "manifest.json").read_text())
+    return [(s["name"], s["bytes"], s["sha256"]) for s in m["shards"]]
 
 
 def random_jpeg_folder(root: Path, *, classes: int, per_class: int, seed: int, digits: int) -> Path:

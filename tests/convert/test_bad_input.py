@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from convertkit import write
 from PIL import Image
 
 import gdsload
@@ -30,12 +31,6 @@ def jpeg_bytes(seed: int, size: int = 48) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
     return buf.getvalue()
-
-
-def write(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
 
 
 def tar_info(name: str, size: int = 0, type_: bytes = tarfile.REGTYPE, **kw) -> tarfile.TarInfo:

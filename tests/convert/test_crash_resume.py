@@ -8,7 +8,6 @@ The reference is a clean conversion of the same source with the same options.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convertkit import convert_and_kill
+from convertkit import convert_and_kill, shard_list
 
 import gdsload
 from gdsload.cli import main
@@ -38,11 +37,6 @@ def snapshot(root: Path) -> dict[str, tuple]:
             st = p.stat()
             out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
     return out
-
-
-def shard_list(dst: Path) -> list[tuple[str, int, str]]:
-    m = json.loads((dst / "manifest.json").read_text())
-    return [(s["name"], s["bytes"], s["sha256"]) for s in m["shards"]]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import multiprocessing
 import os
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from convertkit import shard_list
 
 import gdsload
 from gdsload.cli import main
@@ -38,11 +38,6 @@ def make_src(root: Path, n: int, seed: int = 7) -> Path:
         for i in range(n // 2):
             (root / f"c{c}" / f"im{i:04d}.jpg").write_bytes(rng.bytes(int(rng.integers(15_000, 40_000))))
     return root
-
-
-def shard_list(dst: Path) -> list[tuple[str, int, str]]:
-    m = json.loads((dst / "manifest.json").read_text())
-    return [(s["name"], s["bytes"], s["sha256"]) for s in m["shards"]]
 
 
 def temporaries(dst: Path) -> list[str]:
