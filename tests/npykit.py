@@ -1,11 +1,21 @@
-"""Helpers shared by tests that read a small converted .npy dataset: `npy_dataset` makes one
-(`gdsload.sampledata.make_npy_folder`, then `convert` with one worker), `keys` lists what a loader
-delivers. Each test file keeps its own sizes, seed and shard size (its data), only the steps are
-shared."""
+"""Helpers shared by tests that use .npy data: `npy_bytes` is an array's .npy file,
+`npy_dataset` a small converted dataset (`gdsload.sampledata.make_npy_folder`, then `convert`
+with one worker), `keys` lists what a loader delivers. Each test file keeps its own arrays,
+sizes, seed and shard size (its data), only the steps are shared."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+import numpy as np
+
+
+def npy_bytes(a: np.ndarray, **kw) -> bytes:
+    """`a` as `np.save(..., **kw)` writes it."""
+    buf = io.BytesIO()
+    np.save(buf, a, **kw)
+    return buf.getvalue()
 
 
 def npy_dataset(src: Path, dst: Path, *, num_samples: int, shape: tuple[int, ...], dtype: str, seed: int,

@@ -23,6 +23,7 @@ from PIL import Image
 
 import gdsload
 from convertkit import make_tar, write
+from npykit import npy_bytes
 from gdsload.cli import main
 
 
@@ -31,12 +32,6 @@ def image_bytes(seed: int, fmt: str = "JPEG", size: int = 40) -> bytes:
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, fmt)
-    return buf.getvalue()
-
-
-def npy_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a)
     return buf.getvalue()
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from npykit import npy_bytes
 
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import FormatError
@@ -27,12 +28,6 @@ from gdsload.format.index import ShardIndex
 from gdsload.format.labels import parse_label
 from gdsload.dataset.sharded import open_dataset
 from gdsload.convert.shards import DatasetWriter
-
-
-def _npy(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a)
-    return buf.getvalue()
 
 
 def rewrite_index(path: Path, **changes) -> None:
@@ -131,7 +126,7 @@ def test_class_histogram_of_an_old_index_parses_with_the_same_validation(tmp_pat
 def test_index_holds_the_crc32_of_every_member_payload(tmp_path) -> None:
     rng = np.random.default_rng(0)
     samples = {f"k{i}": {"jpg": rng.bytes(int(rng.integers(1, 9000))), "cls": b"%d" % i,
-                         "npy": _npy(rng.standard_normal((i + 1, 700)))} for i in range(6)}
+                         "npy": npy_bytes(rng.standard_normal((i + 1, 700)))} for i in range(6)}
     with DatasetWriter(tmp_path / "ds", shard_size=30_000) as w:
         for k, f in samples.items():
             w.write(k, f)
@@ -214,7 +209,7 @@ def test_fortran_ordered_arrays_are_stored_in_c_order_and_counted(tmp_path) -> N
               "c": rng.standard_normal((30, 70))}
     with DatasetWriter(tmp_path / "ds") as w:
         for k, a in arrays.items():
-            w.write(k, {"npy": _npy(a)})
+            w.write(k, {"npy": npy_bytes(a)})
     with open_dataset(tmp_path / "ds") as ds:
         assert ds.verify() == {}
         assert ds.manifest["created"]["fortran_to_c"] == {"npy": 2}
@@ -230,7 +225,7 @@ def test_fortran_ordered_arrays_are_stored_in_c_order_and_counted(tmp_path) -> N
 
 def test_c_ordered_arrays_leave_no_conversion_note(tmp_path) -> None:
     with DatasetWriter(tmp_path / "ds") as w:
-        w.write("c", {"npy": _npy(np.zeros((40, 40)))})
+        w.write("c", {"npy": npy_bytes(np.zeros((40, 40)))})
     with open_dataset(tmp_path / "ds") as ds:
         assert "fortran_to_c" not in ds.manifest["created"]
         assert "fortran_to_c" not in ds.shards[0]

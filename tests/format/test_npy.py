@@ -6,16 +6,11 @@ import io
 
 import numpy as np
 import pytest
+from npykit import npy_bytes
 
 from gdsload.errors import FormatError
 from gdsload.format import npy
 from gdsload.format.tar import ALIGN
-
-
-def _save(a: np.ndarray, **kw) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, **kw)
-    return buf.getvalue()
 
 
 def _load(b: bytes) -> np.ndarray:
@@ -75,7 +70,7 @@ def test_encode_is_loadable_and_aligned(name: str) -> None:
 def test_realign_preserves_values(name: str, version) -> None:
     a = ARRAYS[name]
     if version is None:
-        src = _save(a)
+        src = npy_bytes(a)
     else:
         buf = io.BytesIO()
         np.lib.format.write_array(buf, a, version=version)
@@ -100,7 +95,7 @@ def test_realign_preserves_values(name: str, version) -> None:
 def test_normalize_stores_c_order_and_reports_fortran(name: str) -> None:
     """Fortran-ordered inputs (any size) come back C-ordered with equal values; the flag says so."""
     a = ARRAYS[name]
-    src = _save(a)
+    src = npy_bytes(a)
     out, was_fortran = npy.normalize(src)
     assert was_fortran == _fortran(a)
     assert not npy.parse_header(out)[2]
@@ -116,14 +111,14 @@ def test_normalize_stores_c_order_and_reports_fortran(name: str) -> None:
 
 
 def test_normalize_refuses_a_truncated_small_payload() -> None:
-    src = _save(np.arange(10, dtype=np.int32))
+    src = npy_bytes(np.arange(10, dtype=np.int32))
     with pytest.raises(FormatError, match="says 40"):
         npy.normalize(src[:-4])
 
 
 def test_realign_accepts_memoryview() -> None:
     a = ARRAYS["big"]
-    out = npy.realign(memoryview(_save(a)))
+    out = npy.realign(memoryview(npy_bytes(a)))
     np.testing.assert_array_equal(_load(out), a)
 
 
@@ -145,7 +140,7 @@ def test_bad_magic(bad: bytes) -> None:
 
 
 def test_truncated_header() -> None:
-    full = _save(ARRAYS["f8-3d"])
+    full = npy_bytes(ARRAYS["f8-3d"])
     for cut in (9, 10, 20, 64, 127):
         with pytest.raises(FormatError):
             npy.parse_header(full[:cut])
@@ -180,7 +175,7 @@ def test_unbalanced_header_is_format_error() -> None:
 
 
 def test_unsupported_version() -> None:
-    good = _save(ARRAYS["f4-2d"])
+    good = npy_bytes(ARRAYS["f4-2d"])
     bad = good[:6] + b"\x07\x00" + good[8:]
     with pytest.raises(FormatError):
         npy.parse_header(bad)
@@ -188,7 +183,7 @@ def test_unsupported_version() -> None:
 
 @pytest.mark.parametrize("delta", [-1, -100, +1, +4096])
 def test_truncated_or_extended_data(delta: int) -> None:
-    src = _save(ARRAYS["big"])
+    src = npy_bytes(ARRAYS["big"])
     bad = src[:delta] if delta < 0 else src + b"\0" * delta
     with pytest.raises(FormatError, match="bytes"):
         npy.realign(bad)
@@ -196,7 +191,7 @@ def test_truncated_or_extended_data(delta: int) -> None:
 
 def test_object_dtype_refused() -> None:
     obj = np.array([{"a": 1}, None, "x"], dtype=object)
-    src = _save(obj, allow_pickle=True)
+    src = npy_bytes(obj, allow_pickle=True)
     with pytest.raises(FormatError, match="object"):
         npy.parse_header(src)
     with pytest.raises(FormatError):

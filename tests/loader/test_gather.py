@@ -3,23 +3,17 @@ the shard indexes, never member by member, also where `.npy` headers are read (`
 
 from __future__ import annotations
 
-import io
 import zlib
 
 import numpy as np
 import pytest
+from npykit import npy_bytes
 
 from gdsload.errors import CorruptDataError, FormatError
 from gdsload.format.index import ShardIndex
 from gdsload.convert.shards import DatasetWriter
 from gdsload.io import base as io_base
 from gdsload.loader.dataloader import DataLoader, Dataset
-
-
-def _npy(a: np.ndarray) -> bytes:
-    b = io.BytesIO()
-    np.save(b, a)
-    return b.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +27,7 @@ def mixed(tmp_path_factory):
         for i in range(90):
             x = rng.standard_normal((4, 1024)).astype(np.float32)
             blob = rng.integers(0, 256, int(rng.integers(1, 9000)), dtype=np.uint8).tobytes()
-            w.write(f"k{i:03d}", {"npy": _npy(x), "cls": str(i % 7).encode(), "bin": blob})
+            w.write(f"k{i:03d}", {"npy": npy_bytes(x), "cls": str(i % 7).encode(), "bin": blob})
             src[f"k{i:03d}"] = (x, i % 7, blob)
     assert len(Dataset(str(root)).shards.shards) >= 3
     return root, src
@@ -121,7 +115,7 @@ def test_small_npy_payloads_are_planned_and_checked_by_full(tmp_path):
     with DatasetWriter(root, shard_size=1_000_000) as w:
         for i in range(20):
             x = rng.integers(0, 1000, (4,), dtype=np.int32)
-            w.write(f"k{i:02d}", {"npy": _npy(x), "cls": b"%d" % (i % 3)})
+            w.write(f"k{i:02d}", {"npy": npy_bytes(x), "cls": b"%d" % (i % 3)})
             src[f"k{i:02d}"] = x
     for verify in ("fast", "full"):
         got = {k: row for b in _epoch(Dataset(str(root), verify=verify)) for k, row in zip(b["__key__"], b["npy"])}
