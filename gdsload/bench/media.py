@@ -364,7 +364,13 @@ def run_media(dataset: str, *, contestants: list[str], rounds: int = 5, batch_si
                            "batch_size": batch_size, "threads": threads, "skipped": skipped, "contestants": {}}
     for c, rs in runs.items():
         rates = [x["clips"] / x["wall_s"] for x in rs]
+        # the first batch includes the run's imports (torch, DALI, SPDL) and pipeline builds; after
+        # it, clips/s of the rest (the steady rate)
+        first = [x["first_batch_s"] or 0.0 for x in rs]  # None: no batch
+        steady = [max(0, x["clips"] - batch_size) / max(1e-9, x["wall_s"] - f) for x, f in zip(rs, first)]
         d = {"per_s": rates, "median_per_s": statistics.median(rates),
+             "first_batch_s": statistics.median(first),
+             "steady_per_s": statistics.median(steady),
              "peak_mem_mb": statistics.median(x["peak_mem_mb"] for x in rs),
              "clips": rs[0]["clips"]}
         if rs[0]["frames_returned"]:
@@ -380,12 +386,14 @@ def format_media(r: dict[str, Any]) -> str:
     unit = "clips/s" if r["kind"] == "video" else "recordings/s"
     lines = [(f"{r['kind']} {r['dataset']} (field {r['field']}), batch {r['batch_size']}, {r['threads']} threads, "
               f"{r['rounds']} rounds"),
-             f"{'contestant':<12}{unit:>14}{'gdsload/it (min-max)':>24}{'peak MB':>9}{'decode ampl.':>13}"]
+             f"{'contestant':<12}{unit:>14}{'gdsload/it (min-max)':>24}{'1st batch s':>12}{'steady/s':>10}"
+             f"{'peak MB':>9}{'decode ampl.':>13}"]
     for c, d in r["contestants"].items():
         ratio = d.get("gdsload_over_this")
         rs = f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-"
         amp = f"{d['decode_amplification']:.2f}" if "decode_amplification" in d else "n/a"
-        lines.append(f"{c:<12}{d['median_per_s']:>14.1f}{rs:>24}{d['peak_mem_mb']:>9.0f}{amp:>13}")
+        lines.append(f"{c:<12}{d['median_per_s']:>14.1f}{rs:>24}{d.get('first_batch_s', 0):>12.2f}"
+                     f"{d.get('steady_per_s', 0):>10.1f}{d['peak_mem_mb']:>9.0f}{amp:>13}")
     for c, why in r["skipped"].items():
         lines.append(f"{c:<12} skipped: {why}")
     return "\n".join(lines)
