@@ -160,8 +160,8 @@ class Held:
     """Higher work held on a server: a turn of priority 100 making a batch (its one slot taken)
     until `release()`; every lower stream pauses at its next batch boundary."""
 
-    def __init__(self, srv):
-        self.turn = srv.servicer.arbiter.enter(("test", "held"), 100)
+    def __init__(self, srv, priority: int = 100):
+        self.turn = srv.servicer.arbiter.enter(("test", "held"), priority)
         assert self.turn.wait(lambda: False) is None
 
     def release(self):
@@ -369,3 +369,62 @@ def test_remote_loader_checks_its_priority():
     lo = RemoteLoader("127.0.0.1:1", dataset="feats", priority=-3)
     other = RemoteLoader("127.0.0.1:1", dataset="feats")
     assert lo.priority == -3 and len(lo.job) == 32 and lo.job != other.job
+
+
+# -- memory for higher work -------------------------------------------------------------------------
+def test_a_higher_job_short_of_memory_gets_a_paused_lower_jobs_and_both_epochs_stay_exact(roots):
+    """Room for one stream and a half (`--max-memory`): a priority-0 job paused (by priority-5
+    work) has its loader parked and evicted so that a priority-10 job's stream fits; the low job
+    goes on from its next step when memory returns. Without the room maker the high job's
+    stream is refused (UNAVAILABLE) until its retry budget ends."""
+    from gdsload.service.protocol.config import Limits
+
+    local = keys(local_batches(roots / "feats", batch_size=B))
+    probe, port = create_server([str(roots)], max_message_bytes=64 * 1024)
+    probe.start()
+    try:
+        lo = RemoteLoader(f"127.0.0.1:{port}", dataset="feats", batch_size=B, output="numpy", prefetch=1)
+        it = iter(lo)
+        next(it)
+        one = lo.server_info().memory_in_use_bytes  # one stream's reservation
+        lo.close()
+    finally:
+        probe.shutdown(grace_s=1)
+    assert one > 0
+    srv, port = create_server([str(roots)], batch_slots=2, max_message_bytes=64 * 1024,
+                              limits=Limits(max_message_bytes=64 * 1024, max_memory_bytes=one * 3 // 2))
+    srv.start()
+    addr = f"127.0.0.1:{port}"
+    low = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", prefetch=1)
+    held = None
+    try:
+        it = iter(low)
+        got = [next(it), next(it)]
+        errors: list = []
+
+        def consume():
+            try:
+                got.extend(it)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        held = Held(srv, priority=5)
+        loop = threading.Thread(target=consume, daemon=True)
+        loop.start()
+        until(lambda: low.stats()["servers"][addr]["state"] == "paused", "the low job paused")
+        high = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", priority=10, retry_timeout_s=5,
+                            backoff_s=0.05, max_backoff_s=0.2)
+        assert keys(high) == local  # it fitted: the paused job's memory was given to it
+        assert srv.servicer.budget.reserved <= one * 3 // 2
+        held.release()
+        held = None
+        loop.join(60)
+        assert not loop.is_alive() and not errors, errors
+        assert keys(got) == local  # the low job, suspended and resumed: exact, in plan order
+        assert low.stats()["servers"][addr]["failures"] == 0
+        high.close()
+    finally:
+        if held is not None:
+            held.release()
+        low.close()
+        srv.shutdown(grace_s=2)

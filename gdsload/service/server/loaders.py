@@ -78,6 +78,11 @@ class LoaderPool:
                     return loaded, reservation
         return None
 
+    def has(self, key: Any) -> bool:
+        """Whether a loader of `key` is parked now."""
+        with self._lock:
+            return any(k == key for k, _, _, _ in self._parked)
+
     def park(self, key: Any, loaded: Loaded, reservation: Reservation) -> bool:
         """Keep `loaded` (its iterator closed: its readers stopped) for the next stream of `key`;
         closed at once instead (False) when the pool keeps none, is closed, or the server drains."""

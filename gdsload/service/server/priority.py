@@ -94,15 +94,23 @@ class Turn:
         self.paused_s = 0.0  # in all
         self.pauses = 0
         self.noticed = 0.0  # when it was last told it is paused
+        self.memory = False  # its source waits for memory that higher work holds
+        self.release: Callable[[], int] | None = None  # suspend its source (`sources.LoaderSource.suspend`)
 
     def wait(self, stop: Callable[[], bool]) -> bytes | bool | None:
         """Wait for a slot: None when granted (make the batch, then `made()`), a pause notice to
         send (then call again), or False when `stop()` became true."""
         return self.arbiter.wait(self, stop)
 
-    def made(self) -> None:
-        """The batch is made (or the source ended): the slot is free, its seconds charged."""
-        self.arbiter.made(self)
+    def made(self, memory_wait: bool = False) -> None:
+        """The batch is made (or the source ended): the slot is free, its seconds charged.
+        `memory_wait`: no batch, the source waits for memory (`sources.MEMORY_WAIT`): it stays
+        paused (`memory_notice`)."""
+        self.arbiter.made(self, memory_wait)
+
+    def memory_notice(self) -> bytes | None:
+        """(Waiting for memory) the pause notice to send, if due."""
+        return self.arbiter.memory_notice(self)
 
     def sent(self) -> None:
         self.arbiter.sent(self)
@@ -193,7 +201,8 @@ class Arbiter:
                     if notice is not None:
                         return notice
                 else:
-                    self._unpause(t, now)
+                    if not t.memory:
+                        self._unpause(t, now)
                     if self.busy < self.slots and self._chosen(mine) is t:
                         return self._grant(t, mine, now)
                 self.cv.wait(POLL_S)
@@ -220,11 +229,18 @@ class Arbiter:
         self._gauges()
         return None
 
-    def made(self, t: Turn) -> None:
+    def made(self, t: Turn, memory_wait: bool = False) -> None:
         with self.cv:
             if t.state is not _MAKING:
                 return
             now = self.clock()
+            if t.memory and not memory_wait:
+                t.memory = False
+                self._unpause(t, now)
+            elif memory_wait and not t.memory:
+                t.memory = True
+                self._pause(t, max((self.level_of(o) for o in self.turns.values()), default=t.priority), now)
+                t.noticed = 0.0
             took = now - t.granted
             self.busy -= 1
             t.state, t.since = _SENDING, now
@@ -260,6 +276,29 @@ class Arbiter:
         return pb.BatchChunk(pause=pb.StreamPause(
             reason=f"priority {by} work on this server (this stream: priority {self.level_of(t)})",
             by_priority=by, paused_s=now - t.paused_since)).SerializeToString()
+
+    def memory_notice(self, t: Turn) -> bytes | None:
+        with self.cv:
+            return self._pause(t, t.paused_by, self.clock()) if t.memory else None
+
+    def release_below(self, priority: int, need: int) -> int:
+        """Suspend the sources of streams below `priority` that wait for their turn (lowest level
+        first, so their threads are not in their sources), until `need` bytes are parked for
+        eviction; returns the bytes parked. The budget's room maker for higher work."""
+        freed = 0
+        with self.cv:
+            waiting = sorted((t for t in self.turns.values() if t.state is _WAITING and t.release is not None
+                              and self.level_of(t) < priority), key=lambda t: (self.level_of(t), -t.id))
+            for t in waiting:
+                if freed >= need:
+                    break
+                got = t.release()
+                if got:
+                    freed += got
+                    t.memory = True
+                    self._pause(t, priority, self.clock())
+                    t.noticed = 0.0  # (told by its own thread, at its next look)
+        return freed
 
     def _unpause(self, t: Turn, now: float) -> None:
         if t.paused_since is None:

@@ -45,6 +45,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,6 +122,8 @@ class FeedServicer(pb_grpc.FeedServicer):
         self.budget.on_short(self.warm.evict)
         self.clients = Clients.of(config.token)  # None: a trusted network (every priority allowed)
         self.arbiter = Arbiter(config.batch_slots or _cores(), metrics)
+        self.asking = threading.local()  # the priority of the request reserving in this thread
+        self.budget.on_short(self._room_for_priority)  # last: lower streams' loaders, then evicted
 
     # -- the one place where exceptions become statuses ----------------------------------------
     def _fail(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
@@ -180,8 +183,12 @@ class FeedServicer(pb_grpc.FeedServicer):
                 if self.clients is not None:
                     self.clients.check_priority(request.priority, context.invocation_metadata() or (),
                                                 context.auth_context() or {})
-                source = open_source(request, loaders=self.loaders, hub=self.share, context=context,
-                                     bulk=transport.bulk, log=self.log, metrics=self.metrics)
+                self.asking.priority = request.priority
+                try:
+                    source = open_source(request, loaders=self.loaders, hub=self.share, context=context,
+                                         bulk=transport.bulk, log=self.log, metrics=self.metrics)
+                finally:
+                    self.asking.priority = None
             except BaseException:
                 transport.close()
                 raise
@@ -195,8 +202,18 @@ class FeedServicer(pb_grpc.FeedServicer):
         """The stream's place in the arbiter: its job (the caller and `BatchRequest.job`; no job: a
         job of its own), priority and share group (`share.SharedSource.key`)."""
         job = (identity(context), request.job) if request.job else ("stream", id(source))
-        return self.arbiter.enter(job, request.priority, getattr(source, "key", None),
+        turn = self.arbiter.enter(job, request.priority, getattr(source, "key", None),
                                   notices=request.understands_pause)
+        turn.release = getattr(source, "suspend", None)
+        return turn
+
+    def _room_for_priority(self, need: int) -> None:
+        """(The budget's last room maker) memory for a stream of priority p that does not fit: the
+        loaders of streams below p waiting for their turn are parked and evicted (they go on, from
+        their next step, when memory returns: `sources.LoaderSource.suspend`)."""
+        priority = getattr(self.asking, "priority", None)
+        if priority is not None and self.arbiter.release_below(priority, need):
+            self.warm.evict(need)
 
     # -- state and shutdown ------------------------------------------------------------------------
     def active_streams(self) -> int:

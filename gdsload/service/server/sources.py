@@ -15,6 +15,14 @@ Three sources, one protocol (`next() -> Frames | None`, `close(outcome)`):
 request with a share name to its share group, and otherwise tries `StoredSource` then
 `LoaderSource`, logging (DEBUG, `not_stored`) why a stream is not sent as stored. Whatever it
 opened is released, and nothing is left reserved, when it raises.
+
+Memory for higher priorities (issue 49): a stream's `LoaderSource` can be *suspended* while its
+stream waits for its turn (`suspend`, called by `priority.Arbiter.release_below` for work of a
+higher priority that does not fit in the budget): its iterator is closed and its loader parked in
+the `LoaderPool` with its reservation (which the pool's eviction then releases). Its next turn
+opens the loader of the rest of its steps again (`reopen`: from the pool when still parked, else
+built and reserved anew); while that memory does not fit, `next` answers `MEMORY_WAIT` (the stream
+stays paused, its cursor unchanged) instead of failing.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gdsload.errors import DecodeError
+from gdsload.errors import DecodeError, Unavailable
 from gdsload.service.protocol import request, wire
 from gdsload.service.server import estimate
 from gdsload.service.server.logs import event
@@ -38,6 +46,16 @@ SKIP_REMEDY = ("set BatchRequest.on_error = ON_ERROR_SKIP to leave corrupt sampl
                "(BatchHeader.skipped_keys names them)")
 #: Outcomes after which a stream's loader is parked for the next stream of its request.
 KEEPS_LOADER = ("ok", "cancelled")
+
+
+class MemoryWait:
+    """What a suspended source's `next` answers while its memory does not fit: no batch yet."""
+
+    def __repr__(self) -> str:
+        return "MEMORY_WAIT"
+
+
+MEMORY_WAIT = MemoryWait()
 
 
 class Frames(Protocol):
@@ -115,8 +133,11 @@ class LoaderSource:
     the loader's reservation and, for a stream, its stream slot (`slot`)."""
 
     def __init__(self, opened: Any, pool: Any, req: pb.BatchRequest, *, slot: Any = None,
-                 whole_epoch: bool = False):
+                 whole_epoch: bool = False, reopen: Any = None):
         self.opened, self.pool, self.slot = opened, pool, slot
+        self.req, self.reopen = req, reopen  # reopen(req): `loaders.Loaders.open` (None: never suspended)
+        self.suspended = False
+        self.last_step: int | None = None  # the step of the last batch made
         self.label, self.payload = opened.label, opened.payload
         plan = opened.loader.plan
         self.G, self.end_position = plan.global_batch, plan.end_position
@@ -160,9 +181,57 @@ class LoaderSource:
         batch = next(self.it)
         return next(self.opened.planned), batch
 
-    def next(self) -> Encoded | None:
+    def suspend(self) -> int:
+        """(Another thread, while the stream waits for its turn: `priority.Arbiter.release_below`)
+        park the loader with its reservation, to be evicted; returns the bytes it held (0: not
+        suspendable, or done)."""
+        if self.reopen is None or self.closed or self.suspended:
+            return 0
+        opened = self.opened
+        if opened.loaded.seat is not None:
+            opened.loaded.seat.detach()
+        if self.it is not None:
+            self.it.close()
+        self.suspended = True
+        self.pool.park(opened.key, opened.loaded, opened.reservation)
+        return opened.reservation.nbytes
+
+    def resume(self) -> bool:
+        """Open the loader of the rest of the stream's steps again; False while it does not fit."""
+        budget, need = self.pool.budget, self.opened.reservation.nbytes
+        if not self.pool.has(self.opened.key) and budget.reserved + need > budget.limit:
+            return False  # (not worth building a loader that cannot reserve)
+        req = pb.BatchRequest()
+        req.CopyFrom(self.req)
+        req.start_position = self.next_step() * self.G
+        if req.max_batches:
+            req.max_batches -= self.sent
+        try:
+            opened = self.reopen(req)
+        except Unavailable:
+            return False
+        self.opened, self.suspended = opened, False
+        self.steps = iter(opened.steps) if opened.steps is not None else None
+        self.step = req.start_position // self.G
+        if opened.loaded.seat is not None:
+            opened.loaded.seat.attach()
+        self.start()
+        return True
+
+    def next_step(self) -> int:
+        """The step of the stream's next batch (a `block_stride` stream's: the rest of the block,
+        then the next of its blocks)."""
+        s, req = self.last_step, self.req
+        if s is None or self.steps is None:
+            return self.step
+        k = req.block_batches
+        return s + 1 if (s + 1) % k else (s // k + req.block_stride) * k
+
+    def next(self) -> Any:
         if self.max_batches and self.sent >= self.max_batches:
             return None
+        if self.suspended and not self.resume():
+            return MEMORY_WAIT
         try:
             ids, batch = self.batch()
         except StopIteration:
@@ -176,6 +245,7 @@ class LoaderSource:
                                     max_chunk_bytes=self.opened.chunk, skipped_keys=skipped,
                                     end_position=self.end_position)
         self.step = step + 1
+        self.last_step = step
         self.sent += 1
         return Encoded(step, frames, wire.body_nbytes(batch), len(keys))
 
@@ -185,6 +255,10 @@ class LoaderSource:
         if self.closed:
             return
         self.closed = True
+        if self.suspended:  # its loader is parked already
+            if self.slot is not None:
+                self.slot.release()
+            return
         opened = self.opened
         if opened.loaded.seat is not None:
             opened.loaded.seat.detach()  # its queued batches fail: the readers stop at once
@@ -245,4 +319,4 @@ def open_source(req: pb.BatchRequest, *, loaders: Any, hub: Any, context: Any, b
         metrics.stored_streams.inc()
         return StoredSource(opened, loaders.pool, req, stored, slot=slot)
     event(log, "not_stored", level=logging.DEBUG, dataset=opened.label, reason=why)
-    return LoaderSource(opened, loaders.pool, req, slot=slot)
+    return LoaderSource(opened, loaders.pool, req, slot=slot, reopen=lambda r: loaders.open(r, opts))

@@ -45,6 +45,10 @@ from typing import Any
 from gdsload.service.protocol.status import to_status
 from gdsload.service.server.bulk import ClientGone
 from gdsload.service.server.logs import event
+from gdsload.service.server.sources import MEMORY_WAIT
+
+#: How often a stream waiting for memory (`sources.MEMORY_WAIT`) tries again.
+MEMORY_POLL_S = 0.1
 
 
 class Meter:
@@ -146,11 +150,18 @@ def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, 
                     yield from transport.send(Notice(got))
                 continue
         t_read = time.perf_counter()
+        frames = None
         try:
             frames = source.next()
         finally:
             if turn is not None:
-                turn.made()
+                turn.made(frames is MEMORY_WAIT)
+        if frames is MEMORY_WAIT:  # suspended for a higher priority's memory, which is still short
+            notice = turn.memory_notice()
+            if notice is not None:
+                yield from transport.send(Notice(notice))
+            draining.wait(MEMORY_POLL_S)
+            continue
         if frames is None:
             return "drained" if draining.is_set() else "ok" if transport.active() else "cancelled"
         meter.read(t_read)
