@@ -428,3 +428,22 @@ def test_a_higher_job_short_of_memory_gets_a_paused_lower_jobs_and_both_epochs_s
             held.release()
         low.close()
         srv.shutdown(grace_s=2)
+
+
+@pytest.mark.parametrize("first, num_steps, block, stride", [
+    (0, 37, 4, 2), (5, 37, 4, 2), (3, 40, 4, 3), (8, 41, 2, 4), (0, 9, 3, 1), (2, 2, 4, 2)])
+def test_a_suspended_stripe_stream_resumes_with_exactly_its_remaining_steps(first, num_steps, block, stride):
+    """The request a suspended `block_stride` stream reopens (`LoaderSource.next_step`: from the
+    step after its last batch) asks for exactly the steps it had left, whatever batch it stopped at."""
+    from types import SimpleNamespace
+
+    from gdsload.plan.plan import BlockSteps
+    from gdsload.service.server.sources import LoaderSource
+
+    seq = list(BlockSteps(first, num_steps, block, stride))
+    req = SimpleNamespace(block_batches=block, block_stride=stride)
+    assert LoaderSource.next_step(SimpleNamespace(last_step=None, steps=iter(()), step=first, req=req)) == first
+    for i, last in enumerate(seq):
+        nxt = LoaderSource.next_step(SimpleNamespace(last_step=last, steps=iter(()), step=None, req=req))
+        rest = list(BlockSteps(nxt, num_steps, block, stride)) if nxt < num_steps else []
+        assert rest == seq[i + 1:], (last, nxt)
