@@ -220,6 +220,12 @@ class ImageDecoder:
         _BUILT.add(self._pipe)
         self._builds += 1
 
+    def build(self) -> None:
+        """Build the DALI pipeline now rather than at the first decode (the loader builds it in a
+        thread while its first batch is planned and read); a no-op once built in this process."""
+        if self._pipe is None or self._pid != os.getpid():
+            self._build()
+
     def _run(self, encoded: Sequence[np.ndarray]):
         if self._pipe is None or self._pid != os.getpid():
             self._build()

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -71,6 +72,7 @@ from gdsload.frontend.usercode import MapStage
 from gdsload.host.dist import dist_rank_world
 from gdsload.host.forksafe import ProcessLocal
 from gdsload.loader.epoch import Epoch
+from gdsload.loader.stats import FirstBatch
 from gdsload.plan.plan import DEFAULT_ORDER, BlockSteps
 
 __all__ = ["DataLoader", "Dataset"]
@@ -139,7 +141,7 @@ class DataLoader(ProcessLocal, PlanCursor):
     those afresh on first iteration and continues where the loader stood.
     """
 
-    _PROCESS_LOCAL = ("_layout", "_resources", "_progress", "_stats", "_cuda_lost")
+    _PROCESS_LOCAL = ("_layout", "_resources", "_progress", "_stats", "_cuda_lost", "_first")
 
     def __init__(
         self,
@@ -176,6 +178,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         sampler: Any = None,
         batch_sampler: Any = None,
     ):
+        t_start = time.perf_counter()  # the first batch's clock (`stats()["first_batch"]`)
         # torch's DataLoader arguments: what has a meaning here, and a ConfigError naming the gdsload
         # way for the rest (`gdsload.frontend.options.check_torch_habits`)
         seed = check_torch_habits(seed=seed, generator=generator, sampler=sampler, batch_sampler=batch_sampler,
@@ -186,9 +189,11 @@ class DataLoader(ProcessLocal, PlanCursor):
             remote=False, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=rank,
             world_size=world_size, shuffle_window=shuffle_window, decode=decode, transform=transform,
             fields=fields, on_error=on_error, output=output, device=device, copy=copy)
+        t = time.perf_counter()
         self.dataset = open_source(dataset)
         if opts.read_fields is not None:
             self.dataset = self.dataset.select(opts.read_fields)
+        t_open = time.perf_counter() - t
         self._stage = MapStage.create(  # map / collate_fn / worker_mode (None: none given)
             map, collate_fn, worker_mode)
         self.worker_mode = worker_mode
@@ -227,12 +232,15 @@ class DataLoader(ProcessLocal, PlanCursor):
         # threads, 3 interleaved rounds; DALI's own pipeline measured the same with 2 or 3)
         self.decode_threads = decode_threads or (os.cpu_count() or 1) + 1
         self.decoder_factory = decoder_factory
+        t = time.perf_counter()
         self.plan = self.dataset.make_plan(**opts.plan_args(), order=order)
+        t_plan = time.perf_counter() - t
         self._order = order
         # rank and world size left to torch.distributed, which has no group yet: taken from the group
         # if one exists by the first len(), iter() or state call (`_bind_ranks`)
         self._ranks_pending = rank is None and world_size is None and dist_rank_world() is None
         self.cursor = Cursor()
+        self._ctor_first = (t_start, t_open, t_plan)  # taken by `_init_process_local`
         self._start_process()
 
     # the options, as attributes (read-only views of `self.options`)
@@ -266,6 +274,13 @@ class DataLoader(ProcessLocal, PlanCursor):
         self._progress = None  # the Progress of the pass that handed out the last batch
         self._stats: dict[str, Any] = {}  # stats() after close
         self._cuda_lost = False  # forked from a parent in which this loader used CUDA
+        # the first batch's stages (`stats()["first_batch"]`): from the constructor, or in a copy
+        # made in another process (pickled, forked), from when it was made
+        ctor = self.__dict__.pop("_ctor_first", None)
+        self._first = FirstBatch(ctor[0] if ctor else time.perf_counter())
+        if ctor:
+            self._first.add("open", ctor[1])
+            self._first.add("plan", ctor[2])
 
     def _enter_process(self) -> None:
         """Start afresh in a forked child; CUDA state does not survive a fork, so a loader that
@@ -358,16 +373,22 @@ class DataLoader(ProcessLocal, PlanCursor):
         return self._layout
 
     def _setup(self) -> None:
-        """On first iteration: the batch layout, then the resources sized for it."""
+        """On first iteration: the batch layout, then the resources sized for it; the image
+        decoder's pipeline starts building in a thread (`Resources.build_decoder_async`)."""
         from gdsload.loader.resources import Resources
 
         opts, plan = self.options, self.plan
+        t = time.perf_counter()
         layout = self.batch_layout()
+        self._first.add("index", time.perf_counter() - t)
         self._resources = Resources.open(
             self.dataset, layout, device=opts.device, device_index=opts.device_index, io=self.io_name,
             num_workers=self._num_workers, prefetch=self._prefetch_factor, pin_memory=self.pin_memory,
             decode_threads=self.decode_threads, seed=plan.seed, on_error=opts.on_error, window=plan.window,
             output=opts.output, decoder_factory=self.decoder_factory)
+        self._resources.first = self._first
+        if layout.n_images:
+            self._resources.build_decoder_async()
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -396,6 +417,7 @@ class DataLoader(ProcessLocal, PlanCursor):
         active = self.cursor.live()
         if active is not None:
             active.close()
+        self._first.iter_started()
         if self._resources is None:
             self._setup()
         from gdsload.loader.assemble import BatchAssembler
@@ -406,7 +428,7 @@ class DataLoader(ProcessLocal, PlanCursor):
                                    tuple_fields=opts.tuple_fields, resources=res)
         ep = Epoch(plan=self.plan, cursor=self.cursor, resources=res, layout=self._layout, source=self.dataset,
                    assembler=assembler, stage=self._stage, tuner=self._tuner, restart=self.__iter__,
-                   max_batches=max_batches, steps=steps)
+                   max_batches=max_batches, steps=steps, first=self._first)
         self._progress = ep.progress
         return ep
 
@@ -450,6 +472,7 @@ class DataLoader(ProcessLocal, PlanCursor):
             "num_workers": res.num_workers,
             "auto": ",".join(k for k, v in self._auto.items() if v) or None,
             "stages": p.stages.report(p.batches) if p.stages is not None else None,
+            "first_batch": self._first.report(),
             "media": res.media_stats() or None,
         }
 

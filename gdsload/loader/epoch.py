@@ -18,6 +18,7 @@ epoch the training loop dropped (a `break`) is collected, and closing it ends th
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -41,8 +42,9 @@ class Epoch:
 
     def __init__(self, *, plan: Any, cursor: Any, resources: Any, layout: Any, source: Any, assembler: Any,
                  stage: Any, tuner: Any, restart: Any, max_batches: int | None = None,
-                 steps: Sequence[int] | None = None):
+                 steps: Sequence[int] | None = None, first: Any = None):
         self.cursor = cursor
+        self.first = first  # the loader's `FirstBatch` (`stats()["first_batch"]`), or None
         self.max_batches = max_batches
         self.steps = None if steps is None else steps if isinstance(steps, BlockSteps) else list(steps)
         self.res = resources
@@ -99,12 +101,15 @@ class Epoch:
             tuner.restart()
         self.stage = stage.start(resources.num_workers) if stage is not None else None
         self.filler = SlotFiller(resources, layout, source, self.decoder, assembler, self.stage, self.times)
+        self.filler.first = self.first
         self.filler.draw_key = (plan.seed, self.epoch)  # clip and crop positions: the plan's, per sample
         if self.progress is None:
             self.progress = Progress(self.epoch, time.perf_counter(), self.ring.stats()["wait_s"], stages=self.times)
         # num_workers=0: no reader thread, `__next__` reads each batch itself (`_fill_here`)
         self.threads = [self._reader(i) for i in range(min(resources.num_workers, max(1, len(self.batches))))]
         self._closed = False
+        if self.first is not None:
+            self.first.readers_starting()
         for t in self.threads:
             t.start()
 
@@ -163,8 +168,13 @@ class Epoch:
         """Batch `seq` into `slot`, published; a failure other than the ring closing (raised) is
         published in its place, delivered to the consumer in order."""
         cache = self.res.cache
+        first = self.first if self.first is not None and self.first.claim(seq) else None
         try:
-            self.filler.fill(slot, seq, self.batches[seq])
+            t0 = time.perf_counter()
+            ids = self.batches[seq]  # computed now (order 2: a chunk of the plan's positions)
+            if first is not None:
+                first.add("plan", time.perf_counter() - t0)
+            self.filler.fill(slot, seq, ids)
         except RingClosed:
             raise
         except BaseException as exc:
@@ -234,6 +244,8 @@ class Epoch:
         p.skipped += info.skipped
         p.bytes_read += info.nbytes
         p.t_last = time.perf_counter()
+        if self.first is not None and self.first.total_s is None:
+            self.first.done()
         return batch
 
     def _tune(self, action: str) -> None:
@@ -297,7 +309,13 @@ class Epoch:
             return
         self._halt()
         first = position // self.G
-        if self.steps is not None:
+        if isinstance(self.steps, BlockSteps):  # a server's stream: the tail, never listed (O(log n))
+            i = bisect.bisect_left(self.steps, first)
+            n = len(self.steps) - i
+            plan = self._parts[0]
+            self.steps = BlockSteps(self.steps[i], plan.num_steps, self.steps.block, self.steps.stride,
+                                    limit=n) if n else []
+        elif self.steps is not None:
             self.steps = [s for s in self.steps if s >= first]
         elif self.max_batches is not None:
             self.max_batches = max(0, self._stop_step - first)

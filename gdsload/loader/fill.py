@@ -50,6 +50,7 @@ class SlotFiller:
         self.times = times  # gdsload.loader.stats.StageTimes
         self.n_images = layout.n_images
         self.draw_key = (0, 0)  # (seed, epoch): media draws per sample (`gdsload.decode.media.draws`)
+        self.first: Any = None  # the loader's `FirstBatch` (`stats()["first_batch"]`)
         ring = resources.ring
         self._layout = {name: off for name, (off, _) in ring.spec.layout().items()}
         hs = ring.host_spec
@@ -66,8 +67,13 @@ class SlotFiller:
 
     def fill(self, slot, seq: int, ids: np.ndarray) -> None:
         """Read (and decode) batch `seq` into `slot`, planned with array operations
-        (`gdsload.loader.gather`); its Python-heavy planning under the readers' CPU lock."""
+        (`gdsload.loader.gather`); its Python-heavy planning under the readers' CPU lock. The
+        loader's first batch records its index, read and decode stages in `self.first`."""
+        first = self.first if self.first is not None and self.first.mine(seq) else None
+        t0 = time.perf_counter()
         reads = self.layout.planner.plan(ids, packed=self.layout.own_staging, lock=self._cpu)
+        if first is not None:
+            first.add("index", time.perf_counter() - t0)
         R = self.res
         bufs = slot.buffers
         own = self.layout.own_staging  # staged members into the batch's own buffer, not the ring's
@@ -105,6 +111,8 @@ class SlotFiller:
         t0 = time.perf_counter()
         nbytes = sum(f.result() for f in [read_table(b, t, out) for b, t, out in jobs if len(t)])
         self.times.add("read", time.perf_counter() - t0)
+        if first is not None:
+            first.add("first_read", time.perf_counter() - t0)
         if local is not None:  # read: unpin now, not after the decode turn (which waits on
             R.cache.release(seq)  # earlier batches, which may be waiting for room in the cache)
         names = reads.names
@@ -133,7 +141,10 @@ class SlotFiller:
                 encoded = [staging[a : a + k] for a, k in zip(pos.tolist(), nb.tolist())]
                 turn = seq * self.n_images + len(kepts)
                 dst = SettledField(slot, fp.name) if lazy else bufs[fp.name]
+                t0, build0 = time.perf_counter(), first.stages["pipeline_build"] if first is not None else 0.0
                 kept = kepts[fp.name] = self._decode(turn, encoded, names, dst)
+                if first is not None:  # the decode without the wait for the pipeline's build
+                    first.add("first_decode", time.perf_counter() - t0 - (first.stages["pipeline_build"] - build0))
                 if len(kept) < n:
                     keep = kept if keep is None else _both(keep, kept)
                 info.skipped += n - len(kept)

@@ -21,6 +21,8 @@ rows KvikIO reads has one spare slot block in its arena, so registered with it.
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -59,6 +61,9 @@ class Resources:
         self._decoder_args: dict[str, Any] = {}
         self.decoder_factory: Any = None  # f(**decoder args) -> image decoder; None: ImageDecoder
         self._media: dict[str, Any] = {}  # field -> its VideoDecoder / AudioDecoder
+        self.first: Any = None  # the loader's `gdsload.loader.stats.FirstBatch`: the build's share of it
+        self._building: threading.Thread | None = None  # `build_decoder_async`
+        self._built: Any = None
 
     @classmethod
     def open(cls, source: Any, layout: BatchLayout, *, device: str, device_index: int | None, io: str,
@@ -174,18 +179,58 @@ class Resources:
             out[name] = d
         return out
 
+    def build_decoder_async(self) -> None:
+        """Start building the loader's own image decoder and its DALI pipeline in a thread, so
+        that the first batch's plan and reads overlap it (issue 55: the build ran in the first
+        decode, after the reads). CPU decoding only (a "mixed" pipeline is built where it is
+        first used, as before); not with a `decoder_factory`. `decoder` waits for it."""
+        if (self._decoder is not None or self._building is not None or self.decoder_factory is not None
+                or self._decoder_args.get("device") != "cpu"):
+            return
+
+        def build() -> None:
+            try:
+                from gdsload.decode.image import ImageDecoder
+
+                dec = ImageDecoder(**self._decoder_args)
+                t0 = time.perf_counter()
+                dec.build()
+                if self.first is not None:
+                    self.first.pipeline_build_s = time.perf_counter() - t0
+                self._built = dec
+            except BaseException:  # noqa: BLE001 - built again where it is used, which raises in context
+                self._built = None
+
+        self._building = threading.Thread(target=build, name="gdsload-decoder-build", daemon=True)
+        self._building.start()
+
     @property
     def decoder(self) -> Any:
         """The loader's image decoder (one DALI pipeline), built on first use, kept across epochs:
         `ImageDecoder(**args)`, or `decoder_factory(**args)` when the loader was given one (it
-        returns an object with `ImageDecoder`'s `decode_into` and `device`)."""
+        returns an object with `ImageDecoder`'s `decode_into` and `device`). A build started by
+        `build_decoder_async` is waited for (that wait is the first batch's `pipeline_build`)."""
+        if self._decoder is None:
+            first = self.first
+            if self._building is not None:
+                t0 = time.perf_counter()
+                self._building.join()
+                if first is not None:
+                    first.add("pipeline_build", time.perf_counter() - t0)
+                self._building, self._decoder, self._built = None, self._built, None
         if self._decoder is None:
             if self.decoder_factory is not None:
                 self._decoder = self.decoder_factory(**self._decoder_args)
             else:
                 from gdsload.decode.image import ImageDecoder
 
-                self._decoder = ImageDecoder(**self._decoder_args)
+                dec = ImageDecoder(**self._decoder_args)
+                t0 = time.perf_counter()
+                dec.build()  # here, not in the first decode: the first batch's `pipeline_build`
+                if first is not None:
+                    first.add("pipeline_build", time.perf_counter() - t0)
+                    first.pipeline_build_s = time.perf_counter() - t0
+                self._decoder = dec
         return self._decoder
 
     @property
@@ -231,6 +276,9 @@ class Resources:
 
     def close(self) -> dict[str, Any] | None:
         """Release everything; returns the cache's last stats (None without a cache)."""
+        if self._building is not None:  # a pipeline build not waited for yet (tens of ms)
+            self._building.join()
+            self._building = self._built = None
         cache_stats = None
         if self.cache is not None:
             cache_stats = self.cache.stats()
