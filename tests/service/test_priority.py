@@ -447,3 +447,42 @@ def test_a_suspended_stripe_stream_resumes_with_exactly_its_remaining_steps(firs
         nxt = LoaderSource.next_step(SimpleNamespace(last_step=last, steps=iter(()), step=None, req=req))
         rest = list(BlockSteps(nxt, num_steps, block, stride)) if nxt < num_steps else []
         assert rest == seq[i + 1:], (last, nxt)
+
+
+# -- the client's side, pure --------------------------------------------------------------------------
+def test_the_schedule_s_paused_server_is_not_stalled_not_hedged_and_does_not_spend_the_retry_budget():
+    from test_schedule import T0, deliver, finish, make, srv
+
+    from gdsload.service.client.stripe import pause
+    from gdsload.service.client.stripe.actions import Failure
+
+    sch, link = make(retry_timeout_s=1.0, stall_timeout_s=0.5)
+    a, b = srv(sch, "a:1"), srv(sch, "b:1")
+    fa, fb = sch.pick(a, T0), sch.pick(b, T0)  # a: the head block 0; b: block 1
+    fa.opened = fb.opened = True
+    pause.paused(sch, fa, "priority 10 work on this server", T0)
+    assert a.state.value == "paused" and link.server_stats()["a:1"]["pauses"] == 1
+    assert link.server_stats()["a:1"]["paused_reason"] == "priority 10 work on this server"
+    stalled, spent = sch.watch(T0 + 10)  # both silent for 20x stall_timeout_s
+    assert stalled == [fb]  # b's request is cancelled as stalled; a's (paused) is not
+    assert not sch.straggles(fa, b, 0, T0 + 10)  # never hedged
+    assert sch.head_waits(T0 + 10) is False and sch.head_waits(T0 + 20) is False  # 20x retry_timeout_s
+    deliver(sch, fa, T0 + 21, n=1)  # a batch ends the pause
+    assert a.state.value == "ok" and link.server_stats()["a:1"]["paused_s"] == pytest.approx(21)
+    pause.paused(sch, fa, "again", T0 + 22)  # a failure while paused keeps it paused, then DOWN when done
+    sch.on_failure(fa, Failure.RETRY, RuntimeError("UNAVAILABLE"), T0 + 22)
+    assert a.state.value == "paused"
+    sch.on_finish(fa)
+    assert a.state.value == "down"
+    finish(sch, fb, T0 + 23)
+
+
+def test_servers_needed_is_the_servers_in_use_scaled_by_the_stall():
+    from gdsload.service.client.epoch import Tally
+
+    t = Tally()
+    assert t.servers_needed(2) is None
+    t.span, t.counts["wait_s"] = [0.0, 1.0, 10.0], 1.0  # 10 s since the first batch, no stall after it
+    assert t.servers_needed(2) == 2
+    t.counts["wait_s"] = 6.0  # half of the loop's time waiting: twice the servers
+    assert t.servers_needed(2) == 4
