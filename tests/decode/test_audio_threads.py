@@ -20,7 +20,9 @@ from gdsload.decode.media import probe
 
 @pytest.fixture(scope="module")
 def recordings() -> list[np.ndarray]:
-    return [np.frombuffer(encode_audio("flac", seconds=1.5, freq=200.0 + 97 * i), np.uint8) for i in range(8)]
+    """8 FLAC recordings of 1.5 s, tones of different pitches; every other one stereo."""
+    return [np.frombuffer(encode_audio("flac", seconds=1.5, freq=200.0 + 97 * i, channels=1 + i % 2), np.uint8)
+            for i in range(8)]
 
 
 def _batch(d: AudioDecoder, encoded: list[np.ndarray], u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -32,9 +34,9 @@ def _batch(d: AudioDecoder, encoded: list[np.ndarray], u: np.ndarray) -> tuple[n
     return dst, length
 
 
-@pytest.mark.parametrize("features", [None, "logmel"])
-def test_two_threads_get_what_one_gets(recordings: list[np.ndarray], features: str | None) -> None:
-    t = AudioTransform(seconds=1.0, crop="random", features=features)
+@pytest.mark.parametrize("features,mono", [(None, True), (None, False), ("logmel", True)])
+def test_two_threads_get_what_one_gets(recordings: list[np.ndarray], features: str | None, mono: bool) -> None:
+    t = AudioTransform(seconds=1.0, crop="random", features=features, mono=mono)
     d = AudioDecoder(t, batch_size=4, threads=1)
     batches = [recordings[:4], recordings[4:]]
     draws = [np.random.default_rng(k).random((4, 6)) for k in range(2)]
