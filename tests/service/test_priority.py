@@ -110,6 +110,15 @@ def test_within_a_level_each_job_gets_an_equal_share_of_seconds_not_of_batches()
     assert count["C"] * 2 < count["B"], count  # a third of the batches for the same seconds
 
 
+def test_four_equal_jobs_get_equal_shares_whatever_their_streams():
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    streams = [(arb.enter(("id", f"job{j}"), 0), 1.0) for j, n in enumerate((1, 1, 2, 3)) for _ in range(n)]
+    run_streams(arb, clock, streams, grants=200)
+    count = [sum(1 for job, _, _ in arb.grants if job == ("id", f"job{j}")) for j in range(4)]
+    assert sum(count) >= 200 and max(count) - min(count) <= 3, count  # 50 each, within a few batches
+
+
 def test_strict_priority_between_levels_and_a_share_group_at_its_highest_member():
     clock = Clock()
     arb = Arbiter(1, clock=clock)
