@@ -21,21 +21,16 @@ import numpy as np
 import pytest
 
 import gpu_fakes
-from gdsload.convert.engine import ConvertOptions, convert
+from npykit import convert_folder, npy_dataset
 from gdsload.errors import GdsloadError, MissingDependencyError
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.loader.dataloader import DataLoader
-from gdsload.sampledata import make_image_folder, make_npy_folder
+from gdsload.sampledata import make_image_folder
 
 EVAL = dict(train=False, size=32, resize=36, mean=None, std=None, dtype="uint8", layout="NHWC")
 
 
 # -- datasets --------------------------------------------------------------------------------------
-def _convert(src: Path, dst: Path, shard_size: int) -> Path:
-    convert(str(src), dst, ConvertOptions(workers=1, progress=False, shard_size=shard_size))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def npy(tmp_path_factory):
     """24 uint8[4, 32, 32] rows (4 KiB: below KvikIO's 16 KiB gds_threshold) with labels. (4 KiB
@@ -43,8 +38,8 @@ def npy(tmp_path_factory):
     parser (`ast.literal_eval`) can raise SystemError when threads run it at once on CPython
     3.11, a problem outside this file.)"""
     root = tmp_path_factory.mktemp("gpu_npy")
-    make_npy_folder(root / "src", num_samples=24, shape=(4, 32, 32), dtype="uint8", seed=3)
-    ds = _convert(root / "src", root / "ds", shard_size=40_000)
+    ds = npy_dataset(root / "src", root / "ds", num_samples=24, shape=(4, 32, 32), dtype="uint8", seed=3,
+                     shard_size=40_000)
     arrays = {p.stem: np.load(p) for p in (root / "src").glob("*.npy")}
     import csv
 
@@ -57,15 +52,15 @@ def npy(tmp_path_factory):
 def npy_big(tmp_path_factory):
     """8 uint8[4, 64, 64] rows: 16 KiB each, exactly KvikIO's default gds_threshold."""
     root = tmp_path_factory.mktemp("gpu_npy_big")
-    make_npy_folder(root / "src", num_samples=8, shape=(4, 64, 64), dtype="uint8", seed=4)
-    return _convert(root / "src", root / "ds", shard_size=80_000)
+    return npy_dataset(root / "src", root / "ds", num_samples=8, shape=(4, 64, 64), dtype="uint8", seed=4,
+                       shard_size=80_000)
 
 
 @pytest.fixture(scope="module")
 def jpegs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_jpegs")
     make_image_folder(root / "src", num_images=12, num_classes=2, seed=6, mean_size=(64, 48), workers=1)
-    return _convert(root / "src", root / "ds", shard_size=30_000)
+    return convert_folder(root / "src", root / "ds", shard_size=30_000)
 
 
 @pytest.fixture(scope="module")
@@ -1026,8 +1021,8 @@ def test_a_shard_kvikio_reads_in_compat_mode_is_labelled_compat(monkeypatch, tmp
 
     assert direct_io_supported(__file__)  # the real probe, on a real file here
     assert not direct_io_supported(str(tmp_path / "absent"))
-    make_npy_folder(tmp_path / "src", num_samples=8, shape=(4, 64, 64), dtype="uint8", seed=9)
-    ds = _convert(tmp_path / "src", tmp_path / "ds", shard_size=40_000)
+    ds = npy_dataset(tmp_path / "src", tmp_path / "ds", num_samples=8, shape=(4, 64, 64), dtype="uint8", seed=9,
+                     shard_size=40_000)
     shards = sorted(str(p) for p in ds.glob("*.tar"))
     assert len(shards) >= 2
     gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=dict(gds=True))

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from npykit import convert_folder
 
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.dataset.mix import Mix
@@ -350,13 +351,6 @@ def test_mix_defaults_and_caps():
 # the DataLoader over a mix of real datasets
 
 
-def _convert(src: Path, dst: Path) -> Path:
-    from gdsload.convert.engine import ConvertOptions, convert
-
-    convert(str(src), str(dst), ConvertOptions(workers=1, progress=False, shard_size=40_000))
-    return dst
-
-
 class Source:
     def __init__(self, src: Path, dst: Path):
         self.dst = dst
@@ -380,7 +374,7 @@ def sources(tmp_path_factory) -> dict[str, Source]:
                                          ("c", 20, 3, False, (3, 8, 8)), ("d", 12, 4, True, (8, 3, 8))):
         make_npy_folder(root / f"src-{name}", num_samples=n, shape=shape, dtype="uint8", seed=seed,
                         labels=labels)
-        out[name] = Source(root / f"src-{name}", _convert(root / f"src-{name}", root / name))
+        out[name] = Source(root / f"src-{name}", convert_folder(root / f"src-{name}", root / name, shard_size=40_000))
     return out
 
 

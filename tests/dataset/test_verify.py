@@ -23,19 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from npykit import convert_folder
 
-from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.errors import CorruptDataError, FormatError, GdsloadError, StorageError
 from gdsload.format.index import ShardIndex
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.convert.shards import DatasetWriter
 from gdsload.loader.dataloader import DataLoader, Dataset
 from gdsload.sampledata import make_npy_folder
-
-
-def _convert(src: Path, dst: Path, shard_size: int = 1 << 30) -> Path:
-    convert(str(src), dst, ConvertOptions(workers=1, progress=False, shard_size=shard_size))
-    return dst
 
 
 def _load_all(path_or_ds, **kw) -> dict[str, dict]:
@@ -99,7 +94,7 @@ def fortran_ds(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     (root / "src").mkdir()
     for k, a in arrays.items():
         np.save(root / "src" / f"{k}.npy", a)
-    return _convert(root / "src", root / "ds", shard_size=40_000), arrays
+    return convert_folder(root / "src", root / "ds", shard_size=40_000), arrays
 
 
 def test_fortran_ordered_npy_converted_and_loaded_equals_the_source(fortran_ds):
@@ -116,7 +111,7 @@ def test_small_fortran_ordered_npy_loads_equal_too(tmp_path):
     (tmp_path / "src").mkdir()
     for k, a in arrays.items():
         np.save(tmp_path / "src" / f"{k}.npy", a)
-    got = _load_all(_convert(tmp_path / "src", tmp_path / "ds"))
+    got = _load_all(convert_folder(tmp_path / "src", tmp_path / "ds"))
     for key, a in arrays.items():
         np.testing.assert_array_equal(got[key]["npy"], a, err_msg=key)
 
@@ -152,7 +147,7 @@ def labelled(tmp_path_factory) -> tuple[Path, dict]:
 
     with open(root / "src" / "labels.csv") as f:
         labels = {row["key"]: row["label"] for row in csv.DictReader(f)}
-    return _convert(root / "src", root / "ds", shard_size=20_000), labels
+    return convert_folder(root / "src", root / "ds", shard_size=20_000), labels
 
 
 def test_labels_come_from_the_index_column_not_the_tar(tmp_path, labelled):
@@ -194,7 +189,7 @@ def mixed(tmp_path_factory) -> Path:
     for i in range(8):
         (src / f"k{i}.bin").write_bytes(rng.bytes(3000))
         np.save(src / f"k{i}.npy", rng.standard_normal((30, 40)).astype(np.float32))
-    return _convert(src, root / "ds", shard_size=30_000)
+    return convert_folder(src, root / "ds", shard_size=30_000)
 
 
 def _changed_copy(tmp_path: Path, mixed: Path, field: str, key: str = "k3") -> Path:
