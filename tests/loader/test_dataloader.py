@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from npykit import to_numpy
 from PIL import Image
 
 from gdsload.convert.engine import ConvertOptions, convert
@@ -121,10 +122,6 @@ def keys_of(loader) -> list[list[str]]:
 
 def flat(batches) -> list[str]:
     return [k for b in batches for k in b]
-
-
-def to_numpy(x) -> np.ndarray:
-    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def plan_keys(src: Source, *, seed: int, epoch: int, shuffle: bool = True, window: int = 4) -> list[str]:

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import gpu_fakes
+from npykit import npy_dataset, to_numpy
 from gdsload.convert.engine import ConvertOptions, convert
 from gdsload.loader.dataloader import DataLoader
-from gdsload.sampledata import make_image_folder, make_npy_folder
+from gdsload.sampledata import make_image_folder
 
 
 EVAL_U8 = dict(train=False, size=32, resize=36, mean=None, std=None, dtype="uint8", layout="NHWC")
@@ -25,18 +26,16 @@ EVAL_U8 = dict(train=False, size=32, resize=36, mean=None, std=None, dtype="uint
 def npy(tmp_path_factory):
     root = tmp_path_factory.mktemp("kept_npy")
     # 4 KiB rows: page-aligned data, no npy header parsed by the readers (see tests/test_gpu_path.py)
-    make_npy_folder(root / "src", num_samples=52, shape=(4, 32, 32), dtype="uint8", seed=3)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=40_000))
-    return root / "ds"
+    return npy_dataset(root / "src", root / "ds", num_samples=52, shape=(4, 32, 32), dtype="uint8", seed=3,
+                       shard_size=40_000)
 
 
 @pytest.fixture(scope="module")
 def npy_big(tmp_path_factory):
     """16 KiB rows: KvikIO reads them with cuFile (its default gds_threshold)."""
     root = tmp_path_factory.mktemp("kept_npy_big")
-    make_npy_folder(root / "src", num_samples=24, shape=(4, 64, 64), dtype="uint8", seed=12)
-    convert(str(root / "src"), root / "ds", ConvertOptions(workers=1, progress=False, shard_size=120_000))
-    return root / "ds"
+    return npy_dataset(root / "src", root / "ds", num_samples=24, shape=(4, 64, 64), dtype="uint8", seed=12,
+                       shard_size=120_000)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +46,10 @@ def jpegs(tmp_path_factory):
     return root / "ds"
 
 
-def _np(x) -> np.ndarray:
-    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-
-
 def _reference(ds, fields, **kw) -> list[dict]:
     """Every batch of one epoch as owned copies (`copy=True`): what kept batches must still say."""
     loader = DataLoader(str(ds), copy=True, **kw)
-    out = [{f: _np(b[f]).copy() for f in fields} | {"__key__": list(b["__key__"])} for b in loader]
+    out = [{f: to_numpy(b[f]).copy() for f in fields} | {"__key__": list(b["__key__"])} for b in loader]
     loader.close()
     return out
 
@@ -62,7 +57,7 @@ def _reference(ds, fields, **kw) -> list[dict]:
 def _same(kept: list[dict], ref: list[dict], fields) -> int:
     """How many kept batches differ from the reference (0 expected), after checking the keys."""
     assert [k["__key__"] for k in kept] == [r["__key__"] for r in ref]
-    return sum(any(not np.array_equal(_np(k[f]), r[f]) for f in fields) for k, r in zip(kept, ref))
+    return sum(any(not np.array_equal(to_numpy(k[f]), r[f]) for f in fields) for k, r in zip(kept, ref))
 
 
 @pytest.mark.parametrize("output", ["numpy", "torch"])
@@ -104,8 +99,8 @@ def test_nothing_kept_nothing_replaced_and_the_memory_is_reused(npy, output):
     for epoch in range(3):
         loader.set_epoch(epoch)
         for batch in loader:
-            addresses.add(_np(batch["npy"]).__array_interface__["data"][0])
-            assert _np(batch["cls"]).shape == (4,)
+            addresses.add(to_numpy(batch["npy"]).__array_interface__["data"][0])
+            assert to_numpy(batch["cls"]).shape == (4,)
     s = loader.stats()
     assert s["ring_replaced"] == 0
     assert len(addresses) <= s["ring_slots"]
