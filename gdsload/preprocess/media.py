@@ -65,13 +65,14 @@ class Window:
     (window,) float64, or `audio` (samples,) float32 with `length` and `t` (a float)."""
 
     index: int
-    data: np.ndarray
+    data: np.ndarray | None  # None once the consumer has copied it into its batch
     t: Any
     length: int = 0
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
+    def __post_init__(self) -> None:
+        self.shape, self.nbytes = self.data.shape, self.data.nbytes
 
 
 class RangeFile:

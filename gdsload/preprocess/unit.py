@@ -2,10 +2,12 @@
 
 Order: the shard's samples in stored order, per sample its selected fields (in `fields=` order,
 else the dataset's), per field its windows: (key, field, window) order. A reader thread decodes
-(`gdsload.preprocess.media`) into a queue of at most `batch_size` windows (the decode buffer); the
+(`gdsload.preprocess.media`) into a queue (the decode buffer, `AHEAD_BYTES` of windows); the
 calling thread makes batches of up to `batch_size` windows (cut early where the window's shape
-changes, and at the shard's end), calls `fn`, and writes its outputs. Memory: a batch, the
-queue, the decoder's buffers and one read block; never a whole member.
+changes, and at the shard's end), calls `fn`, and writes its outputs. Memory: a batch (each
+window copied into it as it arrives, then dropped: no window is held twice), the windows the
+reader is ahead by (at most `AHEAD_BYTES`, at least one), the decoder's buffers and one read
+block; never a whole member.
 
 Outputs: `fn` returns N items, each a dict, a list of dicts or None. An output's key is its
 `"__key__"` or `{key}/{field}/{window:06d}` (`/{j}` added for the j-th of a list). Output shards
@@ -117,6 +119,13 @@ class _Event:
     win: Window | None = None
     reason: str = ""
 
+    @property
+    def nbytes(self) -> int:
+        return self.win.nbytes if self.win is not None else 0
+
+
+AHEAD_BYTES = 8 << 20  # decoded windows the reader may hold beyond the batch (at least one window)
+
 
 @dataclass
 class _Out:
@@ -157,12 +166,19 @@ class _Reader:
                  threads: int | None = None):
         self.q: queue.Queue = queue.Queue(maxsize=max(2, opts.batch_size))
         self.stop = threading.Event()
+        self._ahead = 0  # bytes of windows queued (`AHEAD_BYTES`)
+        self._cv = threading.Condition()
         self.read_s = self.decode_s = 0.0
         self._args = (ds, unit, items, opts, start, threads)
         self.thread = threading.Thread(target=self._run, name="gdsload-process-read", daemon=True)
         self.thread.start()
 
     def _put(self, ev: Any) -> bool:
+        nb = ev.nbytes if isinstance(ev, _Event) else 0
+        with self._cv:
+            while self._ahead and self._ahead + nb > AHEAD_BYTES and not self.stop.is_set():
+                self._cv.wait(0.1)
+            self._ahead += nb
         while not self.stop.is_set():
             try:
                 self.q.put(ev, timeout=0.1)
@@ -214,6 +230,13 @@ class _Reader:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(exc)
 
+    def taken(self, ev: Any) -> None:
+        """The consumer took `ev` off the queue: its bytes no longer count as ahead."""
+        if isinstance(ev, _Event) and ev.win is not None:
+            with self._cv:
+                self._ahead -= ev.nbytes
+                self._cv.notify()
+
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
@@ -263,19 +286,20 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
     batch: list[_Event] = []  # windows and the events between them, in order
     nwin = 0
     shape = None
+    data: np.ndarray | None = None  # the batch's frames or audio, filled as windows arrive
 
     def flush() -> None:
-        nonlocal batch, nwin, shape
+        nonlocal batch, nwin, shape, data
         if batch:
-            _run_batch(batch, nwin)
-        batch, nwin, shape = [], 0, None
+            _run_batch(batch, nwin, data)
+        batch, nwin, shape, data = [], 0, None, None
 
-    def _run_batch(events: list[_Event], count: int) -> None:
+    def _run_batch(events: list[_Event], count: int, data: np.ndarray | None) -> None:
         nonlocal first_key, want_fields
         wins = [e for e in events if e.kind == "win"]
         results: list[Any] = []
         if wins:
-            b = _batch_dict(wins, opts)
+            b = _batch_dict(wins, opts, data[: len(wins)])
             t0 = time.perf_counter()
             try:
                 results = call(b)
@@ -359,6 +383,7 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
     try:
         while True:
             ev = reader.q.get()
+            reader.taken(ev)
             if isinstance(ev, BaseException):
                 raise ev
             if ev is None:
@@ -366,6 +391,10 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
             if ev.kind == "win":
                 if nwin and (nwin >= opts.batch_size or ev.win.shape != shape):
                     flush()
+                if data is None:  # pages are touched as windows land: a short batch costs its windows
+                    data = np.empty((opts.batch_size, *ev.win.shape), ev.win.data.dtype)
+                data[nwin] = ev.win.data
+                ev.win.data = None  # the batch holds it now: one copy of each window in memory
                 shape = ev.win.shape
                 nwin += 1
             batch.append(ev)
@@ -397,14 +426,16 @@ def _span(wins: list[_Event]) -> str:
             f"({b.item.key!r}, {b.item.field!r}, window {b.win.index})")
 
 
-def _batch_dict(wins: list[_Event], opts: PassOptions) -> dict[str, Any]:
+def _batch_dict(wins: list[_Event], opts: PassOptions, data: np.ndarray) -> dict[str, Any]:
+    """The batch `fn` gets; `data` holds the windows' frames or audio, in order (filled as they
+    arrived, so no window is held twice)."""
     b: dict[str, Any] = {"__key__": [e.item.key for e in wins], "field": [e.item.field for e in wins],
                          "window": np.array([e.win.index for e in wins], np.int64)}
     if opts.mode == "frames":
-        b["frames"] = np.stack([e.win.data for e in wins])
+        b["frames"] = data
         b["t"] = np.stack([e.win.t for e in wins])
     else:
-        b["audio"] = np.stack([e.win.data for e in wins])
+        b["audio"] = data
         b["length"] = np.array([e.win.length for e in wins], np.int64)
         b["t"] = np.array([e.win.t for e in wins], np.float64)
     return b
