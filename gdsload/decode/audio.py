@@ -168,7 +168,8 @@ def crop_start(t: AudioTransform, n: int, u: float) -> int:
 def decode_nbytes(t: AudioTransform, batch_size: int) -> int:
     """Upper bound of the bytes decoding a batch holds beyond its output (the feed server's
     budget counts it): per recording, a whole decode's source and resampled samples (at most
-    `WHOLE_FACTOR` x (output + 1 s) of float32), twice for DALI's own buffers; a window holds its
+    `WHOLE_FACTOR` x (output + 1 s) of float32), twice for DALI's own buffers (the crops copied out
+    of them, `_keep`, batch x output per reader thread, fit in that second half); a window holds its
     output and its source samples (the window and <= 8 s of grid, usually 0.1 s, at the source
     rate: within the same bound while the source rate is up to ~3x the output's); plus log-mel
     buffers (`_LogMel.nbytes`) of two reader threads (the server's default)."""
