@@ -44,6 +44,9 @@ from gdsload.errors import FormatError, MissingDependencyError
 TOKENS_VERSION = 1
 FIELD = "tokens"  # the chunk member's extension (kind "bytes": raw ids, no header)
 TEXT_FIELD = "txt"  # a text dataset's document member
+# `gdsload serve` serves a token dataset NAME's documents (one sample each) as NAME + this
+# (`gdsload.dataset.documents`); a remote TokenLoader reads them (`gdsload.service.client.tokens`)
+DOCUMENTS_SUFFIX = "#documents"
 _DTYPES = ("uint16", "uint32")
 
 

@@ -52,7 +52,7 @@ from gdsload.frontend.output import as_output, default_output
 from gdsload.host.dist import dist_rank_world
 from gdsload.plan import pack as pk
 from gdsload.plan.plan import STATE_VERSION
-from gdsload.plan.tokenmix import MixCursor, TokenMix
+from gdsload.plan.tokenmix import MixCursor, MixedEpoch, TokenMix
 
 ORDER = 2  # the plan's order version the document order uses
 _GAP = 64 << 10  # documents of a shard at most this many bytes apart are read in one read
@@ -96,6 +96,11 @@ class TokenLoader:
         mix = data if type(data).__name__ == "Mix" else None
         self._parts = [_open(d) for d in mix.datasets] if mix is not None else [_open(data)]
         self._source = self._parts[0]
+        self._served = self._source if _is_served(self._source) else None
+        if mix is not None and any(_is_served(p) for p in self._parts):
+            raise ConfigError("a Mix of served token datasets is not supported: mix local datasets, or read one "
+                              "served dataset")
+        self._stream: _StreamedEpoch | None = None  # a served dataset: the pass's documents
         self.manifest = self._source.manifest
         self._tok = tf.load_tokenizer(tokenizer) if tokenizer is not None else None
         tok_sha = tf.tokenizer_info(self._tok)["tokenizer_sha256"] if self._tok is not None else None
@@ -278,8 +283,19 @@ class TokenLoader:
         it.start()
         return it
 
-    def _epoch_packer(self, epoch: int, mixpos: tuple[int, MixCursor] | None) -> tuple[Any, pk.Packer, Any]:
-        """(positions -> document ids, the epoch's packer, the mixed epoch or None)."""
+    def _epoch_packer(self, epoch: int, mixpos: tuple[int, MixCursor] | None,
+                      state: pk.PackState | None = None) -> tuple[Any, pk.Packer, Any]:
+        """(positions -> document ids, the epoch's packer, the mixed epoch, the served stream or
+        None). A served dataset's stream starts at the first position `state` still needs."""
+        if self._served is not None:
+            order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                window=self.window)
+            base = _base(state) if state is not None else 0
+            stream = _StreamedEpoch(self, order, epoch, base)
+            self._stream = stream
+            packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack,
+                               num_documents=self.num_documents, lengths=stream.lengths)
+            return stream.at, packer, stream
         if self.mix is None:
             order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                                 window=self.window)
@@ -304,7 +320,7 @@ class TokenLoader:
         """The global step's rows from `state` (pieces name document ids) and the state after (a
         mix: `state` of the epoch's start or the loader's own position)."""
         with self._lock:
-            at, packer, _ = self._epoch_packer(epoch, self._mixpos if epoch == self._epoch else None)
+            at, packer, _ = self._epoch_packer(epoch, self._mixpos if epoch == self._epoch else None, state)
             rows, nxt = packer.step(state)
             return self._named(at, rows), nxt
 
@@ -313,33 +329,41 @@ class TokenLoader:
         """The pass's items, each ``(arrays or None, the loader's state after it)``: a batch and
         the state once it is handed out, or (None, state) for the end of the epoch."""
         with self._lock:
-            at, packer, mixed = self._epoch_packer(epoch, mixpos)
-        while True:
-            with self._lock:
-                rows, nxt = packer.step(state)
-                rows = self._named(at, rows)
-                pieces = sum(len(r) for r in rows)
-                last = packer.exhausted(nxt)
-                full = all(sum(p[2] for p in r) == self.seq_len for r in rows)
-                ends = not pieces or (last and self.drop_last and not full)
+            at, packer, mixed = self._epoch_packer(epoch, mixpos, state)
+        try:
+            while True:
+                with self._lock:
+                    rows, nxt = packer.step(state)
+                    rows = self._named(at, rows)
+                    pieces = sum(len(r) for r in rows)
+                    last = packer.exhausted(nxt)
+                    full = all(sum(p[2] for p in r) == self.seq_len for r in rows)
+                    ends = not pieces or (last and self.drop_last and not full)
+                    if ends or last:
+                        after = (epoch + 1, 0, pk.start_state(), None)
+                        if isinstance(mixed, MixedEpoch):
+                            end = mixed.cursor(mixed.end)
+                            self._mixer.remember_start(epoch + 1, end)
+                            after = (epoch + 1, 0, pk.start_state(), (0, end))
+                    else:
+                        mp = None
+                        if isinstance(mixed, MixedEpoch):
+                            base = _base(nxt)
+                            mp = (base, mixed.cursor(base))
+                            mixed.forget(base)
+                        after = (epoch, step + 1, nxt, mp)
+                    if isinstance(mixed, _StreamedEpoch):
+                        self._stream = mixed  # the documents _fetch takes (rows() may have made another)
+                    arrays = None if ends else self._batch(rows[self.rank::self.world_size])
+                    if isinstance(mixed, _StreamedEpoch) and not (ends or last):
+                        mixed.forget(_base(nxt))  # the documents this step's rows took are cached now
+                yield arrays, after
                 if ends or last:
-                    after = (epoch + 1, 0, pk.start_state(), None)
-                    if mixed is not None:
-                        end = mixed.cursor(mixed.end)
-                        self._mixer.remember_start(epoch + 1, end)
-                        after = (epoch + 1, 0, pk.start_state(), (0, end))
-                else:
-                    mp = None
-                    if mixed is not None:
-                        base = min([int(nxt["position"])] + [p[0] for p in nxt["carry"]])
-                        mp = (base, mixed.cursor(base))
-                        mixed.forget(base)
-                    after = (epoch, step + 1, nxt, mp)
-                arrays = None if ends else self._batch(rows[self.rank::self.world_size])
-            yield arrays, after
-            if ends or last:
-                return
-            state, step = nxt, step + 1
+                    return
+                state, step = nxt, step + 1
+        finally:
+            if isinstance(mixed, _StreamedEpoch):
+                mixed.close()
 
     def _batch(self, rows: list[list[pk.Piece]]) -> dict[str, np.ndarray]:
         self._fetch({p[0] for row in rows for p in row})
@@ -394,7 +418,10 @@ class TokenLoader:
             if int(i) in self._docs:
                 self._docs.move_to_end(int(i))
         if missing:
-            got = self._tokenize(missing) if self.meta is None else self._read(missing)
+            if self._served is not None:
+                got = [self._stream.doc(i) for i in missing]
+            else:
+                got = self._tokenize(missing) if self.meta is None else self._read(missing)
             eos = [] if self.eos_id is None else [self.eos_id]
             for i, arr in zip(missing, got):
                 arr = np.concatenate([arr.astype(np.int64), np.asarray(eos, np.int64)])
@@ -552,10 +579,85 @@ def _produce(gen: Iterator[Any], q: queue.Queue, halt: threading.Event) -> None:
             continue
 
 
+def _is_served(data: Any) -> bool:
+    """A token dataset on a feed server (`gdsload.ServedTokens`): it streams documents."""
+    return hasattr(data, "documents") and hasattr(data, "manifest") and hasattr(data, "batch_documents")
+
+
+def _base(state: pk.PackState) -> int:
+    """The first position a packing state still needs (best_fit's carry is before its position)."""
+    return min([int(state["position"])] + [int(p[0]) for p in state["carry"]])
+
+
+class _StreamedEpoch:
+    """A served dataset's documents of one epoch from position `base` on, as they arrive: the
+    packer's lengths, the positions' document numbers (checked against the local `DocOrder`), and
+    each document's ids until `forget`."""
+
+    def __init__(self, loader: TokenLoader, order: pk.DocOrder, epoch: int, base: int):
+        self._order, self._n = order, loader.num_documents
+        self._extra = 1 if loader.eos_id is not None else 0
+        self._it = loader._served.documents(epoch=epoch, start=base, shuffle=loader.shuffle, seed=loader.seed,
+                                            window=loader.window, dtype=loader._dtypes[0])
+        self._base = base
+        self._ids: list[int] = []
+        self._docs: dict[int, np.ndarray] = {}
+        self._where = loader._served.root
+
+    def _grow(self, upto: int) -> None:
+        upto = min(upto, self._n - 1)
+        have = self._base + len(self._ids)
+        if upto < have:
+            return
+        want = self._order.at(np.arange(have, upto + 1, dtype=np.int64)).tolist()
+        for w in want:
+            got = next(self._it, None)
+            if got is None:
+                raise CorruptDataError(f"{self._where}: the server's document stream ended at position "
+                                       f"{self._base + len(self._ids)} of {self._n}")
+            i, arr = got
+            if i != w:
+                raise CorruptDataError(f"{self._where}: the server sent document {i} at position "
+                                       f"{self._base + len(self._ids)}, where this epoch's order has {w} (another "
+                                       f"order or dataset on the server)")
+            self._ids.append(i)
+            self._docs[i] = arr
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, np.int64)
+        if not len(positions):
+            return np.zeros(0, np.int64)
+        self._grow(int(positions.max()))
+        return np.asarray(self._ids, np.int64)[positions - self._base]
+
+    def lengths(self, positions: np.ndarray) -> np.ndarray:
+        ids = self.at(positions)
+        return np.asarray([len(self._docs[i]) + self._extra for i in ids.tolist()], np.int64)
+
+    def doc(self, i: int) -> np.ndarray:
+        return self._docs[i]
+
+    def forget(self, before: int) -> None:
+        cut = before - self._base
+        if cut > 0:
+            for i in self._ids[:cut]:
+                self._docs.pop(i, None)
+            del self._ids[:cut]
+            self._base = before
+
+    def close(self) -> None:
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
 def _open(data: Any) -> Any:
-    """The `ShardedDataset` under `data` (a path or URL, or a `gdsload.Dataset`)."""
+    """The `ShardedDataset` under `data` (a path or URL, or a `gdsload.Dataset`), or a served
+    token dataset (`gdsload.ServedTokens`) as it is."""
     from gdsload.dataset.sharded import ShardedDataset
 
+    if _is_served(data):
+        return data
     if isinstance(data, (str, os.PathLike)):
         return _Source(ShardedDataset(data))
     path = getattr(data, "path", None)

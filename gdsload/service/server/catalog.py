@@ -168,7 +168,14 @@ class Catalog:
         planned with): when it is an earlier version of this dataset (shards appended since), that
         version, opened once and shared (an append never rewrites its shards), so a reader that
         started on it finishes its epoch on it, and a state saved on it resumes on it; any other
-        id gives the current version (the caller refuses a mismatch)."""
+        id gives the current version (the caller refuses a mismatch).
+
+        ``NAME#documents`` (`gdsload.dataset.documents.DOCUMENTS_SUFFIX`): the documents view of
+        token dataset NAME (one sample per document; issue 51), opened once per version."""
+        from gdsload.dataset.documents import DOCUMENTS_SUFFIX
+
+        if name.endswith(DOCUMENTS_SUFFIX) and len(name) > len(DOCUMENTS_SUFFIX):
+            return self._documents(name[: -len(DOCUMENTS_SUFFIX)], fields, dataset_id)
         entry = self._entry(name)
         base = self._version(entry, dataset_id) if dataset_id else entry.dataset
         if not fields:
@@ -183,6 +190,27 @@ class Catalog:
         view = copy.copy(base)  # shares .shards (manifest, indexes, descriptors)
         view.fields = list(fields)
         return view
+
+    def _documents(self, name: str, fields: Sequence[str], dataset_id: str) -> Dataset:
+        from gdsload.dataset.documents import FIELD, DocumentsDataset
+        from gdsload.errors import FormatError
+
+        base = self.dataset(name, (), dataset_id)
+        with self._lock:
+            views = self.__dict__.setdefault("_views", {})
+            view = views.get(id(base))
+        if view is None or view[0] is not base:
+            try:
+                made = DocumentsDataset(base)
+            except FormatError as exc:
+                raise BadRequest(f"{name}#documents: {exc}") from None
+            with self._lock:
+                view = views.setdefault(id(base), (base, made))
+        unknown = [f for f in fields if f != FIELD]
+        if unknown:
+            raise BadRequest(f"BatchRequest.fields {shown(unknown)} are not in {name}#documents (it has "
+                             f"['{FIELD}'])")
+        return view[1]
 
     def _version(self, entry: _Entry, dataset_id: str) -> Dataset:
         """The version of `entry`'s dataset whose id is `dataset_id`, else the current one."""
