@@ -18,8 +18,23 @@ State (`gdsload.plan.pack.TokenState`): the plan's fields (``position`` counts d
 epoch order) plus ``step``, the packing's carry-over (``offset`` of a document cut by ``concat``,
 ``carry``: pieces ``best_fit`` took but has not placed) and what the rows depend on; a state from
 other data, ``seq_len``, packing, eos, tokenizer, seed, shuffle, window, drop_last or global batch is
-refused naming the field. `load_state_dict` may come before or after ``iter()``: a live pass goes
-on from the loaded state at its next ``next()``.
+refused naming the field. A mix adds ``mix`` (what it mixes, compared field by field) and
+``mix_cursor`` (where its document stream stands: `gdsload.plan.tokenmix.MixCursor`), so a resume
+replays nothing.
+
+A pass (one ``iter()``) follows `gdsload.frontend.cursor`'s rules, as `gdsload.DataLoader`'s:
+`load_state_dict` and a `set_epoch` that changes the epoch stop the live pass (its prefetch thread
+ends before the call returns; its next ``next()`` raises `PassStopped`) and the next ``iter()``
+starts from the loaded state (Lightning loads a checkpoint after calling ``iter()``); a new
+``iter()`` closes the live pass (it ends with StopIteration) and continues from the state;
+`state_dict()` always says what the next ``iter()`` does. ``prefetch`` global steps are packed,
+read and assembled ahead on a thread while the training step runs; only handing a batch out moves
+the state, so it is exact whatever was made ahead.
+
+Data may also be a `gdsload.Mix` of token datasets, mixed by tokens (`gdsload.plan.tokenmix`:
+weights and a schedule in tokens consumed; its epoch is the datasets' tokens together, so
+``len()`` is not known), or a token dataset on a feed server (`gdsload.ServedTokens`: its
+documents are streamed in the epoch's order and packed here, `gdsload.service.client.tokens`).
 
 Epochs: ``iter()`` runs the rest of the cursor's epoch; the pass that hands out the epoch's last
 batch moves the cursor to the next epoch (as `gdsload.DataLoader` does). The last global step is
