@@ -330,6 +330,9 @@ def _run_pool(src: str, dst: str, todo: list[int], opts: PassOptions, fields: li
         return []
     _JOB = (src, dst, opts, fields, fn)
     _THREADS = decode_threads(min(workers, len(todo)))
+    from gdsload.preprocess.media import _av
+
+    _av()  # PyAV imported once here, inherited by the forked workers (not imported again in each)
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx)
     results: dict[int, dict[str, Any]] = {}
