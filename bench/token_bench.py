@@ -19,8 +19,9 @@ warm-up each: page cache hot for all); every tokenizer runs with `RAYON_NUM_THRE
   (pre-tokenized), `seq_len` x `batch`, eos appended, NumPy output.
 * `gdsload_text_concat`: `TokenLoader` over the text shards with `tokenizer=` (tokenized on the fly).
 * `hf_streaming`: HF `datasets.load_dataset("json", streaming=True)` of the JSON lines, `.map` of
-  `PreTrainedTokenizerFast(tokenizer_file=...)` batched, then `DataCollatorWithFlattening` over
-  groups of documents of about `seq_len * batch` tokens (the padding-free recipe).
+  `PreTrainedTokenizerFast(tokenizer_file=...)` batched (eos appended), then
+  `DataCollatorWithFlattening` over groups of about `seq_len * batch` tokens (the padding-free
+  recipe; a document longer than `seq_len` goes in pieces of `seq_len`, so every token is passed).
 * `litdata`: LitData's token loader: the documents' ids written once by `litdata.optimize`
   (`TokensLoader`, not timed), then `StreamingDataset(item_loader=TokensLoader(block_size=seq_len))`
   + `StreamingDataLoader(batch_size=batch)`.
@@ -211,12 +212,13 @@ def hf_streaming(ctx: Ctx) -> tuple[int, float]:
     collate = DataCollatorWithFlattening(return_tensors="np")
     budget, group, held, n = ctx.seq * ctx.batch, [], 0, 0
     for ex in ds:
-        ids = ex["input_ids"][: ctx.seq]  # the recipe truncates each document to the model's length
-        group.append({"input_ids": ids})
-        held += len(ids)
-        if held >= budget:
-            n += int(collate(group)["input_ids"].size)
-            group, held = [], 0
+        ids = ex["input_ids"]
+        for at in range(0, len(ids), ctx.seq):  # a document longer than a row: pieces of seq_len (all tokens kept)
+            group.append({"input_ids": ids[at:at + ctx.seq]})
+            held += len(group[-1]["input_ids"])
+            if held >= budget:
+                n += int(collate(group)["input_ids"].size)
+                group, held = [], 0
     if group:
         n += int(collate(group)["input_ids"].size)
     return n, time.perf_counter() - t0
