@@ -3,7 +3,9 @@ hours per second, and the pass's peak RSS on a long video (issue 54 item 5).
 
 Corpus (generated once, cached under `--cache`): `--hours` media hours (default 2) of 360p H.264 at
 30 fps with AAC stereo (44.1 kHz), in videos of `--video-min` minutes (default 10): a moving
-gradient with a noisy block, so the encoder has work, and a tone with noise. The same videos as
+gradient with a noisy block, so the encoder has work, and a tone with noise; x264 `ultrafast`
+(P-frames only, x264's 250-frame groups), or `--x264 PRESET[:PARAMS]` for another cached corpus
+(e.g. `veryfast:keyint=60`: B-frames, 2 s groups, closer to published video). The same videos as
 files (`files/*.mp4`: what Ray Data and the PyAV pool read) and as a gdsload dataset, one video per
 input shard (`shards/`: what the pass reads).
 
@@ -12,7 +14,7 @@ The stated cheap NumPy `fn` (`frames_fn`, `speech_fn`): per window, each frame's
 contestant writes its outputs (one sample per window):
 
 - `gdsload`: `gdsload.process(shards, out, fn, frames=(fps, window) | speech=chunk, size=SIZE,
-  workers=2)`: a dataset of `.npy` outputs.
+  workers=2)`: a dataset of `.npy` outputs (each worker's decoder single-threaded on 2 cores).
 - `ray_data`: `ray.data.read_binary_files(files).map_batches(UDF, batch_size=1, concurrency=2)`
   where the UDF decodes the video bytes with PyAV (the same frame rule, resize and `fn`), then
   `.write_parquet(out)`. Ray's start-up (`ray.init`, a 2-CPU local instance) is timed apart and
@@ -24,7 +26,9 @@ contestant writes its outputs (one sample per window):
   same `fn` per batch of `--batch-size` windows, outputs written to one tar per video.
 
 Rounds (`--rounds`, default 5, at least 5 for figures) interleave the contestants after one
-warm-up each; the medians and the ratios gdsload / each are printed and written as JSON
+warm-up each; the medians and the ratios gdsload / each are printed and written as JSON, with
+the CPU seconds per media hour of gdsload and the pool (user + system of this process and its
+waited-for workers; Ray's workers are not this process's children and are not counted)
 (`--out`, default bench/results/pass-<host>.json). Targets on 2 cores: frames >= 1.5x Ray Data
 and >= 1.2x the PyAV pool; speech >= 1.5x Ray Data and >= 1.0x the PyAV pool.
 
@@ -38,7 +42,10 @@ Target: the 60-minute pass <= 600 MB and <= 1.2x the 1-minute one.
     python bench/pass_bench.py --tiny                             # smoke run (seconds)
 
 Generating the 2-hour corpus takes minutes (x264 ultrafast, 2 processes); it is reused while
-`--cache` holds it.
+`--cache` holds it (default `~/.cache/gdsload-pass-bench/`: `2h-10m-640x360-30/` for the rounds,
+`1h-60m-640x360-30/` and `0.0166667h-1m-640x360-30/` for `--rss`). Ray Data in a bench venv:
+`python3 -m venv /work/passbenchvenv && /work/passbenchvenv/bin/pip install -e '.[cpu,test]'
+'ray[data]'` (never in the project's extras).
 """
 
 from __future__ import annotations
@@ -65,7 +72,9 @@ sys.path.insert(0, str(ROOT))
 
 
 # -- the corpus ---------------------------------------------------------------------------------
-def make_video(path: Path, seconds: float, width: int, height: int, fps: int, seed: int) -> None:
+def make_video(path: Path, seconds: float, width: int, height: int, fps: int, seed: int,
+               x264: str = "ultrafast") -> None:
+    """`x264`: PRESET or PRESET:PARAMS (x264-params, e.g. `veryfast:keyint=60`)."""
     import av
 
     rng = np.random.default_rng(seed)
@@ -75,7 +84,8 @@ def make_video(path: Path, seconds: float, width: int, height: int, fps: int, se
     with av.open(str(path), "w", format="mp4") as c:
         v = c.add_stream("libx264", rate=fps)
         v.width, v.height, v.pix_fmt = width, height, "yuv420p"
-        v.options = {"preset": "ultrafast"}
+        preset, _, params = x264.partition(":")
+        v.options = {"preset": preset, **({"x264-params": params} if params else {})}
         a = c.add_stream("aac", rate=44100)
         a.layout = "stereo"
         n = round(seconds * fps)
@@ -106,9 +116,11 @@ def _make_one(args: tuple) -> None:
 
 
 def corpus(cache: Path, hours: float, video_min: float, width: int, height: int, fps: int,
-           log=print) -> tuple[Path, list[Path], float]:
+           log=print, x264: str = "ultrafast") -> tuple[Path, list[Path], float]:
     """(shards, files, media seconds): generated into `cache` unless it holds them already."""
     tag = f"{hours:g}h-{video_min:g}m-{width}x{height}-{fps}"
+    if x264 != "ultrafast":
+        tag += "-" + "".join(ch if ch.isalnum() or ch in "=." else "_" for ch in x264)
     root = cache / tag
     files_dir, shards = root / "files", root / "shards"
     n = max(1, round(hours * 60 / video_min))
@@ -117,7 +129,7 @@ def corpus(cache: Path, hours: float, video_min: float, width: int, height: int,
         shutil.rmtree(root, ignore_errors=True)
         files_dir.mkdir(parents=True)
         t0 = time.perf_counter()
-        jobs = [(files_dir / f"v{i:04d}.mp4", seconds, width, height, fps, i) for i in range(n)]
+        jobs = [(files_dir / f"v{i:04d}.mp4", seconds, width, height, fps, i, x264) for i in range(n)]
         with mp.get_context("fork").Pool(min(2, n)) as pool:
             pool.map(_make_one, jobs)
         import gdsload
@@ -326,7 +338,7 @@ def rss_child(shards: str, out: str, fps: float, window: int, size: int | None) 
 def rss_mode(a, work: Path, log) -> dict:
     res = {}
     for name, minutes in (("long", a.rss_long_min), ("short", a.rss_short_min)):
-        shards, _, _ = corpus(Path(a.cache), minutes / 60, minutes, a.width, a.height, a.fps, log)
+        shards, _, _ = corpus(Path(a.cache), minutes / 60, minutes, a.width, a.height, a.fps, log, a.x264)
         out = work / f"rss-{name}"
         shutil.rmtree(out, ignore_errors=True)
         p = subprocess.run([sys.executable, __file__, "--rss-child", str(shards), str(out), str(a.sample_fps),
@@ -334,6 +346,10 @@ def rss_mode(a, work: Path, log) -> dict:
         res[name] = {"minutes": minutes, **json.loads(p.stdout.strip().splitlines()[-1])}
         log(f"rss {name} ({minutes:g} min): VmHWM {res[name]['vm_hwm_mb']:.0f} MB")
     res["ratio_long_over_short"] = res["long"]["vm_hwm_mb"] / res["short"]["vm_hwm_mb"]
+    h, w = (a.size, round(a.width * a.size / a.height)) if a.size else (a.height, a.width)
+    res["batch_mb"] = 16 * a.window * h * w * 3 / 2**20  # a full batch's frames (the short video may not fill one)
+    log(f"rss: long / short {res['ratio_long_over_short']:.2f}; a full batch (16 windows) holds "
+        f"{res['batch_mb']:.0f} MB")
     res["targets"] = {"long_mb_max": 600, "ratio_max": 1.2}
     return res
 
@@ -347,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--width", type=int, default=640)
     ap.add_argument("--height", type=int, default=360)
     ap.add_argument("--fps", type=int, default=30)
+    ap.add_argument("--x264", default="ultrafast", help="the corpus's encoding: PRESET[:X264-PARAMS], e.g. "
+                    "veryfast:keyint=60 (B-frames, 2 s groups: another cached corpus)")
     ap.add_argument("--sample-fps", type=float, default=1.0)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--size", type=int, default=224, help="short side of the frames fn gets")
@@ -379,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.rss:
         result["rss"] = rss_mode(a, work, log)
     else:
-        shards, files, media_s = corpus(Path(a.cache), a.hours, a.video_min, a.width, a.height, a.fps, log)
+        shards, files, media_s = corpus(Path(a.cache), a.hours, a.video_min, a.width, a.height, a.fps, log,
+                                        a.x264)
         result["media_hours"] = media_s / 3600
         names = [c for c in a.contestants.split(",") if c]
         skipped = {}
@@ -394,17 +413,22 @@ def main(argv: list[str] | None = None) -> dict:
             "ray_data": lambda: run_ray_data(files, work / "ray_data", a, ray_state),
         }
         times: dict[str, list[float]] = {n: [] for n in names}
+        cpus: dict[str, list[float]] = {n: [] for n in names}
         extra: dict[str, dict] = {}
         for rnd in range(a.rounds + 1):  # round 0: warm-up
             for n in names:
                 r = runs[n]()
                 if rnd:
                     times[n].append(r["seconds"])
+                    if "cpu_s" in r:
+                        cpus[n].append(r["cpu_s"])
                     extra[n] = r
                     log(f"round {rnd} {n}: {r['seconds']:.2f} s, {media_s / 3600 / r['seconds']:.4f} media h/s")
         result["contestants"] = {n: {"seconds": t, "median_s": statistics.median(t),
                                      "media_hours_per_s": media_s / 3600 / statistics.median(t),
-                                     **{k: v for k, v in extra[n].items() if k != "seconds"}}
+                                     **{k: v for k, v in extra[n].items() if k not in ("seconds", "cpu_s")},
+                                     **({"cpu_s": cpus[n], "cpu_s_per_media_hour":
+                                         statistics.median(cpus[n]) / (media_s / 3600)} if cpus[n] else {})}
                                  for n, t in times.items() if t}
         if "startup_s" in ray_state:
             result["contestants"]["ray_data"]["startup_s"] = ray_state["startup_s"]
@@ -415,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
                                             for n, c in result["contestants"].items() if n != "gdsload"}
         for n, c in result["contestants"].items():
             print(f"{n:<10} {c['media_hours_per_s']:.4f} media h/s (median of {len(c['seconds'])})"
+                  + (f", {c['cpu_s_per_media_hour']:.0f} CPU-s per media hour" if "cpu_s_per_media_hour" in c else "")
                   + (f", Ray start-up {c['startup_s']:.1f} s apart" if "startup_s" in c else ""))
         for n, v in result.get("ratio_gdsload_over", {}).items():
             print(f"gdsload / {n}: {v:.2f}x")
