@@ -2,12 +2,16 @@
 windows are those of decoding every frame (`plan=False`), byte for byte, on B-frame videos with
 short groups of pictures, a variable frame rate and both, at sampling rates below, near and at
 the frame rate; frames were really left out (the test would pass vacuously otherwise), non-
-reference ones among them; and the look-ahead limit decodes a long group whole, still exact."""
+reference ones among them; and the look-ahead limit decodes a long group whole, still exact.
+Whole passes with frames left out (here with FFmpeg's decoder threads, in 2 workers with one
+each) write the bytes of a pass decoding every frame, and a pass SIGKILLed mid-decode or after
+`fn` and resumed writes those bytes too."""
 
 from __future__ import annotations
 
 import io
 from fractions import Fraction
+from pathlib import Path
 
 import mediakit as mk
 import numpy as np
@@ -118,3 +122,74 @@ def test_nal_headers() -> None:
     assert pmedia._nal_kind(pkt(sei, b_nonref), 4) == (False, True)
     assert pmedia._nal_kind(pkt(sei), 4) == (False, False)
     assert pmedia._nal_kind(b"\x00\x00", 4) == (False, False)
+
+
+@pytest.fixture(scope="module")
+def bframe_src(tmp_path_factory) -> Path:
+    """Three B-frame videos with short groups (one at a variable rate), in two input shards."""
+    import gdsload
+
+    root = tmp_path_factory.mktemp("plan") / "src"
+    pad = bytes(12000)  # a non-media field, so the small videos span input shards
+    with gdsload.ShardWriter(root, shard_size="16KiB") as w:
+        w.write({"__key__": "b0", "mp4": _video(60, gop=8), "bin": pad})
+        w.write({"__key__": "b1", "mp4": _video(len(VFR), gop=9, times_ms=VFR), "bin": pad})
+        w.write({"__key__": "b2", "mp4": _video(45, gop=6), "bin": pad})
+    assert len(gdsload.open_dataset(root).shards) >= 2
+    return root
+
+
+KW = dict(frames=(1.5, 2), size=32, batch_size=3, shard_size="16KiB")
+
+
+def test_passes_with_frames_left_out_write_the_bytes_of_decoding_every_frame(bframe_src, tmp_path, monkeypatch):
+    """Here (FFmpeg's decoder threads) and in 2 workers (one thread each), with frames left out,
+    a pass writes the bytes of a pass that decodes every frame."""
+    import passfns
+    from conftest import assert_same_output
+
+    import gdsload
+
+    drops = []
+    real = pmedia._plan_gop
+
+    def spy(gop, *a, **k):
+        kept = real(gop, *a, **k)
+        drops.append(len(gop) - len(kept))
+        return kept
+
+    monkeypatch.setattr(pmedia, "_plan_gop", spy)
+    gdsload.process(bframe_src, tmp_path / "here", passfns.frame_stats, **KW)
+    assert sum(drops) > 20
+    monkeypatch.setattr(pmedia, "_avcc_nal_size", lambda s: 0)  # no plan: every frame decoded
+    gdsload.process(bframe_src, tmp_path / "all", passfns.frame_stats, **KW)
+    monkeypatch.undo()
+    gdsload.process(bframe_src, tmp_path / "w2", passfns.frame_stats, workers=2, **KW)
+    assert_same_output(tmp_path / "here", tmp_path / "all")
+    assert_same_output(tmp_path / "w2", tmp_path / "all")
+
+
+@pytest.mark.parametrize("point", ["decode", "fn"])
+def test_sigkill_then_resume_with_frames_left_out_is_exact(point, bframe_src, tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import passfns
+    from conftest import assert_same_output
+
+    import gdsload
+    from gdsload.preprocess.unit import KILL_ENV
+
+    ref = gdsload.process(bframe_src, tmp_path / "ref", passfns.frame_stats, **KW)
+    n = {"decode": ref["windows"] // 2, "fn": ref["batches"] // 2}[point]
+    here = Path(__file__).parent
+    env = {**os.environ, KILL_ENV: f"{point}:{n}",
+           "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(bframe_src), str(tmp_path / "out"), "--fn",
+                        "passfns:frame_stats", "--frames", "1.5:2", "--size", "32", "--batch-size", "3",
+                        "--shard-size", "16KiB", "-q"], cwd=here, env=env, capture_output=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
+    gdsload.process(bframe_src, tmp_path / "out", passfns.frame_stats, resume=True, **KW)
+    assert_same_output(tmp_path / "out", tmp_path / "ref")
