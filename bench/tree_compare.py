@@ -6,15 +6,20 @@ head, ...) after one warm-up run of each. Each tree converts the images with its
 convert`, so each reads the shard format it writes. Imports (NumPy, torch, DALI) and a full garbage
 collection happen before the clock (the process's first one after importing torch otherwise lands
 in whichever tree's epoch crosses the threshold first: `bench/first_epoch.py`); the clock covers
-building the `DataLoader` and one shuffled epoch in threads, no `map`.
+building the `DataLoader` and one shuffled epoch in threads, no `map`. Children read compiled
+modules from `--workdir`/pycache (written in the warm-up round), as an installed package does,
+even where `PYTHONDONTWRITEBYTECODE=1` is set (`child_env`; `--no-pycache`: as the environment says).
 
 Tiers (as in bench/loader_bench.py):
   R   encoded JPEG bytes and labels (`decode=False`), samples/s
   N   `.npy` uint8[3, 224, 224] rows and labels, samples/s (x 150,528 bytes = bytes/s)
   T   decode + random resized crop 224 + flip + normalize (`ImageTransform(size=224)`, DALI CPU)
 
-Reported per tier: head / base samples/s, median (min-max) over rounds paired by round, and CPU
-seconds per 1,000 samples of each. Example (issue 17: "with threads and no map, the existing
+Reported per tier: head / base samples/s, median (min-max) over rounds paired by round, the
+per-round ratios, CPU seconds per 1,000 samples of each, and the time from the constructor to the
+first batch (`first_batch_s`; `first_over_base` is head / base of it, lower is better).
+`bench/guard.py` runs this A/B and an A/A of the base against itself and gives a verdict per
+figure. Example (issue 17: "with threads and no map, the existing
 tiers do not get slower"; 739255f is the last commit before map/collate_fn/worker_mode):
 
     python bench/tree_compare.py --base 739255f --workdir /tmp/tcmp --rounds 5 \
@@ -66,17 +71,37 @@ cpu0, t0 = time.process_time(), time.perf_counter()
 loader = gdsload.DataLoader(gdsload.Dataset(a["dataset"]), **kw)
 n = 0
 labels = 0
+first = None
 for batch in loader:
+    if first is None:
+        first = time.perf_counter() - t0
     n += len(batch[-1])
     labels += int(numpy.asarray(batch[-1]).sum())
 wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-print(json.dumps({"samples": n, "label_sum": labels, "wall_s": wall, "cpu_s": cpu,
+print(json.dumps({"samples": n, "label_sum": labels, "wall_s": wall, "cpu_s": cpu, "first_s": first,
                   "gdsload": gdsload.__file__}))
 '''
 
 
-def run(tree: Path, args: dict, timeout_s: float) -> dict:
+def child_env(tree: Path, pycache: Path | None) -> dict:
+    """A child's environment: `tree` first on the path and, with `pycache`, compiled modules read
+    from (and written to) that folder, as an installed package's are, instead of every fresh process
+    compiling the tree's sources inside the clock, as `PYTHONDONTWRITEBYTECODE=1` (set in this
+    sandbox) makes it: measured so, a tree with more or longer modules paid for their compilation
+    in every round's constructor and first batch (issue 55: 64 `compile` calls in the clock at
+    fa3d3a1's successor against 4 at 0d29bb3). The warm-up round writes them."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    return env
+
+
+PYCACHE: Path | None = None  # set by main(): `--workdir`/pycache unless --no-pycache
+
+
+def run(tree: Path, args: dict, timeout_s: float) -> dict:
+    env = child_env(tree, PYCACHE)
     args = {**args, "tree": str(tree)}
     r = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(args)], capture_output=True, text=True,
                        timeout=timeout_s, env=env)
@@ -112,6 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=900)
+    ap.add_argument("--no-pycache", action="store_true",
+                    help="children compile sources as the environment says (PYTHONDONTWRITEBYTECODE) instead of "
+                         "reading compiled modules from --workdir/pycache")
+    ap.add_argument("--images-dir", default=None, help="an image folder to use (default: generated in --workdir)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -119,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    global PYCACHE
+    PYCACHE = None if a.no_pycache else work / "pycache"
     base = work / f"base-{a.base}"
     if not base.exists():
         base.mkdir()
@@ -133,15 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
                                      capture_output=True).stdout
             subprocess.run(["tar", "xf", "-", "-C", str(head)], input=archive, check=True)
     trees = {"base": base, "head": head}
-    images, rows = work / "images", work / "rows"
+    images, rows = Path(a.images_dir) if a.images_dir else work / "images", work / "rows"
     if not images.exists():
         make_image_folder(images, num_images=a.images, num_classes=10, seed=1)
-    if not rows.exists():
+    if not rows.exists() and "N" in a.tiers.split(","):
         make_npy_folder(rows, num_samples=a.rows, shape=(3, 224, 224), dtype="uint8", seed=1)
     sets = {}
     for name, tree in trees.items():
         convert(tree, images, work / f"{name}-jpg")
-        convert(tree, rows, work / f"{name}-npy")
+        if "N" in a.tiers.split(","):
+            convert(tree, rows, work / f"{name}-npy")
         sets[name] = {"R": (work / f"{name}-jpg", "jpg"), "T": (work / f"{name}-jpg", "jpg"),
                       "N": (work / f"{name}-npy", "npy")}
     results: dict = {"base": a.base, "head": a.head or "checkout", "batch_size": a.batch_size, "rounds": a.rounds, "tiers": {},
@@ -161,7 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
                 raise RuntimeError(f"tier {tier}: the two trees disagree on {key}: {seen}")
         rate = {n: [r["samples"] / r["wall_s"] for r in rs] for n, rs in runs.items()}
         ratios = [h / b for h, b in zip(rate["head"], rate["base"])]
-        row = {"samples": runs["head"][0]["samples"],
+        firsts = [h["first_s"] / b["first_s"] for h, b in zip(runs["head"], runs["base"])]
+        row = {"samples": runs["head"][0]["samples"], "ratios": ratios,
+               "first_batch_s": {n: statistics.median(r["first_s"] for r in rs) for n, rs in runs.items()},
+               "first_over_base": {"median": statistics.median(firsts), "min": min(firsts), "max": max(firsts),
+                                   "ratios": firsts},
                "samples_per_s": {n: statistics.median(v) for n, v in rate.items()},
                "cpu_s_per_1k": {n: statistics.median(1000 * r["cpu_s"] / r["samples"] for r in rs)
                                 for n, rs in runs.items()},

@@ -59,10 +59,9 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gdsload.dataset.dataset import Dataset
-from gdsload.dataset.mix import Mix
 from gdsload.dataset.source import open_source
 from gdsload.errors import ConfigError, GdsloadError
 from gdsload.frontend import fields as _fieldkinds
@@ -74,6 +73,9 @@ from gdsload.host.forksafe import ProcessLocal
 from gdsload.loader.epoch import Epoch
 from gdsload.loader.stats import FirstBatch
 from gdsload.plan.plan import DEFAULT_ORDER, BlockSteps
+
+if TYPE_CHECKING:  # imported where a Mix is opened (`open_source`): a Dataset's loader never imports it
+    from gdsload.dataset.mix import Mix
 
 __all__ = ["DataLoader", "Dataset"]
 
