@@ -3,7 +3,8 @@ hours per second, and the pass's peak RSS on a long video (issue 54 item 5).
 
 Corpus (generated once, cached under `--cache`): `--hours` media hours (default 2) of 360p H.264 at
 30 fps with AAC stereo (44.1 kHz), in videos of `--video-min` minutes (default 10): a moving
-gradient with a noisy block, so the encoder has work, and a tone with noise; x264 `ultrafast`
+gradient with a noisy block, so the encoder has work, and a tone with noise, muxed interleaved
+(each second's audio beside its video, as a recorder writes them); x264 `ultrafast`
 (P-frames only, x264's 250-frame groups), or `--x264 PRESET[:PARAMS]` for another cached corpus
 (e.g. `veryfast:keyint=60`: B-frames, 2 s groups, closer to published video). The same videos as
 files (`files/*.mp4`: what Ray Data and the PyAV pool read) and as a gdsload dataset, one video per
@@ -42,8 +43,8 @@ Target: the 60-minute pass <= 600 MB and <= 1.2x the 1-minute one.
     python bench/pass_bench.py --tiny                             # smoke run (seconds)
 
 Generating the 2-hour corpus takes minutes (x264 ultrafast, 2 processes); it is reused while
-`--cache` holds it (default `~/.cache/gdsload-pass-bench/`: `2h-10m-640x360-30/` for the rounds,
-`1h-60m-640x360-30/` and `0.0166667h-1m-640x360-30/` for `--rss`). Ray Data in a bench venv:
+`--cache` holds it (default `~/.cache/gdsload-pass-bench/`: `2h-10m-640x360-30-i/` for the rounds,
+`1h-60m-640x360-30-i/` and `0.0166667h-1m-640x360-30-i/` for `--rss`). Ray Data in a bench venv:
 `python3 -m venv /work/passbenchvenv && /work/passbenchvenv/bin/pip install -e '.[cpu,test]'
 'ray[data]'` (never in the project's extras).
 """
@@ -88,18 +89,10 @@ def make_video(path: Path, seconds: float, width: int, height: int, fps: int, se
         v.options = {"preset": preset, **({"x264-params": params} if params else {})}
         a = c.add_stream("aac", rate=44100)
         a.layout = "stereo"
-        n = round(seconds * fps)
-        for i in range(n):
-            img = np.roll(base, 4 * i, axis=1)
-            y, x = (i * 2) % (height - height // 4), (i * 3) % (width - width // 4)
-            img[y : y + height // 4, x : x + width // 4] = noise[i % 32]
-            for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                c.mux(p)
-        for p in v.encode():
-            c.mux(p)
-        total, sr = round(seconds * 44100), 44100
-        for s0 in range(0, total, 44100):
-            m = min(44100, total - s0)
+        n, total, sr = round(seconds * fps), round(seconds * 44100), 44100
+
+        def audio_second(s0: int) -> None:  # one second of a 220 Hz tone with noise
+            m = min(sr, total - s0)
             t = (s0 + np.arange(m)) / sr
             x = (0.2 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(m)).astype(np.float32)
             for k in range(0, m, 1024):
@@ -107,6 +100,22 @@ def make_video(path: Path, seconds: float, width: int, height: int, fps: int, se
                 fr.sample_rate, fr.pts = sr, s0 + k
                 for p in a.encode(fr):
                     c.mux(p)
+
+        s0 = 0
+        for i in range(n):
+            img = np.roll(base, 4 * i, axis=1)
+            y, x = (i * 2) % (height - height // 4), (i * 3) % (width - width // 4)
+            img[y : y + height // 4, x : x + width // 4] = noise[i % 32]
+            for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+            while s0 < total and s0 <= (i + 1) * sr // fps:  # audio beside its video, as a recorder muxes
+                audio_second(s0)
+                s0 += sr
+        for p in v.encode():
+            c.mux(p)
+        while s0 < total:
+            audio_second(s0)
+            s0 += sr
         for p in a.encode():
             c.mux(p)
 
@@ -118,7 +127,7 @@ def _make_one(args: tuple) -> None:
 def corpus(cache: Path, hours: float, video_min: float, width: int, height: int, fps: int,
            log=print, x264: str = "ultrafast") -> tuple[Path, list[Path], float]:
     """(shards, files, media seconds): generated into `cache` unless it holds them already."""
-    tag = f"{hours:g}h-{video_min:g}m-{width}x{height}-{fps}"
+    tag = f"{hours:g}h-{video_min:g}m-{width}x{height}-{fps}-i"  # -i: video and audio interleaved (1 s)
     if x264 != "ultrafast":
         tag += "-" + "".join(ch if ch.isalnum() or ch in "=." else "_" for ch in x264)
     root = cache / tag
