@@ -245,7 +245,8 @@ def _plan_gop(gop: list[tuple[Any, int, bool]], next_pts: int, picker: _Picker, 
     return [p for i, (p, _, nonref) in enumerate(gop) if picked[i] or (i < last and not nonref)]
 
 
-def _frames(av: Any, c: Any, s: Any, picker: _Picker | None, stats: dict[str, int]) -> Iterator[Any]:
+def _frames(av: Any, c: Any, s: Any, picker: _Picker | None, stats: dict[str, int],
+            planned: set[int]) -> Iterator[Any]:
     """The video's decoded frames in output order. With a `picker` (H.264 in AVCC form) only the
     frames a sample can pick and those they are predicted from are decoded (`_plan_gop`): each
     group (an IDR up to the next) is planned once the next IDR is demuxed. Decoded whole: what
@@ -254,8 +255,9 @@ def _frames(av: Any, c: Any, s: Any, picker: _Picker | None, stats: dict[str, in
     timestamps, or a timestamp at or after the next IDR's. Exact: a frame left out is shown at
     no sampling time and no decoded frame refers to it (a non-reference frame, or one after the
     last picked frame before an IDR, which no later frame can refer past); this assumes that
-    timestamps rise in the decoder's output order, as every H.264 muxer writes them (the caller
-    checks it on the frames decoded). tests/process/test_decode_plan.py compares with decoding
+    timestamps rise in the decoder's output order, as every H.264 muxer writes them: `planned`
+    gets the timestamps of the frames decoded from groups with frames left out, and the caller
+    checks that each of those comes after the frame before it. tests/process/test_decode_plan.py compares with decoding
     every frame."""
     cc = s.codec_context
     if picker is None:
@@ -286,6 +288,8 @@ def _frames(av: Any, c: Any, s: Any, picker: _Picker | None, stats: dict[str, in
                     stats["dropped"] += len(gop) - len(held)
                     kept = {id(q) for q in held}
                     stats["dropped_nonref"] += sum(1 for g in gop if g[2] and id(g[0]) not in kept)
+                    if len(held) < len(gop):
+                        planned.update(q.pts for q in held)
             yield from send(held)
             gop, gop_bytes = [], 0
             planning = p.pts is not None
@@ -375,16 +379,19 @@ def frame_windows(f: RangeFile, fps: float, window: int, size: int | None,
         last_pts: Any = None
         dur_pts = default_dur / tb if tb else Fraction(0)
         use_plan = plan and picker is not None and _avcc_nal_size(s) > 0
+        planned: set[int] = set()  # timestamps of frames to come from groups with frames left out
         try:
-            for fr in _frames(av, c, s, picker if use_plan else None, stats):
-                planned = stats["dropped"] > 0
+            for fr in _frames(av, c, s, picker if use_plan else None, stats, planned):
                 pts = fr.pts
                 if pts is None:  # no timestamp: one (guessed) frame duration after the last
                     pts = last_pts + dur_pts if last_pts is not None else origin / tb
                 shown = prev if prev is not None else fr  # before the first frame: the first
-                if planned and last_pts is not None and pts <= last_pts:
-                    raise ValueError(f"frame timestamps go back ({pts} after {last_pts}, time base {tb}): frames "
-                                     f"were left out of the decode by their timestamps, which this file breaks")
+                if pts in planned:
+                    planned.discard(pts)
+                    if last_pts is not None and pts <= last_pts:
+                        raise ValueError(
+                            f"frame timestamps go back ({pts} after {last_pts}, time base {tb}): frames were left "
+                            f"out of the decode by their timestamps, which this file breaks")
                 if picker is not None and isinstance(pts, int):
                     while picker.before(k, pts):
                         yield from emit(shown)

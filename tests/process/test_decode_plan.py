@@ -193,3 +193,32 @@ def test_sigkill_then_resume_with_frames_left_out_is_exact(point, bframe_src, tm
     assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
     gdsload.process(bframe_src, tmp_path / "out", passfns.frame_stats, resume=True, **KW)
     assert_same_output(tmp_path / "out", tmp_path / "ref")
+
+
+def test_timestamps_going_back_in_a_planned_group_are_refused(monkeypatch) -> None:
+    """Leaving frames out assumes timestamps rise in the decoder's output order; a frame of a group
+    with frames left out that comes before the frame shown ahead of it stops the member with a
+    ValueError (on_error applies) naming it. Frames of groups decoded whole are not checked: a
+    repeated timestamp there decodes as without the plan."""
+    import av
+
+    data = _video(30, gop=10)
+    with av.open(io.BytesIO(data)) as c:
+        frames = list(c.decode(video=0))
+
+    def fake(swap: bool, plan_them: bool):
+        def gen(av_, c, s, picker, stats, planned):
+            out = list(frames)
+            if swap:
+                out[5], out[6] = out[6], out[5]
+            if plan_them:
+                planned.update(f.pts for f in out)
+            yield from out
+        return gen
+
+    f = lambda: pmedia.RangeFile(lambda o, n: data[o : o + n], 0, len(data))  # noqa: E731
+    monkeypatch.setattr(pmedia, "_frames", fake(swap=True, plan_them=True))
+    with pytest.raises(ValueError, match=r"frame timestamps go back \(\d+ after \d+, time base 1/\d+\)"):
+        list(pmedia.frame_windows(f(), 10.0, 3, None))
+    monkeypatch.setattr(pmedia, "_frames", fake(swap=True, plan_them=False))
+    assert len(list(pmedia.frame_windows(f(), 10.0, 3, None))) >= 9
