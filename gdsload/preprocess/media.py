@@ -257,8 +257,8 @@ def _frames(av: Any, c: Any, s: Any, picker: _Picker | None, stats: dict[str, in
     last picked frame before an IDR, which no later frame can refer past); this assumes that
     timestamps rise in the decoder's output order, as every H.264 muxer writes them: `planned`
     gets the timestamps of the frames decoded from groups with frames left out, and the caller
-    checks that each of those comes after the frame before it. tests/process/test_decode_plan.py compares with decoding
-    every frame."""
+    checks that each of those comes after the frame before it. tests/process/test_decode_plan.py
+    compares with decoding every frame."""
     cc = s.codec_context
     if picker is None:
         yield from c.decode(s)
