@@ -70,6 +70,23 @@ def storage_root(source: Source) -> str:
     return first.cache_dir if first.cache_dir is not None else first.shards.root
 
 
+class _PartBatches(Sequence[list[int]]):
+    """`batches` (shard lists, global numbers) seen by the part holding shards `first` to
+    `first + n - 1`: each batch's shards in it, numbered in the part, computed when indexed."""
+
+    def __init__(self, batches: Sequence[Sequence[int]], first: int, n: int):
+        self.batches, self.first, self.n = batches, first, n
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        first, n = self.first, self.n
+        return [int(s) - first for s in self.batches[i] if first <= s < first + n]
+
+
 class PartCaches:
     """The shard caches of a source's parts at URLs, as one cache over its global shard numbers.
 
@@ -104,9 +121,14 @@ class PartCaches:
         for _, _, cache in self._parts:
             cache.check_limit(window)
 
-    def start_epoch(self, batches: Sequence[Sequence[int]]) -> None:
+    def start_epoch(self, batches: Sequence[Sequence[int]],
+                    on_shards: Callable[[list[int]], Any] | None = None) -> None:
+        """Each part's cache gets a lazy view of `batches` (its own shards, numbered in the part):
+        a cache reads a bounded window of it (`ShardCache.start_epoch`), never the whole epoch.
+        `on_shards`: called with global shard numbers as they enter a cache's window."""
         for first, n, cache in self._parts:
-            cache.start_epoch([[s - first for s in b if first <= s < first + n] for b in batches])
+            cb = None if on_shards is None else (lambda local, f=first: on_shards([f + s for s in local]))
+            cache.start_epoch(_PartBatches(batches, first, n), cb)
 
     def acquire(self, seq: int, shards: Sequence[int]) -> dict[int, str]:
         """Local paths of the cached shards among `shards` (global numbers), pinned for batch `seq`."""

@@ -3,9 +3,10 @@
 Why: reading byte ranges from an object store costs one request (10-50 ms) per sample, so latency,
 not bandwidth, sets the speed. A whole shard is one request at the store's bandwidth. The loader's
 order is a pure function known in advance (`gdsload.plan.plan`), so this cache is told the shards every
-batch of the epoch needs (`start_epoch`) and fetches them before they are needed, and when it needs
-room it evicts the shard needed furthest in the future, or one not needed again this epoch
-(Belady's rule, exact here because the future is known). Cached shards are plain local files: the
+batch of the epoch needs (`start_epoch`: a lazy sequence, read only over a sliding window of the
+next batches) and fetches them before they are needed, and when it needs room it evicts the shard
+needed furthest in the future, or one not needed within the window (Belady's rule, exact within
+the window because the future is known). Cached shards are plain local files: the
 loader reads them through its ordinary I/O backend (posix, KvikIO/GDS).
 
 Folder layout (one folder per node, shared by every process that uses it; files are named by the
@@ -79,6 +80,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -204,7 +206,13 @@ class ShardCache:
     as read from the store (None: not read from it), kept as `manifest_copy(folder, root)` from
     `check_limit` on. Both are what a restart with the store down opens (`gdsload.dataset.sharded`);
     both count in `limit_bytes`.
+
+    The plan is read a bounded number of batches ahead (`start_epoch`): at least `horizon_min`
+    (max(64, 4 x fetchers)) batches past the cursor, more until the shards needed ahead exceed
+    `limit_bytes`, at most `horizon_max` (4096, or `horizon_min` where more).
     """
+
+    _TRAIL = 64  # batches behind the cursor kept in the window (a reader that claimed one may open it late)
 
     def __init__(
         self,
@@ -252,8 +260,16 @@ class ShardCache:
         self._miss = threading.Lock()  # one reader at a time assembles a batch with missing shards
         self._pins: dict[int, list[int]] = {}  # shard -> [fd holding LOCK_SH, count]
         self._open: dict[int, list[int]] = {}  # batch seq -> shards it pinned
-        self._uses: dict[int, list[int]] = {}  # shard -> batch seqs of this epoch that need it
-        self._upcoming: list[int] = []  # shards of this epoch in order of first use
+        # the window of batches of this epoch whose shards are known (`start_epoch`, `_extend`)
+        self.horizon_min = max(64, 4 * self.fetchers)  # batches past the cursor, at least
+        self.horizon_max = max(self.horizon_min, 4096)  # and at most
+        self._batches: Sequence[Sequence[int]] = ()
+        self._n = 0
+        self._end = 0  # the first batch not read into the window
+        self._window: deque[tuple[int, list[int]]] = deque()  # (seq, its shards), in order
+        self._uses: dict[int, list[int]] = {}  # shard -> batch seqs in the window that need it
+        self._seen: set[int] = set()  # shards that entered the window this epoch (`on_shards`)
+        self._on_shards: Callable[[list[int]], Any] | None = None
         self._cursor = 0
         self._inflight: set[int] = set()
         self._errors: dict[int, BaseException] = {}
@@ -407,7 +423,7 @@ class ShardCache:
         if self._user_fd is None:
             return
         c = self._cursor
-        ahead = sorted((s for s in self._upcoming if self._next_use(s, c) != _NEVER),
+        ahead = sorted((s for s in self._uses if self._next_use(s, c) != _NEVER),
                        key=lambda s: self._next_use(s, c))
         wanted, total = [], 0
         for sh in ahead:
@@ -446,27 +462,41 @@ class ShardCache:
             os.close(self._user_fd)
             self._user_fd = None
 
-    def start_epoch(self, batches: Sequence[Sequence[int]]) -> None:
+    def start_epoch(self, batches: Sequence[Sequence[int]],
+                    on_shards: Callable[[list[int]], Any] | None = None) -> None:
         """The shards each batch of this epoch needs, in the order the batches are read (batch
-        `seq` is `batches[seq]`); starts the read-ahead threads."""
-        uses: dict[int, list[int]] = {}
-        biggest = 0
-        for seq, shards in enumerate(batches):
-            shards = [int(s) for s in shards]
-            biggest = max(biggest, sum(self.shards[s]["bytes"] for s in shards))
-            for s in shards:
-                uses.setdefault(s, []).append(seq)
-        if biggest > self.limit_bytes:
-            raise CacheFullError(
-                f"cache_limit {_human(self.limit_bytes)} cannot hold the shards one batch reads "
-                f"({_human(biggest)}); raise cache_limit or lower batch_size"
-            )
+        `seq` is `batches[seq]`); starts the read-ahead threads.
+
+        `batches` is kept as the (lazy) sequence it is and indexed only over a sliding window of
+        upcoming batches (`_extend`): from the cursor, at least `horizon_min` batches, then more
+        until the distinct shards needed ahead exceed `limit_bytes` (what read-ahead could hold
+        at once), at most `horizon_max` batches; the window moves with the cursor, keeping
+        `_TRAIL` batches behind it (a reader may still open one of those). Memory and time are
+        O(window), not O(batches): an epoch of 4x10^7 batches starts at once. Eviction ranks a
+        shard with no use inside the window as never used again (furthest), so Belady's rule is
+        exact within the window only. A batch whose shards cannot fit in `limit_bytes` is refused
+        with `CacheFullError`: those of the first window here, before anything starts; a later
+        one when it is read (`acquire`), with the same message.
+
+        `on_shards(shards)`: called (with the lock held: it must not block) with the shards that
+        enter the window for the first time this epoch, in order of first use (the loader starts
+        loading their indexes)."""
+        n = len(batches)
+        first = min(n, self.horizon_min)
+        for seq in range(first):
+            self._check_batch(batches[seq])
         self.stop()
         with self._lock:
             self._generation += 1
-            self._uses = uses
-            self._upcoming = sorted(uses, key=lambda s: uses[s][0])
+            self._batches = batches
+            self._n = n
+            self._end = 0
+            self._window.clear()
+            self._uses = {}
+            self._seen = set()
+            self._on_shards = on_shards
             self._cursor = 0
+            self._extend()
             self._publish_wanted()
             self._errors.clear()
             gen = self._generation
@@ -475,8 +505,64 @@ class ShardCache:
         for t in self._threads:
             t.start()
 
+    def _check_batch(self, shards: Sequence[int]) -> None:
+        """`CacheFullError` where one batch's `shards` cannot fit in `limit_bytes` at once."""
+        need = sum(self.shards[int(s)]["bytes"] for s in dict.fromkeys(int(s) for s in shards))
+        if need > self.limit_bytes:
+            raise CacheFullError(
+                f"cache_limit {_human(self.limit_bytes)} cannot hold the shards one batch reads "
+                f"({_human(need)}); raise cache_limit or lower batch_size"
+            )
+
+    def _extend(self) -> None:
+        """Move the window of batches whose shard uses are known (`start_epoch`) to the cursor:
+        drop the batches more than `_TRAIL` behind it, and read batches into it until it reaches
+        `horizon_min` batches past the cursor and the shards needed from the cursor on exceed
+        `limit_bytes`, or `horizon_max` batches past the cursor, or the epoch's end. Call with
+        the lock held."""
+        c = self._cursor
+        low = max(0, c - self._TRAIL)
+        window, uses = self._window, self._uses
+        while window and window[0][0] < low:
+            seq, shards = window.popleft()
+            for s in shards:
+                lst = uses[s]
+                del lst[0]  # `seq`: the lowest use left (batches are dropped in order)
+                if not lst:
+                    del uses[s]
+        if self._end < low:  # the cursor passed the window's end: nothing before `low` is needed
+            self._end = low
+        cap = min(self._n, c + self.horizon_max)
+        if self._end >= cap:
+            return
+        least = min(self._n, c + self.horizon_min)
+        sizes = self.shards
+        ahead = sum(sizes[s]["bytes"] for s, lst in uses.items() if lst[-1] >= c)
+        fresh: list[int] = []
+        while self._end < cap and (self._end < least or ahead <= self.limit_bytes):
+            seq = self._end
+            shards = list(dict.fromkeys(int(s) for s in self._batches[seq]))
+            for s in shards:
+                lst = uses.get(s)
+                if lst is None:
+                    lst = uses[s] = []
+                    if s not in self._seen:
+                        self._seen.add(s)
+                        fresh.append(s)
+                if seq >= c and (not lst or lst[-1] < c):
+                    ahead += sizes[s]["bytes"]
+                lst.append(seq)
+            window.append((seq, shards))
+            self._end = seq + 1
+        if fresh and self._on_shards is not None:
+            try:
+                self._on_shards(fresh)
+            except Exception:  # noqa: BLE001 - loading indexes early is an extra, never a failure
+                pass
+
     def _next_use(self, shard: int, after: int) -> float:
-        """The first batch at or after `after` that needs `shard` (inf: none this epoch)."""
+        """The first batch at or after `after` that needs `shard` within the window (inf: none
+        there: not needed this epoch, or only past the window's end)."""
         uses = self._uses.get(shard)
         if not uses:
             return _NEVER
@@ -488,6 +574,7 @@ class ShardCache:
         low = min(self._open) if self._open else None
         if low is not None and low != self._cursor:
             self._cursor = low
+            self._extend()
             self._publish_wanted()
             self._changed.notify_all()
 
@@ -496,6 +583,7 @@ class ShardCache:
         """Local paths of `shards` for batch `seq`, pinned until `release(seq)`; waits for (or
         does) the downloads still missing."""
         shards = list(dict.fromkeys(int(s) for s in shards))
+        self._check_batch(shards)  # those past the first window are checked here (`start_epoch`)
         with self._lock:
             self._open[seq] = []
             self._move_cursor()
@@ -559,6 +647,7 @@ class ShardCache:
                 self._move_cursor()
             elif seq + 1 > self._cursor:
                 self._cursor = seq + 1
+                self._extend()
                 self._publish_wanted()
             self._changed.notify_all()
 
@@ -635,7 +724,7 @@ class ShardCache:
         """The next shard to fetch ahead (in order of next use) and how many upcoming shards are
         cached ahead of it; call with the lock held."""
         c = self._cursor
-        ahead = [s for s in self._upcoming if self._next_use(s, c) != _NEVER]
+        ahead = [s for s in self._uses if self._next_use(s, c) != _NEVER]
         ahead.sort(key=lambda s: self._next_use(s, c))
         depth = 0
         reserved = 0

@@ -37,6 +37,22 @@ from gdsload.loader.stats import Progress, StageTimes
 from gdsload.plan.plan import BlockSteps
 
 
+class ShardNeeds(Sequence[list[int]]):
+    """The shards (ascending) each of `batches` (sample positions) reads, given the shards' end
+    positions `ends`; computed when indexed, so the shard cache reads only its window of them."""
+
+    def __init__(self, batches: Sequence[Any], ends: np.ndarray):
+        self.batches, self.ends = batches, ends
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return distinct(np.searchsorted(self.ends, self.batches[i], side="right"))
+
+
 class Epoch:
     """One pass: reader threads fill ring slots in plan order; `__next__` hands out batches."""
 
@@ -84,11 +100,12 @@ class Epoch:
         self.ring = resources.ring
         self.ring.reset()
         if resources.cache is not None:  # the shards of every batch, so the cache can fetch ahead
-            ends = np.cumsum(source.shard_sizes)
-            needs = [distinct(np.searchsorted(ends, b, side="right")) for b in self.batches]
-            resources.cache.start_epoch(needs)
-            # their indexes too (one request each at the URL), in order of first use
-            source.shards.load_indexes(s for b in needs for s in b)
+            # computed as the cache's window reaches them (a bounded number of batches ahead), from
+            # a second lazy view: its chunks are not the readers' (neither evicts the other's);
+            # their indexes too (one request each at the URL), as shards enter the window
+            ahead = plan.batches_at(self.epoch, self.steps if self.steps is not None else range(first, stop))
+            resources.cache.start_epoch(ShardNeeds(ahead, np.cumsum(source.shard_sizes)),
+                                        source.shards.load_indexes)
         self.next_seq = 0
         self.handed = None
         self._consumer: int | None = None  # the consumer's thread (its current stream is the fence's)
