@@ -35,7 +35,8 @@ tokens: padding not counted), min and max; ratios (paired by round): on the fly 
 (>= 1.5); the real-token share of each packing.
 
 The lead's run (a quiet machine; `datasets`, `transformers`, `litdata` and `grain` in a bench venv,
-never in CI's extras; /work/tokbenchvenv has them beside a .pth onto /work/benchvenv's torch):
+never in CI's extras: /work/tokbenchvenv has them, with torch 2.14.1 from PyPI, and the script puts
+this checkout first on sys.path):
 
     RAYON_NUM_THREADS=2 /work/tokbenchvenv/bin/python bench/token_bench.py --workdir /tmp/tokbench \\
         --chars 60000000 --threads 2 --rounds 5 --seq-len 2048 --batch 8 --out bench/results/tokens-cpu2.json
