@@ -84,7 +84,8 @@ class TokenLoader:
     to every document. `pad_id` fills padding (default: the eos id, else 0). `window`: the
     shuffle's window of shards (the plan's). `rank`/`world_size` default to the initialised
     `torch.distributed` group, else 0 of 1. `prefetch`: global steps packed, read and assembled
-    ahead on a thread of the loader while the training step runs (0: on the training thread).
+    ahead on a thread of the loader while the training step runs (that many wait for the training
+    loop, and the thread makes one more; 0: everything on the training thread).
     """
 
     def __init__(self, data: Any, seq_len: int, batch_size: int, *, shuffle: bool = False, seed: int = 0,

@@ -125,3 +125,34 @@ def test_an_error_on_the_prefetch_thread_reaches_next(corpus, tmp_path):
     with pytest.raises(CorruptDataError, match="CRC32"):
         for _ in ld:
             pass
+
+
+def test_reads_run_on_the_prefetch_thread_ahead_of_the_training_step(corpus):
+    """With prefetch, documents are read on the loader's thread, up to `prefetch` steps ahead of the
+    batch the training loop holds (so they overlap its step); with prefetch=0 on the caller's."""
+    import time
+
+    for prefetch, want in ((2, {"gdsload-tokens"}), (0, {threading.current_thread().name})):
+        ld = make(corpus, prefetch=prefetch, shuffle=False)
+        threads, steps = set(), []
+        real = ld._source.read_extent
+
+        def read_extent(shard, offset, nbytes, real=real):
+            threads.add(threading.current_thread().name)
+            return real(shard, offset, nbytes)
+
+        ld._source.read_extent = read_extent
+        real_batch = ld._batch
+        ld._batch = lambda rows, real_batch=real_batch: (steps.append(1), real_batch(rows))[1]
+        it = iter(ld)
+        next(it)
+        if prefetch:
+            deadline = time.monotonic() + 5
+            while len(steps) < 2 + prefetch and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            # the batch handed out, `prefetch` waiting, one more made and waiting for room: no further
+            assert len(steps) == 2 + prefetch
+        else:
+            assert len(steps) == 1
+        assert threads == want, (prefetch, threads)
