@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import CHUNK_TOKENS, SHARD_SIZE
+from tokkit import CHUNK_TOKENS, SHARD_SIZE
 from gdsload.convert.tokens import convert_corpus
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.errors import CorruptDataError, FormatError, InputError

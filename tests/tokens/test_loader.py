@@ -222,7 +222,7 @@ def test_text_tokenized_on_the_fly_gives_the_pretokenized_rows(corpus):
         len(text)
     with pytest.raises(ConfigError, match="pass tokenizer="):
         gdsload.TokenLoader(str(corpus.text), 256, 4)
-    from conftest import train_tokenizer
+    from tokkit import train_tokenizer
 
     other = train_tokenizer(corpus.docs[:20], vocab=300)
     with pytest.raises(ConfigError, match="tokenized with another tokenizer"):
