@@ -7,27 +7,9 @@ from pathlib import Path
 
 import mediakit as mk
 import pytest
+from mediakit import VFR_MS
 
 import gdsload
-
-VFR_MS = [0, 100, 500, 600, 1500, 1700]  # a variable frame rate: frame i shown from VFR_MS[i]
-
-
-def files(root: Path) -> dict[str, bytes]:
-    """Every file under root, by relative path."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def assert_same_output(got: Path, want: Path) -> None:
-    """The same files with the same bytes; the manifests differ only in their creation time."""
-    g, w = files(got), files(want)
-    assert sorted(g) == sorted(w)
-    for name in w:
-        if name != "manifest.json":
-            assert g[name] == w[name], f"{name} differs"
-    gm, wm = json.loads(g["manifest.json"]), json.loads(w["manifest.json"])
-    gm["created"].pop("at"), wm["created"].pop("at")
-    assert gm == wm
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,15 @@ frame rate; FLAC tones. Small: 160x90 at 5 fps by default."""
 from __future__ import annotations
 
 import io
+import json
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
 from gdsload.bench.mediagen import encode_audio, frame_of, level
 
-__all__ = ["video", "flac", "level", "frame_of"]
+__all__ = ["video", "flac", "level", "frame_of", "VFR_MS", "files", "assert_same_output"]
 
 
 def video(seconds: float = 3.0, fps: int = 5, width: int = 160, height: int = 90, *, audio: bool = True,
@@ -57,3 +59,23 @@ def video(seconds: float = 3.0, fps: int = 5, width: int = 160, height: int = 90
 
 def flac(seconds: float = 2.0, sample_rate: int = 16000, freq: float = 440.0) -> bytes:
     return encode_audio("flac", seconds=seconds, sample_rate=sample_rate, freq=freq)
+
+
+VFR_MS = [0, 100, 500, 600, 1500, 1700]  # a variable frame rate: frame i shown from VFR_MS[i]
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file under root, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_same_output(got: Path, want: Path) -> None:
+    """The same files with the same bytes; the manifests differ only in their creation time."""
+    g, w = files(got), files(want)
+    assert sorted(g) == sorted(w)
+    for name in w:
+        if name != "manifest.json":
+            assert g[name] == w[name], f"{name} differs"
+    gm, wm = json.loads(g["manifest.json"]), json.loads(w["manifest.json"])
+    gm["created"].pop("at"), wm["created"].pop("at")
+    assert gm == wm

@@ -16,7 +16,7 @@ from pathlib import Path
 import mediakit as mk
 import numpy as np
 import pytest
-from conftest import VFR_MS
+from mediakit import VFR_MS
 
 from gdsload.preprocess import media as pmedia
 
@@ -146,7 +146,7 @@ def test_passes_with_frames_left_out_write_the_bytes_of_decoding_every_frame(bfr
     """Here (FFmpeg's decoder threads) and in 2 workers (one thread each), with frames left out,
     a pass writes the bytes of a pass that decodes every frame."""
     import passfns
-    from conftest import assert_same_output
+    from mediakit import assert_same_output
 
     import gdsload
 
@@ -177,7 +177,7 @@ def test_sigkill_then_resume_with_frames_left_out_is_exact(point, bframe_src, tm
     import sys
 
     import passfns
-    from conftest import assert_same_output
+    from mediakit import assert_same_output
 
     import gdsload
     from gdsload.preprocess.unit import KILL_ENV

@@ -15,7 +15,7 @@ import mediakit as mk
 import numpy as np
 import passfns
 import pytest
-from conftest import VFR_MS, assert_same_output
+from mediakit import VFR_MS, assert_same_output
 
 import gdsload
 from gdsload.errors import DecodeError, DestinationError, InputError

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_output
+from mediakit import assert_same_output
 
 import gdsload
 

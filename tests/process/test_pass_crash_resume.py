@@ -22,7 +22,7 @@ from pathlib import Path
 
 import passfns
 import pytest
-from conftest import assert_same_output
+from mediakit import assert_same_output
 
 import gdsload
 from gdsload.errors import DestinationError
