@@ -162,6 +162,8 @@ class TokenLoader:
         self.num_documents = int(self._doc_start[-1])
         self._verify = all(getattr(d, "verify", "fast") is not None
                            for d in (mix.datasets if mix is not None else [data]))
+        self._verify_full = any(getattr(d, "verify", None) == "full"
+                                for d in (mix.datasets if mix is not None else [data]))
         self._tables: OrderedDict[int, tuple[tf.DocTable, np.ndarray]] = OrderedDict()
         self._docs: OrderedDict[int, np.ndarray] = OrderedDict()  # document id -> ids (eos included)
         self._docs_tokens = 0
@@ -176,6 +178,9 @@ class TokenLoader:
         self._epoch, self._step, self._state = 0, 0, pk.start_state()
         self._mixpos: tuple[int, MixCursor] | None = None  # a mix: (base position, the stream there)
         self._cursor = Cursor()  # the live pass (gdsload.frontend.cursor's rules)
+        from gdsload.frontend.tokens_gpu import device_path
+
+        self._gpu = device_path(self)  # device="cuda" with KvikIO: reads and assembly on the GPU
 
     def _setup_mix(self, mix: Any, per_part: list[list[int]], metas: list[Any]) -> None:
         from gdsload.plan.mix import MixSource, MixSpec
@@ -381,11 +386,15 @@ class TokenLoader:
             if isinstance(mixed, _StreamedEpoch):
                 mixed.close()
 
-    def _batch(self, rows: list[list[pk.Piece]]) -> dict[str, np.ndarray]:
+    def _batch(self, rows: list[list[pk.Piece]]) -> Any:
+        if self._gpu is not None:  # gdsload.frontend.tokens_gpu: KvikIO into a device ring slot
+            return self._gpu.make(rows)
         self._fetch({p[0] for row in rows for p in row})
         return pk.assemble(rows, self.seq_len, lambda p: self._docs[p[0]][p[1]:p[1] + p[2]], self.pad_id)
 
-    def _hand_out(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    def _hand_out(self, arrays: Any) -> dict[str, Any]:
+        if self._gpu is not None:
+            return self._gpu.hand_out(arrays)
         return {k: as_output(v, self.output, self.device) for k, v in arrays.items()}
 
     # -- documents -----------------------------------------------------------------------------
@@ -518,10 +527,14 @@ class _Pass:
         self._q: queue.Queue = queue.Queue(maxsize=max(1, loader.prefetch))
 
     def start(self) -> None:
+        if self._loader._gpu is not None:
+            self._loader._gpu.begin_pass()
         if self._loader.prefetch > 0:
             self._thread = threading.Thread(target=_produce, args=(self._gen, self._q, self._halt),
                                             name="gdsload-tokens", daemon=True)
             self._thread.start()
+            if self._loader._gpu is not None:
+                self._loader._gpu.producer = self._thread
 
     def __iter__(self) -> _Pass:
         return self
@@ -551,8 +564,10 @@ class _Pass:
         return lo._hand_out(arrays)
 
     def _end(self) -> None:
-        self._done = True
+        was_done, self._done = self._done, True
         self._halt.set()
+        if self._loader._gpu is not None and not was_done:
+            self._loader._gpu.end_pass()  # a producer waiting for a slot wakes (RingClosed)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._loader._cursor.detach(self)

@@ -1,0 +1,153 @@
+"""TokenLoader's GPU path (`gdsload.frontend.tokens_gpu`) on the CPU, against the fakes of
+tests/gpu_fakes.py: KvikIO reads into a device ring slot, the batch assembled with CuPy, handed out
+with the image ring's streams, fences and kept-batch rule. The fake CuPy has no `arange` or
+`searchsorted`; `_kernels` adds them as the fake's arithmetic is (eager NumPy on device arrays)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import numpy as np
+import pytest
+
+import gdsload
+import gpu_fakes
+from gdsload.frontend import tokens as tokens_mod
+
+FIELDS = ("input_ids", "labels", "position_ids", "attention_mask", "cu_seqlens")
+
+
+def _kernels(monkeypatch, gpu) -> None:
+    cupy = sys.modules["cupy"]
+
+    def on_device(a):
+        out = np.asarray(a).view(gpu_fakes.FakeArray)
+        out._device_id = gpu.current()
+        gpu.keepalive.append(out)
+        gpu.allocations.append((out.__array_interface__["data"][0], out.nbytes, out._device_id))
+        return out
+
+    monkeypatch.setattr(cupy, "arange", lambda *a, dtype=None: on_device(np.arange(*a, dtype=dtype)), raising=False)
+    monkeypatch.setattr(cupy, "searchsorted", lambda a, v, side="left": on_device(
+        np.searchsorted(np.asarray(a), np.asarray(v), side=side)), raising=False)
+
+
+def _install(monkeypatch, **kw):
+    gpu = gpu_fakes.install(monkeypatch, **kw)
+    _kernels(monkeypatch, gpu)
+    return gpu
+
+
+def _host(corpus, steps, **kw):
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", eos_token="<eos>", **kw)
+    return [dict(b) for b in itertools.islice(ld, steps)]
+
+
+def _no_host_reads(monkeypatch):
+    def refuse(self, ids):
+        raise AssertionError("the GPU path read token bytes on the host")
+
+    monkeypatch.setattr(tokens_mod.TokenLoader, "_read", refuse)
+
+
+def _equal(got, want):
+    for f in FIELDS:
+        np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+        assert got[f].dtype == want[f].dtype, f
+
+
+@pytest.mark.parametrize("pack,prefetch,config_file,shuffle", [
+    ("concat", 2, False, False), ("best_fit", 0, True, True), ("concat", 1, True, True)])
+def test_device_batches_equal_host_batches_read_by_kvikio_into_device_memory(
+        monkeypatch, corpus, pack, prefetch, config_file, shuffle):
+    """Batches equal the host path's exactly; the token bytes go from KvikIO into device memory on the
+    loader's GPU (cuda:1 while the caller's current device is 0: every fresh thread binds it, or the
+    fake's reads fail without a context / with the peer-access error), never through the host."""
+    kw = dict(seq_len=96, batch_size=3, pack=pack, shuffle=shuffle, seed=3, prefetch=prefetch)
+    want = _host(corpus, 7, **kw)
+    gpu = _install(monkeypatch, devices=2, kvikio=dict(config_file=config_file))
+    _no_host_reads(monkeypatch)
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda:1", eos_token="<eos>", **kw)
+    assert ld._gpu is not None
+    got = []
+    for b in itertools.islice(ld, 7):
+        assert all(b[f]._device_id == 1 for f in FIELDS)
+        got.append({f: b[f].get() for f in FIELDS})
+    for g, w in zip(got, want, strict=True):
+        _equal(g, w)
+    reads = gpu.log_calls("kvikio_read_async") if config_file else [
+        e for e in gpu.log_calls("kvikio_pread")]
+    assert reads and not gpu.log_calls("kvikio_pread" if config_file else "kvikio_read_async")
+    if config_file:
+        assert all(e[4] == 1 for e in reads)  # into device 1's memory
+    else:
+        assert all(e[3] == 1 and e[5] for e in reads)  # on_device, device 1
+    read_bytes = sum(e[2] for e in reads)
+    staged = [e[1] for e in gpu.log_calls("h2d_staged")]  # only the piece tables (6 int64 rows)
+    assert staged and all(n % 48 == 0 for n in staged) and sum(staged) < read_bytes
+    assert ld.state_dict()["step"] == 7
+
+
+def test_torch_output_comes_by_dlpack_on_the_consumer_stream(monkeypatch, corpus):
+    import torch
+
+    kw = dict(seq_len=64, batch_size=2, prefetch=1)
+    want = _host(corpus, 4, **kw)
+    gpu = _install(monkeypatch, devices=1, torch_cuda=True)
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="torch", device="cuda", eos_token="<eos>", **kw)
+    got = []
+    for b in itertools.islice(ld, 4):
+        assert isinstance(b["input_ids"], torch.Tensor) and b["input_ids"].is_cuda
+        torch.cuda.current_stream().synchronize()  # the consumer's stream waited for the batch
+        got.append({f: b[f].numpy().copy() for f in FIELDS})
+    for g, w in zip(got, want, strict=True):
+        _equal(g, w)
+    assert gpu.log_calls("torch_to_cuda") == []  # no host batch copied up
+    waits = {e[1] for e in gpu.log_calls("wait_event")}
+    assert 0 in waits  # torch's current (legacy) stream waited for the batch's ready event
+
+
+def test_a_kept_batch_is_not_overwritten(monkeypatch, corpus):
+    """Batches kept by the caller (not copied) still hold their values after the ring went round
+    several times: their slots got other memory."""
+    kw = dict(seq_len=64, batch_size=2, prefetch=1)
+    want = _host(corpus, 10, **kw)
+    gpu = _install(monkeypatch, devices=1)
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda", eos_token="<eos>", **kw)
+    kept = [b for b in itertools.islice(ld, 10)]  # 10 batches through a ring of 3 slots
+    gpu.synchronize_all()
+    for g, w in zip(kept, want, strict=True):
+        _equal({f: g[f].get() for f in FIELDS}, w)
+    assert ld._gpu.ring.stats()["replaced"] > 0
+
+
+def test_a_new_pass_and_a_resume_on_the_device_path(monkeypatch, corpus):
+    """iter() again continues from the state (the ring reset, the producer woken and joined);
+    a state loaded mid-epoch resumes with the host path's batches."""
+    kw = dict(seq_len=80, batch_size=2, prefetch=2, shuffle=True)
+    want = _host(corpus, 6, **kw)
+    _install(monkeypatch, devices=1)
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda", eos_token="<eos>", **kw)
+    got = [{f: b[f].get() for f in FIELDS} for b in itertools.islice(iter(ld), 2)]
+    got += [{f: b[f].get() for f in FIELDS} for b in itertools.islice(iter(ld), 2)]
+    st = ld.state_dict()
+    other = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda", eos_token="<eos>", **kw)
+    other.load_state_dict(st)
+    got += [{f: b[f].get() for f in FIELDS} for b in itertools.islice(iter(other), 2)]
+    for g, w in zip(got, want, strict=True):
+        _equal(g, w)
+
+
+@pytest.mark.parametrize("why", ["no kvikio", "verify full"])
+def test_without_kvikio_or_with_verify_full_the_host_path_is_kept(monkeypatch, corpus, why):
+    kw = dict(seq_len=64, batch_size=2, prefetch=1)
+    want = _host(corpus, 3, **kw)
+    gpu = _install(monkeypatch, devices=1, kvikio=why != "no kvikio")
+    data = gdsload.Dataset(str(corpus.tokens), verify="full") if why == "verify full" else str(corpus.tokens)
+    ld = gdsload.TokenLoader(data, output="numpy", device="cuda", eos_token="<eos>", **kw)
+    assert ld._gpu is None
+    got = [{f: b[f].get() for f in FIELDS} for b in itertools.islice(ld, 3)]
+    for g, w in zip(got, want, strict=True):
+        _equal(g, w)
+    assert not gpu.log_calls("kvikio_pread") and not gpu.log_calls("kvikio_read_async")
