@@ -151,3 +151,36 @@ def test_without_kvikio_or_with_verify_full_the_host_path_is_kept(monkeypatch, c
     for g, w in zip(got, want, strict=True):
         _equal(g, w)
     assert not gpu.log_calls("kvikio_pread") and not gpu.log_calls("kvikio_read_async")
+
+
+def test_a_slot_is_not_rewritten_under_a_consumer_kernel_on_a_side_stream(monkeypatch, corpus):
+    """The consumer's kernels reading batch k are only queued when it asks for batch k+1: the
+    release fence recorded on its stream is waited for before the slot is written again (without
+    it, the queued kernel read a later batch's rows)."""
+    import ctypes
+    import time
+
+    kw = dict(seq_len=64, batch_size=2, prefetch=1)
+    want = _host(corpus, 8, **kw)
+    gpu = _install(monkeypatch, devices=1)
+    cupy = sys.modules["cupy"]
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda", eos_token="<eos>", **kw)
+    side = cupy.cuda.Stream(non_blocking=True)
+    snaps: list[np.ndarray] = []
+
+    def read(ptr, shape):  # what a kernel holds: an address, not the array (which would keep the batch)
+        buf = (ctypes.c_char * (int(np.prod(shape)) * 8)).from_address(ptr)
+        return np.frombuffer(buf, np.int64).reshape(shape).copy()
+
+    with side:  # the consumer's current stream, as under `torch.cuda.stream(s)`
+        for b in itertools.islice(ld, 8):
+            x = b["input_ids"]
+            at = (x.__cuda_array_interface__["data"][0], x.shape)
+            del x, b
+            side.enqueue(lambda at=at: snaps.append(read(*at)), "consumer kernel")
+            time.sleep(0.02)  # the producer gets every chance to run ahead
+        side.synchronize()
+    assert len(snaps) == 8
+    for g, w in zip(snaps, want, strict=True):
+        np.testing.assert_array_equal(g, w["input_ids"])
+    assert ld._gpu.ring.stats()["replaced"] == 0  # nothing kept: the same memory, fenced
