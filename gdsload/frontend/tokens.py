@@ -378,6 +378,8 @@ class TokenLoader:
                     arrays = None if ends else self._batch(rows[self.rank::self.world_size])
                     if isinstance(mixed, _StreamedEpoch) and not (ends or last):
                         mixed.forget(_base(nxt))  # the documents this step's rows took are cached now
+                if self._gpu is not None and arrays is not None:  # planned: a ring slot is waited
+                    arrays = self._gpu.make(arrays)  # for outside the lock (state_dict takes it)
                 yield arrays, after
                 if ends or last:
                     return
@@ -387,8 +389,8 @@ class TokenLoader:
                 mixed.close()
 
     def _batch(self, rows: list[list[pk.Piece]]) -> Any:
-        if self._gpu is not None:  # gdsload.frontend.tokens_gpu: KvikIO into a device ring slot
-            return self._gpu.make(rows)
+        if self._gpu is not None:  # gdsload.frontend.tokens_gpu: planned here, read by `_steps`
+            return self._gpu.plan(rows)
         self._fetch({p[0] for row in rows for p in row})
         return pk.assemble(rows, self.seq_len, lambda p: self._docs[p[0]][p[1]:p[1] + p[2]], self.pad_id)
 

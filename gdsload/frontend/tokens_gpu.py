@@ -177,8 +177,9 @@ class DevicePath:
         table[0, -1] = len(rows) * s
         return extents, outs, table
 
-    def make(self, rows: list[list[pk.Piece]]) -> DeviceBatch:
-        """Read and assemble this rank's `rows` into the next ring slot (on the producer's thread)."""
+    def make(self, planned: tuple[list[Any], list[int], np.ndarray]) -> DeviceBatch:
+        """Read and assemble a step `plan` made into the next ring slot (on the producer's thread,
+        outside the loader's lock: it may wait for a slot the consumer holds)."""
         import cupy
 
         seq = self._made
@@ -187,7 +188,7 @@ class DevicePath:
             slot = self.ring.acquire(seq)
             try:
                 slot.wait_fence()  # the consumer's queued work on the slot's last batch is done
-                extents, outs, table = self.plan(rows)
+                extents, outs, table = planned
                 if extents:
                     self.backend.read(extents, slot.flat, [self._base + o for o in outs]).result()
                 with self.streams.producing():

@@ -184,3 +184,68 @@ def test_a_slot_is_not_rewritten_under_a_consumer_kernel_on_a_side_stream(monkey
     for g, w in zip(snaps, want, strict=True):
         np.testing.assert_array_equal(g, w["input_ids"])
     assert ld._gpu.ring.stats()["replaced"] == 0  # nothing kept: the same memory, fenced
+
+
+def test_a_whole_epoch_with_its_padded_last_step_equals_the_host_path(monkeypatch, corpus):
+    """Every step of an epoch, the padded last one included (rows, or parts of rows, of padding),
+    then the end of the epoch and the next epoch's first step."""
+    kw = dict(seq_len=4096, batch_size=8, pack="best_fit", shuffle=True, prefetch=2)
+    host = gdsload.TokenLoader(str(corpus.tokens), output="numpy", eos_token="<eos>", **kw)
+    want = [dict(b) for b in host]
+    _install(monkeypatch, devices=1)
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda", eos_token="<eos>", **kw)
+    got = [{f: b[f].get() for f in FIELDS} for b in ld]
+    assert len(got) == len(want) > 1
+    assert (want[-1]["attention_mask"] == 0).any()  # the last step is padded
+    for g, w in zip(got, want, strict=True):
+        _equal(g, w)
+    assert ld.epoch == 1
+    _equal({f: v.get() for f, v in next(iter(ld)).items()}, next(iter(host)))
+
+
+@pytest.fixture(scope="module")
+def two_parts(corpus, tmp_path_factory):
+    import json
+
+    from gdsload.convert.tokens import convert_corpus
+
+    root = tmp_path_factory.mktemp("tokgpu_mix")
+    out = []
+    for name, keep in (("short", lambda d: len(d) < 1500), ("long", lambda d: len(d) >= 1500)):
+        src = root / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus.docs[:300] if keep(d)))
+        convert_corpus(str(src), str(root / name), tokenizer=str(corpus.tokenizer_json), workers=1,
+                       shard_size=256 << 10, chunk_tokens=32 << 10)
+        out.append(str(root / name))
+    return out
+
+
+def test_a_mix_on_the_device_path_and_state_dict_while_the_producer_waits_for_a_slot(monkeypatch, two_parts):
+    """A mix's batches equal the host path's; `state_dict()` (which takes the loader's lock) after
+    each batch, kept, while the prefetch thread waits for the slot released last (its batch still
+    referenced: it waits for the consumer's next release): the thread waits outside that lock
+    (before: it held it in `Ring.acquire`, and `state_dict()` never returned)."""
+    import threading
+    import time
+
+    kw = dict(seq_len=128, batch_size=2, prefetch=1, shuffle=True, seed=5, eos_token="<eos>", output="numpy")
+    host = gdsload.TokenLoader(gdsload.Mix(two_parts, weights=[1, 2]), **kw)
+    want = [dict(b) for b in itertools.islice(host, 5)]
+    _install(monkeypatch, devices=1)
+    ld = gdsload.TokenLoader(gdsload.Mix(two_parts, weights=[1, 2]), device="cuda", **kw)
+    assert ld._gpu is not None
+    got, states = [], []
+
+    def consume():  # keeps every batch: the producer waits for the slot released last, not referenced
+        for b in itertools.islice(ld, 5):
+            got.append(b)
+            time.sleep(0.1)  # the producer runs ahead until it waits for a slot
+            states.append(ld.state_dict())
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "state_dict() waited for the prefetch thread, which waited for a slot"
+    assert [s["step"] for s in states] == [1, 2, 3, 4, 5]
+    for g, w in zip(got, want, strict=True):
+        _equal({f: g[f].get() for f in FIELDS}, w)
