@@ -13,6 +13,10 @@ against its CRC32 in the index (unless the `Dataset` was opened with ``verify=No
 from the index, so packing reads no tokens. A text dataset (converted without ``--tokenizer``)
 needs ``tokenizer=``: every rank tokenizes the documents of each global step (lengths are known
 only after tokenizing; `encode_batch` per block of `BLOCK` documents), and ``len()`` is not known.
+With ``device="cuda"`` and KvikIO, a token dataset on local disk takes the GPU path
+(`gdsload.frontend.tokens_gpu`: each step's pieces read into a device ring, the batch assembled
+there; its CRC32s are not checked, as for `.npy` rows read into GPU memory; ``verify="full"`` keeps
+the host path).
 
 State (`gdsload.plan.pack.TokenState`): the plan's fields (``position`` counts documents of the
 epoch order) plus ``step``, the packing's carry-over (``offset`` of a document cut by ``concat``,

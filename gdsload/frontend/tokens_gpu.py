@@ -21,7 +21,10 @@ private stream (`KvikioBackend.order_on`), the assembly on that stream with a re
 consumer's stream waits for, a release fence recorded on the consumer's stream when it moves on
 (and a drop fence when a kept field is let go) that a producer waits for before the slot is
 written again; a batch the caller keeps is never written over (the ring gives its slot other
-memory). Slots: ``prefetch + 2`` (the steps made ahead, the one being made, the one handed out).
+memory). Slots: ``prefetch + 2`` (the steps made ahead, the one being made, the one handed out),
+at least 3: with ``prefetch=0`` the caller's thread makes each step, and the slot it writes must not
+be the one it released last (the ring waits for that batch to be let go, or for another release:
+from the same thread, a wait without end when the caller keeps its batches).
 
 Verify, as the image GPU path does for tensors read into device memory: the CRC32s are not
 checked on this path (there is no CRC32 on the GPU, and a piece is often part of a document while
@@ -102,7 +105,7 @@ class DevicePath:
             return streams.release_fence(same_thread=False) if streams is not None else None
 
         with cupy.cuda.Device(self.ordinal):
-            self.ring = Ring(spec, lo.prefetch + 2, device=f"cuda:{self.ordinal}", flat={"__tokens__"},
+            self.ring = Ring(spec, max(3, lo.prefetch + 2), device=f"cuda:{self.ordinal}", flat={"__tokens__"},
                              private={"__tokens__"}, drop_fence=drop_fence)
         self.backend = open_backend("kvikio", device_id=self.ordinal)
         self.backend.register(self.ring.arena)

@@ -205,23 +205,32 @@ def test_a_whole_epoch_with_its_padded_last_step_equals_the_host_path(monkeypatc
 
 @pytest.fixture(scope="module")
 def two_parts(corpus, tmp_path_factory):
+    """Two token datasets of one tokenizer: short documents stored as uint16, long ones as uint32
+    (`token_dtype` forced while converting it: a vocabulary over 65,536 would take minutes to train),
+    so the device path assembles ids from 2- and 4-byte tokens in one batch."""
     import json
 
     from gdsload.convert.tokens import convert_corpus
+    from gdsload.format import tokens as tf
 
     root = tmp_path_factory.mktemp("tokgpu_mix")
     out = []
-    for name, keep in (("short", lambda d: len(d) < 1500), ("long", lambda d: len(d) >= 1500)):
+    real = tf.token_dtype
+    for name, keep, dtype in (("short", lambda d: len(d) < 1500, None), ("long", lambda d: len(d) >= 1500, "<u4")):
         src = root / f"{name}.jsonl"
         src.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus.docs[:300] if keep(d)))
-        convert_corpus(str(src), str(root / name), tokenizer=str(corpus.tokenizer_json), workers=1,
-                       shard_size=256 << 10, chunk_tokens=32 << 10)
+        tf.token_dtype = (lambda v, dtype=dtype: np.dtype(dtype)) if dtype else real
+        try:
+            convert_corpus(str(src), str(root / name), tokenizer=str(corpus.tokenizer_json), workers=1,
+                           shard_size=256 << 10, chunk_tokens=32 << 10)
+        finally:
+            tf.token_dtype = real
         out.append(str(root / name))
     return out
 
 
 def test_a_mix_on_the_device_path_and_state_dict_while_the_producer_waits_for_a_slot(monkeypatch, two_parts):
-    """A mix's batches equal the host path's; `state_dict()` (which takes the loader's lock) after
+    """A mix's batches (2- and 4-byte tokens) equal the host path's; `state_dict()` (which takes the loader's lock) after
     each batch, kept, while the prefetch thread waits for the slot released last (its batch still
     referenced: it waits for the consumer's next release): the thread waits outside that lock
     (before: it held it in `Ring.acquire`, and `state_dict()` never returned)."""
@@ -233,7 +242,7 @@ def test_a_mix_on_the_device_path_and_state_dict_while_the_producer_waits_for_a_
     want = [dict(b) for b in itertools.islice(host, 5)]
     _install(monkeypatch, devices=1)
     ld = gdsload.TokenLoader(gdsload.Mix(two_parts, weights=[1, 2]), device="cuda", **kw)
-    assert ld._gpu is not None
+    assert ld._gpu is not None and [d.itemsize for d in ld._dtypes] == [2, 4]
     got, states = [], []
 
     def consume():  # keeps every batch: the producer waits for the slot released last, not referenced
@@ -248,4 +257,23 @@ def test_a_mix_on_the_device_path_and_state_dict_while_the_producer_waits_for_a_
     assert not t.is_alive(), "state_dict() waited for the prefetch thread, which waited for a slot"
     assert [s["step"] for s in states] == [1, 2, 3, 4, 5]
     for g, w in zip(got, want, strict=True):
+        _equal({f: g[f].get() for f in FIELDS}, w)
+
+
+def test_prefetch_0_keeping_every_batch_does_not_wait_for_itself(monkeypatch, corpus):
+    """prefetch=0 makes each step on the caller's thread: the slot it writes must not be the one
+    the caller released last (the ring would wait for the caller to let that batch go, or to
+    release another one: the same thread, waiting). Kept batches keep their values."""
+    import threading
+
+    kw = dict(seq_len=64, batch_size=2, prefetch=0)
+    want = _host(corpus, 6, **kw)
+    _install(monkeypatch, devices=1)
+    ld = gdsload.TokenLoader(str(corpus.tokens), output="numpy", device="cuda", eos_token="<eos>", **kw)
+    kept: list = []
+    t = threading.Thread(target=lambda: kept.extend(itertools.islice(ld, 6)), daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "the step waited for a batch the same thread keeps"
+    for g, w in zip(kept, want, strict=True):
         _equal({f: g[f].get() for f in FIELDS}, w)
