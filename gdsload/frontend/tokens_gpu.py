@@ -136,15 +136,6 @@ class DevicePath:
         if held is not None:
             self.ring.release(held, fence=self.streams.release_fence())
 
-    def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-        if self.backend is not None:
-            self.backend.close()
-        if self.streams is not None:
-            self.streams.synchronize()
-        self.ring = self.backend = self.streams = None
-
     # -- the producer ----------------------------------------------------------------------------
     def plan(self, rows: list[list[pk.Piece]]) -> tuple[list[Any], list[int], np.ndarray]:
         """(extents, their offsets in ``__tokens__``, the piece table [6, pieces + 1]): rows
