@@ -13,12 +13,12 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gdsload import sizes
+from gdsload.cli.signals import Terminated, sigterm_interrupts  # noqa: F401  (gdsload.cli.Terminated)
 from gdsload.errors import GdsloadError
 
 parse_size = sizes.argparse_size  # a size argument (`512MB`, `1GiB`; rules in `gdsload.sizes`)
@@ -30,29 +30,6 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n}"
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, delivered as an interrupt so that it unwinds (and stops workers) as Ctrl-C does."""
-
-    signum = signal.SIGTERM
-
-
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """Within: SIGTERM raises `Terminated` in the main thread (elsewhere: left as it is)."""
-    def handler(signum: int, frame: object) -> None:
-        raise Terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # -- commands ------------------------------------------------------------------------------------

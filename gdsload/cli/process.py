@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
+
+from gdsload.cli.signals import sigterm_interrupts
 
 
 def _frames(text: str) -> tuple[float, int]:
@@ -68,30 +67,6 @@ def add_process_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM during a pass: unwinds as Ctrl-C does (the unit's open shard is dropped, workers
-    stopped); `gdsload.cli.run` exits 143. (`gdsload.cli.sigterm_interrupts`'s twin: this module
-    is imported by `gdsload.cli`, so it does not import it back.)"""
-
-    signum = signal.SIGTERM
-
-
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise Terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def cmd_process(a: argparse.Namespace) -> int:
     from gdsload.preprocess.options import MAX_HOURS
     from gdsload.preprocess.run import process
@@ -102,7 +77,7 @@ def cmd_process(a: argparse.Namespace) -> int:
 
         raise GdsloadError(f"--feed {a.feed}: decoding a pass on feed servers needs the feed's priorities, not in "
                            f"this version; run without --feed (--workers N or --engine ray spread it)")
-    with _sigterm_interrupts():
+    with sigterm_interrupts():
         r = process(a.src, a.dst, a.fn, frames=a.frames, speech=a.speech, fields=a.fields, size=a.size,
                     batch_size=a.batch_size, shard_size=a.shard_size, workers=a.workers, on_error=a.on_error,
                     resume=a.resume, overwrite=a.overwrite, feed=a.feed, priority=a.priority, engine=a.engine,
