@@ -48,46 +48,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import random
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from gdsload.bench.textgen import stdlib_documents  # noqa: E402  (this checkout's gdsload)
 
 
 # -- the corpus -------------------------------------------------------------------------------
-def documents(chars: int) -> list[str]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.rglob("*.py")) + [stdlib / "LICENSE.txt"]
-    rng = random.Random(51)
-    docs, total = [], 0
-    for f in files:
-        try:
-            lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
-        except (OSError, UnicodeDecodeError):
-            continue
-        i = 0
-        while i < len(lines) and total < chars:
-            want = int(math.exp(rng.uniform(math.log(40), math.log(30_000))))
-            doc, n = [], 0
-            while i < len(lines) and n < want:
-                doc.append(lines[i])
-                n += len(lines[i])
-                i += 1
-            docs.append("".join(doc))
-            total += n
-        if total >= chars:
-            break
-    return docs
-
-
 def ensure_corpus(work: Path, chars: int, tokenizer: str | None, vocab: int) -> dict[str, Path]:
     """corpus.jsonl, tokenizer.json, tokens/ and text/ under work/c{chars}, made once."""
     base = work / f"c{chars}-v{vocab}" if tokenizer is None else work / f"c{chars}-{Path(tokenizer).stem}"
@@ -95,7 +68,7 @@ def ensure_corpus(work: Path, chars: int, tokenizer: str | None, vocab: int) -> 
     out = {"jsonl": base / "corpus.jsonl", "tokenizer": base / "tokenizer.json", "tokens": base / "tokens",
            "text": base / "text", "litdata": base / "litdata"}
     if not out["jsonl"].is_file():
-        docs = documents(chars)
+        docs = stdlib_documents(chars, recursive=True)
         tmp = out["jsonl"].with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for d in docs:

@@ -3,51 +3,23 @@ converted into token shards: what the token tests share (tests/tokens/conftest.p
 session's corpus with it; the test files import names from here, never from `conftest`, which
 is a different module in every test folder).
 
-Documents: Python's own standard-library sources (the `.py` files of this interpreter's stdlib
-folder, sorted by name), each cut at line ends into documents whose lengths are drawn
-log-uniformly between 40 and 30,000 characters (a seeded `random.Random`), so the corpus holds
-one-line documents up to ones many rows long; plus the license texts of the stdlib's LICENSE.txt
-cut the same way. Nothing is repeated or generated.
+Documents: `gdsload.bench.textgen.stdlib_documents` (this interpreter's stdlib sources and
+licence cut at line ends into documents of 40 to 30,000 characters; bench/token_bench.py's corpus
+is the same text, bigger).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
-import sysconfig
 from pathlib import Path
 
 import numpy as np
+
+from gdsload.bench.textgen import stdlib_documents
 CORPUS_CHARS = 3_000_000  # text taken, about 1 M tokens with the tokenizer below
 VOCAB = 2000
 SPECIAL = ["<unk>", "<eos>", "<pad>"]
 SHARD_SIZE, CHUNK_TOKENS = 512 << 10, 128 << 10
-
-
-def _documents() -> list[str]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py")) + [stdlib / "LICENSE.txt"]
-    rng = random.Random(51)
-    docs, total = [], 0
-    for f in files:
-        try:
-            lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
-        except (OSError, UnicodeDecodeError):
-            continue
-        i = 0
-        while i < len(lines) and total < CORPUS_CHARS:
-            want = int(math.exp(rng.uniform(math.log(40), math.log(30_000))))
-            doc, n = [], 0
-            while i < len(lines) and n < want:
-                doc.append(lines[i])
-                n += len(lines[i])
-                i += 1
-            docs.append("".join(doc))
-            total += n
-        if total >= CORPUS_CHARS:
-            break
-    return docs
 
 
 def train_tokenizer(docs: list[str], vocab: int = VOCAB):
@@ -65,7 +37,7 @@ def train_tokenizer(docs: list[str], vocab: int = VOCAB):
 class Corpus:
     def __init__(self, root: Path):
         self.root = root
-        self.docs = _documents()
+        self.docs = stdlib_documents(CORPUS_CHARS)
         self.jsonl = root / "corpus.jsonl"
         with open(self.jsonl, "w", encoding="utf-8") as f:
             for d in self.docs:
