@@ -400,6 +400,18 @@ def _ours(name: str) -> bool:
     )
 
 
+def refuse_foreign(where: str, entries: list[str]) -> None:
+    """Refuse a destination holding files gdsload does not write (gdsload's own names are trusted
+    only beside a manifest or an interrupted run's state): convert, the writer and a pass."""
+    ours = mf.MANIFEST in entries or STATE_DIR in entries
+    foreign = sorted(n for n in entries if not (ours and _ours(n)))
+    if foreign:
+        raise DestinationError(
+            f"{where} is not empty and holds files that are not gdsload's ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
+        )
+
+
 def _clean(dst: Store) -> None:
     dst.remove(mf.MANIFEST)  # first: the folder stops looking complete
     for name in dst.list():
@@ -458,8 +470,6 @@ def prepare_destination(dst: Store, opts: ConvertOptions, fp: str,
     entries = [n for n in dst.list() if n != LOCK]
     if entries:
         has_manifest, has_state = mf.MANIFEST in entries, STATE_DIR in entries
-        ours = has_manifest or has_state
-        foreign = sorted(n for n in entries if not (ours and _ours(n)))
         if has_manifest and not opts.overwrite:
             raise DestinationError(
                 f"{where} already holds a dataset ({mf.MANIFEST} exists); pass --overwrite to replace it"
@@ -469,11 +479,7 @@ def prepare_destination(dst: Store, opts: ConvertOptions, fp: str,
                 f"{where} holds an interrupted conversion; pass --resume to continue it or "
                 f"--overwrite to start over"
             )
-        if foreign:
-            raise DestinationError(
-                f"{where} is not empty and holds files that are not gdsload's ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
-            )
+        refuse_foreign(where, entries)
         if opts.resume and has_state and not has_manifest and dst.exists(f"{STATE_DIR}/{PLAN}"):
             # (no plan: the run stopped before writing it, e.g. on a full disk, and wrote no
             # shard record either, since those are written only next to a plan: start afresh)

@@ -62,6 +62,7 @@ from gdsload.convert.engine import (
     STATE_DIR,
     _clean,
     _ours,
+    refuse_foreign,
     validate_image,
 )
 from gdsload.convert.shards import ShardFile, make_manifest, shard_name
@@ -255,11 +256,7 @@ class ShardWriter:
             if (m.get("created") or {}).get("fingerprint") == self.fingerprint:
                 self.manifest = m  # this very run finished already: nothing to do
                 return
-        foreign = sorted(n for n in entries if not ((has_manifest or has_state) and _ours(n)))
-        if foreign:
-            raise DestinationError(
-                f"{store.root} is not empty and holds files that are not gdsload's ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder")
+        refuse_foreign(store.root, entries)
         if has_manifest and not overwrite:
             raise DestinationError(f"{store.root} already holds a dataset ({mf.MANIFEST} exists); pass "
                                    f"overwrite=True to replace it or append=True to add to it")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
-from gdsload.convert.engine import REJECTED, STATE_DIR, _clean, _ours
+from gdsload.convert.engine import REJECTED, STATE_DIR, _clean, _ours, refuse_foreign
 from gdsload.dataset.sharded import ShardedDataset
 from gdsload.errors import DestinationError, InputError
 from gdsload.format import manifest as mf
@@ -168,10 +168,7 @@ def _prepare(store: Any, record: dict[str, Any], resume: bool, overwrite: bool) 
         if made:
             raise DestinationError(f"{store.root} holds a finished pass with {_differs(made, record)}; pass "
                                    f"overwrite=True (--overwrite) to replace it")
-    foreign = sorted(n for n in entries if not ((has_manifest or has_state) and _ours(n)))
-    if foreign:
-        raise DestinationError(f"{store.root} is not empty and holds files that are not gdsload's "
-                               f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder")
+    refuse_foreign(store.root, entries)
     if has_manifest and not overwrite:
         raise DestinationError(f"{store.root} already holds a dataset ({mf.MANIFEST} exists); pass overwrite=True "
                                f"(--overwrite) to replace it")
