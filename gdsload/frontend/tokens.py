@@ -64,7 +64,7 @@ import numpy as np
 
 from gdsload.errors import ConfigError, CorruptDataError, FormatError, PassStopped, StateError
 from gdsload.format import tokens as tf
-from gdsload.format.crc import crc32
+from gdsload.format.crc import first_mismatch
 from gdsload.format.manifest import dataset_id
 from gdsload.frontend.cursor import Cursor
 from gdsload.frontend.output import as_output, default_output
@@ -443,28 +443,38 @@ class TokenLoader:
         return out
 
     def _fetch(self, ids: Any) -> None:
-        """Put documents `ids` in the document cache (read and checked, or tokenized)."""
-        missing = sorted({int(i) for i in ids} - self._docs.keys())
-        for i in ids:
-            if int(i) in self._docs:
-                self._docs.move_to_end(int(i))
+        """Put documents `ids` in the document cache (read and checked, or tokenized): int64 ids,
+        eos appended, made in one NumPy pass for all the missing documents together."""
+        want = {int(i) for i in ids}
+        docs = self._docs
+        for i in want & docs.keys():
+            docs.move_to_end(i)
+        missing = sorted(want - docs.keys())
         if missing:
             if self._served is not None:
                 got = [self._stream.doc(i) for i in missing]
             else:
                 got = self._tokenize(missing) if self.meta is None else self._read(missing)
-            eos = [] if self.eos_id is None else [self.eos_id]
-            for i, arr in zip(missing, got):
-                arr = np.concatenate([arr.astype(np.int64), np.asarray(eos, np.int64)])
-                self._docs[i] = arr
-                self._docs_tokens += len(arr)
-        keep = set(int(i) for i in ids)
-        while self._docs_tokens > self._docs_limit and len(self._docs) > len(keep):
-            i, arr = next(iter(self._docs.items()))
-            if i in keep:
-                self._docs.move_to_end(i)
+            lens = np.fromiter(map(len, got), np.int64, len(got))
+            flat = np.concatenate(got) if got else np.zeros(0, np.int64)
+            if self.eos_id is None:
+                ends, whole = np.cumsum(lens), flat.astype(np.int64)
+            else:  # each document's eos after its ids
+                ends = np.cumsum(lens + 1)
+                whole = np.empty(int(ends[-1]), np.int64)
+                keep = np.ones(len(whole), bool)
+                keep[ends - 1] = False
+                whole[keep] = flat
+                whole[ends - 1] = self.eos_id
+            for i, a, b in zip(missing, [0, *ends[:-1].tolist()], ends.tolist()):
+                docs[i] = whole[a:b]
+            self._docs_tokens += len(whole)
+        while self._docs_tokens > self._docs_limit and len(docs) > len(want):
+            i, arr = next(iter(docs.items()))
+            if i in want:
+                docs.move_to_end(i)
                 continue
-            del self._docs[i]
+            del docs[i]
             self._docs_tokens -= len(arr)
 
     def _tokenize(self, ids: list[int]) -> list[np.ndarray]:
@@ -476,40 +486,41 @@ class TokenLoader:
 
     def _read(self, ids: list[int]) -> list[np.ndarray]:
         """Token ids of documents `ids` (sorted), read as stored: per shard, documents in runs
-        at most `_GAP` bytes apart are one read; each checked against its CRC32."""
+        at most `_GAP` bytes apart are one read; each checked against its CRC32 (a run of
+        back-to-back documents in one call: `gdsload.format.crc.first_mismatch`)."""
         out: dict[int, np.ndarray] = {}
         arr = np.asarray(ids, np.int64)
         shards = self._shard_of(arr)
         for s in np.unique(shards).tolist():
             part, local_shard = self._shards[s]
             src, dtype = self._parts[part], self._dtypes[part]
-            item = dtype.itemsize
             table, offsets = self._table(s)
             sel_ids = arr[shards == s]
             local = sel_ids - self._doc_start[s]
+            by = np.argsort(offsets[local], kind="stable")
+            sel_ids, local = sel_ids[by], local[by]
             off = offsets[local]
-            size = table.ntokens[local].astype(np.int64) * item
-            by = np.argsort(off, kind="stable")
-            k = 0
-            while k < len(by):
-                j = k
-                end = off[by[k]] + size[by[k]]
-                while j + 1 < len(by) and off[by[j + 1]] - end <= _GAP:
-                    j += 1
-                    end = max(end, off[by[j]] + size[by[j]])
-                lo = int(off[by[k]])
-                blob = src.read_extent(local_shard, lo, int(end) - lo) if end > lo else b""
-                for t in by[k:j + 1].tolist():
-                    d = int(local[t])
-                    raw = memoryview(blob)[int(off[t]) - lo:int(off[t]) - lo + int(size[t])]
-                    if self._verify and crc32(raw) != int(table.crc[d]):
+            size = table.ntokens[local].astype(np.int64) * dtype.itemsize
+            end = off + size
+            # a run starts where a document begins more than _GAP bytes after the run's end so far
+            cut = np.flatnonzero(off[1:] - np.maximum.accumulate(end)[:-1] > _GAP) + 1
+            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(off)]):
+                lo, hi = int(off[a]), int(end[a:b].max())
+                blob = src.read_extent(local_shard, lo, hi - lo) if hi > lo else b""
+                rel = off[a:b] - lo
+                if self._verify:
+                    bad = first_mismatch(memoryview(blob), rel, size[a:b], table.crc[local[a:b]].astype(np.int64))
+                    if bad is not None:
+                        t = a + bad[0]
                         raise CorruptDataError(
-                            f"{src.shard_path(local_shard)}: document {d} of the shard (offset {int(off[t])}, "
-                            f"{int(size[t])} bytes) fails its CRC32 check: the shard is damaged; re-run gdsload convert")
-                    out[int(sel_ids[t])] = np.frombuffer(raw, dtype)
-                k = j + 1
+                            f"{src.shard_path(local_shard)}: document {int(local[t])} of the shard (offset "
+                            f"{int(off[t])}, {int(size[t])} bytes) fails its CRC32 check: the shard is damaged; "
+                            f"re-run gdsload convert")
+                toks = np.frombuffer(blob, dtype, count=(hi - lo) // dtype.itemsize)
+                first, count = (rel // dtype.itemsize).tolist(), (size[a:b] // dtype.itemsize).tolist()
+                for i, f, n in zip(sel_ids[a:b].tolist(), first, count):
+                    out[i] = toks[f:f + n]
         return [out[i] for i in ids]
-
 
 
 _END = object()

@@ -223,32 +223,63 @@ def assemble(rows: Sequence[Sequence[Piece]], seq_len: int, tokens: Callable[[Pi
     offset in its document counting on (0 at a document's start); ``attention_mask`` (int64): 1 on
     tokens, 0 on padding; ``cu_seqlens`` (int32): the boundaries of the pieces over the flattened
     batch, each row's padding one sequence of its own, from 0 to ``B * seq_len`` (FlashAttention's
-    varlen layout; the rows' ends are boundaries)."""
+    varlen layout; the rows' ends are boundaries).
+
+    Vectorised: one `tokens` call per piece, then whole-batch NumPy (no loop over tokens or
+    rows); a batch whose rows are all full (every ``concat`` step but the last) is the pieces'
+    ids end to end, reshaped."""
     b = len(rows)
-    ids = np.full((b, seq_len), pad_id, np.int64)
-    labels = np.full((b, seq_len), IGNORE, np.int64)
-    pos_ids = np.zeros((b, seq_len), np.int64)
-    mask = np.zeros((b, seq_len), np.int64)
-    cu = [0]
-    for r, row in enumerate(rows):
-        at = 0
-        for piece in row:
-            _, start, n = piece
-            got = tokens(piece)
-            if len(got) != n:
-                raise ValueError(f"tokens({piece}) gave {len(got)} ids, expected {n}")
-            ids[r, at:at + n] = got
-            labels[r, at:at + n] = got
-            if start == 0:
-                labels[r, at] = IGNORE
-            pos_ids[r, at:at + n] = np.arange(start, start + n)
-            mask[r, at:at + n] = 1
-            at += n
-            cu.append(r * seq_len + at)
-        if at < seq_len:
-            cu.append((r + 1) * seq_len)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos_ids, "attention_mask": mask,
-            "cu_seqlens": np.asarray(cu, np.int32)}
+    flat = [p for row in rows for p in row]
+    counts = np.fromiter((len(row) for row in rows), np.int64, b)
+    if not flat:
+        cu = np.arange(b + 1, dtype=np.int32) * seq_len
+        return {"input_ids": np.full((b, seq_len), pad_id, np.int64),
+                "labels": np.full((b, seq_len), IGNORE, np.int64),
+                "position_ids": np.zeros((b, seq_len), np.int64),
+                "attention_mask": np.zeros((b, seq_len), np.int64), "cu_seqlens": cu}
+    start = np.fromiter((p[1] for p in flat), np.int64, len(flat))
+    n = np.fromiter((p[2] for p in flat), np.int64, len(flat))
+    got = [tokens(p) for p in flat]
+    have = np.fromiter(map(len, got), np.int64, len(got))
+    if (bad := np.flatnonzero(have != n)).size:
+        i = int(bad[0])
+        raise ValueError(f"tokens({flat[i]}) gave {int(have[i])} ids, expected {int(n[i])}")
+    ends = np.cumsum(n)
+    before = ends - n  # tokens of the pieces before each piece, over all rows
+    row_of = np.repeat(np.arange(b, dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts  # each row's first piece
+    row_base = np.zeros(b, np.int64)
+    has = counts > 0
+    row_base[has] = before[first[has]]
+    at = before - row_base[row_of]  # each piece's offset in its row
+    fill = np.zeros(b, np.int64)
+    np.add.at(fill, row_of, n)
+    if (over := np.flatnonzero(fill > seq_len)).size:
+        raise ValueError(f"row {int(over[0])} holds {int(fill[over[0]])} tokens, more than seq_len {seq_len}")
+    total = int(ends[-1])
+    ids = np.concatenate(got).astype(np.int64, copy=False)  # a new array: never the caller's documents
+    dest = row_of * seq_len + at  # each piece's first token, flattened
+    pos = np.repeat(start - before, n) + np.arange(total, dtype=np.int64)
+    if total == b * seq_len:  # every row full: the pieces are the batch end to end
+        input_ids, position_ids = ids.reshape(b, seq_len), pos.reshape(b, seq_len)
+        labels = input_ids.copy()
+        mask = np.ones((b, seq_len), np.int64)
+    else:
+        idx = np.repeat(dest - before, n) + np.arange(total, dtype=np.int64)
+        input_ids = np.full(b * seq_len, pad_id, np.int64)
+        input_ids[idx] = ids
+        labels = np.full(b * seq_len, IGNORE, np.int64)
+        labels[idx] = ids
+        position_ids = np.zeros(b * seq_len, np.int64)
+        position_ids[idx] = pos
+        mask = np.zeros(b * seq_len, np.int64)
+        mask[idx] = 1
+        input_ids, labels, position_ids, mask = (a.reshape(b, seq_len) for a in (input_ids, labels, position_ids, mask))
+    labels.reshape(-1)[dest[start == 0]] = IGNORE
+    row_ends = (np.flatnonzero(fill < seq_len) + 1) * seq_len
+    cu = np.sort(np.concatenate([[0], dest + n, row_ends])).astype(np.int32)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "attention_mask": mask,
+            "cu_seqlens": cu}
 
 
 # -- state ----------------------------------------------------------------------------------------

@@ -73,6 +73,49 @@ def test_assemble_fields():
     assert b["cu_seqlens"].tolist() == [0, 3, 4, 7, 8] and b["cu_seqlens"].dtype == np.int32
 
 
+def _assemble_by_loop(rows, seq, tokens, pad_id):
+    """The batch written out token by token: what the vectorised `assemble` must equal."""
+    b = len(rows)
+    ids, labels = np.full((b, seq), pad_id), np.full((b, seq), pk.IGNORE)
+    pos, mask, cu = np.zeros((b, seq)), np.zeros((b, seq)), [0]
+    for r, row in enumerate(rows):
+        at = 0
+        for piece in row:
+            for j, t in enumerate(tokens(piece)):
+                ids[r, at + j] = labels[r, at + j] = t
+                pos[r, at + j], mask[r, at + j] = piece[1] + j, 1
+            if piece[1] == 0:
+                labels[r, at] = pk.IGNORE
+            at += piece[2]
+            cu.append(r * seq + at)
+        if at < seq:
+            cu.append((r + 1) * seq)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask, "cu_seqlens": cu}
+
+
+@pytest.mark.parametrize("lengths,seq,rows", CASES)
+@pytest.mark.parametrize("pack", pk.PACKS)
+def test_assemble_equals_token_by_token(lengths, seq, rows, pack):
+    """Every step of both packings (full rows, a padded last step, empty rows, documents cut
+    mid-row) and a rank's rows: the vectorised batch is the token-by-token one, dtypes included."""
+    docs = {d: np.arange(1000 * d, 1000 * d + n, dtype=np.uint16) for d, n in enumerate(lengths)}
+    steps, _ = run(lengths, seq, rows, pack)
+    assert steps
+    for step in steps:
+        for part in (step, step[1::2]):
+            def tokens(p):
+                return docs[p[0]][p[1]:p[1] + p[2]]
+            got, want = pk.assemble(part, seq, tokens, pad_id=7), _assemble_by_loop(part, seq, tokens, 7)
+            for k, v in want.items():
+                assert got[k].tolist() == np.asarray(v).tolist(), k
+            assert all(got[k].dtype == np.int64 for k in want if k != "cu_seqlens")
+            assert got["cu_seqlens"].dtype == np.int32
+            assert not any(np.shares_memory(got[k], d) for k in want for d in docs.values())  # never a view
+    bad = [[(0, 0, 2)]]
+    with pytest.raises(ValueError, match="gave 1 ids, expected 2"):
+        pk.assemble(bad, seq, lambda p: np.zeros(1, np.int64), pad_id=0)
+
+
 def test_ten_billion_documents_plan_at_once():
     """10^10 documents in 10^4 shards, shuffled (order 2 over documents): the first steps of both
     packings in well under a second each, and no memory of the order's size."""
