@@ -27,7 +27,7 @@ _LAZY = {
     "TokenLoader": "gdsload.frontend.tokens",
     "ServedTokens": "gdsload.service.client.tokens",
     "write": "gdsload.convert.writer",
-    "process": "gdsload.preprocess.run",
+    "process": "gdsload.cli.process",  # the pass (gdsload.preprocess.run) and an address as its feed
     "VideoTransform": "gdsload.decode.video",
     "AudioTransform": "gdsload.decode.audio",
 }

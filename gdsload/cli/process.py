@@ -56,7 +56,7 @@ def add_process_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--max-hours", type=float, default=None, help="longest member decoded, hours (default 24)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted pass into DST")
     p.add_argument("--overwrite", action="store_true", help="replace the gdsload dataset in DST")
-    p.add_argument("--feed", metavar="HOST:PORT", help="decode on feed servers (not available yet)")
+    p.add_argument("--feed", metavar="HOST:PORT", help="decode on this feed server (gdsload serve), at --priority")
     p.add_argument("--priority", type=int, default=0, help="the pass's priority on the feed (with --feed)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="where units run: here / --workers processes, or Ray tasks (pip install 'gdsload[ray]')")
@@ -67,16 +67,29 @@ def add_process_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
+def process(src: Any, dst: Any, fn: Any, *, feed: Any = None, priority: int = 0, **kwargs: Any) -> dict[str, Any]:
+    """`gdsload.process`: `gdsload.preprocess.run.process` (its docstring) with `feed` given as a
+    feed server's address, `HOST:PORT`: the pass's windows are decoded there, at `priority`
+    (`gdsload.service.client.passfeed.WindowFeed`; run training at priority >= 1 so the pass
+    yields to it). Here because the pass and the feed's client are peers that do not import each
+    other (tests/test_layers.py)."""
+    from gdsload.preprocess.run import process as run_process
+
+    if isinstance(feed, str):
+        from gdsload.service.client.passfeed import WindowFeed
+
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            from gdsload.errors import InputError
+
+            raise InputError(f"process(priority={priority!r}): an integer")
+        feed = WindowFeed(feed, priority=priority)
+    return run_process(src, dst, fn, feed=feed, priority=priority, **kwargs)
+
+
 def cmd_process(a: argparse.Namespace) -> int:
     from gdsload.preprocess.options import MAX_HOURS
-    from gdsload.preprocess.run import process
 
     sys.path.insert(0, os.getcwd())
-    if a.feed:  # the library raises NotImplementedError: one line here, as every refusal
-        from gdsload.errors import GdsloadError
-
-        raise GdsloadError(f"--feed {a.feed}: decoding a pass on feed servers needs the feed's priorities, not in "
-                           f"this version; run without --feed (--workers N or --engine ray spread it)")
     with sigterm_interrupts():
         r = process(a.src, a.dst, a.fn, frames=a.frames, speech=a.speech, fields=a.fields, size=a.size,
                     batch_size=a.batch_size, shard_size=a.shard_size, workers=a.workers, on_error=a.on_error,

@@ -14,9 +14,13 @@ version, the options that decide the output (`PassOptions.record`) and `fn`'s `m
 are kept and the others run again from their last recorded shard. A finished pass with the
 same record is reported complete, nothing redone.
 
-`feed=` (decoding on feed servers at `priority`) waits for the feed's priorities (issue 49):
-it raises `NotImplementedError` for now. NVDEC decoding is not built either: frames are
-PyAV's, on the CPU (NVDEC frames would differ from these in their last bits).
+`feed=` decodes on a feed server: a `gdsload.service.client.passfeed.WindowFeed` (what
+`gdsload.process(feed="HOST:PORT", priority=...)` makes of an address: this layer does not
+import the feed). Each unit's windows come from one window request (`BatchRequest.windows`) at
+the pass's priority, decoded there by the same code (`gdsload.decode.passmedia`), so the output
+is the same, byte for byte; the source's manifest and indexes are still read here (the resume
+record, the items, progress). NVDEC decoding is not built: frames are PyAV's, on the CPU (NVDEC
+frames would differ from these in their last bits).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from gdsload.format import manifest as mf
 from gdsload.format.index import ShardIndex
 from gdsload.io.store import LOCK, load_manifest, open_store, save_manifest
 from gdsload.preprocess.options import MAX_HOURS, PassOptions, fn_name, load_fn, make_options
-from gdsload.preprocess.unit import Stages, decode_threads, kill_point, run_unit, unit_name
+from gdsload.preprocess.unit import Remote, Stages, decode_threads, kill_point, run_unit, unit_name
 
 RECORD = f"{STATE_DIR}/process.json"
 
@@ -63,10 +67,12 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
                         shard_size=shard_size, on_error=on_error, max_hours=max_hours)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InputError(f"process(priority={priority!r}): an integer")
-    if feed is not None:
-        raise NotImplementedError(
-            f"process(feed={feed!r}): decoding a pass on feed servers needs the feed's priorities (issue 49), "
-            f"not in this version; run the pass here (feed=None), with workers=N, or engine='ray'")
+    if isinstance(feed, str):
+        raise InputError(f"process(feed={feed!r}): gdsload.preprocess.run.process takes a feed object; call "
+                         f"gdsload.process (which makes one of an address) or pass a passfeed.WindowFeed")
+    if feed is not None and engine != "local":
+        raise InputError(f"process(feed=..., engine={engine!r}): a pass decoded on a feed runs here or in "
+                         f"workers (engine='local')")
     if engine not in ("local", "ray"):
         raise InputError(f"process(engine={engine!r}): 'local' or 'ray'")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
@@ -84,6 +90,7 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
     sel = select_fields(ds, opts)
     record = {"source": {"id": mf.dataset_id(ds.shards), "version": version}, "options": opts.record(),
               "fn": fn_name(fn)}
+    remote = Remote(feed, feed.check(record["source"]["id"]), record["source"]["id"], opts, sel) if feed else None
     store = open_store(str(dst))
     if store.is_file():
         raise DestinationError(f"{store.root}: exists and is not a folder")
@@ -105,11 +112,11 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
 
             results = run_ray(src, str(dst), todo, opts, sel, fn, workers, ray_address, report.unit)
         elif workers:
-            results = _run_pool(src, store.root, todo, opts, sel, fn, workers, report.unit)
+            results = _run_pool(src, store.root, todo, opts, sel, fn, workers, report.unit, remote)
         else:
             results = []
             for u in todo:
-                results.append(run_unit(ds, store, u, opts, sel, fn, progress=report.member))
+                results.append(run_unit(ds, store, u, opts, sel, fn, progress=report.member, remote=remote))
                 report.unit(results[-1])
         for r in results:
             stages.add(r["stages"])
@@ -307,25 +314,26 @@ class _Progress:
 
 
 # -- workers -------------------------------------------------------------------------------------
-_JOB: tuple | None = None  # (src, dst, opts, fields, fn): set before forking the pool
+_JOB: tuple | None = None  # (src, dst, opts, fields, fn, remote): set before forking the pool
 _THREADS: int | None = None  # decoder threads per worker (cores // workers): set before forking
 
 
 def _pool_unit(u: int) -> dict[str, Any]:
-    src, dst, opts, fields, fn = _JOB  # type: ignore[misc]
+    src, dst, opts, fields, fn, remote = _JOB  # type: ignore[misc]
     with ShardedDataset(src) as ds:
-        return run_unit(ds, open_store(dst), u, opts, fields, fn, threads=_THREADS)
+        return run_unit(ds, open_store(dst), u, opts, fields, fn, threads=_THREADS, remote=remote)
 
 
 def _run_pool(src: str, dst: str, todo: list[int], opts: PassOptions, fields: list[str], fn: Any,
-              workers: int, on_unit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+              workers: int, on_unit: Callable[[dict[str, Any]], None], remote: Remote | None = None
+              ) -> list[dict[str, Any]]:
     """Units in `workers` forked processes (`fn` inherited, never pickled); results in unit order."""
     global _JOB, _THREADS
     from gdsload.convert.engine import _stop_pool
 
     if not todo:
         return []
-    _JOB = (src, dst, opts, fields, fn)
+    _JOB = (src, dst, opts, fields, fn, remote)
     _THREADS = decode_threads(min(workers, len(todo)))
     from gdsload.preprocess.media import _av
 

@@ -46,7 +46,7 @@ from gdsload.convert.shards import ShardFile
 from gdsload.convert.writer import _check_names, encode_sample, sample_nbytes
 from gdsload.errors import DecodeError, GdsloadError, InputError
 from gdsload.format import manifest as mf
-from gdsload.preprocess.media import NoStream, RangeFile, Window, frame_windows, speech_windows
+from gdsload.decode.passmedia import NoStream, RangeFile, Window, frame_windows, speech_windows
 from gdsload.preprocess.options import PassOptions, callable_of
 
 KILL_ENV = "GDSLOAD_PROCESS_KILL"
@@ -159,11 +159,31 @@ def _windows(opts: PassOptions, f: RangeFile, skip: int, threads: int | None):
     return speech_windows(f, opts.chunk_s, skip)
 
 
+class Remote:
+    """A pass decoded on a feed server (`process(feed=...)`): the feed (`service.client.passfeed.
+    WindowFeed`, duck-typed here: this layer does not import the feed), the source's name there and
+    id, and the window spec (`PassWindows`' fields) of the pass's options."""
+
+    def __init__(self, feed: Any, name: str, dataset_id: str, opts: PassOptions, fields: list[str]):
+        self.feed, self.name, self.dataset_id = feed, name, dataset_id
+        self.spec: dict[str, Any] = {"mode": opts.mode, "fields": list(fields),
+                                     "max_seconds": opts.max_hours * 3600}
+        if opts.mode == "frames":
+            self.spec.update(fps=opts.fps, window=opts.window, size=opts.size or 0)
+        else:
+            self.spec.update(chunk_s=opts.chunk_s)
+
+    def events(self, unit: int, start: tuple[int, int, int]) -> Any:
+        return self.feed.events(self.name, self.dataset_id, unit, self.spec, start)
+
+
 class _Reader:
-    """The reader thread: items decoded in order into a bounded queue of events."""
+    """The reader thread: items decoded in order (here, or on a feed server: `remote`) into a
+    bounded queue of events."""
 
     def __init__(self, ds: Any, unit: int, items: list[_Item], opts: PassOptions, start: tuple[int, int, int],
-                 threads: int | None = None):
+                 threads: int | None = None, remote: Remote | None = None):
+        self.remote = remote
         self.q: queue.Queue = queue.Queue(maxsize=max(2, opts.batch_size))
         self.stop = threading.Event()
         self._ahead = 0  # bytes of windows queued (`AHEAD_BYTES`)
@@ -187,8 +207,36 @@ class _Reader:
                 continue
         return False
 
+    def _run_remote(self) -> None:
+        """The events of the feed server's window stream (`Remote`): the same as `_run`'s."""
+        ds, unit, items, opts, start, threads = self._args
+        by_pos = {it.pos: it for it in items}
+        gen = self.remote.events(unit, start)  # type: ignore[union-attr]
+        try:
+            t0 = time.perf_counter()
+            for key, ev, data, t in gen:
+                it = by_pos[(ev["sample"], ev["field"])]
+                self.decode_s += time.perf_counter() - t0
+                if ev["kind"] == "win":
+                    w = Window(ev["window"], data, t if opts.mode == "frames" else float(t[0]), ev.get("length", 0))
+                    kill_point("decode")
+                    if not self._put(_Event(it, "win", w)):
+                        return
+                elif not self._put(_Event(it, ev["kind"], reason=ev.get("reason", ""))):
+                    return
+                t0 = time.perf_counter()
+        finally:
+            gen.close()
+        self._put(None)
+
     def _run(self) -> None:
         ds, unit, items, opts, start, threads = self._args
+        if self.remote is not None:
+            try:
+                self._run_remote()
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                self._put(exc)
+            return
         try:
             for it in items:
                 if it.pos < start[:2]:
@@ -259,12 +307,14 @@ def _positions(rec: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list[str], fn: Any,
-             progress: Callable[[float], None] | None = None, threads: int | None = None) -> dict[str, Any]:
+             progress: Callable[[float], None] | None = None, threads: int | None = None,
+             remote: Remote | None = None) -> dict[str, Any]:
     """Run unit `unit` (input shard `unit` of `ds`) into `dst_store`; returns its unit record
     (also written to `STATE_DIR/units/`) plus `"stages"`: this run's seconds per stage.
     `threads`: video decoder threads (`gdsload.preprocess.media.frame_windows`; None: FFmpeg's
     choice); where units run side by side, each gets its share of the cores (`decode_threads`).
-    They change the time a unit takes, never its bytes."""
+    They change the time a unit takes, never its bytes; nor does `remote` (the windows decoded on
+    a feed server, `Remote`)."""
     store = dst_store
     prior = []
     start = (0, 0, 0)
@@ -282,7 +332,7 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
     first_key = next((r["first_key"] for r in prior if r.get("first_key")), None)
     want_fields: dict[str, str] = next((r["fields"] for r in prior if r["fields"]), {})
     call = callable_of(fn)
-    reader = _Reader(ds, unit, items, opts, start, threads)
+    reader = _Reader(ds, unit, items, opts, start, threads, remote)
     batch: list[_Event] = []  # windows and the events between them, in order
     nwin = 0
     shape = None

@@ -85,7 +85,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes", "serves_block_stride", "orders", "priorities")
+    __slots__ = ("version", "protocol_version", "max_message_bytes", "max_batch_size", "max_batch_bytes", "max_image_side", "max_streams", "active_streams", "decode_available", "decode_device", "num_datasets", "media_available", "max_memory_bytes", "memory_in_use_bytes", "serves_block_stride", "orders", "priorities", "serves_windows")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class ServerInfo(_message.Message):
     SERVES_BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     ORDERS_FIELD_NUMBER: _ClassVar[int]
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    SERVES_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     max_message_bytes: int
@@ -120,7 +121,8 @@ class ServerInfo(_message.Message):
     serves_block_stride: bool
     orders: _containers.RepeatedScalarFieldContainer[int]
     priorities: _containers.RepeatedCompositeFieldContainer[PriorityUse]
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., serves_block_stride: _Optional[bool] = ..., orders: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[_Union[PriorityUse, _Mapping]]] = ...) -> None: ...
+    serves_windows: bool
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_streams: _Optional[int] = ..., active_streams: _Optional[int] = ..., decode_available: _Optional[bool] = ..., decode_device: _Optional[str] = ..., num_datasets: _Optional[int] = ..., media_available: _Optional[bool] = ..., max_memory_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., serves_block_stride: _Optional[bool] = ..., orders: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[_Union[PriorityUse, _Mapping]]] = ..., serves_windows: _Optional[bool] = ...) -> None: ...
 
 class PriorityUse(_message.Message):
     __slots__ = ("priority", "streams", "paused", "queued", "batches", "busy_s", "paused_s", "utilisation")
@@ -171,7 +173,7 @@ class ImageTransformSpec(_message.Message):
     def __init__(self, size: _Optional[int] = ..., train: _Optional[bool] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., resize: _Optional[int] = ..., flip: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "block_batches", "block_stride", "checks_item_crc32", "priority", "job", "understands_pause", "media")
+    __slots__ = ("dataset", "dataset_id", "seed", "epoch", "shuffle", "shuffle_window", "drop_last", "batch_size", "rank", "world_size", "start_position", "payload", "transform", "fields", "on_error", "max_batches", "max_chunk_bytes", "mix", "share", "bulk", "block_batches", "block_stride", "checks_item_crc32", "priority", "job", "understands_pause", "media", "windows")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +201,7 @@ class BatchRequest(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     UNDERSTANDS_PAUSE_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     dataset_id: str
     seed: int
@@ -226,7 +229,36 @@ class BatchRequest(_message.Message):
     job: str
     understands_pause: bool
     media: _containers.RepeatedCompositeFieldContainer[MediaTransformSpec]
-    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., checks_item_crc32: _Optional[bool] = ..., priority: _Optional[int] = ..., job: _Optional[str] = ..., understands_pause: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ...) -> None: ...
+    windows: PassWindows
+    def __init__(self, dataset: _Optional[str] = ..., dataset_id: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_window: _Optional[int] = ..., drop_last: _Optional[bool] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_position: _Optional[int] = ..., payload: _Optional[_Union[Payload, str]] = ..., transform: _Optional[_Union[ImageTransformSpec, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_batches: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., mix: _Optional[_Union[MixSpec, _Mapping]] = ..., share: _Optional[str] = ..., bulk: _Optional[bool] = ..., block_batches: _Optional[int] = ..., block_stride: _Optional[int] = ..., checks_item_crc32: _Optional[bool] = ..., priority: _Optional[int] = ..., job: _Optional[str] = ..., understands_pause: _Optional[bool] = ..., media: _Optional[_Iterable[_Union[MediaTransformSpec, _Mapping]]] = ..., windows: _Optional[_Union[PassWindows, _Mapping]] = ...) -> None: ...
+
+class PassWindows(_message.Message):
+    __slots__ = ("dataset", "shard", "mode", "fps", "window", "size", "chunk_s", "fields", "start_sample", "start_field", "start_window", "max_seconds")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_S_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    START_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_FIELD_NUMBER: _ClassVar[int]
+    START_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    shard: int
+    mode: str
+    fps: float
+    window: int
+    size: int
+    chunk_s: float
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    start_sample: int
+    start_field: int
+    start_window: int
+    max_seconds: float
+    def __init__(self, dataset: _Optional[str] = ..., shard: _Optional[int] = ..., mode: _Optional[str] = ..., fps: _Optional[float] = ..., window: _Optional[int] = ..., size: _Optional[int] = ..., chunk_s: _Optional[float] = ..., fields: _Optional[_Iterable[str]] = ..., start_sample: _Optional[int] = ..., start_field: _Optional[int] = ..., start_window: _Optional[int] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class MixSpec(_message.Message):
     __slots__ = ("sources", "samples_per_epoch", "mix_by", "schedule")

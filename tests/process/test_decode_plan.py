@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mediakit import VFR_MS
 
-from gdsload.preprocess import media as pmedia
+from gdsload.decode import passmedia as pmedia
 
 X264_B = "bframes=3:b-adapt=0:b-pyramid=normal:scenecut=0"  # B-frames always; non-reference ones among them
 

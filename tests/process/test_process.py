@@ -19,7 +19,7 @@ from mediakit import VFR_MS, assert_same_output
 
 import gdsload
 from gdsload.errors import DecodeError, DestinationError, InputError
-from gdsload.preprocess import media as pmedia
+from gdsload.decode import passmedia as pmedia
 from gdsload.preprocess.unit import FnError
 
 
@@ -212,8 +212,10 @@ def test_bad_arguments_are_named(media_src: Path, tmp_path: Path) -> None:
                     ({"speech": 1.0, "engine": "spark"}, r"engine='spark'")]:
         with pytest.raises(InputError, match=msg):
             gdsload.process(media_src, tmp_path / "x", f, **kw)
-    with pytest.raises(NotImplementedError, match=r"feed=.*issue 49"):
-        gdsload.process(media_src, tmp_path / "x", f, speech=1.0, feed="localhost:1", priority=0)
+    with pytest.raises(InputError, match=r"feed=\.\.\., engine='ray'"):
+        gdsload.process(media_src, tmp_path / "x", f, speech=1.0, feed="localhost:1", engine="ray")
+    with pytest.raises(InputError, match=r"priority='high'"):
+        gdsload.process(media_src, tmp_path / "x", f, speech=1.0, feed="localhost:1", priority="high")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("x")
     with pytest.raises(DestinationError, match=r"not gdsload's \(mine.txt\)"):

@@ -179,6 +179,9 @@ ROLE: dict[str, Role] = {
     "shuffle_window": IDENTITY, "drop_last": IDENTITY, "batch_size": IDENTITY, "rank": IDENTITY,
     "world_size": IDENTITY, "payload": IDENTITY, "transform": IDENTITY, "fields": IDENTITY,
     "on_error": IDENTITY, "mix": IDENTITY, "media": IDENTITY,
+    # a pass's windows (issue 54) instead of an epoch's batches: what the stream carries. An older
+    # server refuses such a request (its `dataset` is empty), the proto's rule for what it decides
+    "windows": IDENTITY,
     "epoch": RANGE, "start_position": RANGE, "max_batches": RANGE, "block_batches": RANGE,
     "block_stride": RANGE,
     "max_chunk_bytes": DELIVERY, "share": DELIVERY, "bulk": DELIVERY, "checks_item_crc32": DELIVERY,

@@ -171,7 +171,7 @@ class FeedServicer(pb_grpc.FeedServicer):
             decode_available=_available("nvidia.dali"), decode_device="cpu",
             num_datasets=len(self.catalog.names()), media_available=_available("nvidia.dali", "av"),
             max_memory_bytes=L.max_memory_bytes, memory_in_use_bytes=in_use, serves_block_stride=True,
-            orders=SERVED_ORDERS, priorities=self.arbiter.usage(),
+            orders=SERVED_ORDERS, priorities=self.arbiter.usage(), serves_windows=True,
         )
 
     def StreamBatches(self, request: pb.BatchRequest, context) -> Iterator[bytes]:

@@ -301,6 +301,10 @@ def open_source(req: pb.BatchRequest, *, loaders: Any, hub: Any, context: Any, b
                 log: logging.Logger, metrics: Any) -> BatchSource:
     """The source of one StreamBatches call (the module docstring). `bulk`: its batches go on a
     bulk connection; `context`: the gRPC call (the caller's identity, for share groups)."""
+    if req.HasField("windows"):  # a preprocessing pass's windows, not an epoch (issue 54)
+        from gdsload.service.server.windows import open_windows
+
+        return open_windows(req, loaders=loaders)
     opts = loaders.check(req)
     if req.share:
         return hub.subscribe(req, context)

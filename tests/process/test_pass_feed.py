@@ -1,0 +1,145 @@
+"""`gdsload.process(..., feed=ADDRESS)`: a pass's windows decoded on a real feed server (loopback,
+port 0), against the same pass decoded here.
+
+- The output is the local pass's, byte for byte (frames and speech; the server's messages are
+  small, so windows travel in several chunks), also when an interrupted feed pass is resumed.
+- The request carries the pass's priority and job and declares it understands pauses: the server
+  accounts the windows' batches to that priority level (`ServerInfo.priorities`).
+- A server older than window requests is refused clearly: the client refuses it from its
+  `ServerInfo` before any call, and a window request sent to it anyway is refused by the server
+  (its `dataset` is empty) rather than served as an epoch. The old server is this server with
+  what an older parser makes of the request: `BatchRequest.windows` and
+  `ServerInfo.serves_windows` unknown to it (dropped).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import passfns
+import pytest
+from mediakit import assert_same_output
+
+pytest.importorskip("grpc")
+pytest.importorskip("grpc_health")
+pytest.importorskip("prometheus_client")
+
+import gdsload  # noqa: E402
+from gdsload.convert.engine import STATE_DIR  # noqa: E402
+from gdsload.format import manifest as mf  # noqa: E402
+from gdsload.preprocess.unit import FnError  # noqa: E402
+from gdsload.service.client.passfeed import FeedRefused, WindowFeed  # noqa: E402
+from gdsload.service.server import create_server  # noqa: E402
+from gdsload.service.server.servicer import FeedServicer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def feed(media_src: Path):
+    """A feed server over the pass's source (served as "src"), 64 KiB messages."""
+    srv, port = create_server([str(media_src.parent)], max_message_bytes=64 * 1024)
+    srv.start()
+    yield srv, f"127.0.0.1:{port}"
+    srv.shutdown(grace_s=2)
+
+
+@pytest.mark.parametrize("mode", ["frames", "speech"])
+def test_feed_pass_writes_the_local_pass_bytes(media_src: Path, tmp_path: Path, feed, mode) -> None:
+    srv, address = feed
+    if mode == "frames":
+        fn, kw = passfns.frame_stats, dict(frames=(5.0, 2), size=45, batch_size=3, shard_size="16KiB")
+    else:
+        fn, kw = passfns.speech_stats, dict(speech=0.5, batch_size=4, shard_size="16KiB")
+    local = gdsload.process(media_src, tmp_path / "local", fn, **kw)
+    remote = gdsload.process(media_src, tmp_path / "feed", fn, feed=address, priority=0, **kw)
+    assert_same_output(tmp_path / "feed", tmp_path / "local")
+    assert remote["windows"] == local["windows"] > 10 and remote["shards"] == local["shards"] > 3
+    assert (remote["members"], remote["fields_without_stream"]) == (local["members"], local["fields_without_stream"])
+
+
+def test_feed_pass_is_sent_at_its_priority(media_src: Path, tmp_path: Path, feed) -> None:
+    srv, address = feed
+    before = {u.priority: u.batches for u in srv.servicer.arbiter.usage()}
+    wf = WindowFeed(address, priority=7)
+    sent = wf.request("src", "x", 0, {"mode": "speech", "chunk_s": 1.0, "fields": ["flac"]}, (0, 0, 0))
+    assert (sent.priority, sent.understands_pause, sent.job) == (7, True, wf.job) and sent.job
+    assert not sent.dataset and sent.windows.dataset == "src"
+    r = gdsload.process(media_src, tmp_path / "p", passfns.speech_stats, speech=1.0, fields=["flac"], feed=wf)
+    after = {u.priority: u.batches for u in srv.servicer.arbiter.usage()}
+    units = len(gdsload.ShardedDataset(media_src).shards)  # a stream per input shard
+    events = r["windows"] + r["members"]  # one batch per window and per member's end
+    assert after.get(7, 0) - before.get(7, 0) == events + units  # and each stream's last turn (its end)
+    assert events > units
+    assert after.get(0, 0) == before.get(0, 0)  # nothing of it ran at the default level
+
+
+def test_feed_pass_resumes_to_the_same_bytes(media_src: Path, tmp_path: Path, feed) -> None:
+    """A feed pass stopped by its fn mid-way continues with resume=True from its last recorded
+    shard (a window request from a position inside a member) to the uninterrupted pass's bytes."""
+    _, address = feed
+    kw = dict(frames=(5.0, 2), size=45, batch_size=2, shard_size="16KiB")
+    Flaky.fail_at = None
+    gdsload.process(media_src, tmp_path / "local", Flaky, **kw)  # (the manifest names fn)
+    Flaky.calls, Flaky.fail_at = 0, 12
+    with pytest.raises(FnError, match="stop here"):
+        gdsload.process(media_src, tmp_path / "feed", Flaky, feed=address, **kw)
+    assert list((tmp_path / "feed" / STATE_DIR / "done").iterdir())  # shards kept for the resume
+    Flaky.fail_at = None
+    r = gdsload.process(media_src, tmp_path / "feed", Flaky, feed=address, resume=True, **kw)
+    assert r["outputs"] > 0
+    assert_same_output(tmp_path / "feed", tmp_path / "local")
+
+
+class Flaky:
+    """`passfns.frame_stats` that raises at its `fail_at`-th call (class state: one instance per
+    process, the same `module:qualname` in both runs)."""
+
+    calls = 0
+    fail_at: int | None = None
+
+    def __call__(self, b: dict) -> list:
+        type(self).calls += 1
+        if type(self).fail_at is not None and type(self).calls >= type(self).fail_at:
+            raise RuntimeError("stop here")
+        return passfns.frame_stats(b)
+
+
+@pytest.fixture
+def old_feed(media_src: Path, monkeypatch):
+    """This server as one older than window requests sees them (the fields dropped)."""
+    stream, info = FeedServicer.StreamBatches, FeedServicer.GetServerInfo
+
+    def old_stream(self, request, context):
+        request.ClearField("windows")
+        yield from stream(self, request, context)
+
+    def old_info(self, request, context):
+        got = info(self, request, context)
+        got.ClearField("serves_windows")
+        return got
+
+    monkeypatch.setattr(FeedServicer, "StreamBatches", old_stream)
+    monkeypatch.setattr(FeedServicer, "GetServerInfo", old_info)
+    srv, port = create_server([str(media_src.parent)])
+    srv.start()
+    yield srv, f"127.0.0.1:{port}"
+    srv.shutdown(grace_s=2)
+
+
+def test_an_older_server_is_refused_clearly(media_src: Path, tmp_path: Path, old_feed) -> None:
+    srv, address = old_feed
+    with pytest.raises(FeedRefused, match=r"does not serve a pass's windows .*serves_windows is false.*older"):
+        gdsload.process(media_src, tmp_path / "x", passfns.speech_stats, speech=1.0, feed=address)
+    assert not (tmp_path / "x" / "manifest.json").exists()
+    # sent anyway: the old server refuses it (no dataset named) instead of serving an epoch
+    ds_id = mf.dataset_id(gdsload.ShardedDataset(media_src).shards)
+    wf = WindowFeed(address)
+    with pytest.raises(FeedRefused, match=r"refused a pass's window request .*older than window requests"):
+        list(wf.events("src", ds_id, 0, {"mode": "speech", "chunk_s": 1.0, "fields": ["flac"]}, (0, 0, 0)))
+
+
+def test_the_feed_must_serve_the_source(media_src: Path, tmp_path: Path, feed) -> None:
+    _, address = feed
+    wf = WindowFeed(address)
+    assert wf.check(mf.dataset_id(gdsload.ShardedDataset(media_src).shards)) == "src"
+    with pytest.raises(FeedRefused, match=r"serves no dataset with id 0123"):
+        wf.check("0123456789abcdef")
