@@ -78,19 +78,16 @@ class StoredColumn(NamedTuple):
         """The members as `FileSpan`s, one per run of members that follow each other in a file."""
         fds, offs, sizes = self.fds.tolist(), self.offsets.tolist(), self.sizes.tolist()
         out: list[FileSpan] = []
+        new = tuple.__new__  # (FileSpan(...) without its Python __new__: one per member)
         for fd, off, n in zip(fds, offs, sizes):
             if not n:
                 continue
             if out and out[-1].fd == fd and out[-1].offset + out[-1].nbytes == off:
                 last = out[-1]
-                out[-1] = FileSpan(fd, last.offset, last.nbytes + n)
+                out[-1] = new(FileSpan, (fd, last.offset, last.nbytes + n))
             else:
-                out.append(FileSpan(fd, off, n))
+                out.append(new(FileSpan, (fd, off, n)))
         return out
-
-
-def _piece_nbytes(piece: Any) -> int:
-    return piece.nbytes if type(piece) is FileSpan else memoryview(piece).nbytes
 
 
 def _cut(piece: Any, start: int, n: int) -> Any:
@@ -230,7 +227,8 @@ def _cut_pieces(pieces: Sequence[Any], first_room: int, room: int) -> Iterator[t
                 current = next(queue, None)
                 if current is None:
                     break
-                n = left = _piece_nbytes(current)
+                # (inline, no call per piece: a stored batch has a piece per member)
+                n = left = current.nbytes if type(current) is FileSpan else memoryview(current).nbytes
             if left == n and left <= want - got:
                 parts.append(current)  # the whole piece: no slicing
                 got += n

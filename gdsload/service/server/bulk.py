@@ -335,47 +335,58 @@ class BulkSink:
         self._done = False
         self._on_done = on_done  # (sink, reuse): the listener takes the connection back, or forgets it
 
-
     def send(self, frames: Iterable[Sequence[Any]]) -> None:
         """Write messages, each a list of buffers whose concatenation is one serialized BatchChunk
         and whose first buffer is its head (everything before the value of `data`, which is the
         message's last field: `wire.encode_frames`' layout), framed with their lengths, straight
-        from the buffers. Raises ClientGone when the connection broke."""
+        from the buffers. Raises ClientGone when the connection broke.
+
+        The buffers between stored members go with one `sendmsg`, each run of members with one
+        `_sendfiles` (a raw stored batch is a piece per member: no Python call per member but
+        `os.sendfile`)."""
+        span = wire.FileSpan
         for pieces in frames:
-            views = [p if type(p) is wire.FileSpan else memoryview(p).cast("B") for p in pieces]
-            n = sum(v.nbytes for v in views)
+            views = [p if type(p) is span else memoryview(p).cast("B") for p in pieces]
+            n = sum([v.nbytes for v in views])
             views.insert(0, memoryview(FRAME.pack(n, views[0].nbytes)))
-            start = 0
-            for i, v in enumerate(views):  # buffers with sendmsg, members as stored with sendfile
-                if type(v) is wire.FileSpan:
-                    if i > start:
-                        self._sendmsg(views[start:i], socket.MSG_MORE)
-                    self._sendfile(v)
-                    start = i + 1
-            if start < len(views):
+            start = i = 0
+            end = len(views)
+            while i < end:  # buffers with sendmsg, runs of members as stored with sendfile
+                if type(views[i]) is not span:
+                    i += 1
+                    continue
+                if i > start:
+                    self._sendmsg(views[start:i], socket.MSG_MORE)
+                start = i
+                while i < end and type(views[i]) is span:
+                    i += 1
+                self._sendfiles(views[start:i])
+                start = i
+            if start < end:
                 self._sendmsg(views[start:])
 
-    def _sendfile(self, span: wire.FileSpan) -> None:
-        """Write `span`'s bytes from its file (the page cache's pages go to the socket: no copy
-        here). A file shorter than the span is a `CorruptDataError` naming it; the connection is
+    def _sendfiles(self, spans: list[wire.FileSpan]) -> None:
+        """Write each span's bytes from its file (the page cache's pages go to the socket: no copy
+        here). A file shorter than a span is a `CorruptDataError` naming it; the connection is
         then cut mid-message, so the client takes the call's status, never a short batch."""
-        fd, off, n = span
         out = self.conn.fileno()
-        while n:
-            try:
-                k = os.sendfile(out, fd, off, n)
-            except (BrokenPipeError, ConnectionError) as exc:
-                raise ClientGone(str(exc)) from None
-            except OSError as exc:
-                if self._shut:  # shut down by the call's end (fileno -1, or a broken socket)
+        sendfile = os.sendfile
+        for fd, off, n in spans:
+            while n:
+                try:
+                    k = sendfile(out, fd, off, n)
+                except (BrokenPipeError, ConnectionError) as exc:
                     raise ClientGone(str(exc)) from None
-                raise StorageError(f"sending a stored member (offset {off}) of {_fd_path(fd)} "
-                                   f"failed: {exc.strerror or exc}") from exc
-            if not k:
-                raise CorruptDataError(f"{_fd_path(fd)}: truncated (it ends before offset {off + n}, "
-                                       f"where its index has a member): run gdsload verify")
-            off += k
-            n -= k
+                except OSError as exc:
+                    if self._shut:  # shut down by the call's end (fileno -1, or a broken socket)
+                        raise ClientGone(str(exc)) from None
+                    raise StorageError(f"sending a stored member (offset {off}) of {_fd_path(fd)} "
+                                       f"failed: {exc.strerror or exc}") from exc
+                if not k:
+                    raise CorruptDataError(f"{_fd_path(fd)}: truncated (it ends before offset {off + n}, "
+                                           f"where its index has a member): run gdsload verify")
+                off += k
+                n -= k
 
     def _sendmsg(self, views: list[memoryview], flags: int = 0) -> None:
         """Write every byte of `views` (byte-format memoryviews), as many per call as IOV_MAX allows

@@ -27,11 +27,18 @@ the same request may be read by the loader, and takes the parked loader with tha
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
 
 from gdsload.service.protocol import wire
+
+
+#: What `StoredBatches.open` found per loader (dropped with the loader).
+_OPENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
 class StoredBatches:
@@ -46,7 +53,18 @@ class StoredBatches:
     def open(cls, loader: Any) -> tuple[StoredBatches | None, str]:
         """The stored batches of `loader` (not yet iterated), or (None, why not): its dataset's
         side of the rules (the module docstring); the request's side is
-        `gdsload.service.protocol.request.stored_refusal`."""
+        `gdsload.service.protocol.request.stored_refusal`. Worked out once per loader (a striping
+        client's next stream takes the parked loader: its shards' descriptors are the same)."""
+        with _LOCK:
+            known = _OPENED.get(loader)
+        if known is None:
+            known = cls._open(loader)
+            with _LOCK:
+                _OPENED[loader] = known
+        return known
+
+    @classmethod
+    def _open(cls, loader: Any) -> tuple[StoredBatches | None, str]:
         planner = loader.batch_layout().planner
         why = planner.spans_unsupported()
         if why is not None:
@@ -55,7 +73,7 @@ class StoredBatches:
         if not hasattr(shards, "local_fd"):
             return None, "the dataset is not in a local folder"
         fds = [shards.local_fd(s) for s in range(len(shards.shards))]
-        if any(fd is None for fd in fds):
+        if None in fds:
             return None, "a shard of the dataset is not a local file"
         return cls(planner, np.array(fds, np.int64)), ""
 

@@ -139,15 +139,17 @@ def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, 
     """The batches, at each boundary checking the server and the call; returns the outcome."""
     stop = lambda: draining.is_set() or not transport.active()  # noqa: E731
     while True:
-        if draining.is_set():
-            return "drained"  # at a batch boundary: the client resumes from its cursor
-        if not transport.active():
-            return "cancelled"
-        if turn is not None:
+        if turn is None:
+            if draining.is_set():
+                return "drained"  # at a batch boundary: the client resumes from its cursor
+            if not transport.active():
+                return "cancelled"
+        else:  # (its wait checks `stop` first: the same checks, once per batch)
             got = turn.wait(stop)
-            if got is not None:  # a pause notice to send, or the call or server ended meanwhile
-                if got is not False:
-                    yield from transport.send(Notice(got))
+            if got is False:  # the call or the server ended (neither comes back)
+                return "drained" if draining.is_set() else "cancelled"
+            if got is not None:  # a pause notice to send
+                yield from transport.send(Notice(got))
                 continue
         t_read = time.perf_counter()
         frames = None
