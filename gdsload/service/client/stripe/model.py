@@ -40,7 +40,7 @@ class Pace:
     def pause(self, seconds: float) -> None:
         """None of its batches were asked for during the `seconds` just past (a stream held back
         by the reorder window): that time is not its slowness."""
-        self.arrivals = collections.deque(t + seconds for t in self.arrivals)
+        self.arrivals = collections.deque([t + seconds for t in self.arrivals])
 
 
 class Server:
@@ -75,11 +75,11 @@ class Server:
         block was done elsewhere) leaves its slot free to start the next one at once: its blocks
         are not stolen meanwhile (each steal, and each stream that then finds its next block
         stolen, is one more request for a server)."""
-        return sum(1 for f in self.fetches if f.reason is None)
+        return len([f for f in self.fetches if f.reason is None])
 
     def in_flight(self) -> int:
         """Steps asked of it and not received yet."""
-        return sum(f.end - f.next for f in self.fetches)
+        return sum([f.end - f.next for f in self.fetches])
 
 
 class Fetch:

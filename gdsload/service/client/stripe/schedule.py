@@ -138,7 +138,7 @@ class Schedule:
 
     def live(self) -> list[str]:
         """The healthy servers' addresses, sorted (block b belongs to `live[b % len(live)]`)."""
-        return sorted(a for a, s in self.servers.items() if s.state is S.OK)
+        return sorted([a for a, s in self.servers.items() if s.state is S.OK])
 
     def work(self, srv: Server, now: float) -> Fetch | Wait | str:
         """What one request slot of `srv` does next: a `Fetch` to run, `PROBE`, a `Wait`, `EXIT`."""
@@ -196,9 +196,10 @@ class Schedule:
 
     # -- picking a request ---------------------------------------------------------------------------
     def first_missing(self, block: int) -> int:
-        step = max(block * self.K, self.out)
-        end = self.block_end(block)
-        while step < end and step in self.have:
+        K, have = self.K, self.have
+        step = max(block * K, self.out)
+        end = min((block + 1) * K, self.end)  # (`block_end`, inline: called per block per pick)
+        while step < end and step in have:
             step += 1
         return step
 
@@ -212,15 +213,16 @@ class Schedule:
         median = self.median_batch_s()
         if srv.address not in live or len(srv.fetches) >= self.window(srv, median):
             return None
-        head = self.out // self.K
-        last = min(head + len(live) * self.W, -(-self.end // self.K))
-        streams = [f for s in self.servers.values() for f in s.fetches if f.stride]
+        K = self.K
+        head = self.out // K
+        last = min(head + len(live) * self.W, -(-self.end // K))
+        claims = self._claims(head, last)
         free = None
         for b in range(head, last):
             start = self.first_missing(b)
-            if start >= self.block_end(b) or srv.address in self.corrupt.get(b, ()):
+            if start >= min((b + 1) * K, self.end) or srv.address in self.corrupt.get(b, ()):
                 continue
-            claim = next((f for f in streams if f.claims(b)), None)
+            claim = claims.get(b)
             if claim is not None and claim.server.state is not S.PAUSED and (
                     claim.server is srv or self.window(claim.server, median) == self.W):
                 continue  # a later block of a server's stream (stolen only from a straggler)
@@ -245,9 +247,23 @@ class Schedule:
             return self._start(srv, head, start, now)
         return None
 
+    def _claims(self, head: int, last: int) -> dict[int, Fetch]:
+        """Blocks `head`..`last - 1` claimed by a stream (`Fetch.claims`), each to the first such
+        stream in the servers' and their requests' order: one pass per pick, not one per block."""
+        out: dict[int, Fetch] = {}
+        for s in self.servers.values():
+            for f in s.fetches:
+                if f.stride and f.reason is None:
+                    first = f.block + f.stride
+                    if first < head:
+                        first += -(-(head - first) // f.stride) * f.stride
+                    for b in range(first, last, f.stride):
+                        out.setdefault(b, f)
+        return out
+
     def median_batch_s(self) -> float:
         """The median pace of the healthy servers with one; 0 with fewer than two."""
-        rates = sorted(s.batch_s for s in self.servers.values() if s.batch_s > 0 and s.state is S.OK)
+        rates = sorted([s.pace.batch_s for s in self.servers.values() if s.pace.batch_s > 0 and s.state is S.OK])
         return rates[(len(rates) - 1) // 2] if len(rates) >= 2 else 0.0
 
     def window(self, srv: Server, median: float | None = None) -> int:
