@@ -643,7 +643,12 @@ class PlanBatches(Sequence[np.ndarray]):
     """A plan's batches for given global steps of one epoch, computed when indexed, a chunk of
     about `CHUNK_POSITIONS` positions at a time (order 2's array operations cost about as much for
     one batch as for 30: a chunk makes them per sample), of which the last `CHUNKS_KEPT` are kept
-    (a pass over 10^8 batches holds a few dozen of them). Safe to index from several threads."""
+    (a pass over 10^8 batches holds a few dozen of them). Safe to index from several threads.
+
+    The first item is a chunk of its own: the first batch of a pass waits for its own positions
+    only, not for a chunk's (issue 55: 128 batches' at batch 64). A chunk is computed once: a
+    thread asking for one that another is computing waits for it (two readers starting a pass
+    both computed the first chunk before)."""
 
     CHUNK_POSITIONS = 8192
     CHUNKS_KEPT = 4
@@ -659,25 +664,46 @@ class PlanBatches(Sequence[np.ndarray]):
         self._order = plan._epoch(epoch)
         self._per_chunk = max(1, self.CHUNK_POSITIONS // plan.batch_size)
         self._chunks: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._pending: dict[int, threading.Event] = {}  # chunks being computed, by another thread
         self._lock = threading.Lock()
+        self.computed = 0  # chunks computed (a chunk evicted and asked again counts again)
 
     def __len__(self) -> int:
         return len(self.steps)
+
+    def _chunk(self, i: int) -> tuple[int, int, int]:
+        """Item `i`'s chunk: (number, first item, position of `i` in it); item 0 is chunk 0 alone."""
+        if i == 0:
+            return 0, 0, 0
+        c, k = divmod(i - 1, self._per_chunk)
+        return c + 1, 1 + c * self._per_chunk, k
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self.steps))[i]  # negative indices; IndexError past the end
-        c, k = divmod(i, self._per_chunk)
-        with self._lock:
-            chunk = self._chunks.get(c)
-        if chunk is None:
-            steps = self.steps[c * self._per_chunk:(c + 1) * self._per_chunk]
-            chunk = self.plan._steps(self._order, steps)
+        c, lo, k = self._chunk(i)
+        while True:
             with self._lock:
+                chunk = self._chunks.get(c)
+                if chunk is not None:
+                    return chunk[k]
+                busy = self._pending.get(c)
+                if busy is None:
+                    self._pending[c] = done = threading.Event()
+                    break
+            busy.wait()  # computed by another thread (or failed there: asked again here)
+        try:
+            chunk = self.plan._steps(self._order, self.steps[lo:1 if c == 0 else lo + self._per_chunk])
+            with self._lock:
+                self.computed += 1
                 self._chunks[c] = chunk
                 while len(self._chunks) > self.CHUNKS_KEPT:
                     self._chunks.popitem(last=False)
+        finally:
+            with self._lock:
+                del self._pending[c]
+            done.set()
         return chunk[k]
 
 

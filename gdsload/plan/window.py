@@ -35,6 +35,7 @@ import hashlib
 
 import numpy as np
 
+from gdsload.plan.pcg import raw_words
 from gdsload.plan.permute import permute, subkeys
 
 __all__ = ["WindowOrder", "sizes_key"]
@@ -66,7 +67,8 @@ class WindowOrder:
         self.first = np.zeros(len(counts), np.int64)
         np.cumsum(counts[:-1], out=self.first[1:])
         shards = np.flatnonzero(counts)
-        words = np.random.PCG64(np.random.SeedSequence([seed, epoch, _DOMAIN, 2])).random_raw(len(shards) + 2)
+        # NumPy's PCG64 words, computed without importing numpy.random for a few (`gdsload.plan.pcg`)
+        words = raw_words([seed, epoch, _DOMAIN, 2], len(shards) + 2)
         self.round_key, self.sample_key = int(words[0]), int(words[1])
         self.place_shard = shards[np.argsort(words[2:], kind="stable")]
         n = counts[self.place_shard]
