@@ -515,3 +515,26 @@ def test_the_policy_is_frozen_and_its_counts_are_ints():
     assert (p.stripe_batches, type(p.stripe_batches)) == (3, int)
     with pytest.raises(AttributeError):
         p.pace_s = 1.0
+
+
+def test_the_blocks_claimed_are_those_each_stream_claims_first_in_order():
+    """`pick` looks the streams' claims up in one pass (`_claims`); for every block of the
+    window it names the first stream, in the servers' and their requests' order, whose
+    `Fetch.claims` is true: streams of several strides, a cancelled one (claims nothing), a
+    stream whose own block is below the window's head, and blocks claimed by two streams."""
+    sch, _ = make(("a:1", "b:1", "c:1"), steps=400)
+    a, b, c = (srv(sch, f"{x}:1") for x in "abc")
+    f1 = sch._start(a, 0, 0, T0, stride=3)
+    f2 = sch._start(b, 1, 4, T0, stride=2)  # claims 3, 5, 7, ... (3 and 9 are f1's first)
+    f3 = sch._start(c, 2, 8, T0, stride=3)
+    f4 = sch._start(c, 4, 16, T0, stride=1)
+    f4.reason = C.DONE  # cancelled: claims nothing
+    sch._start(a, 5, 20, T0)  # not a stream
+    streams = [f for s in sch.servers.values() for f in s.fetches if f.stride]
+    for head, last in [(0, 60), (1, 40), (5, 33), (7, 8), (30, 30)]:
+        got = sch._claims(head, last)
+        want = {b_: f for b_ in range(head, last) if (f := next((g for g in streams if g.claims(b_)), None))}
+        assert got == want
+    # by hand: a's stream first, then b's, then c's
+    assert sch._claims(0, 12) == {3: f1, 5: f2, 6: f1, 7: f2, 8: f3, 9: f1, 11: f2}
+    assert sch._claims(4, 9) == {5: f2, 6: f1, 7: f2, 8: f3}
