@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -347,6 +348,29 @@ def rss_child(shards: str, out: str, fps: float, window: int, size: int | None) 
     print(json.dumps({"vm_hwm_mb": vm_hwm_mb()}))
 
 
+def open_child(shards: str) -> None:
+    """The memory FFmpeg's demuxer holds for the corpus's first member once opened (its sample
+    index of every track, read from the MP4's moov before any stream can be left out): VmRSS
+    after `av.open` over the member (read by range, as a pass does) less before."""
+    import av
+
+    import gdsload
+    from gdsload.decode.passmedia import RangeFile
+
+    def rss_mb() -> float:
+        return int(next(ln for ln in Path("/proc/self/status").read_text().splitlines()
+                        if ln.startswith("VmRSS:")).split()[1]) / 1024
+
+    ds = gdsload.ShardedDataset(shards)
+    idx = ds.index(0)
+    ext, off, size = next(m for m in idx.members(0) if m[0] == "mp4")
+    before = rss_mb()
+    with av.open(RangeFile(lambda o, n: ds.read_extent(0, o, n), off, size), "r") as c:
+        after = rss_mb()
+        samples = sum(s.frames for s in c.streams)
+    print(json.dumps({"demux_open_mb": after - before, "samples": samples}))
+
+
 def rss_mode(a, work: Path, log) -> dict:
     res = {}
     for name, minutes in (("long", a.rss_long_min), ("mid", a.rss_mid_min), ("short", a.rss_short_min)):
@@ -356,13 +380,26 @@ def rss_mode(a, work: Path, log) -> dict:
         p = subprocess.run([sys.executable, __file__, "--rss-child", str(shards), str(out), str(a.sample_fps),
                             str(a.window), str(a.size or 0)], capture_output=True, text=True, check=True)
         res[name] = {"minutes": minutes, **json.loads(p.stdout.strip().splitlines()[-1])}
-        log(f"rss {name} ({minutes:g} min): VmHWM {res[name]['vm_hwm_mb']:.0f} MB")
+        p = subprocess.run([sys.executable, __file__, "--rss-open", str(shards)], capture_output=True, text=True,
+                           check=True)
+        res[name].update(json.loads(p.stdout.strip().splitlines()[-1]))
+        log(f"rss {name} ({minutes:g} min): VmHWM {res[name]['vm_hwm_mb']:.0f} MB; the demuxer's index (open) "
+            f"{res[name]['demux_open_mb']:.1f} MB for {res[name]['samples']} samples")
     res["ratio_long_over_short"] = res["long"]["vm_hwm_mb"] / res["short"]["vm_hwm_mb"]
     res["ratio_long_over_mid"] = res["long"]["vm_hwm_mb"] / res["mid"]["vm_hwm_mb"]  # both fill whole batches
     h, w = (a.size, round(a.width * a.size / a.height)) if a.size else (a.height, a.width)
     res["batch_mb"] = 16 * a.window * h * w * 3 / 2**20  # a full batch's frames (the short video may not fill one)
+    # the long pass less what it holds because it is long: FFmpeg's index beyond the short video's
+    # and the half batch a 1-minute video never fills (8 windows of 16 at 1 fps, windows of 8)
+    short_windows = math.ceil(a.rss_short_min * 60 * a.sample_fps / a.window)
+    unfilled = max(0, 16 - short_windows) / 16 * res["batch_mb"]
+    index = res["long"]["demux_open_mb"] - res["short"]["demux_open_mb"]
+    res["long_less_index_and_batch_mb"] = res["long"]["vm_hwm_mb"] - index - unfilled
+    res["ratio_without_index_and_batch"] = res["long_less_index_and_batch_mb"] / res["short"]["vm_hwm_mb"]
     log(f"rss: long / short {res['ratio_long_over_short']:.2f}, long / mid {res['ratio_long_over_mid']:.2f}; a full "
         f"batch (16 windows) holds {res['batch_mb']:.0f} MB")
+    log(f"rss: the long pass less the demuxer's extra index ({index:.1f} MB) and the batch the short one never "
+        f"fills ({unfilled:.1f} MB): {res['ratio_without_index_and_batch']:.2f} x the short one")
     res["targets"] = {"long_mb_max": 600, "ratio_max": 1.2}
     return res
 
@@ -393,9 +430,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rss-long-min", type=float, default=60.0)
     ap.add_argument("--rss-mid-min", type=float, default=10.0, help="a third video: past one full batch")
     ap.add_argument("--rss-short-min", type=float, default=1.0)
+    ap.add_argument("--rss-open", metavar="SHARDS", help=argparse.SUPPRESS)
     ap.add_argument("--rss-child", nargs=5, metavar=("SHARDS", "OUT", "FPS", "WINDOW", "SIZE"), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help="smoke run: seconds of tiny video, one round")
     a = ap.parse_args(argv)
+    if a.rss_open:
+        open_child(a.rss_open)
+        return {}
     if a.rss_child:
         s, o, f, w, z = a.rss_child
         rss_child(s, o, float(f), int(w), int(z) or None)

@@ -57,3 +57,35 @@ def test_a_long_videos_peak_memory_is_that_of_a_short_one(tmp_path: Path) -> Non
             w.write({"__key__": name, "mp4": mk.video(seconds, fps=5, audio=False)})
         peaks[name] = _peak_mb(src, tmp_path / f"out-{name}")
     assert peaks["long"] <= 1.2 * peaks["short"], peaks
+
+
+def _python_peak(src: Path, out: Path, mode: str) -> int:
+    kw = "frames=(1.0, 2)" if mode == "frames" else "speech=2.0"
+    code = ("import gdsload, json, sys, tracemalloc\n"
+            "from gdsload.decode import passmedia\n"
+            "passmedia.READ_AHEAD = 32 << 10\n"  # read blocks smaller than a member: both keep KEEP_BLOCKS
+            "tracemalloc.start()\n"
+            f"gdsload.process(sys.argv[1], sys.argv[2], lambda b: [None] * len(b['window']), {kw}, batch_size=2)\n"
+            "print(json.dumps(tracemalloc.get_traced_memory()[1]))\n")
+    p = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True,
+                       timeout=120, check=True)
+    return int(p.stdout.strip().splitlines()[-1])
+
+
+def test_what_the_pass_allocates_does_not_grow_with_length(tmp_path: Path) -> None:
+    """Every allocation of Python code (gdsload's, PyAV's objects, NumPy's arrays: tracemalloc)
+    peaks at the same bytes for a 30-second and an 8x longer video, both filling whole batches:
+    nothing is kept per frame, packet, window or member (timestamps, packets, windows, events);
+    the read blocks are bounded (`RangeFile.KEEP_BLOCKS` of `READ_AHEAD`, made smaller than these
+    members here, as a long video's are)
+    What does grow with length is below Python: FFmpeg's MP4 demuxer indexes every sample of every
+    track when it opens the file (docs/preprocessing.md, "Memory")."""
+    peaks: dict[str, list[int]] = {"frames": [], "speech": []}
+    for name, seconds in (("short", 30.0), ("long", 240.0)):
+        src = tmp_path / name
+        with gdsload.ShardWriter(src) as w:
+            w.write({"__key__": name, "mp4": mk.video(seconds, fps=5, audio=True)})
+        for mode in peaks:
+            peaks[mode].append(_python_peak(src, tmp_path / f"out-{name}-{mode}", mode))
+    for mode, (short, long) in peaks.items():
+        assert long - short <= 16 << 10, (mode, short, long)
