@@ -228,6 +228,8 @@ def check_torch_habits(*, seed: Any, generator: Any = None, sampler: Any = None,
 
 
 def _local_device(device: Any, output: str) -> tuple[str, int | None]:
+    if isinstance(device, str) and device == "cpu":  # without importing gdsload.host.gpu (first batch)
+        return "cpu", None
     from gdsload.host.gpu import parse_device
 
     try:

@@ -205,8 +205,6 @@ class DataLoader(ProcessLocal, PlanCursor):
         if self._stage is not None:
             self._stage.timeout = self.timeout
             self._stage.worker_init_fn = worker_init_fn  # process workers (check_torch_habits)
-        from gdsload.loader import autotune
-
         if type(num_workers) is int and num_workers == 0:  # reads in the loop's thread (`Epoch`): none ahead
             if prefetch_factor is not None:
                 raise ConfigError(f"prefetch_factor needs reader threads (num_workers >= 1): with num_workers=0 "
@@ -214,6 +212,8 @@ class DataLoader(ProcessLocal, PlanCursor):
                                   f"got prefetch_factor={prefetch_factor!r}")
             prefetch_factor = 1
         self._auto = {"prefetch": prefetch_factor == "auto", "workers": num_workers == "auto"}
+        if any(self._auto.values()):  # imported only for "auto" (not on every loader's first-batch path)
+            from gdsload.loader import autotune
         if self._auto["workers"]:  # reads block in the kernel: threads beyond the cores help
             num_workers = autotune.START_WORKERS
         if self._auto["prefetch"]:
