@@ -4,7 +4,8 @@ port 0), against the same pass decoded here.
 - The output is the local pass's, byte for byte (frames and speech; the server's messages are
   small, so windows travel in several chunks), also when an interrupted feed pass is resumed.
 - The request carries the pass's priority and job and declares it understands pauses: the server
-  accounts the windows' batches to that priority level (`ServerInfo.priorities`).
+  accounts the windows' batches to that priority level (`ServerInfo.priorities`), and a pass at 0
+  waits, told so, while training at 1 holds the server's one batch slot, then goes on.
 - A server older than window requests is refused clearly: the client refuses it from its
   `ServerInfo` before any call, and a window request sent to it anyway is refused by the server
   (its `dataset` is empty) rather than served as an epoch. The old server is this server with
@@ -14,6 +15,8 @@ port 0), against the same pass decoded here.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import passfns
@@ -143,3 +146,57 @@ def test_the_feed_must_serve_the_source(media_src: Path, tmp_path: Path, feed) -
     assert wf.check(mf.dataset_id(gdsload.ShardedDataset(media_src).shards)) == "src"
     with pytest.raises(FeedRefused, match=r"serves no dataset with id 0123"):
         wf.check("0123456789abcdef")
+
+
+SEEN: list[int] = []
+
+
+def counted_speech(b: dict) -> list:
+    """`passfns.speech_stats`, counting its calls (`SEEN`)."""
+    SEEN.append(len(b["window"]))
+    return passfns.speech_stats(b)
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def test_a_pass_yields_to_training_and_goes_on(media_src: Path, tmp_path: Path) -> None:
+    """On a server that makes one batch at a time, training at priority 1 holding its slot pauses
+    the pass (priority 0) at its first window: the pass is told (pause notices), `fn` sees nothing
+    meanwhile; once training lets go, the pass goes on to the local pass's bytes."""
+    srv, port = create_server([str(media_src.parent)], batch_slots=1, max_message_bytes=64 * 1024)
+    srv.start()
+    try:
+        training = srv.servicer.arbiter.enter(("test", "training"), 1)
+        assert training.wait(lambda: False) is None  # it holds the one slot
+        wf = WindowFeed(f"127.0.0.1:{port}", priority=0)
+        SEEN.clear()
+        done: dict = {}
+
+        def run() -> None:
+            try:
+                done["r"] = gdsload.process(media_src, tmp_path / "feed", counted_speech, speech=1.0,
+                                            fields=["flac"], feed=wf)
+            except BaseException as exc:  # noqa: BLE001 - shown by the assertion below
+                done["error"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        arb = srv.servicer.arbiter
+        _until(lambda: wf.pauses >= 2, "two pause notices to the pass")
+        assert sum(u.paused for u in arb.usage() if u.priority == 0) == 1
+        assert SEEN == [] and "r" not in done
+        training.made()
+        training.leave()
+        t.join(60)
+        assert not t.is_alive() and "error" not in done, done
+    finally:
+        srv.shutdown(grace_s=2)
+    gdsload.process(media_src, tmp_path / "local", counted_speech, speech=1.0, fields=["flac"])
+    assert_same_output(tmp_path / "feed", tmp_path / "local")
+    assert done["r"]["windows"] > 5
