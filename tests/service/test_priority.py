@@ -119,6 +119,38 @@ def test_four_equal_jobs_get_equal_shares_whatever_their_streams():
     assert sum(count) >= 200 and max(count) - min(count) <= 3, count  # 50 each, within a few batches
 
 
+def test_a_job_back_within_forget_s_keeps_its_seconds_a_new_one_starts_level():
+    """A striping client's next block is a new stream of the same job: it comes back to its own
+    seconds, not to the least-served job's (which gave a job ahead of its share a fresh start at
+    every block); a job new to the level starts level with the least served; a job gone for
+    longer than FORGET_S is forgotten."""
+    from gdsload.service.server.priority import FORGET_S
+
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    a, b = arb.enter(("id", "A"), 0), arb.enter(("id", "B"), 0)
+    run_streams(arb, clock, [(a, 3.0), (b, 1.0)], grants=40)
+    for _ in range(2):  # A alone for two dear batches more: ahead of B
+        assert a.wait(lambda: False) is None
+        clock.t += 3.0
+        a.made()
+        a.sent()
+    ahead, behind = arb.jobs[("id", "A")].used, arb.jobs[("id", "B")].used
+    assert ahead > behind
+    a.leave()  # its block ends; its next block's stream comes at once
+    a2 = arb.enter(("id", "A"), 0)
+    assert arb.jobs[("id", "A")].used >= ahead  # its own seconds, not B's (fewer, maybe)
+    c = arb.enter(("id", "C"), 0)
+    assert arb.jobs[("id", "C")].used == min(arb.jobs[("id", "A")].used, behind)
+    for t in (a2, c):
+        t.leave()
+    clock.t += FORGET_S + 1
+    d = arb.enter(("id", "D"), 0)  # (a stream entering drops the jobs gone for longer)
+    assert ("id", "A") not in arb.jobs and ("id", "C") not in arb.jobs
+    for t in (b, d):
+        t.leave()
+
+
 def test_strict_priority_between_levels_and_a_share_group_at_its_highest_member():
     clock = Clock()
     arb = Arbiter(1, clock=clock)
@@ -440,6 +472,64 @@ def test_a_higher_job_short_of_memory_gets_a_paused_lower_jobs_and_both_epochs_s
         assert keys(got) == local  # the low job, suspended and resumed: exact, in plan order
         assert low.stats()["servers"][addr]["failures"] == 0
         high.close()
+    finally:
+        if held is not None:
+            held.release()
+        low.close()
+        srv.shutdown(grace_s=2)
+
+
+def test_a_suspended_job_resumes_when_the_higher_one_left_its_loader_parked(roots):
+    """The higher job's loader, parked when it finished, holds its memory for the pool's idle_s:
+    the suspended lower job's stream must not wait for it to go stale (its resume counts parked
+    loaders as room: the budget evicts them). Here idle_s is 10 minutes: the low job's epoch ends
+    within the bounded wait only if the parked loader gave way."""
+    from gdsload.service.protocol.config import Limits
+
+    local = keys(local_batches(roots / "feats", batch_size=B))
+    probe, port = create_server([str(roots)], max_message_bytes=64 * 1024)
+    probe.start()
+    try:
+        lo = RemoteLoader(f"127.0.0.1:{port}", dataset="feats", batch_size=B, output="numpy", prefetch=1)
+        next(iter(lo))
+        one = probe.servicer.budget.reserved  # one stream's reservation (open, or parked: the epoch is small)
+        lo.close()
+    finally:
+        probe.shutdown(grace_s=1)
+    srv, port = create_server([str(roots)], batch_slots=2, max_message_bytes=64 * 1024,
+                              limits=Limits(max_message_bytes=64 * 1024, max_memory_bytes=one * 3 // 2))
+    srv.servicer.warm.idle_s = 600.0
+    srv.start()
+    addr = f"127.0.0.1:{port}"
+    low = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", prefetch=1, retry_timeout_s=120)
+    held = None
+    try:
+        it = iter(low)
+        got = [next(it), next(it)]
+        errors: list = []
+
+        def consume():
+            try:
+                got.extend(it)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        held = Held(srv, priority=5)
+        loop = threading.Thread(target=consume, daemon=True)
+        loop.start()
+        until(lambda: low.stats()["servers"][addr]["state"] == "paused", "the low job paused")
+        # (another request than the low job's: its parked loader is not the low job's to take)
+        high = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", priority=10, retry_timeout_s=5,
+                            backoff_s=0.05, max_backoff_s=0.2, shuffle=True, seed=1)
+        assert keys(high) == keys(local_batches(roots / "feats", batch_size=B, shuffle=True, seed=1))
+        high.close()
+        until(lambda: len(srv.servicer.warm) >= 1, "the high job's loader parked, holding its memory")
+        held.release()
+        held = None
+        loop.join(60)  # (far below idle_s: only an evicted parked loader lets the low job go on)
+        assert not loop.is_alive() and not errors, (errors, low.stats()["servers"])
+        assert keys(got) == local  # suspended, resumed: exact, in plan order
+        assert srv.servicer.budget.reserved <= one * 3 // 2
     finally:
         if held is not None:
             held.release()

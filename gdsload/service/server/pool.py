@@ -6,10 +6,33 @@ it, a stream's loader hands each batch to the pool and waits: the loader was bui
 `DataLoader(decoder_factory=seat.configure)` (the loader's public seam), so its decoder is the
 seat, a `PooledDecoder`, whose `decode_into` (the `ImageDecoder` method the loader calls) queues
 the batch as one of the stream the seat is attached to (`attach` when a stream of the loader
-starts, `detach` when it ends: a parked loader keeps its seat, detached); `workers` threads take the batches of the
-waiting streams in turn (round robin over streams, so a stream with many batches queued does not
-starve the others) and decode each with a DALI pipeline of `threads` threads (the server's cores)
+starts, `detach` when it ends: a parked loader keeps its seat, detached); `workers` threads take
+the waiting batches and decode each with a DALI pipeline of `threads` threads (the server's cores)
 for that transform, built on first use and kept while decoding streams are open.
+
+The order of batches is the server's `priority.Arbiter`'s (issue 49): a stream's seat knows its
+stream's turn (`PooledDecoder.rank`, from `sources.LoaderSource.rank`), and so its level and job.
+A loader's readers decode ahead of its stream (its prefetch ring), so without this a paused lower
+stream's batches already queued, and those its readers queue while the higher stream sends, would
+be decoded before the higher stream's next one, and a job of many streams would get more.
+
+1. **Strict priority between levels.** A stream's batch waits while a stream of a higher level is
+   active: it has a batch queued or being decoded, had one decoded less than `HOLD_S` ago (its
+   loader's next comes at once), or its turn wants the server (`priority.Turn.wanting`). Two
+   exceptions keep every wait bounded: a stream that holds one of the arbiter's batch slots
+   (`Turn.making`: its stream waits for this batch, and the higher stream may wait for its slot)
+   and a stream with no turn (a share group's producer, whose turns are its subscribers'; a
+   stream between its start and its turn) are never held back; they are ordered at their level
+   (no turn: level 0).
+2. **Equal decode seconds per job within a level.** Among the batches not held back, the highest
+   level's first; within it the job (`Turn.job`: the caller and `BatchRequest.job`) with the
+   fewest seconds of decoding (each batch charges its stream's job the seconds its worker took),
+   then the job served least recently, then the batch queued first. A job new to the pool starts
+   level with the least-served job of its level; one that comes back within `FORGET_S` (a
+   striping client's next block is a new stream) keeps its seconds.
+
+`order` keeps (job, level, the highest active level, whether a batch was held back) per batch
+taken, for tests and debugging; `used()` the decode seconds per job.
 
 Bounds: a pipeline is only ever used by one worker at a time and a loader decodes one batch at a
 time, so at most min(workers, attached streams) pipelines exist: the pool never holds more
@@ -38,19 +61,32 @@ import time
 from typing import Any
 
 from gdsload.errors import RingClosed, Unavailable
+from gdsload.service.server.priority import FORGET_S as PRIORITY_FORGET_S
+from gdsload.service.server.priority import RETURN_S
 
 _CLOSED = "the server's decode pool is closed (the server is shutting down); retry on another server"
 
 #: How often a stream waiting for its batch checks that the pool is still open (seconds).
 POLL_S = 0.25
+#: A stream whose batch was decoded less than this ago still wants the pool (its loader's next
+#: batch comes at once): lower levels wait meanwhile (`priority.RETURN_S`).
+HOLD_S = RETURN_S
+#: How long a worker waits for the next batch of a less-served job of the same level, decoded just
+#: before (`_owed`): a loader queues its next batch as its last one is decoded.
+NEXT_S = 0.01
+#: How long a job with no stream attached keeps its decode seconds (`priority.FORGET_S`).
+FORGET_S = PRIORITY_FORGET_S
 
 
 class _Job:
-    __slots__ = ("args", "done", "dst", "encoded", "error", "key", "names", "queued", "result", "started", "waited")
+    __slots__ = ("args", "done", "dst", "encoded", "error", "job", "key", "names", "queued", "result", "sid",
+                 "started", "waited")
 
     def __init__(self, key, args, encoded, names, dst):
         self.key, self.args, self.encoded, self.names, self.dst = key, args, encoded, names, dst
         self.queued = time.perf_counter()
+        self.sid = 0
+        self.job: Any = None  # its stream's job when taken (charged its decode seconds)
         self.waited = 0.0
         self.started = False  # a worker took it
         self.done = threading.Event()
@@ -60,15 +96,22 @@ class _Job:
 
 class DecodePool:
     def __init__(self, *, workers: int, threads: int, metrics: Any = None, linger_s: float = 2.0,
-                 close_timeout_s: float = 10.0):
+                 close_timeout_s: float = 10.0, clock: Any = time.monotonic):
         self.workers = workers
+        self.clock = clock
         self.linger_s = linger_s
         self.close_timeout_s = close_timeout_s
         self.threads = threads
         self.metrics = metrics
         self._cv = threading.Condition()
         self._queues: dict[int, collections.deque[_Job]] = {}  # stream -> its waiting batches
-        self._turns: collections.deque[int] = collections.deque()  # streams with work, in turn order
+        self._seats: dict[int, PooledDecoder] = {}  # stream -> its seat (its `turn`: level and job)
+        self._busy: dict[int, int] = {}  # stream -> its batches being decoded
+        self._done: dict[int, float] = {}  # stream -> when its last batch was decoded (`clock`)
+        self._ended: dict[int, float] = {}  # the same, in real seconds (`_owed`)
+        self.next_s = NEXT_S
+        self._jobs: dict[Any, list[float]] = {}  # job -> [decode seconds, last served, last seen]
+        self.order: collections.deque = collections.deque(maxlen=100_000)  # per batch taken (the docstring)
         self._free: dict[tuple, list[Any]] = {}  # key -> idle decoders
         self._built = 0
         self._attached = 0
@@ -88,14 +131,17 @@ class DecodePool:
         it when it ends."""
         return PooledDecoder(self, dataset)
 
-    def attach(self) -> int:
-        """A stream starts decoding through the pool: its id (its queue, served in turn)."""
+    def attach(self, seat: PooledDecoder | None = None) -> int:
+        """A stream starts decoding through the pool: its id (its queue, served in its turn: the
+        seat's `turn`, when it has one)."""
         with self._cv:
             if self._closed:
                 raise Unavailable(_CLOSED)
             self._next_id += 1
             sid = self._next_id
             self._queues[sid] = collections.deque()
+            self._seats[sid] = seat
+            self._busy[sid] = 0
             self._attached += 1
             if self._linger is not None:  # a stream came within the linger: keep the pipelines
                 self._linger.cancel()
@@ -109,6 +155,11 @@ class DecodePool:
             left = self._queues.pop(sid, None)
             if left is None:
                 return
+            self._seats.pop(sid, None)
+            self._busy.pop(sid, None)
+            self._done.pop(sid, None)
+            self._ended.pop(sid, None)
+            self._forget()
             for job in left:
                 job.error = RingClosed("the stream ended")
                 job.done.set()
@@ -148,10 +199,9 @@ class DecodePool:
             q = self._queues.get(sid)
             if q is None:
                 raise RingClosed("the stream ended")
+            job.sid = sid
             q.append(job)
-            if sid not in self._turns:
-                self._turns.append(sid)
-            self._cv.notify()
+            self._cv.notify_all()
         while not job.done.wait(POLL_S):
             if self._closed and time.monotonic() - self._closed_at > self.close_timeout_s:
                 raise Unavailable(_CLOSED + " (the batch was not decoded in time)")
@@ -196,15 +246,11 @@ class DecodePool:
             while True:
                 if self._closed:
                     return None
-                if self._turns:
-                    sid = self._turns.popleft()
-                    q = self._queues.get(sid)
-                    if not q:
-                        continue
-                    job = q.popleft()
+                sid, wake = self._pick(self.clock())
+                if sid is not None:
+                    job = self._queues[sid].popleft()
                     job.started = True
-                    if q:
-                        self._turns.append(sid)  # its next batch waits for the others' turns
+                    self._busy[sid] += 1
                     decs = self._free.get(job.key)
                     dec = decs.pop() if decs else None
                     evicted = None
@@ -217,7 +263,7 @@ class DecodePool:
                     if dec is None:
                         self._built += 1
                     return job, dec, evicted
-                self._cv.wait()
+                self._cv.wait(wake)
 
     def _work(self) -> None:
         from gdsload.decode.image import ImageDecoder
@@ -229,6 +275,7 @@ class DecodePool:
             job, dec, evicted = got
             del evicted, got  # its pipeline goes here, outside the lock
             job.waited = time.perf_counter() - job.queued
+            t0 = self.clock()
             if self.metrics is not None:
                 self.metrics.pool_busy.inc()
             try:
@@ -242,6 +289,7 @@ class DecodePool:
                 if self.metrics is not None:
                     self.metrics.pool_busy.dec()
                 with self._cv:
+                    self._charge(job, t0)
                     if dec is None or self._closed:  # closed: released here, by its worker
                         self._built -= 1
                     else:
@@ -249,6 +297,106 @@ class DecodePool:
                         dec = None
                 job.done.set()
             job = dec = None  # nothing of the batch or a pipeline is kept while waiting
+
+    # -- the order of batches: the arbiter's rules -----------------------------------------------------
+    def _rank(self, sid: int) -> tuple[int, Any, bool]:
+        """(level, job, bound) of stream `sid` (the lock is held): its seat's turn's level and job,
+        bound to no level when it holds a batch slot (the arbiter granted it: it must not wait here
+        for higher work, which may wait for its slot) or has no turn (a share group's producer, a
+        stream not in turns yet: level 0, a job of its own)."""
+        seat = self._seats.get(sid)
+        turn = getattr(seat, "turn", None)
+        if turn is None:
+            return 0, ("seat", sid), False
+        return turn.level(), turn.job, not turn.making()
+
+    def _active(self, sid: int, now: float) -> bool:
+        """Whether stream `sid` wants the pool now: a batch queued or being decoded, its last one
+        decoded less than `HOLD_S` ago (its next comes at once), or its turn wants the server."""
+        if self._queues[sid] or self._busy[sid] or now - self._done.get(sid, -HOLD_S) < HOLD_S:
+            return True
+        turn = getattr(self._seats.get(sid), "turn", None)
+        return turn is not None and turn.wanting()
+
+    def _pick(self, now: float) -> tuple[int | None, float | None]:
+        """The stream whose batch a worker takes next, or None and how long to wait (None: until
+        notified). Rule 1: a bound stream's batch waits while a stream of a higher level is active
+        (`_active`); rule 2: of the rest, the highest level first, then the job with the fewest
+        decode seconds, then the one served least recently, then the batch queued first."""
+        ranks = {sid: self._rank(sid) for sid in self._queues}
+        top = max((ranks[s][0] for s in self._queues if self._active(s, now)), default=None)
+        best, key, held = None, None, False
+        for sid, q in self._queues.items():
+            if not q:
+                continue
+            level, job, bound = ranks[sid]
+            if bound and top is not None and level < top:
+                held = True
+                continue
+            used, last, _ = self._jobs.get(job) or self._enter(job, level, ranks)
+            k = (-level, used, last, q[0].queued, sid)
+            if key is None or k < key:
+                best, key = sid, k
+        if best is not None and self._owed(best, ranks, now):
+            return None, self.next_s
+        if best is not None:
+            level, job, _ = ranks[best]
+            self._queues[best][0].job = job
+            self._jobs[job][1] = self._jobs[job][2] = now
+            self.order.append((job, level, top, held))
+            return best, None
+        return None, (HOLD_S / 2 if held else None)
+
+    def _owed(self, sid: int, ranks: dict, now: float) -> bool:
+        """Whether a job of `sid`'s level with fewer seconds had its batch decoded less than
+        `NEXT_S` ago and has not queued its next yet (a loader queues it at once): it is waited
+        for, or the job whose next batch happened to be queued first would get more than its
+        share. A bound stream only (one holding a slot is not kept waiting)."""
+        level, job, bound = ranks[sid]
+        if not bound:
+            return False
+        used = self._jobs[job][0]
+        real = time.monotonic()  # (the wait for a loader is in real seconds, whatever the clock)
+        for other, (lv, j, _) in ranks.items():
+            if (lv == level and j != job and not self._queues[other] and not self._busy[other]
+                    and real - self._ended.get(other, real - self.next_s) < self.next_s and j in self._jobs
+                    and self._jobs[j][0] < used):
+                return True
+        return False
+
+    def _enter(self, job: Any, level: int, ranks: dict) -> list[float]:
+        """A job's row (the lock is held): a job new to the pool starts level with the least-served
+        job of its level here (no credit for its absence); one back within `FORGET_S` keeps its
+        seconds, but no fewer than that."""
+        peers = [self._jobs[j][0] for lv, j, _ in ranks.values()
+                 if lv == level and j != job and j in self._jobs and j[0] != "seat"]  # (not a stream without turn)
+        row = self._jobs.setdefault(job, [0.0, 0.0, self.clock()])
+        row[0] = max(row[0], min(peers, default=0.0))
+        return row
+
+    def _charge(self, job: _Job, t0: float) -> None:
+        """Job `job` was decoded from `t0` on (the lock is held): its stream's job pays the seconds."""
+        now = self.clock()
+        if job.sid in self._busy:
+            self._busy[job.sid] -= 1
+            self._done[job.sid] = now
+            self._ended[job.sid] = time.monotonic()
+        row = self._jobs.get(job.job)
+        if row is not None:
+            row[0] += now - t0
+            row[2] = now
+
+    def _forget(self) -> None:
+        """Drop the jobs of no attached stream not seen for `FORGET_S` (the lock is held)."""
+        now = self.clock()
+        live = {self._rank(sid)[1] for sid in self._queues}
+        for job in [j for j, row in self._jobs.items() if j not in live and now - row[2] > FORGET_S]:
+            del self._jobs[job]
+
+    def used(self) -> dict[Any, float]:
+        """Decode seconds per job (the jobs seen in the last `FORGET_S` or attached)."""
+        with self._cv:
+            return {j: row[0] for j, row in self._jobs.items()}
 
     def _gauge(self) -> None:
         if self.metrics is not None:
@@ -267,6 +415,7 @@ class PooledDecoder:
         self.args: dict[str, Any] = {}
         self.key: tuple = ()
         self.sid: int | None = None
+        self.turn: Any = None  # its stream's `priority.Turn` (`rank`): the order of its batches
         self.queue_s = 0.0  # since the last attach
         self.batches = 0
 
@@ -280,14 +429,28 @@ class PooledDecoder:
     def attach(self) -> PooledDecoder:
         """A stream of the loader starts (`Unavailable` when the pool is closed)."""
         self.detach()
-        self.sid = self.pool.attach()
+        self.turn = None
+        self.sid = self.pool.attach(self)
         self.queue_s = 0.0
         self.batches = 0
         return self
 
+    def rank(self, turn: Any) -> None:
+        """Its stream's turn (`priority.Turn`): its batches are taken at its level and charged to
+        its job (until it detaches)."""
+        pool = self.pool
+        with pool._cv:
+            self.turn = turn
+            if turn is not None and self.sid in pool._queues:  # (re)entering: level with its peers
+                ranks = {sid: pool._rank(sid) for sid in pool._queues}
+                if not any(r[1] == turn.job for sid, r in ranks.items() if sid != self.sid):
+                    pool._enter(turn.job, turn.level(), ranks)
+            pool._cv.notify_all()
+
     def detach(self) -> None:
         """The stream ended: its batches still queued fail with `RingClosed` (its readers stop)."""
         sid, self.sid = self.sid, None
+        self.turn = None
         if sid is not None:
             self.pool.detach(sid)
 

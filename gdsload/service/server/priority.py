@@ -53,6 +53,9 @@ RETURN_S = 0.05
 NOTICE_S = 1.0
 #: Longest wait of a stream between looks at its stop condition and at the others.
 POLL_S = 0.02
+#: How long a job with no stream keeps its seconds: a striping client's next block (a new stream)
+#: comes back to its share, not to the least-served job's.
+FORGET_S = 5.0
 #: The span of `PriorityUse.utilisation`.
 USE_SPAN_S = 10.0
 
@@ -74,6 +77,7 @@ class Job:
     used: float = 0.0  # seconds of making batches
     last: float = 0.0  # when it was last granted a slot
     streams: int = 0
+    left: float = 0.0  # when its last stream left
 
 
 class Turn:
@@ -115,6 +119,20 @@ class Turn:
     def sent(self) -> None:
         self.arbiter.sent(self)
 
+    # -- read without the arbiter's lock (the decode pool's order: `pool.DecodePool`) ---------------
+    def level(self) -> int:
+        """Its level now: its priority, or its share group's highest (`Arbiter.group_levels`)."""
+        return self.priority if self.group is None else self.arbiter.group_levels.get(self.group, self.priority)
+
+    def making(self) -> bool:
+        """Whether it holds a batch slot (granted, its batch not made yet)."""
+        return self.state is _MAKING
+
+    def wanting(self) -> bool:
+        """Whether it wants the server now (`Arbiter.wants`: waiting, making, or just sent)."""
+        state, since = self.state, self.since
+        return state in (_WAITING, _MAKING) or self.arbiter.clock() - since < RETURN_S
+
     def leave(self) -> None:
         self.arbiter.leave(self)
 
@@ -133,6 +151,7 @@ class Arbiter:
         self.turns: dict[int, Turn] = {}
         self.jobs: dict[tuple, Job] = {}
         self.levels: dict[int, Level] = {}
+        self.group_levels: dict[Any, int] = {}  # share group -> its highest priority (replaced, never changed)
         self.grants: collections.deque = collections.deque(maxlen=100_000)
 
     # -- streams -----------------------------------------------------------------------------------
@@ -142,11 +161,16 @@ class Arbiter:
         with self.cv:
             t = Turn(self, job, priority, group, notices)
             self.turns[t.id] = t
+            self._publish_groups()
+            now = self.clock()
+            self._forget(now)
             j = self.jobs.get(job)
-            if j is None:  # level with the least-served job of its level (no credit for its absence)
+            if j is None:
+                j = self.jobs[job] = Job()
+            if not j.streams:  # level with the least-served job of its level (no credit for its absence)
                 peers = [self.jobs[o.job].used for o in self.turns.values()
                          if o.job != job and o.job in self.jobs and self.level_of(o) == self.level_of(t)]
-                j = self.jobs[job] = Job(used=min(peers, default=0.0))
+                j.used = max(j.used, min(peers, default=0.0))
             j.streams += 1
             self.levels.setdefault(priority, Level())
             self.cv.notify_all()
@@ -160,13 +184,26 @@ class Arbiter:
             del self.turns[t.id]
             if t.state is _MAKING:
                 self.busy -= 1
+            self._publish_groups()
             j = self.jobs.get(t.job)
-            if j is not None:
+            if j is not None:  # kept `FORGET_S` (a striping client's next block is a new stream)
                 j.streams -= 1
-                if j.streams <= 0:
-                    del self.jobs[t.job]
+                j.left = self.clock()
             self._gauges()
             self.cv.notify_all()
+
+    def _publish_groups(self) -> None:
+        """`group_levels` anew (the lock is held): readers without the lock see one or the other."""
+        levels: dict[Any, int] = {}
+        for o in self.turns.values():
+            if o.group is not None:
+                levels[o.group] = max(levels.get(o.group, o.priority), o.priority)
+        self.group_levels = levels
+
+    def _forget(self, now: float) -> None:
+        """Drop the jobs with no stream for `FORGET_S` (the lock is held)."""
+        for key in [k for k, j in self.jobs.items() if j.streams <= 0 and now - j.left > FORGET_S]:
+            del self.jobs[key]
 
     def level_of(self, t: Turn) -> int:
         """Its priority, or its share group's highest (the lock is held)."""

@@ -205,6 +205,8 @@ class FeedServicer(pb_grpc.FeedServicer):
         turn = self.arbiter.enter(job, request.priority, getattr(source, "key", None),
                                   notices=request.understands_pause)
         turn.release = getattr(source, "suspend", None)
+        if hasattr(source, "rank"):  # its loader's decoding, in the turn's order (`pool.DecodePool`)
+            source.rank(turn)
         return turn
 
     def _room_for_priority(self, need: int) -> None:

@@ -136,6 +136,7 @@ class LoaderSource:
                  whole_epoch: bool = False, reopen: Any = None):
         self.opened, self.pool, self.slot = opened, pool, slot
         self.req, self.reopen = req, reopen  # reopen(req): `loaders.Loaders.open` (None: never suspended)
+        self.turn: Any = None  # its stream's `priority.Turn` (`rank`), for the decode pool's order
         self.suspended = False
         self.last_step: int | None = None  # the step of the last batch made
         self.label, self.payload = opened.label, opened.payload
@@ -181,6 +182,12 @@ class LoaderSource:
         batch = next(self.it)
         return next(self.opened.planned), batch
 
+    def rank(self, turn: Any) -> None:
+        """Its stream's turn: its loader's batches are decoded in the turn's order (`pool.DecodePool`)."""
+        self.turn = turn
+        if self.opened.loaded.seat is not None:
+            self.opened.loaded.seat.rank(turn)
+
     def suspend(self) -> int:
         """(Another thread, while the stream waits for its turn: `priority.Arbiter.release_below`)
         park the loader with its reservation, to be evicted; returns the bytes it held (0: not
@@ -199,8 +206,10 @@ class LoaderSource:
     def resume(self) -> bool:
         """Open the loader of the rest of the stream's steps again; False while it does not fit."""
         budget, need = self.pool.budget, self.opened.reservation.nbytes
-        if not self.pool.has(self.opened.key) and budget.reserved + need > budget.limit:
-            return False  # (not worth building a loader that cannot reserve)
+        # (not worth building a loader that cannot reserve; parked loaders give way: a higher job's
+        # loader parked when it left would otherwise hold this stream paused for the pool's idle_s)
+        if not self.pool.has(self.opened.key) and budget.reserved - self.pool.parked_nbytes() + need > budget.limit:
+            return False
         req = pb.BatchRequest()
         req.CopyFrom(self.req)
         req.start_position = self.next_step() * self.G
@@ -215,6 +224,7 @@ class LoaderSource:
         self.step = req.start_position // self.G
         if opened.loaded.seat is not None:
             opened.loaded.seat.attach()
+            opened.loaded.seat.rank(self.turn)
         self.start()
         return True
 
