@@ -9,6 +9,7 @@ import gc
 import os
 import socket
 import threading
+import weakref
 
 import numpy as np
 
@@ -91,9 +92,86 @@ def test_a_loaders_stored_batches_are_worked_out_once_and_dropped_with_it():
     # refusals are per loader too, with their reason
     assert StoredBatches.open(_Loader(_Shards(2, local=False))) == (None, "a shard of the dataset is not a local file")
     assert StoredBatches.open(_Loader(_Shards(2), unsupported="a .npy field")) == (None, "a .npy field")
-    from gdsload.service.server import stored
-
-    held = len(stored._OPENED)
+    dropped, its_batches = weakref.ref(loader), weakref.ref(first)
     del loader, first
     gc.collect()
-    assert len(stored._OPENED) == held - 1  # the dropped loader's entry went with it
+    assert dropped() is None and its_batches() is None  # the answer went with its loader
+
+
+def _old_spans(col) -> list:
+    """`StoredColumn.spans` as it was: a loop over the members (the reference)."""
+    out: list = []
+    for fd, off, n in zip(col.fds.tolist(), col.offsets.tolist(), col.sizes.tolist()):
+        if not n:
+            continue
+        if out and out[-1].fd == fd and out[-1].offset + out[-1].nbytes == off:
+            out[-1] = FileSpan(fd, out[-1].offset, out[-1].nbytes + n)
+        else:
+            out.append(FileSpan(fd, off, n))
+    return out
+
+
+def _old_cut_pieces(pieces, first_room: int, room: int):
+    """`wire._cut_pieces` as it was: a loop over the pieces (the reference)."""
+    from gdsload.service.protocol.wire import _cut
+
+    queue = iter(pieces)
+    current = None
+    n = left = 0
+    want = first_room
+    while True:
+        parts, got = [], 0
+        while got < want:
+            if not left:
+                current = next(queue, None)
+                if current is None:
+                    break
+                n = left = current.nbytes if type(current) is FileSpan else memoryview(current).nbytes
+            if left == n and left <= want - got:
+                parts.append(current)
+                got += n
+                left = 0
+            else:
+                take = min(left, want - got)
+                parts.append(_cut(current, n - left, take))
+                got += take
+                left -= take
+        yield parts, got
+        want = room
+
+
+def _flat(part) -> tuple:
+    return ("span", *part) if type(part) is FileSpan else ("bytes", bytes(part))
+
+
+def test_spans_and_chunks_are_those_of_the_member_by_member_loops():
+    """The array and bisection versions (no Python call per member) give the spans and chunks
+    the loops gave, piece for piece: runs of members that follow each other in a file merged,
+    members of no bytes left out, pieces whole where they fit and cut where they do not."""
+    from gdsload.service.protocol.wire import StoredColumn, _cut_pieces
+
+    rng = np.random.default_rng(48)
+    for trial in range(300):
+        n = int(rng.integers(0, 40))
+        sizes = rng.integers(0, 3, n) * rng.integers(1, 5000, n)  # some members of no bytes
+        fds = rng.integers(3, 3 + int(rng.integers(1, 4)), n)
+        offs = rng.integers(0, 10**6, n)
+        follow = rng.random(n) < 0.4  # members right after the one before, in its file
+        for k in range(1, n):
+            if follow[k]:
+                fds[k], offs[k] = fds[k - 1], offs[k - 1] + sizes[k - 1]
+        col = StoredColumn(fds.astype(np.int64), offs.astype(np.int64), sizes.astype(np.int64), None)
+        spans = col.spans()
+        assert spans == _old_spans(col) and all(type(s) is FileSpan for s in spans)
+        assert all(type(v) is int for s in spans for v in s)
+        pieces = [p for s in spans for p in (s, b"x" * int(rng.integers(1, 300)))][: int(rng.integers(0, 2 * n + 1))]
+        total = sum(p.nbytes if type(p) is FileSpan else len(p) for p in pieces)
+        first_room, room = int(rng.integers(1, 9000)), int(rng.integers(1, 9000))
+        new, old = _cut_pieces(pieces, first_room, room), _old_cut_pieces(pieces, first_room, room)
+        sent = 0
+        while True:
+            (parts, got), (want_parts, want_got) = next(new), next(old)
+            assert got == want_got and [_flat(p) for p in parts] == [_flat(p) for p in want_parts], trial
+            sent += got
+            if sent >= total:
+                break

@@ -34,7 +34,9 @@ kernel's copy into the socket takes the page cache's bytes. Its members' CRC32s 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import accumulate, repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,19 +77,18 @@ class StoredColumn(NamedTuple):
         return int(self.sizes.sum())
 
     def spans(self) -> list[FileSpan]:
-        """The members as `FileSpan`s, one per run of members that follow each other in a file."""
-        fds, offs, sizes = self.fds.tolist(), self.offsets.tolist(), self.sizes.tolist()
-        out: list[FileSpan] = []
-        new = tuple.__new__  # (FileSpan(...) without its Python __new__: one per member)
-        for fd, off, n in zip(fds, offs, sizes):
-            if not n:
-                continue
-            if out and out[-1].fd == fd and out[-1].offset + out[-1].nbytes == off:
-                last = out[-1]
-                out[-1] = new(FileSpan, (fd, last.offset, last.nbytes + n))
-            else:
-                out.append(new(FileSpan, (fd, off, n)))
-        return out
+        """The members as `FileSpan`s, one per run of members that follow each other in a file
+        (members of no bytes take none). Array operations: no Python call per member."""
+        fds, offs, sizes = self.fds, self.offsets, self.sizes
+        if not sizes.all():
+            keep = sizes != 0
+            fds, offs, sizes = fds[keep], offs[keep], sizes[keep]
+        if len(sizes) > 1:
+            joined = (fds[1:] == fds[:-1]) & (offs[1:] == offs[:-1] + sizes[:-1])  # follows the one before
+            if joined.any():
+                first = np.concatenate(([0], (~joined).nonzero()[0] + 1))
+                fds, offs, sizes = fds[first], offs[first], np.add.reduceat(sizes, first)
+        return list(map(tuple.__new__, repeat(FileSpan), zip(fds.tolist(), offs.tolist(), sizes.tolist())))
 
 
 def _cut(piece: Any, start: int, n: int) -> Any:
@@ -212,33 +213,33 @@ def _encode_fields(batch: Mapping[str, Any]) -> tuple[list[pb.FieldData], list[A
 
 
 def _cut_pieces(pieces: Sequence[Any], first_room: int, room: int) -> Iterator[tuple[list[Any], int]]:
-    """The body's pieces cut into chunks of `first_room` bytes (the first, beside the header),
-    then `room`: (the chunk's parts, its bytes), whole pieces where they fit, never copied. At
-    least one chunk, and then as many as the body needs; the caller stops at the last."""
-    queue = iter(pieces)
-    current: Any = None  # the piece being cut, its size and how much of it is left
-    n = left = 0
+    """The body's pieces (none empty) cut into chunks of `first_room` bytes (the first, beside the
+    header), then `room`: (the chunk's parts, its bytes), whole pieces where they fit, never
+    copied. At least one chunk, and then as many as the body needs; the caller stops at the last.
+    The pieces that fit whole are found by bisection of their ends: no Python call per piece (a
+    stored batch has a piece per member)."""
+    sizes = [p.nbytes if type(p) is FileSpan else memoryview(p).nbytes for p in pieces]
+    ends = list(accumulate(sizes))
+    count = len(pieces)
+    i = pos = 0  # the next piece (`pos` inside it: its first bytes went in the chunk before), bytes cut
     want = first_room
     while True:
+        start, limit = pos, pos + want
         parts: list[Any] = []
-        got = 0
-        while got < want:
-            if not left:
-                current = next(queue, None)
-                if current is None:
-                    break
-                # (inline, no call per piece: a stored batch has a piece per member)
-                n = left = current.nbytes if type(current) is FileSpan else memoryview(current).nbytes
-            if left == n and left <= want - got:
-                parts.append(current)  # the whole piece: no slicing
-                got += n
-                left = 0
-            else:
-                take = min(left, want - got)
-                parts.append(_cut(current, n - left, take))
-                got += take
-                left -= take
-        yield parts, got
+        if i < count and pos > ends[i] - sizes[i]:  # the rest of a piece cut before
+            stop = min(ends[i], limit)
+            parts.append(_cut(pieces[i], pos - (ends[i] - sizes[i]), stop - pos))
+            pos = stop
+            i += stop == ends[i]
+        if pos < limit:
+            j = bisect_right(ends, limit, i)
+            if j > i:  # whole pieces
+                parts += pieces[i:j]
+                pos, i = ends[j - 1], j
+            if i < count and pos < limit:  # the next piece does not fit: its first bytes
+                parts.append(_cut(pieces[i], 0, limit - pos))
+                pos = limit
+        yield parts, pos - start
         want = room
 
 
