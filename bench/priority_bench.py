@@ -1,11 +1,16 @@
 """Priorities in the feed (issue 49): a high job among three low ones, servers capacity-limited.
 
 Servers are limited as `remote_scale_bench` limits them (`Throttle`: a cgroup v1 CPU quota of
-`--server-cores` each, else a SIGSTOP/SIGCONT duty cycle; with `--pin`, the default on >= 2 CPUs,
+`--server-cores` each for decoded runs and `--raw-server-cores` for raw ones, period
+`--quota-period-ms`, else a SIGSTOP/SIGCONT duty cycle; with `--pin`, the default on >= 2 CPUs,
 the servers run on CPU 1 and the clients on CPU 0), so the servers, not the clients, bound every
-run: each job is a process of its own (a `RemoteLoader` striping over the `--servers` servers) and
-its CPU seconds are reported beside its rate, to show it. Each round (`--rounds`, default 5), per
-payload (raw, decoded), runs in a rotating order:
+run: each job is a process of its own (a `RemoteLoader` striping over the `--servers` servers).
+Each phase reports the clients' CPU seconds as a share of their one core and the servers' (from
+/proc) as a share of their limit (`cpu`): the servers bound a run when theirs is near 1 and the
+clients' well below (raw runs at 0.25 core per server were client-bound: four jobs' clients used
+their whole core, partly checking each epoch against a local loader that read the whole dataset;
+the check now takes the epoch's keys from its plan, reading nothing). Each round (`--rounds`,
+default 5), per payload (raw, decoded), runs in a rotating order:
 
 - solo:      the high job (priority 10) alone reads `--batches` batches flat out: its rate and its
              median batch time (the time between batches).
@@ -14,16 +19,18 @@ payload (raw, decoded), runs in a rotating order:
              its solo batch time (wall per batch; a sleep per batch): its rate against solo (target
              >= 0.9x, median of the rounds) and its data stall (the loop's wait over its wall
              time; target <= 5 %). After the high job leaves, how long until the low jobs' summed
-             rate over a 1-s window is back to 0.9x what it was before the high job came
-             (target: 2 s raw, 5 s decoded).
-- equal:     four jobs at priority 0 read flat out for `--equal-s`: each job's batches over the
-             span where all four ran, max/min (target <= 1.2x).
+             rate over a window of about 20 of their batches (at least 1 s) is back to 0.9x their
+             rate over the warm-up before the high job came (target: 2 s raw, 5 s decoded);
+             `low_rates` has both rates and the window.
+- equal:     four jobs at priority 0 read flat out for `--equal-s` (decoded: times
+             `--equal-decoded-factor`, ~5 batches/s in all): each job's batches over the span
+             where all four ran, max/min (target <= 1.2x).
 
 Every job checks every epoch it finished against the local loader's keys in plan order (a
 partial last epoch as a prefix); any difference fails the run. The servers' memory in use
 (`ServerInfo.memory_in_use_bytes`) is sampled every 0.2 s and compared with `--max-memory`.
 
-The lead's run (a quiet 2-core machine, ~25 min):
+The lead's run (a quiet 2-core machine, ~27 min):
 
     python bench/priority_bench.py --rounds 5 --out bench/results/priority-cpu2.json
 
@@ -71,12 +78,12 @@ def run_job(spec: dict) -> dict:
                           **kw)
     plan = DataLoader(Dataset(spec["dataset"]), batch_size=spec["batch_size"], shuffle=True, seed=0,
                       decode=False, device="cpu", output="numpy")
-    stop = Path(spec["stop"])
+    every = plan.dataset.shards.keys()  # by sample id; an epoch's keys are its plan's ids' (nothing read:
+    stop = Path(spec["stop"])  # iterating the local loader read the whole dataset per epoch, client CPU)
     times, exact, epochs = [], True, 0
     c0, t_wait, first_wait = _self_cpu_s(), 0.0, 0.0
     while True:
-        plan.set_epoch(epochs)
-        want = [k for b in plan for k in b["__key__"]]
+        want = [every[i] for ids in plan.plan.batches(epochs) for i in ids.tolist()]
         got: list[str] = []
         it = iter(loader)
         while True:
@@ -112,8 +119,10 @@ def run_job(spec: dict) -> dict:
 class Jobs:
     """Job processes on the client CPU; `start(name, priority, ...)`, `stop_all()`, `results()`."""
 
-    def __init__(self, a, addresses: list[str], dataset: Path, work: Path, cpus):
+    def __init__(self, a, addresses: list[str], dataset: Path, work: Path, cpus, servers: list[int]):
         self.a, self.addresses, self.dataset, self.work, self.cpus = a, addresses, dataset, work, cpus
+        self.servers = servers  # the server processes' pids
+        self.cores = a.server_cores  # each server's CPU limit now (per payload)
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
         self.stop = work / f"stop-{time.monotonic_ns()}"
 
@@ -124,6 +133,9 @@ class Jobs:
         out = self.work / f"job-{name}-{time.monotonic_ns()}.json"
         proc = popen_pinned([sys.executable, __file__, "--job", json.dumps(spec), "--job-out", str(out)], self.cpus)
         self.procs[name] = (proc, out)
+
+    def cpu(self) -> Cpu:
+        return Cpu(self.servers, self.cores)
 
     def started(self, *names: str, timeout: float = 120) -> None:
         """Wait until each job `names` has its first batch (imports and plans are not timed)."""
@@ -153,23 +165,64 @@ def _rate(times: list[float], t0: float | None = None, t1: float | None = None) 
     return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) >= 2 and ts[-1] > ts[0] else 0.0
 
 
-def _recovery_s(lows: list[dict], before: float, after: float) -> float | None:
-    """Seconds after `after` until the low jobs' summed rate over a 1-s window reaches 0.9x their
-    rate over the 2 s before `before` (None: not within the run)."""
+def _recovery_s(lows: list[dict], before: float, after: float, span_s: float) -> tuple[float | None, dict]:
+    """Seconds after `after` (the high job left) until the low jobs' summed rate over a window is
+    back to 0.9x their rate before `before` (the high job came), and the figures: the rate before
+    is over the warm-up's last `span_s` (all lows reading), the window holds about 20 of their
+    batches at that rate (at least 1 s: a 1-s window of a decoded job's ~5 batches/s measured its
+    phase, not its rate), the rate after is over the window. None: not within the run."""
     times = sorted(t for r in lows for t in r["times"])
-    earlier = sum(1 for t in times if before - 2.0 <= t < before) / 2.0
+    earlier = sum(1 for t in times if before - span_s <= t < before) / span_s
+    info = {"rate_before": earlier, "window_s": None, "rate_after": None}
     if not earlier:
-        return None
-    for t in [t for t in times if t >= after]:
-        if sum(1 for u in times if t <= u < t + 1.0) >= 0.9 * earlier:
-            return t - after
-    return None
+        return None, info
+    w = info["window_s"] = max(1.0, 20.0 / earlier)
+    late = [t for t in times if t >= after]
+    info["rate_after"] = (sum(1 for t in late if t >= late[-1] - w) / w) if late else 0.0  # its last window
+    for t in late:
+        if t + w > late[-1]:
+            break
+        if sum(1 for u in late if t <= u < t + w) / w >= 0.9 * earlier:
+            return t - after, info
+    return None, info
+
+
+def _proc_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the processes `pids` used so far (/proc; 0 where unreadable)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+class Cpu:
+    """CPU used by the clients (the jobs' own figures) and the servers (/proc) over one phase,
+    each as a share of what its side may use (clients: one core; servers: their limit): which
+    side bounded the run (the servers must, near 1.0, the clients well below)."""
+
+    def __init__(self, servers: list[int], limit_cores: float):
+        self.servers, self.limit = servers, limit_cores
+        self.t0, self.s0 = time.monotonic(), _proc_cpu_s(servers)
+
+    def done(self, jobs: list[dict]) -> dict:
+        wall = time.monotonic() - self.t0
+        server_s = _proc_cpu_s(self.servers) - self.s0
+        client_s = sum(r["cpu_s"] for r in jobs)
+        return {"wall_s": wall, "client_cpu_s": client_s, "server_cpu_s": server_s,
+                "client_share": client_s / wall if wall else None,
+                "server_share": server_s / (wall * self.limit * len(self.servers)) if wall and self.limit else None}
 
 
 # -- the scenarios ------------------------------------------------------------------------------------
 def solo(jobs: Jobs, decoded: bool, batches: int) -> dict:
+    cpu = jobs.cpu()
     jobs.start("high", HIGH, decoded=decoded, batches=batches)
     r = jobs.wait("high")
+    used = cpu.done([r])
     gaps = [b - a for a, b in zip(r["times"], r["times"][1:])]
     rate = _rate(r["times"])
     # The training loop's step is 1.1x the solo batch time, its wall per batch (1 / rate): a stripe
@@ -178,23 +231,28 @@ def solo(jobs: Jobs, decoded: bool, batches: int) -> dict:
     # "training loop" read flat out and its stall meaningless).
     return {"rate": rate, "batch_s": 1 / rate if rate else 0.0,
             "median_batch_s": statistics.median(gaps) if gaps else 0.0,
-            "cpu_s": r["cpu_s"], "exact": r["exact"]}
+            "cpu_s": r["cpu_s"], "exact": r["exact"], "cpu": used}
 
 
 def contended(jobs: Jobs, decoded: bool, batches: int, step_s: float, warmup_s: float, after_s: float) -> dict:
     for i in range(3):
         jobs.start(f"low{i}", LOW, decoded=decoded)
     jobs.started("low0", "low1", "low2")
+    warm = time.monotonic()
     time.sleep(warmup_s)
     came = time.monotonic()
+    cpu = jobs.cpu()
     jobs.start("high", HIGH, decoded=decoded, batches=batches, step_s=step_s)
     high = jobs.wait("high")
     left = time.monotonic()
     time.sleep(after_s)
     lows = list(jobs.stop_all().values())
+    used = cpu.done([high] + lows)  # (the lows' CPU from their start: the clients' share is an upper bound)
     took = high["times"][-1] - high["times"][0] if len(high["times"]) >= 2 else 0.0
+    recovery, rates = _recovery_s(lows, came, left, max(1.0, came - warm - 1.0))
     return {"rate": _rate(high["times"]), "stall": high["wait_s"] / took if took else None,
-            "recovery_s": _recovery_s(lows, came, left), "exact": high["exact"] and all(r["exact"] for r in lows),
+            "recovery_s": recovery, "low_rates": rates, "cpu": used,
+            "exact": high["exact"] and all(r["exact"] for r in lows),
             "high_cpu_s": high["cpu_s"], "low_cpu_s": sum(r["cpu_s"] for r in lows),
             "low_pauses": sum(r["pauses"] for r in lows), "low_paused_s": sum(r["paused_s"] for r in lows),
             "servers_needed": high["servers_needed"]}
@@ -204,13 +262,15 @@ def equal(jobs: Jobs, decoded: bool, seconds: float) -> dict:
     for i in range(4):
         jobs.start(f"eq{i}", LOW, decoded=decoded)
     jobs.started("eq0", "eq1", "eq2", "eq3")
+    cpu = jobs.cpu()
     time.sleep(seconds)
     done = list(jobs.stop_all().values())
+    used = cpu.done(done)
     t0 = max(r["times"][0] for r in done if r["times"])
     t1 = min(r["times"][-1] for r in done if r["times"])
     counts = [sum(1 for t in r["times"] if t0 <= t <= t1) for r in done]
     return {"counts": counts, "max_over_min": max(counts) / max(1, min(counts)),
-            "exact": all(r["exact"] for r in done), "cpu_s": sum(r["cpu_s"] for r in done)}
+            "exact": all(r["exact"] for r in done), "cpu_s": sum(r["cpu_s"] for r in done), "cpu": used}
 
 
 class MemoryWatch:
@@ -254,7 +314,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--batches", type=int, default=60, help="batches the high job reads per run")
     ap.add_argument("--servers", type=int, default=2)
-    ap.add_argument("--server-cores", type=float, default=0.25)
+    ap.add_argument("--server-cores", type=float, default=0.25, help="each server's CPU limit, decoded runs")
+    ap.add_argument("--raw-server-cores", type=float, default=0.05,
+                    help="each server's CPU limit, raw runs (lower: four raw clients on one core outran 0.25)")
+    ap.add_argument("--equal-decoded-factor", type=float, default=2.0,
+                    help="the equal phase of decoded runs is this many times --equal-s (~5 batches/s in all)")
     ap.add_argument("--max-memory", default="1GB", help="each server's --max-memory")
     ap.add_argument("--payloads", default="raw,decoded")
     ap.add_argument("--warmup-s", type=float, default=4.0)
@@ -262,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--equal-s", type=float, default=15.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--throttle", choices=("auto", "cgroup", "sigstop"), default="auto")
+    ap.add_argument("--quota-period-ms", type=float, default=20.0,
+                    help="the cgroup quota's period (the kernel's smallest quota is 1 ms: 0.05 core needs <= 20 ms;"
+                         " a shorter period is steadier than 100 ms, which held a server still 95 ms at a time)")
     ap.add_argument("--pin", choices=("auto", "yes", "no"), default="auto")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -280,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     dataset = image_dataset(work, a.images, a.tiny)
     pin = a.pin == "yes" or (a.pin == "auto" and (os.cpu_count() or 1) >= 2)
     server_cpus, client_cpus = ({1}, {0}) if pin else (None, None)
-    throttle = Throttle(a.throttle)
+    throttle = Throttle(a.throttle, period_ms=a.quota_period_ms)
     procs, addresses = [], []
     out: dict = {"host": platform.node(), "cpus": os.cpu_count(), "throttle": throttle.kind, "args": vars(a),
                  "rounds": []}
@@ -295,23 +362,28 @@ def main(argv: list[str] | None = None) -> dict:
             _wait_serving(address, proc, work / "servers.log")
             throttle.limit(proc.pid, a.server_cores)
             addresses.append(address)
-        jobs = Jobs(a, addresses, dataset, work, client_cpus)
+        jobs = Jobs(a, addresses, dataset, work, client_cpus, [p.pid for p in procs])
         memory = MemoryWatch(addresses)
         payloads = a.payloads.split(",")
         for r in range(a.rounds):
             row: dict = {}
             for payload in payloads[r % len(payloads):] + payloads[:r % len(payloads)]:  # rotating order
                 decoded = payload == "decoded"
+                jobs.cores = a.server_cores if decoded else a.raw_server_cores
+                for proc in procs:  # raw is held harder: the servers, not the four clients, must bound it
+                    throttle.limit(proc.pid, jobs.cores)
                 s = solo(jobs, decoded, a.batches)
                 c = contended(jobs, decoded, a.batches, 0.0, a.warmup_s, a.after_s)
                 t = contended(jobs, decoded, a.batches, 1.1 * s["batch_s"], a.warmup_s, a.after_s)
-                e = equal(jobs, decoded, a.equal_s)
+                e = equal(jobs, decoded, a.equal_s * (a.equal_decoded_factor if decoded else 1.0))
                 row[payload] = {"solo": s, "contended": c, "training": t, "equal": e,
                                 "rate_vs_solo": c["rate"] / s["rate"] if s["rate"] else None}
                 print(f"round {r + 1} {payload}: high {c['rate']:.1f}/s vs solo {s['rate']:.1f}/s "
                       f"({row[payload]['rate_vs_solo'] or 0:.2f}x), training stall {100 * (t['stall'] or 0):.1f} %, "
                       f"low recovery {c['recovery_s']} s, equal max/min {e['max_over_min']:.2f}, exact "
-                      f"{s['exact'] and c['exact'] and t['exact'] and e['exact']}", flush=True)
+                      f"{s['exact'] and c['exact'] and t['exact'] and e['exact']}; CPU share contended: clients "
+                      f"{c['cpu']['client_share'] or 0:.2f} of a core, servers {c['cpu']['server_share'] or 0:.2f} "
+                      f"of their limit", flush=True)
             out["rounds"].append(row)
         out["memory"] = memory.close()
     finally:
@@ -323,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         "rate_vs_solo_median": statistics.median(r[p]["rate_vs_solo"] or 0 for r in out["rounds"]),
         "training_stall_median": statistics.median(r[p]["training"]["stall"] or 0 for r in out["rounds"]),
         "recovery_s": [r[p]["contended"]["recovery_s"] for r in out["rounds"]],
+        "client_share_median": statistics.median(r[p]["contended"]["cpu"]["client_share"] or 0 for r in out["rounds"]),
+        "server_share_median": statistics.median(r[p]["contended"]["cpu"]["server_share"] or 0 for r in out["rounds"]),
         "equal_max_over_min_median": statistics.median(r[p]["equal"]["max_over_min"] for r in out["rounds"]),
         "all_exact": all(r[p][k]["exact"] for r in out["rounds"] for k in ("solo", "contended", "training", "equal")),
     } for p in a.payloads.split(",")}
