@@ -3,7 +3,8 @@ user `fn`, its outputs written as a new dataset, exactly once across crashes (`g
 which is `gdsload.preprocess.run.process`).
 
 Modules: `options` (the checked options, `fn` by name), `media` (streaming decode of one member
-into frame or speech windows), `unit` (one input shard's windows into its output shards, crash
+into frame or speech windows: `gdsload.decode.passmedia`, re-exported; the feed's server runs it
+too when a pass decodes there, `feed=`), `unit` (one input shard's windows into its output shards, crash
 records), `run` (the driver: DST, resume record, units here / in workers / on Ray, manifest),
 `ray_engine` (units as Ray tasks).
 """

@@ -338,6 +338,8 @@ def _run_pool(src: str, dst: str, todo: list[int], opts: PassOptions, fields: li
     from gdsload.preprocess.media import _av
 
     _av()  # PyAV imported once here, inherited by the forked workers (not imported again in each)
+    if remote is not None:
+        remote.close()  # no gRPC channel across the fork: each worker opens its own
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx)
     results: dict[int, dict[str, Any]] = {}

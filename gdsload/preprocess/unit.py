@@ -176,6 +176,12 @@ class Remote:
     def events(self, unit: int, start: tuple[int, int, int]) -> Any:
         return self.feed.events(self.name, self.dataset_id, unit, self.spec, start)
 
+    def close(self) -> None:
+        """Close the feed's connection in this process (before forking workers: each opens its own)."""
+        close = getattr(self.feed, "close", None)
+        if close is not None:
+            close()
+
 
 class _Reader:
     """The reader thread: items decoded in order (here, or on a feed server: `remote`) into a

@@ -59,6 +59,15 @@ def test_feed_pass_writes_the_local_pass_bytes(media_src: Path, tmp_path: Path, 
     assert (remote["members"], remote["fields_without_stream"]) == (local["members"], local["fields_without_stream"])
 
 
+def test_feed_pass_in_workers_writes_the_same_bytes(media_src: Path, tmp_path: Path, feed) -> None:
+    _, address = feed
+    kw = dict(frames=(5.0, 2), size=45, batch_size=3, shard_size="16KiB")
+    gdsload.process(media_src, tmp_path / "local", passfns.frame_stats, **kw)
+    r = gdsload.process(media_src, tmp_path / "feed", passfns.frame_stats, feed=address, workers=2, **kw)
+    assert r["workers"] == 2
+    assert_same_output(tmp_path / "feed", tmp_path / "local")
+
+
 def test_feed_pass_is_sent_at_its_priority(media_src: Path, tmp_path: Path, feed) -> None:
     srv, address = feed
     before = {u.priority: u.batches for u in srv.servicer.arbiter.usage()}

@@ -66,9 +66,19 @@ class WindowFeed:
         with self._lock:
             if self._stub is None or self._pid != os.getpid():
                 opts = [("grpc.max_receive_message_length", _RECEIVE_BYTES)]
-                self._stub = pb_grpc.FeedStub(grpc.insecure_channel(self.address, options=opts))
+                channel = grpc.insecure_channel(self.address, options=opts)
+                self._stub = pb_grpc.FeedStub(channel)
+                self._stub.channel = channel
                 self._pid = os.getpid()
             return self._stub
+
+    def close(self) -> None:
+        """Close this process's channel (a pass closes it before forking its workers, which open
+        their own)."""
+        with self._lock:
+            stub, self._stub, self._pid = self._stub, None, None
+        if stub is not None:
+            stub.channel.close()
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         from gdsload.service.protocol.auth import metadata
