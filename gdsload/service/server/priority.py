@@ -17,7 +17,9 @@ seconds to its job) and then sends it (`Turn.sent`). The rules, in this order:
    level, the slot goes to the job that used the fewest seconds of making batches (a job: every
    stream with the same `BatchRequest.job` from the same credentials; an empty job is a job of
    its own), ties to the job served least recently. A job that arrives starts level with the
-   least-served job already there (it does not get the time it was absent). The seconds a batch
+   least-served job already there (it does not get the time it was absent); a job whose streams
+   all ended keeps its seconds for `FORGET_S` (a striping client's next block is a new stream:
+   it comes back to its own share, not to the least-served job's). The seconds a batch
    takes (from the grant to the batch's frames ready: the wait for its loader and its encoding)
    are its cost, so a decoded batch counts for what it took, not as one batch.
 3. **A share group runs at its highest member's priority** (`group`: the share group's key).
@@ -30,7 +32,9 @@ it retries as today, from its cursor).
 
 What it reports: per level, streams open, paused and queued now, batches made, seconds spent
 making them and paused (`usage()`, `ServerInfo.priorities`), and the Prometheus metrics
-`gdsload_feed_priority_*`. `grants` keeps the last grants (job, level, the highest level then
+`gdsload_feed_priority_*`. The server's decode pool takes decoding batches in the same order,
+reading each turn without the lock (`Turn.level`, `Turn.making`, `Turn.wanting`; `pool.DecodePool`).
+`grants` keeps the last grants (job, level, the highest level then
 waiting) for tests and debugging. Every wait is bounded: `Turn.wait` wakes at least every
 `POLL_S` to check its stop condition.
 """
