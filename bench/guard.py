@@ -21,6 +21,10 @@ read from --workdir/pycache as an installed package's are, even under PYTHONDONT
      with the same operators) and torch's DataLoader + webdataset + Pillow, and the first batch
      against torch's (`bench/loader_bench.py`'s harness, interleaved rounds): the issue-55 targets
      (T >= 0.95x DALI and >= 1.6x torch, first batch <= 0.5x torch's).
+  4. The modules each tree imports from the constructor to the first batch of each tier (one more
+     fresh process per tree and tier, imports outside the clock as in the rounds): a count with no
+     noise, so a first batch that grew by imports shows even where its time is inside the A/A
+     (issue 55: tier R 57 modules at 70b9300 against 49 at 0d29bb3, `numpy.random`'s among them).
 Verdict per figure: head / base (median over the paired rounds) inside the A/A's range of the same
 ratio ("inside": no change this run can show), above it ("faster") or below it ("slower": a
 regression to explain before resolving). For the first batch the ratio is of times (lower is
@@ -53,6 +57,61 @@ def verdict(ab: float, aa_min: float, aa_max: float, *, higher_is_better: bool =
         return "inside the A/A spread"
     better = ab > aa_max if higher_is_better else ab < aa_min
     return "outside the A/A spread: " + ("faster" if better else "SLOWER (a regression: explain it before resolving)")
+
+
+# One tree's modules imported from the constructor to the first batch (argv[1]: JSON with tree,
+# tier, dataset): the rounds' imports first (tree_compare.RUNNER), then the loader.
+IMPORTS = r'''
+import numpy
+try:
+    import torch  # noqa: F401  (imported before the clock in the rounds)
+except ImportError:
+    pass
+a = json.loads(sys.argv[1])
+if a["tier"] == "T":
+    import nvidia.dali  # noqa: F401
+import gdsload
+kw = dict(batch_size=64, shuffle=True, seed=1, num_workers=2, device="cpu", output="numpy", fields=("jpg", "cls"))
+if a["tier"] == "R":
+    kw["decode"] = False
+if a["tier"] == "T":
+    kw["transform"] = gdsload.ImageTransform(size=224)
+before = set(sys.modules)
+loader = gdsload.DataLoader(gdsload.Dataset(a["dataset"]), **kw)
+next(iter(loader))
+print(json.dumps({"modules": sorted(set(sys.modules) - before), "gdsload": gdsload.__file__}))
+loader.close()
+'''
+
+
+def first_batch_imports(tree: Path, dataset: Path, tier: str, pycache: Path, timeout_s: float) -> list[str]:
+    """The modules `tree`'s loader imports from its constructor to its first batch of `tier`."""
+    import subprocess
+
+    import tree_compare
+
+    code = tree_compare.USE_TREE.replace("TREE", "json.loads(sys.argv[1])['tree']") + IMPORTS
+    arg = json.dumps({"tree": str(tree), "tier": tier, "dataset": str(dataset)})
+    r = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=timeout_s,
+                       env=tree_compare.child_env(tree, pycache))
+    if r.returncode != 0:
+        raise RuntimeError(f"{tree} {tier} imports: exit {r.returncode}\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if not out["gdsload"].startswith(str(tree)):
+        raise RuntimeError(f"ran {out['gdsload']}, not the tree {tree}")
+    return out["modules"]
+
+
+def _imports(work: Path, base: str, tiers: list[str], timeout_s: float) -> dict:
+    """`first_batch_imports` of this checkout and of `base` (the A/B's trees and shards), per tier."""
+    ab = work / "ab"
+    out = {}
+    for tier in tiers:
+        head = first_batch_imports(REPO, ab / "head-jpg", tier, ab / "pycache", timeout_s)
+        old = first_batch_imports(ab / f"base-{base}", ab / "base-jpg", tier, ab / "pycache", timeout_s)
+        out[tier] = {"head": len(head), "base": len(old), "only_head": sorted(set(head) - set(old)),
+                     "only_base": sorted(set(old) - set(head))}
+    return out
 
 
 def _figures(tc: dict) -> dict:
@@ -114,6 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["verdicts"][name] = {"head_over_base": {"median": med, "min": lo, "max": hi},
                                     "aa": {"min": aa_lo, "max": aa_hi}, "verdict": v}
         print(f"  {name}: {med:.3f} ({lo:.3f}-{hi:.3f}); A/A {aa_lo:.3f}-{aa_hi:.3f}: {v}")
+    result["first_batch_imports"] = imports = _imports(work, a.base, a.tiers.split(","), a.timeout_s)
+    print("\nmodules imported from the constructor to the first batch (a count: no A/A needed):")
+    for tier, row in imports.items():  # gdsload's own modules are renamed between trees: the others told
+        extra = [m for m in row["only_head"] if not m.startswith("gdsload.")]
+        print(f"  tier {tier}: head {row['head']}, base {row['base']}; not gdsload's, only in head: "
+              f"{', '.join(extra) or '-'}")
     if a.versus:
         from gdsload.bench.harness import run_suite
 
