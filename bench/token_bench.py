@@ -13,6 +13,9 @@ warm-up each: page cache hot for all); every tokenizer runs with `RAYON_NUM_THRE
 
 * `raw_read`: reading the token shards' bytes (every shard file, 8 MiB reads): the baseline of the
   pre-tokenized contestants (its tokens are the manifest's).
+* `format_floor`: the raw read plus the least work of TokenLoader's batch format (four int64
+  [batch, seq_len] arrays from two bytes a token; no packing, eos or checks): a bound on the
+  pre-tokenized ratio over the raw read that no loader of this format can pass.
 * `encode_batch`: bare `tokenizers.Tokenizer.encode_batch` over the corpus's texts, in memory, in
   batches of 1,000 documents: the baseline of tokenizing on the fly.
 * `gdsload_tokens_concat`, `gdsload_tokens_best_fit`: `TokenLoader` over the token shards
@@ -133,6 +136,36 @@ def raw_read(ctx: Ctx) -> tuple[int, float]:
             while f.readinto(view):
                 pass
     return ctx.num_tokens, time.perf_counter() - t0
+
+
+def format_floor(ctx: Ctx) -> tuple[int, float]:
+    """The raw read plus the least a batch of TokenLoader's format costs: per global step, the
+    step's tokens (as stored, uint16/uint32) widened into int64 `input_ids`, `labels` a copy,
+    `position_ids` and `attention_mask` written whole (four int64 [batch, seq_len] arrays from
+    two bytes a token). No packing, no eos, no CRC, tar headers counted as tokens: a bound no
+    loader of this batch format can beat, so `pretokenized_over_raw_read` can be read against
+    `format_floor_over_raw_read`."""
+    import numpy as np
+
+    files = sorted(ctx.paths["tokens"].glob("*.tar"))
+    dtype = np.dtype(json.loads((ctx.paths["tokens"] / "manifest.json").read_text())["tokens"]["dtype"])
+    step = ctx.seq * ctx.batch
+    row = np.arange(ctx.seq, dtype=np.int64)
+    t0 = time.perf_counter()
+    n = 0
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            data = f.read()
+        toks = np.frombuffer(data, dtype, count=len(data) // dtype.itemsize)
+        for a in range(0, len(toks) - step + 1, step):
+            ids = toks[a:a + step].astype(np.int64).reshape(ctx.batch, ctx.seq)
+            labels = ids.copy()
+            pos = np.empty_like(ids)
+            pos[:] = row
+            mask = np.ones_like(ids)
+            n += step
+            del ids, labels, pos, mask
+    return min(n, ctx.num_tokens), time.perf_counter() - t0
 
 
 def encode_batch(ctx: Ctx) -> tuple[int, float]:
@@ -274,6 +307,7 @@ def grain(ctx: Ctx) -> tuple[int, float]:
 
 CONTESTANTS = {
     "raw_read": (raw_read, None),
+    "format_floor": (format_floor, None),
     "encode_batch": (encode_batch, "tokenizers"),
     "gdsload_tokens_concat": (gdsload_tokens_concat, None),
     "gdsload_tokens_best_fit": (gdsload_tokens_best_fit, None),
@@ -361,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "min": min(rates), "max": max(rates)}
     for key, a, b in (("text_on_the_fly_over_encode_batch", "gdsload_text_concat", "encode_batch"),
                       ("pretokenized_over_raw_read", "gdsload_tokens_concat", "raw_read"),
+                      ("format_floor_over_raw_read", "format_floor", "raw_read"),
+                      ("pretokenized_over_format_floor", "gdsload_tokens_concat", "format_floor"),
+                      ("pretokenized_over_litdata", "gdsload_tokens_concat", "litdata"),
                       ("pretokenized_over_hf_streaming", "gdsload_tokens_concat", "hf_streaming"),
                       ("best_fit_over_hf_streaming", "gdsload_tokens_best_fit", "hf_streaming")):
         if a in runs and b in runs:

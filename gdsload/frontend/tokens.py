@@ -76,6 +76,7 @@ from gdsload.plan.tokenmix import MixCursor, MixedEpoch, TokenMix
 ORDER = 2  # the plan's order version the document order uses
 _GAP = 64 << 10  # documents of a shard at most this many bytes apart are read in one read
 _TABLES_KEPT = 16  # shards' document tables kept loaded
+_AHEAD = 1 << 16  # concat over local token shards: global tokens packed and assembled at a time (0: by step)
 
 
 class TokenLoader:
@@ -353,6 +354,10 @@ class TokenLoader:
                mixpos: tuple[int, MixCursor] | None) -> Iterator[tuple[Any, Any]]:
         """The pass's items, each ``(arrays or None, the loader's state after it)``: a batch and
         the state once it is handed out, or (None, state) for the end of the epoch."""
+        if (_AHEAD and self.pack == "concat" and self.meta is not None and self.mix is None
+                and self._served is None and self._gpu is None):
+            yield from self._concat_steps(epoch, step, state)
+            return
         with self._lock:
             at, packer, mixed = self._epoch_packer(epoch, mixpos, state)
         try:
@@ -391,6 +396,46 @@ class TokenLoader:
         finally:
             if isinstance(mixed, _StreamedEpoch):
                 mixed.close()
+
+    def _concat_steps(self, epoch: int, step: int, state: pk.PackState) -> Iterator[tuple[Any, Any]]:
+        """`_steps` for ``concat`` over a local token dataset, `_AHEAD` tokens of steps at a time
+        (`gdsload.plan.pack.concat_ahead` and `concat_batches`: the same batches and states as
+        step by step, whole-array NumPy instead of a few calls a piece). A step's arrays are views
+        of its chunk's: never written again, so a batch kept stays as it was handed out."""
+        order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                            window=self.window)
+        n, rows, seq = self.num_documents, self.global_batch, self.seq_len
+        cap = rows * seq
+        ahead = max(1, _AHEAD // cap)
+        while True:
+            with self._lock:
+                pos, off = int(state["position"]), int(state["offset"])
+                parts, got, at = [], 0, pos
+                while got < off + ahead * cap and at < n:  # lengths until they fill the steps
+                    cnt = min(n - at, max(pk.BLOCK, 2 * len(parts) * pk.BLOCK))
+                    parts.append(self._lengths(order.at(np.arange(at, at + cnt, dtype=np.int64))))
+                    got, at = got + int(parts[-1].sum()), at + cnt
+                lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+                consumed, offs, real = pk.concat_ahead(lengths, off, seq_len=seq, rows=rows, steps=ahead,
+                                                       complete=at >= n)
+                lengths = lengths[:int(consumed[-1]) + int(offs[-1] > 0)]
+                total = int(real.sum())
+                need = pk.rank_documents(lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
+                                         world=self.world_size)
+                ids = order.at(pos + np.flatnonzero(need))
+                flat = self._with_eos(self._read(ids.tolist()))[0] if len(ids) else np.zeros(0, np.int64)
+                fields, cus = pk.concat_batches(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
+                                                world=self.world_size, pad_id=self.pad_id)
+            for t in range(len(real)):
+                nxt = pk.PackState(position=pos + int(consumed[t]), offset=int(offs[t]), carry=[])
+                last = nxt["position"] >= n and not nxt["offset"]
+                ends = not real[t] or (last and self.drop_last and real[t] < cap)
+                after = (epoch + 1, 0, pk.start_state(), None) if ends or last else (epoch, step + 1, nxt, None)
+                arrays = None if ends else {**{k: v[t] for k, v in fields.items()}, "cu_seqlens": cus[t]}
+                yield arrays, after
+                if ends or last:
+                    return
+                state, step = nxt, step + 1
 
     def _batch(self, rows: list[list[pk.Piece]]) -> Any:
         if self._gpu is not None:  # gdsload.frontend.tokens_gpu: planned here, read by `_steps`
@@ -455,17 +500,7 @@ class TokenLoader:
                 got = [self._stream.doc(i) for i in missing]
             else:
                 got = self._tokenize(missing) if self.meta is None else self._read(missing)
-            lens = np.fromiter(map(len, got), np.int64, len(got))
-            flat = np.concatenate(got) if got else np.zeros(0, np.int64)
-            if self.eos_id is None:
-                ends, whole = np.cumsum(lens), flat.astype(np.int64)
-            else:  # each document's eos after its ids
-                ends = np.cumsum(lens + 1)
-                whole = np.empty(int(ends[-1]), np.int64)
-                keep = np.ones(len(whole), bool)
-                keep[ends - 1] = False
-                whole[keep] = flat
-                whole[ends - 1] = self.eos_id
+            whole, ends = self._with_eos(got)
             for i, a, b in zip(missing, [0, *ends[:-1].tolist()], ends.tolist()):
                 docs[i] = whole[a:b]
             self._docs_tokens += len(whole)
@@ -476,6 +511,20 @@ class TokenLoader:
                 continue
             del docs[i]
             self._docs_tokens -= len(arr)
+
+    def _with_eos(self, got: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Documents' ids end to end (int64), each with its eos after it: (the ids, each one's end)."""
+        lens = np.fromiter(map(len, got), np.int64, len(got))
+        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
+        if self.eos_id is None:
+            return flat.astype(np.int64), np.cumsum(lens)
+        ends = np.cumsum(lens + 1)
+        whole = np.empty(int(ends[-1]) if len(ends) else 0, np.int64)
+        keep = np.ones(len(whole), bool)
+        keep[ends - 1] = False
+        whole[keep] = flat
+        whole[ends - 1] = self.eos_id
+        return whole, ends
 
     def _tokenize(self, ids: list[int]) -> list[np.ndarray]:
         texts = []

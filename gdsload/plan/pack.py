@@ -282,6 +282,118 @@ def assemble(rows: Sequence[Sequence[Piece]], seq_len: int, tokens: Callable[[Pi
             "cu_seqlens": cu}
 
 
+# -- concat, many steps at once ------------------------------------------------------------------
+def concat_ahead(lengths: np.ndarray, offset: int, *, seq_len: int, rows: int, steps: int,
+                 complete: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``concat``'s next global steps from a state ``(position, offset)``, in one NumPy pass:
+    what `Packer.step` gives step by step, for `steps` steps (fewer where the epoch ends).
+
+    `lengths`: the lengths of the documents from the state's position on, at least enough for
+    `steps` full steps, or (`complete`) all the epoch has left. Returns ``(consumed, offsets,
+    real)``, one entry a step: the state after it is ``(position + consumed, offsets)``, and
+    ``real`` its real tokens (``rows * seq_len`` but at the epoch's end; 0: the step has no piece).
+    Stops after the first step that leaves nothing to pack or has no piece."""
+    cap = rows * seq_len
+    lengths = np.asarray(lengths, np.int64)
+    m = len(lengths)
+    cum = np.cumsum(lengths) - offset  # each document's end, from the state's first token on
+    avail = int(cum[-1]) if m else 0
+    k = steps if not complete else min(steps, max(1, -(-avail // cap)))
+    bounds = np.arange(1, k + 1, dtype=np.int64) * cap
+    e = np.searchsorted(cum, bounds, side="left")
+    inside = e < m
+    ec = np.minimum(e, max(m - 1, 0))
+    # a document that ends on the step's last token is consumed; one of 0 tokens right after is not
+    done = inside & (cum[ec] == bounds) & (lengths[ec] > 0) if m else inside
+    e = e + done
+    inside = e < m
+    ec = np.minimum(e, max(m - 1, 0))
+    offs = np.where(inside, bounds - (cum[ec] - lengths[ec]) if m else 0, 0)
+    if complete:  # a step with room left takes every document left (those of 0 tokens too)
+        room = bounds > avail
+        e, offs = np.where(room, m, e), np.where(room, 0, offs)
+    real = np.clip(avail - (bounds - cap), 0, cap)
+    return e.astype(np.int64), offs.astype(np.int64), real.astype(np.int64)
+
+
+def concat_batches(flat: np.ndarray, lengths: np.ndarray, offset: int, real: int, *, seq_len: int, rows: int,
+                   rank: int, world: int, pad_id: int) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """Rank `rank`'s rows of ``concat`` steps whose tokens are the documents of `lengths` end to
+    end from `offset` (the first ``real`` tokens of the span: the steps' real tokens together),
+    as `assemble` makes them, for all the steps at once: ``(fields [steps, B, seq_len] but
+    cu_seqlens, each step's cu_seqlens)``.
+
+    `flat` holds the whole documents (int64) this rank's rows touch, in order, the others left
+    out (`rank_documents`; ``lengths`` includes them). The fields are made over `flat` (a few
+    NumPy passes) and then taken: one rank's rows are a slice of it, several ranks' a gather."""
+    cap, S = rows * seq_len, seq_len
+    k = -(-real // cap) if real else 0
+    b = len(range(rank, rows, world))
+    lengths = np.asarray(lengths, np.int64)
+    start = np.cumsum(lengths) - lengths - offset  # each document's first token in the span (< 0: before)
+    need = rank_documents(lengths, offset, real, seq_len=S, rows=rows, rank=rank, world=world)
+    nl = np.where(need, lengths, 0)
+    fstart = np.cumsum(nl) - nl  # each document's first token in `flat` (the ones there)
+    fpos = np.arange(len(flat), dtype=np.int64) - np.repeat(fstart[need], lengths[need])
+    flab = flat.copy()
+    flab[fstart[need]] = IGNORE
+    g = (np.arange(k, dtype=np.int64)[:, None] * rows + np.arange(rank, rows, world)[None, :]).reshape(-1)
+    lo = g * S  # each of this rank's rows, its first token in the span
+    shape = (k, b, S)
+    if world == 1:  # the rows are the span end to end: a slice of `flat` (from the first document's start)
+        def take(src: np.ndarray, fill: int) -> np.ndarray:
+            if real == k * cap:
+                return src[offset:offset + real].reshape(shape)
+            out = np.full(k * cap, fill, np.int64)
+            out[:real] = src[offset:offset + real]
+            return out.reshape(shape)
+        mask = np.zeros(k * cap, np.int64)
+        mask[:real] = 1
+    else:
+        d = np.searchsorted(start, lo, side="right") - 1  # the document holding each row's first token
+        span = lo[:, None] + np.arange(S, dtype=np.int64)
+        at = np.minimum(span - (start - fstart)[d][:, None], max(len(flat) - 1, 0))
+        pad = span >= real
+
+        def take(src: np.ndarray, fill: int) -> np.ndarray:
+            out = src[at] if len(src) else np.zeros(span.shape, np.int64)
+            out[pad] = fill
+            return out.reshape(shape)
+        mask = (~pad).astype(np.int64)
+    fields = {"input_ids": take(flat, pad_id), "labels": take(flab, IGNORE), "position_ids": take(fpos, 0),
+              "attention_mask": mask.reshape(shape)}
+    # cu_seqlens: 0, each piece's end (a document start or the padding's start inside a row), each row's end
+    st = start[(start > 0) & (start < real) & (lengths > 0)]
+    grow = st // S
+    st, grow = st[(grow % rows) % world == rank], grow[(grow % rows) % world == rank]
+    j = (grow // rows) * b + ((grow % rows) - rank) // world  # this rank's row number
+    q = st - grow * S
+    padq = real - lo
+    inner = (padq > 0) & (padq < S)
+    cuts = np.sort(np.concatenate([(j * S + q)[q > 0], (np.arange(len(lo)) + 1) * S,
+                                   np.flatnonzero(inner) * S + padq[inner]]))
+    per = b * S
+    edges = np.searchsorted(cuts, np.arange(k + 1) * per, side="right")
+    cus = [np.concatenate([[0], cuts[edges[t]:edges[t + 1]] - t * per]).astype(np.int32) for t in range(k)]
+    return fields, cus
+
+
+def rank_documents(lengths: np.ndarray, offset: int, real: int, *, seq_len: int, rows: int, rank: int,
+                   world: int) -> np.ndarray:
+    """Which documents of a ``concat`` span (`concat_batches`'s terms) hold a token of one of rank
+    `rank`'s rows: those it reads."""
+    lengths = np.asarray(lengths, np.int64)
+    start = np.cumsum(lengths) - lengths - offset
+    end = np.minimum(start + lengths, real)
+    first = np.maximum(start, 0) // seq_len
+    last = (end - 1) // seq_len
+    nrows = -(-real // seq_len) + 1
+    g = np.arange(nrows + 1, dtype=np.int64)
+    own = np.concatenate([[0], np.cumsum((g % rows) % world == rank)])  # own rows before row g
+    has = end > np.maximum(start, 0)
+    return has & (own[np.clip(last + 1, 0, nrows + 1)] - own[np.clip(first, 0, nrows + 1)] > 0)
+
+
 # -- state ----------------------------------------------------------------------------------------
 class TokenState(TypedDict):
     """A token loader's state: the plan's fields (``position`` counts documents of the epoch's
