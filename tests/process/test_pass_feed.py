@@ -79,7 +79,8 @@ def test_feed_pass_is_sent_at_its_priority(media_src: Path, tmp_path: Path, feed
     after = {u.priority: u.batches for u in srv.servicer.arbiter.usage()}
     units = len(gdsload.ShardedDataset(media_src).shards)  # a stream per input shard
     events = r["windows"] + r["members"]  # one batch per window and per member's end
-    assert after.get(7, 0) - before.get(7, 0) == events + units  # and each stream's last turn (its end)
+    # and per stream its "end" event and its last turn (the source says it is done)
+    assert after.get(7, 0) - before.get(7, 0) == events + 2 * units
     assert events > units
     assert after.get(0, 0) == before.get(0, 0)  # nothing of it ran at the default level
 
@@ -209,3 +210,30 @@ def test_a_pass_yields_to_training_and_goes_on(media_src: Path, tmp_path: Path) 
     gdsload.process(media_src, tmp_path / "local", counted_speech, speech=1.0, fields=["flac"])
     assert_same_output(tmp_path / "feed", tmp_path / "local")
     assert done["r"]["windows"] > 5
+
+
+def test_a_window_stream_cut_short_is_asked_again_from_its_last_event(media_src: Path, tmp_path: Path, feed,
+                                                                      monkeypatch) -> None:
+    """A stream that ends without its "end" event (as a draining server ends streams at a batch
+    boundary) is asked again from the position after its last event: the same bytes as here,
+    across two cuts (the first inside a member's windows)."""
+    from gdsload.service.server import windows
+
+    _, address = feed
+    real = windows.WindowSource.next
+    made = {"events": 0, "cuts": 0}
+
+    def draining(self):
+        made["events"] += 1
+        if made["events"] in (5, 9):  # the 5th and 9th events of the pass: end the stream there
+            made["cuts"] += 1
+            self.events.close()
+            return None
+        return real(self)
+
+    monkeypatch.setattr(windows.WindowSource, "next", draining)
+    kw = dict(frames=(5.0, 2), size=45, batch_size=3, shard_size="16KiB")
+    gdsload.process(media_src, tmp_path / "local", passfns.frame_stats, **kw)
+    gdsload.process(media_src, tmp_path / "feed", passfns.frame_stats, feed=address, **kw)
+    assert made["cuts"] == 2
+    assert_same_output(tmp_path / "feed", tmp_path / "local")

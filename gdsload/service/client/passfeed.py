@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,10 @@ from gdsload.errors import GdsloadError, InputError, require
 CHUNK_BYTES = 4 << 20
 #: What the channel accepts (a chunk and its header).
 _RECEIVE_BYTES = 2 * CHUNK_BYTES
+#: Window streams cut short in a row (no event between them) before a pass gives up, and the
+#: first wait before asking again (doubled each time, at most 5 s).
+RETRIES = 5
+RETRY_S = 0.2
 
 
 class FeedRefused(GdsloadError):
@@ -119,10 +124,41 @@ class WindowFeed:
 
     def events(self, name: str, dataset_id: str, unit: int, spec: dict[str, Any],
                start: tuple[int, int, int]) -> Iterator[tuple[str, dict[str, Any], Any, Any]]:
-        """Input shard `unit`'s events from `start`: (key, event, data, t), data and t NumPy
-        arrays for a window (else None). Pause notices are counted, not yielded."""
+        """Input shard `unit`'s events from `start` to its end: (key, event, data, t), data and t
+        NumPy arrays for a window (else None). Pause notices are counted, not yielded. A stream
+        cut short (it ends without the "end" event: a draining server; or UNAVAILABLE) is asked
+        again from the position after its last event, up to `RETRIES` times in a row without an
+        event between them."""
         import grpc
 
+        nfields, failures = len(spec["fields"]), 0
+        while True:
+            got = False
+            try:
+                for key, ev, data, t in self._stream(name, dataset_id, unit, spec, start):
+                    if ev["kind"] == "end":
+                        return
+                    got, failures = True, 0
+                    j, fi = ev["sample"], ev["field"]
+                    if ev["kind"] == "win":
+                        start = (j, fi, ev["window"] + 1)
+                    else:  # the member is done: the next field, or the next sample
+                        start = (j, fi + 1, 0) if fi + 1 < nfields else (j + 1, 0, 0)
+                    yield key, ev, data, t
+                why = "ended before the shard's end"
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise self._refusal(exc) from None
+                why = f"UNAVAILABLE: {exc.details()}"
+            failures += not got
+            if failures > RETRIES:
+                raise FeedRefused(f"the feed server at {self.address}: the window stream of shard {unit} {why}, "
+                                  f"{failures} times in a row without a window")
+            time.sleep(min(RETRY_S * 2 ** failures, 5.0))
+
+    def _stream(self, name: str, dataset_id: str, unit: int, spec: dict[str, Any],
+                start: tuple[int, int, int]) -> Iterator[tuple[str, dict[str, Any], Any, Any]]:
+        """One call's events (`events`)."""
         from gdsload.service.protocol.wire import ChunkAssembler
 
         call = self.stub().StreamBatches(self.request(name, dataset_id, unit, spec, start),
@@ -140,8 +176,6 @@ class WindowFeed:
                 data, t = batch.get("data"), batch.get("t")
                 yield batch["__key__"][0], ev, (data[0] if data is not None else None), \
                     (t[0] if t is not None else None)
-        except grpc.RpcError as exc:
-            raise self._refusal(exc) from None
         finally:
             call.cancel()
 

@@ -11,7 +11,8 @@ The events are those of a pass run in the client's own process: the shard's samp
 order, per sample the selected fields present, per member its windows from
 `gdsload.decode.passmedia` (the one decoding code of a pass, wherever it runs), then "done";
 "nostream" for a member without the stream the mode needs, "error" (with the reason) for one
-that does not decode or is over `max_seconds`. Each event is one batch of the stream (the
+that does not decode or is over `max_seconds`; last, "end" (a stream that ends without it, e.g.
+at a draining server's batch boundary, was cut short: the client asks again from there). Each event is one batch of the stream (the
 proto's PassWindows gives its layout); the client turns them back into the pass's windows.
 Memory: one decoded window (and its serialized chunks) at a time, plus the decoder's buffers and
 one read block (`passmedia.RangeFile`), whatever the member's length.
@@ -140,6 +141,7 @@ def events(shards: Any, spec: pb.PassWindows) -> Iterator[tuple[str, dict[str, A
             finally:
                 gen.close()
             yield key, end, None
+    yield "", {"kind": "end"}, None  # the shard is done (a stream cut short lacks it)
 
 
 class _Event:
