@@ -79,8 +79,9 @@ def test_feed_pass_is_sent_at_its_priority(media_src: Path, tmp_path: Path, feed
     after = {u.priority: u.batches for u in srv.servicer.arbiter.usage()}
     units = len(gdsload.ShardedDataset(media_src).shards)  # a stream per input shard
     events = r["windows"] + r["members"]  # one batch per window and per member's end
-    # and per stream its "end" event and its last turn (the source says it is done)
-    assert after.get(7, 0) - before.get(7, 0) == events + 2 * units
+    # and per stream its "end" event, and its last turn (the source says it is done) unless the
+    # client's cancel after "end" came first
+    assert events + units <= after.get(7, 0) - before.get(7, 0) <= events + 2 * units
     assert events > units
     assert after.get(0, 0) == before.get(0, 0)  # nothing of it ran at the default level
 
