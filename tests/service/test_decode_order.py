@@ -138,6 +138,31 @@ def test_strict_priority_between_levels_and_no_wait_for_a_stream_holding_a_slot(
     assert any(held for *_, held in p.order)
 
 
+def test_a_worker_is_kept_for_a_higher_stream_attached_but_idle(monkeypatch):
+    """Two workers, a priority-10 stream attached but idle (its client reads slowly): the low
+    streams decode one batch at a time, so the high stream's next batch starts at once."""
+    monkeypatch.setattr(image_mod, "ImageDecoder", Costly)
+    clock = Clock()
+    p = DecodePool(workers=2, threads=1, clock=clock)
+    try:
+        log: list = []
+        gate = threading.Event()
+        l1, l2, h = seat_of(p, Turn("l1", 0)), seat_of(p, Turn("l2", 0)), seat_of(p, Turn("high", 10))
+        clock.t += 10 * HOLD_S  # (nothing recent)
+        threads = [submit(l1, clock, 1.0, "l1", log, gate), submit(l2, clock, 1.0, "l2", log, gate)]
+        until(lambda: queued(p) == 1 and sum(p._busy.values()) == 1, "one low batch decoding, one queued")
+        time.sleep(0.2)
+        assert queued(p) == 1 and sum(p._busy.values()) == 1  # the second worker is kept
+        threads.append(submit(h, clock, 1.0, "high", log))
+        until(lambda: log == ["high"], "the high batch on the kept worker, at once")
+        gate.set()
+        until(lambda: sorted(log) == ["high", "l1", "l2"], "the low batches after")
+        for t in threads:
+            t.join(10)
+    finally:
+        p.close()
+
+
 def run_seats(p: DecodePool, clock: Clock, seats: list, batches: int) -> list:
     """Each seat (its cost per batch) submits one batch at a time (as a loader does) until
     `batches` were decoded in all; a blocker holds the worker until every seat has one queued."""

@@ -18,7 +18,10 @@ be decoded before the higher stream's next one, and a job of many streams would 
 
 1. **Strict priority between levels.** A stream's batch waits while a stream of a higher level is
    active: it has a batch queued or being decoded, had one decoded less than `HOLD_S` ago (its
-   loader's next comes at once), or its turn wants the server (`priority.Turn.wanting`). Two
+   loader's next comes at once), or its turn wants the server (`priority.Turn.wanting`). While a
+   higher level has a stream here at all, the lower ones use at most `workers - 1` workers (at
+   least 1): a higher stream whose client reads slowly (its ring full, nothing queued) finds a
+   worker free for its next batch instead of waiting for a lower batch to end. Two
    exceptions keep every wait bounded: a stream that holds one of the arbiter's batch slots
    (`Turn.making`: its stream waits for this batch, and the higher stream may wait for its slot)
    and a stream with no turn (a share group's producer, whose turns are its subscribers'; a
@@ -325,13 +328,17 @@ class DecodePool:
         decode seconds, then the one served least recently, then the batch queued first."""
         ranks = {sid: self._rank(sid) for sid in self._queues}
         top = max((ranks[s][0] for s in self._queues if self._active(s, now)), default=None)
+        ranked = [ranks[s][0] for s in self._queues if getattr(self._seats.get(s), "turn", None) is not None]
+        highest = max(ranked, default=None)  # the highest level with a stream here, active or not
+        below = sum(self._busy[s] for s in self._queues if highest is not None and ranks[s][0] < highest)
         best, key, held = None, None, False
         for sid, q in self._queues.items():
             if not q:
                 continue
             level, job, bound = ranks[sid]
-            if bound and top is not None and level < top:
-                held = True
+            if bound and ((top is not None and level < top)
+                          or (highest is not None and level < highest and below >= max(1, self.workers - 1))):
+                held = True  # (below the highest level here, one worker is kept for it)
                 continue
             used, last, _ = self._jobs.get(job) or self._enter(job, level, ranks)
             k = (-level, used, last, q[0].queued, sid)
