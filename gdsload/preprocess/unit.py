@@ -159,6 +159,11 @@ def _windows(opts: PassOptions, f: RangeFile, skip: int, threads: int | None):
     return speech_windows(f, opts.chunk_s, skip)
 
 
+def _too_long(it: _Item, opts: PassOptions) -> str:
+    return (f"{it.seconds / 3600:.2f} hours long, over the limit of {opts.max_hours} (process(max_hours=...)); "
+            f"not decoded")
+
+
 class Remote:
     """A pass decoded on a feed server (`process(feed=...)`): the feed (`service.client.passfeed.
     WindowFeed`, duck-typed here: this layer does not import the feed), the source's name there and
@@ -228,8 +233,12 @@ class _Reader:
                     kill_point("decode")
                     if not self._put(_Event(it, "win", w)):
                         return
-                elif not self._put(_Event(it, ev["kind"], reason=ev.get("reason", ""))):
-                    return
+                else:
+                    reason = ev.get("reason", "")
+                    if ev["kind"] == "error" and it.seconds > opts.max_hours * 3600:
+                        reason = _too_long(it, opts)  # (worded here, as a pass decoded here words it)
+                    if not self._put(_Event(it, ev["kind"], reason=reason)):
+                        return
                 t0 = time.perf_counter()
         finally:
             gen.close()
@@ -249,8 +258,7 @@ class _Reader:
                     continue
                 skip = start[2] if it.pos == start[:2] else 0
                 if it.seconds > opts.max_hours * 3600:
-                    ev = _Event(it, "error", reason=f"{it.seconds / 3600:.2f} hours long, over the limit of "
-                                f"{opts.max_hours} (process(max_hours=...)); not decoded")
+                    ev = _Event(it, "error", reason=_too_long(it, opts))
                     if not self._put(ev):
                         return
                     continue

@@ -238,3 +238,30 @@ def test_a_window_stream_cut_short_is_asked_again_from_its_last_event(media_src:
     gdsload.process(media_src, tmp_path / "feed", passfns.frame_stats, feed=address, **kw)
     assert made["cuts"] == 2
     assert_same_output(tmp_path / "feed", tmp_path / "local")
+
+
+def test_errors_and_limits_are_the_local_pass_s(media_src: Path, tmp_path: Path) -> None:
+    """A member that does not decode and members over max_hours: with on_error='skip' the same
+    rejected.jsonl (reasons included) and outputs as the local pass."""
+    import json
+    import shutil
+
+    src = tmp_path / "root" / "src"
+    shutil.copytree(media_src, src)
+    ds = gdsload.open_dataset(src)
+    s, j = ds.locate(ds.keys().index("v0"))
+    off, n = next((o, n) for e, o, n in ds.index(s).members(j) if e == "mp4")
+    with open(src / ds.shards[s]["name"], "r+b") as f:
+        f.seek(off)
+        f.write(b"\x00" * n)  # no container at all
+    srv, port = create_server([str(src.parent)])
+    srv.start()
+    try:
+        kw = dict(frames=(1.0, 2), on_error="skip", max_hours=3.1 / 3600)
+        gdsload.process(src, tmp_path / "local", passfns.frame_stats, **kw)
+        gdsload.process(src, tmp_path / "feed", passfns.frame_stats, feed=f"127.0.0.1:{port}", **kw)
+    finally:
+        srv.shutdown(grace_s=2)
+    rejected = [json.loads(x) for x in (tmp_path / "feed" / "rejected.jsonl").read_text().splitlines()]
+    assert {x["key"] for x in rejected} == {"v0", "v2", "v5"}
+    assert_same_output(tmp_path / "feed", tmp_path / "local")
