@@ -62,6 +62,9 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
     also be `"MODULE:FUNC"`. Returns a summary: counts, media hours, seconds per stage (read,
     decode, fn, write), `manifest`. `progress=True` prints media hours done to stderr (or give a
     callable: it gets the summary so far after each unit and, running here, each member).
+    `feed`: decode on a feed server, a `gdsload.service.client.passfeed.WindowFeed` (which holds
+    the pass's priority); `gdsload.process(feed="HOST:PORT", priority=...)` makes one of an
+    address. The output is the same bytes as decoding here.
     """
     opts = make_options(frames=frames, speech=speech, fields=fields, size=size, batch_size=batch_size,
                         shard_size=shard_size, on_error=on_error, max_hours=max_hours)
