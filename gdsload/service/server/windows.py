@@ -12,8 +12,9 @@ order, per sample the selected fields present, per member its windows from
 `gdsload.decode.passmedia` (the one decoding code of a pass, wherever it runs), then "done";
 "nostream" for a member without the stream the mode needs, "error" (with the reason) for one
 that does not decode or is over `max_seconds`; last, "end" (a stream that ends without it, e.g.
-at a draining server's batch boundary, was cut short: the client asks again from there). Each event is one batch of the stream (the
-proto's PassWindows gives its layout); the client turns them back into the pass's windows.
+at a draining server's batch boundary, was cut short: the client asks again from there). Each
+event is one batch of the stream (the proto's PassWindows gives its layout); the client turns
+them back into the pass's windows.
 Memory: one decoded window (and its serialized chunks) at a time, plus the decoder's buffers and
 one read block (`passmedia.RangeFile`), whatever the member's length.
 """
