@@ -8,7 +8,7 @@ under `-X importtime` on the 2-core VM, issue 55; neither torch nor DALI imports
 `PURE_WORDS` words are computed here in Python integers, exactly as NumPy 1.17+ defines them
 (`SeedSequence`'s hash mix with pool size 4, then PCG64 XSL-RR 128/64 seeded with four words of
 its state); more than that go to `numpy.random` as before, where the import is amortised.
-`tests/plan/test_pcg_words.py` checks the two agree.
+`tests/loader/test_first_batch_path.py` checks the two agree.
 """
 
 from __future__ import annotations
