@@ -1,7 +1,7 @@
 """The server's stored path, call by call (issue 48: its CPU per stored member): `BulkSink.send`
 writes messages that mix buffers and runs of stored members byte for byte as framed, and
-`StoredBatches.open` works a loader's answer out once (a striping client's next stream takes the
-parked loader)."""
+`StoredBatches.open` works a loader's answer out once, and `loaders.PlannedIds` keeps the ids of
+the steps its streams computed (a striping client's next stream takes the parked loader)."""
 
 from __future__ import annotations
 
@@ -175,3 +175,50 @@ def test_spans_and_chunks_are_those_of_the_member_by_member_loops():
             sent += got
             if sent >= total:
                 break
+
+
+class _CountingPlan:
+    """A real order-2 plan whose `batches_at` counts the steps it computes."""
+
+    def __init__(self, plan):
+        self.plan, self.steps_computed = plan, 0
+
+    def batches_at(self, epoch, steps):
+        inner = self.plan.batches_at(epoch, steps)
+        outer = self
+
+        class Counted:
+            def __getitem__(self, i):
+                outer.steps_computed += 1
+                return inner[i]
+
+        return Counted()
+
+
+def test_a_parked_loaders_next_stream_takes_the_ids_its_last_stream_computed():
+    """`loaders.PlannedIds`: the ids of a stream's steps are the plan's; a later stream of the
+    same epoch over steps computed before (a striped server's stream asked again from its next
+    own block) computes none of them again; another epoch starts afresh; at most KEEP steps."""
+    from gdsload.plan.plan import BlockSteps, Plan
+    from gdsload.service.server.loaders import PlannedIds
+
+    plan = _CountingPlan(Plan("ds", (300, 250, 400, 50), 8, shuffle=True, seed=3, order=2))
+    n = len(plan.plan)
+    kept = PlannedIds()
+    first = BlockSteps(4, n, 4, 3)  # blocks 1, 4, 7, ... of 4 steps
+    got = list(kept.stream(plan, 2, first))
+    want = [plan.plan.batch(2, s) for s in first]
+    assert len(got) == len(first) > 8 and all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert plan.steps_computed == kept.computed == len(first)
+    again = BlockSteps(28, n, 4, 3)  # asked again from block 7: all computed before
+    assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(kept.stream(plan, 2, again), again))
+    assert plan.steps_computed == len(first)
+    wider = range(20, 40)  # a stolen run: steps of blocks 5, 6 (not this stream's) computed now
+    assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(kept.stream(plan, 2, wider), wider))
+    assert plan.steps_computed == len(first) + sum(1 for s in wider if s not in set(first))
+    other = list(kept.stream(plan, 3, range(0, 4)))  # another epoch: its own ids
+    assert all(np.array_equal(a, plan.plan.batch(3, s)) for a, s in zip(other, range(4)))
+    assert set(kept.ids) == {0, 1, 2, 3}
+    kept.KEEP = 5
+    list(kept.stream(plan, 3, range(0, 12)))
+    assert sorted(kept.ids) == [7, 8, 9, 10, 11]  # the oldest dropped first

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +40,16 @@ WARM_S = 10.0
 
 
 class Loaded:
-    """One loader of the server as the pool keeps it: the `DataLoader` and, when it decodes images
-    through the server's decode pool, its seat there (`pool.PooledDecoder`)."""
+    """One loader of the server as the pool keeps it: the `DataLoader`, when it decodes images
+    through the server's decode pool its seat there (`pool.PooledDecoder`), and its plan's ids
+    per step as its streams computed them (`PlannedIds`)."""
 
-    __slots__ = ("loader", "seat")
+    __slots__ = ("loader", "seat", "planned")
 
     def __init__(self, loader: Any, seat: Any = None):
         self.loader = loader
         self.seat = seat
+        self.planned = PlannedIds()
 
     def close(self) -> None:
         if self.seat is not None:
@@ -210,7 +213,7 @@ class Loaders:
                                                limits=self.limits, dataset=req.dataset) + order_memory
                 reservation = self.budget.reserve(memory, self.claim)
             with reservation:
-                planned, steps = _position(loaded.loader, req)
+                planned, steps = _position(loaded, req)
                 return Opened(loaded, reservation.hand_over(), key, req.dataset, payload, planned, steps,
                               estimate.chunk_bytes(req, self.limits), got is not None)
         except BaseException:
@@ -266,23 +269,60 @@ class Loaders:
         return Loaded(loader, seat)
 
 
-def _position(loader: Any, req: pb.BatchRequest) -> tuple[Any, Any]:
-    """Position `loader` at the request's start: (the plan's batches of ids from there, beside the
-    loader's: they name skipped samples; the steps of a `block_stride` stream, or None). Both are
-    computed as the stream reaches them (`BlockSteps`, `Plan.batches_at`), so a striped stream of
-    an epoch of 10^10 samples lists none of its steps. Checking start_position here names the
-    request's field in the message."""
+def _position(loaded: Loaded, req: pb.BatchRequest) -> tuple[Any, Any]:
+    """Position the loader at the request's start: (the plan's batches of ids of the stream's
+    steps, beside the loader's: they name skipped samples and place stored members; the steps of
+    a `block_stride` stream, or None). Both are computed as the stream reaches them
+    (`BlockSteps`, `PlannedIds`), so a striped stream of an epoch of 10^10 samples lists none of
+    its steps. Checking start_position here names the request's field in the message."""
     from gdsload.plan.plan import BlockSteps
 
+    loader = loaded.loader
     plan = loader.plan
-    planned = plan.batches(req.epoch, req.start_position)
+    plan.batches(req.epoch, req.start_position)  # (checks start_position)
     loader.load_state_dict(plan.state(req.epoch, req.start_position))
-    if req.block_stride <= 1:
-        return planned, None
+    first, n = req.start_position // plan.global_batch, len(plan)
+    if req.block_stride <= 1:  # the steps from the start, at most max_batches of them
+        return loaded.planned.stream(plan, req.epoch, range(first, min(n, first + req.max_batches)
+                                                               if req.max_batches else n)), None
     # blocks b, b + stride, ... of the epoch (one stream per server of a stripe)
-    steps = BlockSteps(req.start_position // plan.global_batch, len(plan), req.block_batches, req.block_stride,
-                       req.max_batches)
-    return iter(plan.batches_at(req.epoch, steps)), steps
+    steps = BlockSteps(first, n, req.block_batches, req.block_stride, req.max_batches)
+    return loaded.planned.stream(plan, req.epoch, steps), steps
+
+
+class PlannedIds:
+    """The ids of one loader's plan per step of one epoch, as its streams computed them (order 2
+    computes them from the positions: `gdsload.plan.window`), at most `KEEP` steps, the oldest
+    dropped first. A striping client's streams of one server cover the same steps again (a
+    stream cancelled when its next block went elsewhere, asked again from its next own block):
+    the loader parked between them keeps what the first computed, so the next computes only the
+    steps it has not. One stream at a time (the loader's)."""
+
+    KEEP = 4096  # steps (about 1.5 MB at 32 samples a batch)
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.ids: dict[int, Any] = {}
+        self.computed = 0  # steps computed (not taken from here)
+
+    def stream(self, plan: Any, epoch: int, steps: Any) -> Iterator[Any]:
+        """The ids of `steps` (increasing) of `epoch`, each when the stream reaches it: from here,
+        else from `plan.batches_at` over the stream's steps (its chunks of positions at a time)."""
+        if epoch != self.epoch:
+            self.epoch, self.ids = epoch, {}
+        kept = self.ids
+        batches = None
+        for i, step in enumerate(steps):
+            ids = kept.get(step)
+            if ids is None:
+                if batches is None:
+                    batches = plan.batches_at(epoch, steps)
+                ids = batches[i]
+                self.computed += 1
+                if len(kept) >= self.KEEP:
+                    del kept[next(iter(kept))]
+                kept[step] = ids
+            yield ids
 
 
 def stride_steps(first: int, num_steps: int, block: int, stride: int, limit: int = 0) -> list[int]:
