@@ -178,47 +178,42 @@ def test_spans_and_chunks_are_those_of_the_member_by_member_loops():
 
 
 class _CountingPlan:
-    """A real order-2 plan whose `batches_at` counts the steps it computes."""
+    """A real order-2 plan whose `batches_at` counts the steps it is given."""
 
     def __init__(self, plan):
-        self.plan, self.steps_computed = plan, 0
+        self.plan, self.batch_size, self.given = plan, plan.batch_size, 0
 
     def batches_at(self, epoch, steps):
-        inner = self.plan.batches_at(epoch, steps)
-        outer = self
-
-        class Counted:
-            def __getitem__(self, i):
-                outer.steps_computed += 1
-                return inner[i]
-
-        return Counted()
+        self.given += len(steps)
+        return self.plan.batches_at(epoch, steps)
 
 
-def test_a_parked_loaders_next_stream_takes_the_ids_its_last_stream_computed():
+def test_a_parked_loaders_next_stream_takes_the_ids_its_last_stream_planned():
     """`loaders.PlannedIds`: the ids of a stream's steps are the plan's; a later stream of the
-    same epoch over steps computed before (a striped server's stream asked again from its next
-    own block) computes none of them again; another epoch starts afresh; at most KEEP steps."""
-    from gdsload.plan.plan import BlockSteps, Plan
+    same epoch over steps planned before (a striped server's stream asked again from its next
+    own block) plans none of them again; another epoch starts afresh; at most KEEP steps."""
+    from gdsload.plan.plan import BlockSteps, Plan, PlanBatches
     from gdsload.service.server.loaders import PlannedIds
 
-    plan = _CountingPlan(Plan("ds", (300, 250, 400, 50), 8, shuffle=True, seed=3, order=2))
-    n = len(plan.plan)
+    plan = _CountingPlan(Plan("ds", (30000, 25000, 40000, 5000), 64, shuffle=True, seed=3, order=2))
+    n, ahead = len(plan.plan), PlanBatches.CHUNK_POSITIONS // 64
     kept = PlannedIds()
-    first = BlockSteps(4, n, 4, 3)  # blocks 1, 4, 7, ... of 4 steps
-    got = list(kept.stream(plan, 2, first))
-    want = [plan.plan.batch(2, s) for s in first]
-    assert len(got) == len(first) > 8 and all(np.array_equal(a, b) for a, b in zip(got, want))
-    assert plan.steps_computed == kept.computed == len(first)
-    again = BlockSteps(28, n, 4, 3)  # asked again from block 7: all computed before
-    assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(kept.stream(plan, 2, again), again))
-    assert plan.steps_computed == len(first)
-    wider = range(20, 40)  # a stolen run: steps of blocks 5, 6 (not this stream's) computed now
+    first = BlockSteps(4, n, 4, 3)  # blocks 1, 4, 7, ... of 4 steps: 520 of them
+    assert len(first) > ahead
+    it = kept.stream(plan, 2, first)
+    got = [next(it) for _ in range(10)]  # a stream cancelled after 10 batches
+    assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(got, first))
+    assert plan.given == kept.planned == ahead  # the stream's next chunk of steps
+    again = BlockSteps(28, n, 4, 3)  # asked again from block 7: its first chunk planned before
+    got = list(kept.stream(plan, 2, again))
+    assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(got, again))
+    assert plan.given == ahead + (len(again) - (ahead - 8))  # only the steps past the first plan
+    wider = range(20, 40)  # a stolen run: blocks 5 and 6 (not the stream's) planned now
     assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(kept.stream(plan, 2, wider), wider))
-    assert plan.steps_computed == len(first) + sum(1 for s in wider if s not in set(first))
+    assert plan.given == ahead + len(again) - (ahead - 8) + 20
     other = list(kept.stream(plan, 3, range(0, 4)))  # another epoch: its own ids
     assert all(np.array_equal(a, plan.plan.batch(3, s)) for a, s in zip(other, range(4)))
     assert set(kept.ids) == {0, 1, 2, 3}
     kept.KEEP = 5
-    list(kept.stream(plan, 3, range(0, 12)))
-    assert sorted(kept.ids) == [7, 8, 9, 10, 11]  # the oldest dropped first
+    list(kept.stream(plan, 3, range(10, 22)))
+    assert sorted(kept.ids) == [17, 18, 19, 20, 21]  # the oldest dropped first

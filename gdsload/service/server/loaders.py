@@ -291,38 +291,43 @@ def _position(loaded: Loaded, req: pb.BatchRequest) -> tuple[Any, Any]:
 
 
 class PlannedIds:
-    """The ids of one loader's plan per step of one epoch, as its streams computed them (order 2
-    computes them from the positions: `gdsload.plan.window`), at most `KEEP` steps, the oldest
-    dropped first. A striping client's streams of one server cover the same steps again (a
-    stream cancelled when its next block went elsewhere, asked again from its next own block):
-    the loader parked between them keeps what the first computed, so the next computes only the
-    steps it has not. One stream at a time (the loader's)."""
+    """The ids of one loader's plan per step of one epoch (order 2 computes them from the
+    positions: `gdsload.plan.window`), planned for a stream's next steps at once and kept for
+    the loader's later streams: at most `KEEP` steps, the oldest dropped first. A striping
+    client's streams of one server cover the same steps again (a stream cancelled when its next
+    block went elsewhere is asked again from its next own block): the loader parked between them
+    keeps what the first planned, so the next plans only steps that were not. One stream at a
+    time (the loader's)."""
 
-    KEEP = 4096  # steps (about 1.5 MB at 32 samples a batch)
+    KEEP = 2048  # steps
 
     def __init__(self) -> None:
         self.epoch: int | None = None
-        self.ids: dict[int, Any] = {}
-        self.computed = 0  # steps computed (not taken from here)
+        self.ids: dict[int, tuple[Any, int]] = {}  # step -> (its `PlanBatches`, its index there)
+        self.planned = 0  # steps given to the plan (not found here)
 
     def stream(self, plan: Any, epoch: int, steps: Any) -> Iterator[Any]:
-        """The ids of `steps` (increasing) of `epoch`, each when the stream reaches it: from here,
-        else from `plan.batches_at` over the stream's steps (its chunks of positions at a time)."""
+        """The ids of `steps` (increasing) of `epoch`, each when the stream reaches it: found here,
+        else with the stream's next steps from `plan.batches_at`, which computes them a chunk of
+        positions at a time when first asked (`PlanBatches`: a chunk's worth of steps ahead)."""
+        from gdsload.plan.plan import PlanBatches
+
         if epoch != self.epoch:
             self.epoch, self.ids = epoch, {}
         kept = self.ids
-        batches = None
+        ahead = max(1, PlanBatches.CHUNK_POSITIONS // plan.batch_size)
         for i, step in enumerate(steps):
-            ids = kept.get(step)
-            if ids is None:
-                if batches is None:
-                    batches = plan.batches_at(epoch, steps)
-                ids = batches[i]
-                self.computed += 1
-                if len(kept) >= self.KEEP:
+            got = kept.get(step)
+            if got is None:
+                run = steps[i:i + ahead]
+                batches = plan.batches_at(epoch, run)
+                self.planned += len(run)
+                for j, s in enumerate(run):
+                    kept[s] = (batches, j)
+                while len(kept) > self.KEEP:
                     del kept[next(iter(kept))]
-                kept[step] = ids
-            yield ids
+                got = (batches, 0)
+            yield got[0][got[1]]
 
 
 def stride_steps(first: int, num_steps: int, block: int, stride: int, limit: int = 0) -> list[int]:
