@@ -324,7 +324,9 @@ def test_a_striped_remote_loader_over_a_mix_of_10_10_samples(root, tmp_path):
         grown = [_hwm_kb(p.pid) - k for p, k in zip(procs, peak0)]
         print(f"10^10 mix, striped over 2 servers: first batch {first_s:.2f} s, servers' VmHWM +{grown} kB")
         assert len(loader) == 10**10 // (64 * 4)
-        assert first_s < 2.0, first_s
+        # a bound, not the figure (bench/ measures it): planning 10^10 samples per sample would take
+        # minutes; 2 s on a quiet 2-core VM, 4.2 s once with the machine's cores shared four ways
+        assert first_s < 10.0, first_s
         assert max(grown) < 64 * 1024, grown
         local = DataLoader(Mix([Dataset(str(root / "a")), Dataset(str(root / "b"))], **mix), device="cpu",
                            output="numpy", **kw)
