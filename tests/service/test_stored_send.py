@@ -188,10 +188,11 @@ class _CountingPlan:
         return self.plan.batches_at(epoch, steps)
 
 
-def test_a_parked_loaders_next_stream_takes_the_ids_its_last_stream_planned():
+def test_a_plans_next_stream_takes_the_ids_its_last_streams_planned():
     """`loaders.PlannedIds`: the ids of a stream's steps are the plan's; a later stream of the
     same epoch over steps planned before (a striped server's stream asked again from its next
-    own block) plans none of them again; another epoch starts afresh; at most KEEP steps."""
+    own block, on any loader of the plan) plans none of them again; two epochs are kept; at most
+    KEEP_POSITIONS positions' worth of steps each, the oldest dropped first."""
     from gdsload.plan.plan import BlockSteps, Plan, PlanBatches
     from gdsload.service.server.loaders import PlannedIds
 
@@ -210,10 +211,19 @@ def test_a_parked_loaders_next_stream_takes_the_ids_its_last_stream_planned():
     assert plan.given == ahead + (len(again) - (ahead - 8))  # only the steps past the first plan
     wider = range(20, 40)  # a stolen run: blocks 5 and 6 (not the stream's) planned now
     assert all(np.array_equal(a, plan.plan.batch(2, s)) for a, s in zip(kept.stream(plan, 2, wider), wider))
-    assert plan.given == ahead + len(again) - (ahead - 8) + 20
-    other = list(kept.stream(plan, 3, range(0, 4)))  # another epoch: its own ids
+    given = plan.given
+    assert given == ahead + len(again) - (ahead - 8) + 20
+    other = list(kept.stream(plan, 3, range(0, 4)))  # the next epoch: its own ids
     assert all(np.array_equal(a, plan.plan.batch(3, s)) for a, s in zip(other, range(4)))
-    assert set(kept.ids) == {0, 1, 2, 3}
-    kept.KEEP = 5
-    list(kept.stream(plan, 3, range(10, 22)))
-    assert sorted(kept.ids) == [17, 18, 19, 20, 21]  # the oldest dropped first
+    list(kept.stream(plan, 2, range(30, 34)))  # the epoch before is still kept
+    assert plan.given == given + 4
+    list(kept.stream(plan, 4, range(0, 4)))  # a third epoch: the oldest, 2, dropped
+    list(kept.stream(plan, 2, range(30, 34)))
+    assert plan.given == given + 12
+    kept.KEEP_POSITIONS = 64 * 300  # 300 steps of 64, at least 2 chunks (256)
+    list(kept.stream(plan, 5, range(0, 300)))
+    list(kept.stream(plan, 5, range(300, 400)))
+    given = plan.given
+    list(kept.stream(plan, 5, range(100, 400)))  # kept: the newest 300 steps
+    list(kept.stream(plan, 5, range(0, 1)))  # dropped
+    assert plan.given == given + 1

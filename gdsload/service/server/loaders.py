@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,19 +38,19 @@ from gdsload.v1 import feed_pb2 as pb
 
 #: How long a parked loader waits for the next stream of its request before it is closed.
 WARM_S = 10.0
+#: Plans whose planned ids a server keeps (`PlannedIds`), the most recently used (as parked loaders).
+PLANS_KEPT = 8
 
 
 class Loaded:
-    """One loader of the server as the pool keeps it: the `DataLoader`, when it decodes images
-    through the server's decode pool its seat there (`pool.PooledDecoder`), and its plan's ids
-    per step as its streams computed them (`PlannedIds`)."""
+    """One loader of the server as the pool keeps it: the `DataLoader` and, when it decodes images
+    through the server's decode pool, its seat there (`pool.PooledDecoder`)."""
 
-    __slots__ = ("loader", "seat", "planned")
+    __slots__ = ("loader", "seat")
 
     def __init__(self, loader: Any, seat: Any = None):
         self.loader = loader
         self.seat = seat
-        self.planned = PlannedIds()
 
     def close(self) -> None:
         if self.seat is not None:
@@ -183,6 +184,20 @@ class Loaders:
         self.settings = settings
         self.decode_pool = decode_pool  # pool.DecodePool, or None: a DALI pipeline per loader
         self.claim = stream_claim(settings.prefetch + 1)
+        self._plans: OrderedDict[Any, PlannedIds] = OrderedDict()  # by pool key, the newest last
+        self._plans_lock = threading.Lock()
+
+    def planned(self, key: Any) -> PlannedIds:
+        """The planned ids of the streams of `key` (the pool's key: one plan), for every loader of
+        it (a stripe's strided stream and its steals and hedges have a loader each)."""
+        with self._plans_lock:
+            got = self._plans.get(key)
+            if got is None:
+                got = self._plans[key] = PlannedIds()
+                while len(self._plans) > PLANS_KEPT:
+                    self._plans.popitem(last=False)
+            self._plans.move_to_end(key)
+            return got
 
     def check(self, req: pb.BatchRequest) -> Any:
         """The request's loader options, checked against the limits and the combination rules."""
@@ -213,7 +228,7 @@ class Loaders:
                                                limits=self.limits, dataset=req.dataset) + order_memory
                 reservation = self.budget.reserve(memory, self.claim)
             with reservation:
-                planned, steps = _position(loaded, req)
+                planned, steps = _position(loaded.loader, req, self.planned(key))
                 return Opened(loaded, reservation.hand_over(), key, req.dataset, payload, planned, steps,
                               estimate.chunk_bytes(req, self.limits), got is not None)
         except BaseException:
@@ -269,7 +284,7 @@ class Loaders:
         return Loaded(loader, seat)
 
 
-def _position(loaded: Loaded, req: pb.BatchRequest) -> tuple[Any, Any]:
+def _position(loader: Any, req: pb.BatchRequest, kept: PlannedIds) -> tuple[Any, Any]:
     """Position the loader at the request's start: (the plan's batches of ids of the stream's
     steps, beside the loader's: they name skipped samples and place stored members; the steps of
     a `block_stride` stream, or None). Both are computed as the stream reaches them
@@ -277,33 +292,31 @@ def _position(loaded: Loaded, req: pb.BatchRequest) -> tuple[Any, Any]:
     its steps. Checking start_position here names the request's field in the message."""
     from gdsload.plan.plan import BlockSteps
 
-    loader = loaded.loader
     plan = loader.plan
     plan.batches(req.epoch, req.start_position)  # (checks start_position)
     loader.load_state_dict(plan.state(req.epoch, req.start_position))
     first, n = req.start_position // plan.global_batch, len(plan)
     if req.block_stride <= 1:  # the steps from the start, at most max_batches of them
-        return loaded.planned.stream(plan, req.epoch, range(first, min(n, first + req.max_batches)
-                                                               if req.max_batches else n)), None
+        return kept.stream(plan, req.epoch, range(first, min(n, first + req.max_batches)
+                                                  if req.max_batches else n)), None
     # blocks b, b + stride, ... of the epoch (one stream per server of a stripe)
     steps = BlockSteps(first, n, req.block_batches, req.block_stride, req.max_batches)
-    return loaded.planned.stream(plan, req.epoch, steps), steps
+    return kept.stream(plan, req.epoch, steps), steps
 
 
 class PlannedIds:
-    """The ids of one loader's plan per step of one epoch (order 2 computes them from the
-    positions: `gdsload.plan.window`), planned for a stream's next steps at once and kept for
-    the loader's later streams: at most `KEEP` steps, the oldest dropped first. A striping
-    client's streams of one server cover the same steps again (a stream cancelled when its next
-    block went elsewhere is asked again from its next own block): the loader parked between them
-    keeps what the first planned, so the next plans only steps that were not. One stream at a
-    time (the loader's)."""
+    """The ids of one plan per step (order 2 computes them from the positions:
+    `gdsload.plan.window`), planned for a stream's next steps at once and kept for the later
+    streams of the plan, of its two latest epochs, at most `KEEP_POSITIONS` positions' worth of
+    steps each (512 KB of ids), the oldest dropped first. A striping client's streams of one server cover the same steps again (a stream
+    cancelled when its next block went elsewhere is asked again from its next own block): the
+    next plans only the steps that were not. Streams on several threads share it."""
 
-    KEEP = 2048  # steps
+    KEEP_POSITIONS = 65536
 
     def __init__(self) -> None:
-        self.epoch: int | None = None
-        self.ids: dict[int, tuple[Any, int]] = {}  # step -> (its `PlanBatches`, its index there)
+        self._epochs: OrderedDict[int, dict[int, tuple[Any, int]]] = OrderedDict()  # step -> (its
+        self._lock = threading.Lock()  # `PlanBatches`, its index there)
         self.planned = 0  # steps given to the plan (not found here)
 
     def stream(self, plan: Any, epoch: int, steps: Any) -> Iterator[Any]:
@@ -312,20 +325,25 @@ class PlannedIds:
         positions at a time when first asked (`PlanBatches`: a chunk's worth of steps ahead)."""
         from gdsload.plan.plan import PlanBatches
 
-        if epoch != self.epoch:
-            self.epoch, self.ids = epoch, {}
-        kept = self.ids
+        with self._lock:
+            kept = self._epochs.get(epoch)
+            if kept is None:
+                kept = self._epochs[epoch] = {}
+                while len(self._epochs) > 2:
+                    self._epochs.popitem(last=False)
         ahead = max(1, PlanBatches.CHUNK_POSITIONS // plan.batch_size)
+        keep = max(2 * ahead, self.KEEP_POSITIONS // plan.batch_size)
         for i, step in enumerate(steps):
             got = kept.get(step)
             if got is None:
                 run = steps[i:i + ahead]
                 batches = plan.batches_at(epoch, run)
-                self.planned += len(run)
-                for j, s in enumerate(run):
-                    kept[s] = (batches, j)
-                while len(kept) > self.KEEP:
-                    del kept[next(iter(kept))]
+                with self._lock:
+                    self.planned += len(run)
+                    for j, s in enumerate(run):
+                        kept[s] = (batches, j)
+                    while len(kept) > keep:
+                        del kept[next(iter(kept))]
                 got = (batches, 0)
             yield got[0][got[1]]
 
