@@ -53,29 +53,25 @@ for text tokenized on the fly (`TypeError`).
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from gdsload.errors import ConfigError, CorruptDataError, FormatError, PassStopped, StateError
+from gdsload.errors import ConfigError, FormatError, PassStopped, StateError
 from gdsload.format import tokens as tf
-from gdsload.format.crc import first_mismatch
 from gdsload.format.manifest import dataset_id
 from gdsload.frontend.cursor import Cursor
 from gdsload.frontend.output import as_output, default_output
+from gdsload.frontend.tokendocs import Documents, StreamedEpoch, is_served, open_data
 from gdsload.host.dist import dist_rank_world
 from gdsload.plan import pack as pk
 from gdsload.plan.plan import STATE_VERSION
 from gdsload.plan.tokenmix import MixCursor, MixedEpoch, TokenMix
 
 ORDER = 2  # the plan's order version the document order uses
-_GAP = 64 << 10  # documents of a shard at most this many bytes apart are read in one read
-_TABLES_KEPT = 16  # shards' document tables kept loaded
 _AHEAD = 1 << 16  # concat over local token shards: global tokens packed and assembled at a time (0: by step)
 
 
@@ -115,13 +111,12 @@ class TokenLoader:
         self.rank, self.world_size = rank, world_size
         self.output, self.device = default_output(output), device
         mix = data if type(data).__name__ == "Mix" else None
-        self._parts = [_open(d) for d in mix.datasets] if mix is not None else [_open(data)]
+        self._parts = [open_data(d) for d in mix.datasets] if mix is not None else [open_data(data)]
         self._source = self._parts[0]
-        self._served = self._source if _is_served(self._source) else None
-        if mix is not None and any(_is_served(p) for p in self._parts):
+        self._served = self._source if is_served(self._source) else None
+        if mix is not None and any(is_served(p) for p in self._parts):
             raise ConfigError("a Mix of served token datasets is not supported: mix local datasets, or read one "
                               "served dataset")
-        self._stream: _StreamedEpoch | None = None  # a served dataset: the pass's documents
         self.manifest = self._source.manifest
         self._tok = tf.load_tokenizer(tokenizer) if tokenizer is not None else None
         tok_sha = tf.tokenizer_info(self._tok)["tokenizer_sha256"] if self._tok is not None else None
@@ -143,7 +138,7 @@ class TokenLoader:
                                   f"its tokenizer, or none (pre-tokenized data needs none)")
             tok_sha = self.meta["tokenizer_sha256"]
             per_part = [[int(s["documents"]) for s in p.manifest["shards"]] for p in self._parts]
-            self._dtypes = [np.dtype(m["dtype"]).newbyteorder("<") for m in metas]
+            dtypes = [np.dtype(m["dtype"]).newbyteorder("<") for m in metas]
             vocab = max(m["vocab_size"] for m in metas)
         else:
             if tf.TEXT_FIELD not in self.manifest["fields"]:
@@ -153,26 +148,19 @@ class TokenLoader:
                 raise ConfigError(f"{self._source.root} holds text (converted without --tokenizer): pass "
                                   f"tokenizer= (a tokenizer.json) to tokenize it on the fly")
             per_part = [[int(s["samples"]) for s in self.manifest["shards"]]]
-            self._dtypes = [np.dtype("<u4")]
+            dtypes = [np.dtype("<u4")]
             vocab = self._tok.get_vocab_size(with_added_tokens=True)
         special = self.meta["special_tokens"] if self.meta is not None else None
         self.eos_id = tf.resolve_token(eos_token, tok=self._tok, special=special, vocab_size=vocab)
         self.pad_id = int(pad_id) if pad_id is not None else (self.eos_id if self.eos_id is not None else 0)
         self.tokenizer_sha256 = tok_sha
-        # global shards: every part's shards one after another; documents numbered shard-major
-        self._shards = [(p, s) for p, sizes in enumerate(per_part) for s in range(len(sizes))]
-        self._entries = [e for p in self._parts for e in p.manifest["shards"]]
-        self._docs_per_shard = [n for sizes in per_part for n in sizes]
-        self._doc_start = np.concatenate([[0], np.cumsum(self._docs_per_shard)]).astype(np.int64)
-        self.num_documents = int(self._doc_start[-1])
-        self._verify = all(getattr(d, "verify", "fast") is not None
-                           for d in (mix.datasets if mix is not None else [data]))
+        verify = all(getattr(d, "verify", "fast") is not None for d in (mix.datasets if mix is not None else [data]))
+        self.docs = Documents(self._parts, dtypes, per_part, tok=self._tok if self.meta is None else None,
+                              eos_id=self.eos_id, verify=verify,
+                              cache_limit=max(1 << 22, 8 * (self.prefetch + 2) * self.global_batch * self.seq_len))
+        self.num_documents = self.docs.num_documents
         self._verify_full = any(getattr(d, "verify", None) == "full"
                                 for d in (mix.datasets if mix is not None else [data]))
-        self._tables: OrderedDict[int, tuple[tf.DocTable, np.ndarray]] = OrderedDict()
-        self._docs: OrderedDict[int, np.ndarray] = OrderedDict()  # document id -> ids (eos included)
-        self._docs_tokens = 0
-        self._docs_limit = max(1 << 22, 8 * (self.prefetch + 2) * self.global_batch * self.seq_len)
         self._lock = threading.RLock()  # the caches, between the prefetch thread and the caller
         self.mix = None
         if mix is not None:
@@ -213,7 +201,7 @@ class TokenLoader:
         self._mixer = TokenMix(docs_per_shard=per_part, offsets=offsets[:-1],
                                phases=[(0, w0)] + [(int(b), list(w)) for b, w in mix.schedule],
                                seed=self.seed, shuffle=self.shuffle, window=self.window,
-                               tokens_per_epoch=self.tokens_per_epoch, lengths=self._lengths)
+                               tokens_per_epoch=self.tokens_per_epoch, lengths=self.docs.lengths)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -314,19 +302,19 @@ class TokenLoader:
         """(positions -> document ids, the epoch's packer, the mixed epoch, the served stream or
         None). A served dataset's stream starts at the first position `state` still needs."""
         if self._served is not None:
-            order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+            order = pk.DocOrder(self.docs.docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                                 window=self.window)
             base = _base(state) if state is not None else 0
-            stream = _StreamedEpoch(self, order, epoch, base)
-            self._stream = stream
+            stream = StreamedEpoch(self, order, epoch, base)
+            self.docs.stream = stream
             packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack,
                                num_documents=self.num_documents, lengths=stream.lengths)
             return stream.at, packer, stream
         if self.mix is None:
-            order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+            order = pk.DocOrder(self.docs.docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                                 window=self.window)
             packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack,
-                               num_documents=self.num_documents, lengths=lambda pos: self._lengths(order.at(pos)))
+                               num_documents=self.num_documents, lengths=lambda pos: self.docs.lengths(order.at(pos)))
             return order.at, packer, None
         mixed = self._mixer.epoch(epoch, *(mixpos[::-1] if mixpos is not None else ()))
         packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack, num_documents=None,
@@ -382,10 +370,10 @@ class TokenLoader:
                             mp = (base, mixed.cursor(base))
                             mixed.forget(base)
                         after = (epoch, step + 1, nxt, mp)
-                    if isinstance(mixed, _StreamedEpoch):
-                        self._stream = mixed  # the documents _fetch takes (rows() may have made another)
+                    if isinstance(mixed, StreamedEpoch):
+                        self.docs.stream = mixed  # the documents fetch takes (rows() may have made another)
                     arrays = None if ends else self._batch(rows[self.rank::self.world_size])
-                    if isinstance(mixed, _StreamedEpoch) and not (ends or last):
+                    if isinstance(mixed, StreamedEpoch) and not (ends or last):
                         mixed.forget(_base(nxt))  # the documents this step's rows took are cached now
                 if self._gpu is not None and arrays is not None:  # planned: a ring slot is waited
                     arrays = self._gpu.make(arrays)  # for outside the lock (state_dict takes it)
@@ -394,7 +382,7 @@ class TokenLoader:
                     return
                 state, step = nxt, step + 1
         finally:
-            if isinstance(mixed, _StreamedEpoch):
+            if isinstance(mixed, StreamedEpoch):
                 mixed.close()
 
     def _concat_steps(self, epoch: int, step: int, state: pk.PackState) -> Iterator[tuple[Any, Any]]:
@@ -402,7 +390,7 @@ class TokenLoader:
         (`gdsload.plan.pack.concat_ahead` and `concat_batches`: the same batches and states as
         step by step, whole-array NumPy instead of a few calls a piece). A step's arrays are views
         of its chunk's: never written again, so a batch kept stays as it was handed out."""
-        order = pk.DocOrder(self._docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+        order = pk.DocOrder(self.docs.docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                             window=self.window)
         n, rows, seq = self.num_documents, self.global_batch, self.seq_len
         cap = rows * seq
@@ -413,7 +401,7 @@ class TokenLoader:
                 parts, got, at = [], 0, pos
                 while got < off + ahead * cap and at < n:  # lengths until they fill the steps
                     cnt = min(n - at, max(pk.BLOCK, 2 * len(parts) * pk.BLOCK))
-                    parts.append(self._lengths(order.at(np.arange(at, at + cnt, dtype=np.int64))))
+                    parts.append(self.docs.lengths(order.at(np.arange(at, at + cnt, dtype=np.int64))))
                     got, at = got + int(parts[-1].sum()), at + cnt
                 lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
                 consumed, offs, real = pk.concat_ahead(lengths, off, seq_len=seq, rows=rows, steps=ahead,
@@ -423,7 +411,7 @@ class TokenLoader:
                 need = pk.rank_documents(lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
                                          world=self.world_size)
                 ids = order.at(pos + np.flatnonzero(need))
-                flat = self._with_eos(self._read(ids.tolist()))[0] if len(ids) else np.zeros(0, np.int64)
+                flat = self.docs.with_eos(self.docs.read(ids.tolist()))[0] if len(ids) else np.zeros(0, np.int64)
                 fields, cus = pk.concat_batches(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
                                                 world=self.world_size, pad_id=self.pad_id)
             for t in range(len(real)):
@@ -440,140 +428,14 @@ class TokenLoader:
     def _batch(self, rows: list[list[pk.Piece]]) -> Any:
         if self._gpu is not None:  # gdsload.frontend.tokens_gpu: planned here, read by `_steps`
             return self._gpu.plan(rows)
-        self._fetch({p[0] for row in rows for p in row})
-        return pk.assemble(rows, self.seq_len, lambda p: self._docs[p[0]][p[1]:p[1] + p[2]], self.pad_id)
+        self.docs.fetch({p[0] for row in rows for p in row})
+        cache = self.docs.cache
+        return pk.assemble(rows, self.seq_len, lambda p: cache[p[0]][p[1]:p[1] + p[2]], self.pad_id)
 
     def _hand_out(self, arrays: Any) -> dict[str, Any]:
         if self._gpu is not None:
             return self._gpu.hand_out(arrays)
         return {k: as_output(v, self.output, self.device) for k, v in arrays.items()}
-
-    # -- documents -----------------------------------------------------------------------------
-    def _shard_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self._doc_start, ids, side="right") - 1
-
-    def _table(self, shard: int) -> tuple[tf.DocTable, np.ndarray]:
-        """A (global) shard's document table and each document's byte offset in the shard."""
-        got = self._tables.get(shard)
-        if got is not None:
-            self._tables.move_to_end(shard)
-            return got
-        part, local = self._shards[shard]
-        src = self._parts[part]
-        entry = self._entries[shard]
-        where = f"{src.root}/{entry['index']}"
-        data = src.read_file(entry["index"])
-        index = src.index(local)
-        table = tf.DocTable.from_index_bytes(data, name=where, num_chunks=index.num_samples)
-        if table.num_documents != entry["documents"]:
-            raise FormatError(f"{where}: {table.num_documents} documents, the manifest says {entry['documents']}")
-        got = (table, table.byte_offsets(index.member_offset, self._dtypes[part].itemsize))
-        self._tables[shard] = got
-        while len(self._tables) > _TABLES_KEPT:
-            self._tables.popitem(last=False)
-        return got
-
-    def _lengths(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens of documents `ids`, eos included."""
-        extra = 1 if self.eos_id is not None else 0
-        if self.meta is None:
-            self._fetch(ids.tolist())
-            return np.asarray([len(self._docs[i]) for i in ids.tolist()], np.int64)
-        out = np.empty(len(ids), np.int64)
-        shards = self._shard_of(ids)
-        for s in np.unique(shards).tolist():
-            sel = shards == s
-            table, _ = self._table(s)
-            out[sel] = table.ntokens[ids[sel] - self._doc_start[s]].astype(np.int64) + extra
-        return out
-
-    def _fetch(self, ids: Any) -> None:
-        """Put documents `ids` in the document cache (read and checked, or tokenized): int64 ids,
-        eos appended, made in one NumPy pass for all the missing documents together."""
-        want = {int(i) for i in ids}
-        docs = self._docs
-        for i in want & docs.keys():
-            docs.move_to_end(i)
-        missing = sorted(want - docs.keys())
-        if missing:
-            if self._served is not None:
-                got = [self._stream.doc(i) for i in missing]
-            else:
-                got = self._tokenize(missing) if self.meta is None else self._read(missing)
-            whole, ends = self._with_eos(got)
-            for i, a, b in zip(missing, [0, *ends[:-1].tolist()], ends.tolist()):
-                docs[i] = whole[a:b]
-            self._docs_tokens += len(whole)
-        while self._docs_tokens > self._docs_limit and len(docs) > len(want):
-            i, arr = next(iter(docs.items()))
-            if i in want:
-                docs.move_to_end(i)
-                continue
-            del docs[i]
-            self._docs_tokens -= len(arr)
-
-    def _with_eos(self, got: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Documents' ids end to end (int64), each with its eos after it: (the ids, each one's end)."""
-        lens = np.fromiter(map(len, got), np.int64, len(got))
-        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
-        if self.eos_id is None:
-            return flat.astype(np.int64), np.cumsum(lens)
-        ends = np.cumsum(lens + 1)
-        whole = np.empty(int(ends[-1]) if len(ends) else 0, np.int64)
-        keep = np.ones(len(whole), bool)
-        keep[ends - 1] = False
-        whole[keep] = flat
-        whole[ends - 1] = self.eos_id
-        return whole, ends
-
-    def _tokenize(self, ids: list[int]) -> list[np.ndarray]:
-        """Token ids of text documents `ids`, in one `encode_batch_fast` call (`encode_batch`'s ids
-        without its character offsets, which nothing here uses; `encode_batch` where the installed
-        `tokenizers` lacks it)."""
-        shards = self._shard_of(np.asarray(ids, np.int64)).tolist()
-        texts = [self._source.sample_in_shard(s, i - int(self._doc_start[s]))[tf.TEXT_FIELD].decode("utf-8")
-                 for i, s in zip(ids, shards)]
-        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [np.asarray(e.ids, np.int64) for e in encode(texts, add_special_tokens=False)]
-
-    def _read(self, ids: list[int]) -> list[np.ndarray]:
-        """Token ids of documents `ids` (sorted), read as stored: per shard, documents in runs
-        at most `_GAP` bytes apart are one read; each checked against its CRC32 (a run of
-        back-to-back documents in one call: `gdsload.format.crc.first_mismatch`)."""
-        out: dict[int, np.ndarray] = {}
-        arr = np.asarray(ids, np.int64)
-        shards = self._shard_of(arr)
-        for s in np.unique(shards).tolist():
-            part, local_shard = self._shards[s]
-            src, dtype = self._parts[part], self._dtypes[part]
-            table, offsets = self._table(s)
-            sel_ids = arr[shards == s]
-            local = sel_ids - self._doc_start[s]
-            by = np.argsort(offsets[local], kind="stable")
-            sel_ids, local = sel_ids[by], local[by]
-            off = offsets[local]
-            size = table.ntokens[local].astype(np.int64) * dtype.itemsize
-            end = off + size
-            # a run starts where a document begins more than _GAP bytes after the run's end so far
-            cut = np.flatnonzero(off[1:] - np.maximum.accumulate(end)[:-1] > _GAP) + 1
-            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(off)]):
-                lo, hi = int(off[a]), int(end[a:b].max())
-                blob = src.read_extent(local_shard, lo, hi - lo) if hi > lo else b""
-                rel = off[a:b] - lo
-                if self._verify:
-                    bad = first_mismatch(memoryview(blob), rel, size[a:b], table.crc[local[a:b]].astype(np.int64))
-                    if bad is not None:
-                        t = a + bad[0]
-                        raise CorruptDataError(
-                            f"{src.shard_path(local_shard)}: document {int(local[t])} of the shard (offset "
-                            f"{int(off[t])}, {int(size[t])} bytes) fails its CRC32 check: the shard is damaged; "
-                            f"re-run gdsload convert")
-                toks = np.frombuffer(blob, dtype, count=(hi - lo) // dtype.itemsize)
-                first, count = (rel // dtype.itemsize).tolist(), (size[a:b] // dtype.itemsize).tolist()
-                for i, f, n in zip(sel_ids[a:b].tolist(), first, count):
-                    out[i] = toks[f:f + n]
-        return [out[i] for i in ids]
-
 
 _END = object()
 
@@ -679,114 +541,8 @@ def _produce(gen: Iterator[Any], q: queue.Queue, halt: threading.Event) -> None:
             continue
 
 
-def _is_served(data: Any) -> bool:
-    """A token dataset on a feed server (`gdsload.ServedTokens`): it streams documents."""
-    return hasattr(data, "documents") and hasattr(data, "manifest") and hasattr(data, "batch_documents")
-
-
 def _base(state: pk.PackState) -> int:
     """The first position a packing state still needs (best_fit's carry is before its position)."""
     return min([int(state["position"])] + [int(p[0]) for p in state["carry"]])
 
 
-class _StreamedEpoch:
-    """A served dataset's documents of one epoch from position `base` on, as they arrive: the
-    packer's lengths, the positions' document numbers (checked against the local `DocOrder`), and
-    each document's ids until `forget`."""
-
-    def __init__(self, loader: TokenLoader, order: pk.DocOrder, epoch: int, base: int):
-        self._order, self._n = order, loader.num_documents
-        self._extra = 1 if loader.eos_id is not None else 0
-        self._it = loader._served.documents(epoch=epoch, start=base, shuffle=loader.shuffle, seed=loader.seed,
-                                            window=loader.window, dtype=loader._dtypes[0])
-        self._base = base
-        self._ids: list[int] = []
-        self._docs: dict[int, np.ndarray] = {}
-        self._where = loader._served.root
-
-    def _grow(self, upto: int) -> None:
-        upto = min(upto, self._n - 1)
-        have = self._base + len(self._ids)
-        if upto < have:
-            return
-        want = self._order.at(np.arange(have, upto + 1, dtype=np.int64)).tolist()
-        for w in want:
-            got = next(self._it, None)
-            if got is None:
-                raise CorruptDataError(f"{self._where}: the server's document stream ended at position "
-                                       f"{self._base + len(self._ids)} of {self._n}")
-            i, arr = got
-            if i != w:
-                raise CorruptDataError(f"{self._where}: the server sent document {i} at position "
-                                       f"{self._base + len(self._ids)}, where this epoch's order has {w} (another "
-                                       f"order or dataset on the server)")
-            self._ids.append(i)
-            self._docs[i] = arr
-
-    def at(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, np.int64)
-        if not len(positions):
-            return np.zeros(0, np.int64)
-        self._grow(int(positions.max()))
-        return np.asarray(self._ids, np.int64)[positions - self._base]
-
-    def lengths(self, positions: np.ndarray) -> np.ndarray:
-        ids = self.at(positions)
-        return np.asarray([len(self._docs[i]) + self._extra for i in ids.tolist()], np.int64)
-
-    def doc(self, i: int) -> np.ndarray:
-        return self._docs[i]
-
-    def forget(self, before: int) -> None:
-        cut = before - self._base
-        if cut > 0:
-            for i in self._ids[:cut]:
-                self._docs.pop(i, None)
-            del self._ids[:cut]
-            self._base = before
-
-    def close(self) -> None:
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
-
-
-def _open(data: Any) -> Any:
-    """The `ShardedDataset` under `data` (a path or URL, or a `gdsload.Dataset`), or a served
-    token dataset (`gdsload.ServedTokens`) as it is."""
-    from gdsload.dataset.sharded import ShardedDataset
-
-    if _is_served(data):
-        return data
-    if isinstance(data, (str, os.PathLike)):
-        return _Source(ShardedDataset(data))
-    path = getattr(data, "path", None)
-    if isinstance(path, str) and hasattr(data, "verify"):
-        return _Source(ShardedDataset(path, version=getattr(data, "version", None)))
-    raise ConfigError(f"data must be a dataset path or URL, a gdsload.Dataset or a gdsload.Mix of them, "
-                      f"got {type(data).__name__}")
-
-
-class _Source:
-    """The reads a TokenLoader makes of its dataset."""
-
-    def __init__(self, ds: Any):
-        self.ds, self.root, self.manifest = ds, ds.root, ds.manifest
-        from gdsload.io.store import open_store
-
-        self._store = open_store(ds.root)
-
-    def read_file(self, name: str) -> bytes:
-        return self._store.read(name)
-
-    def index(self, shard: int) -> Any:
-        return self.ds.index(shard)
-
-    def read_extent(self, shard: int, offset: int, nbytes: int) -> bytes:
-        return self.ds.read_extent(shard, offset, nbytes)
-
-    def sample_in_shard(self, shard: int, j: int) -> dict[str, Any]:
-        return self.ds.sample_in_shard(shard, j)
-
-    def shard_path(self, shard: int) -> str:
-        return self.ds.shard_path(shard)

@@ -56,7 +56,7 @@ def device_path(loader: Any) -> "DevicePath | None":
         return None
     from gdsload.io import is_remote, kvikio_usable
 
-    if any(is_remote(p.root) for p in loader._parts) or not kvikio_usable():
+    if any(is_remote(p.root) for p in loader.docs.parts) or not kvikio_usable():
         return None
     from gdsload.host.gpu import resolve_ordinal
 
@@ -84,7 +84,7 @@ class DevicePath:
         self._made = self._out = 0
         self._held: Any = None  # the slot of the batch handed out last
         self.producer: Any = None  # the live pass's prefetch thread (`begin_pass` joins it)
-        self._item = max(dt.itemsize for dt in loader._dtypes)
+        self._item = max(dt.itemsize for dt in loader.docs.dtypes)
 
     def _open(self) -> None:
         import cupy
@@ -150,14 +150,14 @@ class DevicePath:
         for r, row in enumerate(rows):
             at = 0
             for doc, start, n in row:
-                shard = int(lo._shard_of(np.asarray([doc]))[0])
-                part, local = lo._shards[shard]
-                item = lo._dtypes[part].itemsize
-                table, offsets = lo._table(shard)
-                d = doc - int(lo._doc_start[shard])
+                shard = int(lo.docs.shard_of(np.asarray([doc]))[0])
+                part, local = lo.docs.shards[shard]
+                item = lo.docs.dtypes[part].itemsize
+                table, offsets = lo.docs.table(shard)
+                d = doc - int(lo.docs.doc_start[shard])
                 in_file = max(0, min(n, int(table.ntokens[d]) - start))
                 if in_file:
-                    extents.append(Extent(lo._parts[part].shard_path(local), int(offsets[d]) + start * item,
+                    extents.append(Extent(lo.docs.parts[part].shard_path(local), int(offsets[d]) + start * item,
                                           in_file * item))
                     outs.append(cursor)
                 cols.append((r * s + at, start, in_file, cursor, item, 1))

@@ -13,7 +13,7 @@ import pytest
 
 import gdsload
 import gpu_fakes
-from gdsload.frontend import tokens as tokens_mod
+from gdsload.frontend import tokendocs
 
 FIELDS = ("input_ids", "labels", "position_ids", "attention_mask", "cu_seqlens")
 
@@ -48,7 +48,7 @@ def _no_host_reads(monkeypatch):
     def refuse(self, ids):
         raise AssertionError("the GPU path read token bytes on the host")
 
-    monkeypatch.setattr(tokens_mod.TokenLoader, "_read", refuse)
+    monkeypatch.setattr(tokendocs.Documents, "read", refuse)
 
 
 def _equal(got, want):
@@ -243,7 +243,7 @@ def test_a_mix_on_the_device_path_and_state_dict_while_the_producer_waits_for_a_
     want = [dict(b) for b in itertools.islice(host, 5)]
     _install(monkeypatch, devices=1)
     ld = gdsload.TokenLoader(gdsload.Mix(two_parts, weights=[1, 2]), device="cuda", **kw)
-    assert ld._gpu is not None and [d.itemsize for d in ld._dtypes] == [2, 4]
+    assert ld._gpu is not None and [d.itemsize for d in ld.docs.dtypes] == [2, 4]
     got, states = [], []
 
     def consume():  # keeps every batch: the producer waits for the slot released last, not referenced
