@@ -308,9 +308,10 @@ class PlannedIds:
     """The ids of one plan per step (order 2 computes them from the positions:
     `gdsload.plan.window`), planned for a stream's next steps at once and kept for the later
     streams of the plan, of its two latest epochs, at most `KEEP_POSITIONS` positions' worth of
-    steps each (512 KB of ids), the oldest dropped first. A striping client's streams of one server cover the same steps again (a stream
-    cancelled when its next block went elsewhere is asked again from its next own block): the
-    next plans only the steps that were not. Streams on several threads share it."""
+    steps each (512 KB of ids), the oldest dropped first. A striping client's streams of one
+    server cover the same steps again (a stream cancelled when its next block went elsewhere is
+    asked again from its next own block): the next plans only the steps that were not. Streams
+    on several threads share it."""
 
     KEEP_POSITIONS = 65536
 
