@@ -196,10 +196,10 @@ class Schedule:
 
     # -- picking a request ---------------------------------------------------------------------------
     def first_missing(self, block: int) -> int:
-        K, have = self.K, self.have
-        step = max(block * K, self.out)
-        end = min((block + 1) * K, self.end)  # (`block_end`, inline: called per block per pick)
-        while step < end and step in have:
+        K, have, out, end = self.K, self.have, self.out, self.end
+        step, stop = block * K, (block + 1) * K  # (max/min and `block_end` inline: per block per pick)
+        step, stop = (step if step > out else out), (stop if stop < end else end)
+        while step < stop and step in have:
             step += 1
         return step
 
@@ -216,11 +216,11 @@ class Schedule:
         K = self.K
         head = self.out // K
         last = min(head + len(live) * self.W, -(-self.end // K))
-        claims = self._claims(head, last)
+        claims, corrupt = self._claims(head, last), self.corrupt
         free = None
         for b in range(head, last):
             start = self.first_missing(b)
-            if start >= min((b + 1) * K, self.end) or srv.address in self.corrupt.get(b, ()):
+            if start >= (b + 1) * K or start >= self.end or (corrupt and srv.address in corrupt.get(b, ())):
                 continue
             claim = claims.get(b)
             if claim is not None and claim.server.state is not S.PAUSED and (
