@@ -113,18 +113,15 @@ class Documents:
             self._cached_tokens -= len(arr)
 
     def with_eos(self, got: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Documents' ids end to end (int64), each with its eos after it: (the ids, each one's end)."""
+        """Documents' ids end to end (int64), each with its eos after it, in one copy: (the ids,
+        each one's end)."""
         lens = np.fromiter(map(len, got), np.int64, len(got))
-        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
+        if not got:
+            return np.zeros(0, np.int64), lens
         if self.eos_id is None:
-            return flat.astype(np.int64), np.cumsum(lens)
-        ends = np.cumsum(lens + 1)
-        whole = np.empty(int(ends[-1]) if len(ends) else 0, np.int64)
-        keep = np.ones(len(whole), bool)
-        keep[ends - 1] = False
-        whole[keep] = flat
-        whole[ends - 1] = self.eos_id
-        return whole, ends
+            return np.concatenate(got).astype(np.int64, copy=False), np.cumsum(lens)
+        eos = np.asarray([self.eos_id], got[0].dtype)  # (an id of the vocabulary: it fits the ids' dtype)
+        return np.concatenate([x for d in got for x in (d, eos)]).astype(np.int64, copy=False), np.cumsum(lens + 1)
 
     def tokenize(self, ids: list[int]) -> list[np.ndarray]:
         """Token ids of text documents `ids`, in one `encode_batch_fast` call (`encode_batch`'s ids

@@ -413,7 +413,7 @@ class TokenLoader:
                 ids = order.at(pos + np.flatnonzero(need))
                 flat = self.docs.with_eos(self.docs.read(ids.tolist()))[0] if len(ids) else np.zeros(0, np.int64)
                 fields, cus = pk.concat_batches(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
-                                                world=self.world_size, pad_id=self.pad_id)
+                                                world=self.world_size, pad_id=self.pad_id, need=need)
             for t in range(len(real)):
                 nxt = pk.PackState(position=pos + int(consumed[t]), offset=int(offs[t]), carry=[])
                 last = nxt["position"] >= n and not nxt["offset"]

@@ -317,24 +317,31 @@ def concat_ahead(lengths: np.ndarray, offset: int, *, seq_len: int, rows: int, s
 
 
 def concat_batches(flat: np.ndarray, lengths: np.ndarray, offset: int, real: int, *, seq_len: int, rows: int,
-                   rank: int, world: int, pad_id: int) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+                   rank: int, world: int, pad_id: int,
+                   need: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """Rank `rank`'s rows of ``concat`` steps whose tokens are the documents of `lengths` end to
     end from `offset` (the first ``real`` tokens of the span: the steps' real tokens together),
     as `assemble` makes them, for all the steps at once: ``(fields [steps, B, seq_len] but
     cu_seqlens, each step's cu_seqlens)``.
 
     `flat` holds the whole documents (int64) this rank's rows touch, in order, the others left
-    out (`rank_documents`; ``lengths`` includes them). The fields are made over `flat` (a few
+    out (`need`, `rank_documents`' answer, computed here if not given; ``lengths`` includes them). The fields are made over `flat` (a few
     NumPy passes) and then taken: one rank's rows are a slice of it, several ranks' a gather."""
     cap, S = rows * seq_len, seq_len
     k = -(-real // cap) if real else 0
     b = len(range(rank, rows, world))
     lengths = np.asarray(lengths, np.int64)
     start = np.cumsum(lengths) - lengths - offset  # each document's first token in the span (< 0: before)
-    need = rank_documents(lengths, offset, real, seq_len=S, rows=rows, rank=rank, world=world)
+    if need is None:
+        need = rank_documents(lengths, offset, real, seq_len=S, rows=rows, rank=rank, world=world)
     nl = np.where(need, lengths, 0)
     fstart = np.cumsum(nl) - nl  # each document's first token in `flat` (the ones there)
-    fpos = np.arange(len(flat), dtype=np.int64) - np.repeat(fstart[need], lengths[need])
+    # positions: +1 a token, back to 0 at each document's start (a cumulative sum of steps)
+    fpos = np.ones(len(flat), np.int64)
+    if len(flat):
+        fpos[0] = 0
+        fpos[fstart[need][1:]] = 1 - lengths[need][:-1]
+    np.cumsum(fpos, out=fpos)
     flab = flat.copy()
     flab[fstart[need]] = IGNORE
     g = (np.arange(k, dtype=np.int64)[:, None] * rows + np.arange(rank, rows, world)[None, :]).reshape(-1)
@@ -347,8 +354,8 @@ def concat_batches(flat: np.ndarray, lengths: np.ndarray, offset: int, real: int
             out = np.full(k * cap, fill, np.int64)
             out[:real] = src[offset:offset + real]
             return out.reshape(shape)
-        mask = np.zeros(k * cap, np.int64)
-        mask[:real] = 1
+        mask = np.ones(k * cap, np.int64)
+        mask[real:] = 0
     else:
         d = np.searchsorted(start, lo, side="right") - 1  # the document holding each row's first token
         span = lo[:, None] + np.arange(S, dtype=np.int64)
