@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from gdsload.cli.signals import sigterm_interrupts
@@ -58,6 +59,8 @@ def add_process_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--overwrite", action="store_true", help="replace the gdsload dataset in DST")
     p.add_argument("--feed", metavar="HOST:PORT", help="decode on this feed server (gdsload serve), at --priority")
     p.add_argument("--priority", type=int, default=0, help="the pass's priority on the feed (with --feed)")
+    p.add_argument("--feed-token-file", metavar="PATH",
+                   help="a file holding this client's token for the feed (with --feed; gdsload serve --token-file)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="where units run: here / --workers processes, or Ray tasks (pip install 'gdsload[ray]')")
     p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to join with --engine ray")
@@ -67,22 +70,24 @@ def add_process_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
-def process(src: Any, dst: Any, fn: Any, *, feed: Any = None, priority: int = 0, **kwargs: Any) -> dict[str, Any]:
+def process(src: Any, dst: Any, fn: Any, *, feed: Any = None, priority: int = 0, feed_token: str | None = None,
+            **kwargs: Any) -> dict[str, Any]:
     """`gdsload.process`: `gdsload.preprocess.run.process` (its docstring) with `feed` given as a
-    feed server's address, `HOST:PORT`: the pass's windows are decoded there, at `priority`
-    (`gdsload.service.client.passfeed.WindowFeed`; run training at priority >= 1 so the pass
-    yields to it). Here because the pass and the feed's client are peers that do not import each
-    other (tests/test_layers.py)."""
+    feed server's address, `HOST:PORT`: the pass's windows are decoded there, at `priority`, with
+    `feed_token` where the server wants one (`gdsload.service.client.passfeed.WindowFeed`; run
+    training at priority >= 1 so the pass yields to it). Here because the pass and the feed's
+    client are peers that do not import each other (tests/test_layers.py)."""
+    from gdsload.errors import InputError
     from gdsload.preprocess.run import process as run_process
 
+    if feed_token is not None and not isinstance(feed, str):
+        raise InputError("process(feed_token=) goes with feed= given as an address (a WindowFeed has its own token)")
     if isinstance(feed, str):
         from gdsload.service.client.passfeed import WindowFeed
 
         if isinstance(priority, bool) or not isinstance(priority, int):
-            from gdsload.errors import InputError
-
             raise InputError(f"process(priority={priority!r}): an integer")
-        feed = WindowFeed(feed, priority=priority)
+        feed = WindowFeed(feed, priority=priority, token=feed_token)
     return run_process(src, dst, fn, feed=feed, priority=priority, **kwargs)
 
 
@@ -94,6 +99,7 @@ def cmd_process(a: argparse.Namespace) -> int:
         r = process(a.src, a.dst, a.fn, frames=a.frames, speech=a.speech, fields=a.fields, size=a.size,
                     batch_size=a.batch_size, shard_size=a.shard_size, workers=a.workers, on_error=a.on_error,
                     resume=a.resume, overwrite=a.overwrite, feed=a.feed, priority=a.priority, engine=a.engine,
+                    feed_token=Path(a.feed_token_file).read_text().strip() if a.feed_token_file else None,
                     max_hours=a.max_hours if a.max_hours is not None else MAX_HOURS, ray_address=a.ray_address,
                     progress=not a.quiet)
     print(summary_text(r, a.dst))

@@ -265,3 +265,38 @@ def test_errors_and_limits_are_the_local_pass_s(media_src: Path, tmp_path: Path)
     rejected = [json.loads(x) for x in (tmp_path / "feed" / "rejected.jsonl").read_text().splitlines()]
     assert {x["key"] for x in rejected} == {"v0", "v2", "v5"}
     assert_same_output(tmp_path / "feed", tmp_path / "local")
+
+
+def test_a_feed_that_wants_a_token_gets_the_passs_token(media_src: Path, tmp_path: Path) -> None:
+    """A server with a token: the pass given it (`feed_token=`, or `--feed-token-file` on the
+    command line) writes the local pass's bytes; without it the pass fails naming the refusal and
+    publishes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    srv, port = create_server([str(media_src.parent)], token="s3cret")
+    srv.start()
+    address = f"127.0.0.1:{port}"
+    kw = dict(speech=1.0, fields=["flac"], batch_size=4, shard_size="16KiB")
+    try:
+        gdsload.process(media_src, tmp_path / "local", passfns.speech_stats, **kw)
+        gdsload.process(media_src, tmp_path / "feed", passfns.speech_stats, feed=address, feed_token="s3cret", **kw)
+        assert_same_output(tmp_path / "feed", tmp_path / "local")
+        with pytest.raises(FeedRefused, match="UNAUTHENTICATED: this server needs a bearer token"):
+            gdsload.process(media_src, tmp_path / "none", passfns.speech_stats, feed=address, **kw)
+        assert not (tmp_path / "none" / "manifest.json").exists()
+        with pytest.raises(gdsload.errors.InputError, match="feed_token"):
+            gdsload.process(media_src, tmp_path / "x", passfns.speech_stats, feed=WindowFeed(address),
+                            feed_token="s3cret", **kw)
+        (tmp_path / "token").write_text("s3cret\n")
+        here = Path(__file__).parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+        p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "cli"), "--fn",
+                            "passfns:speech_stats", "--speech", "1", "--fields", "flac", "--batch-size", "4",
+                            "--shard-size", "16KiB", "--feed", address, "--feed-token-file", str(tmp_path / "token"),
+                            "-q"], cwd=here, env=env, capture_output=True, timeout=120)
+        assert p.returncode == 0, p.stderr.decode()
+        assert_same_output(tmp_path / "cli", tmp_path / "local")
+    finally:
+        srv.shutdown(grace_s=2)
