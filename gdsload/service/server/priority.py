@@ -157,6 +157,8 @@ class Arbiter:
         self.levels: dict[int, Level] = {}
         self.group_levels: dict[Any, int] = {}  # share group -> its highest priority (replaced, never changed)
         self.grants: collections.deque = collections.deque(maxlen=100_000)
+        self._shown: dict[int, tuple[int, int]] = {}  # level -> (queued, paused) last set on its gauges
+        self._batches: dict[int, Any] = {}  # level -> its batches counter (labelled once)
 
     # -- streams -----------------------------------------------------------------------------------
     def enter(self, job: tuple, priority: int, group: Any = None, *, notices: bool = False) -> Turn:
@@ -295,7 +297,11 @@ class Arbiter:
             while lv.recent and now - lv.recent[0][0] > USE_SPAN_S:
                 lv.recent.popleft()
             if self.metrics is not None:
-                self.metrics.priority_batches.labels(str(self.level_of(t))).inc()
+                level = self.level_of(t)
+                counter = self._batches.get(level)
+                if counter is None:
+                    counter = self._batches[level] = self.metrics.priority_batches.labels(str(level))
+                counter.inc()
             self._gauges()
             self.cv.notify_all()
 
@@ -382,6 +388,10 @@ class Arbiter:
             p = self.level_of(t)
             queued[p] = queued.get(p, 0) + (t.state is _WAITING)
             paused[p] = paused.get(p, 0) + (t.paused_since is not None)
+        shown = self._shown
         for p in queued:
-            m.priority_queue.labels(str(p)).set(queued[p])
-            m.priority_paused.labels(str(p)).set(paused[p])
+            now = (queued[p], paused[p])
+            if shown.get(p) != now:  # (a gauge set only when it changes: this runs a few times a batch)
+                shown[p] = now
+                m.priority_queue.labels(str(p)).set(now[0])
+                m.priority_paused.labels(str(p)).set(now[1])
