@@ -502,17 +502,20 @@ class Plan:
     def _steps(self, order: Any, steps: Sequence[int]) -> list[np.ndarray]:
         """This rank's batches of `steps`, from one evaluation of the order over all their
         positions (rule 4: in step k rank r reads positions k*G + r + j*W below the used ones)."""
-        w, used = self.world_size, self._used_positions()
-        parts = []
-        for step in steps:
-            first = step * self.global_batch + self.rank
-            count = min(self.batch_size, max(0, -(-(used - first) // w)))
-            parts.append(first + w * np.arange(count, dtype=np.int64))
-        positions = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        w, used, b = self.world_size, self._used_positions(), self.batch_size
+        first = np.asarray(steps, np.int64) * self.global_batch + self.rank
+        count = np.minimum(b, np.maximum(0, -(-(used - first) // w)))
+        positions = first[:, None] + w * np.arange(b, dtype=np.int64)[None, :]  # [steps, batch]
+        full = bool((count == b).all())
+        if not full:
+            positions = positions[np.arange(b)[None, :] < count[:, None]]  # (row-major: step by step)
         if not self.drop_last:
             positions %= self.num_samples  # the padding repeats the order from its start
-        ids = order.at(positions)
-        return np.split(ids, np.cumsum([len(p) for p in parts[:-1]])) if len(parts) > 1 else [ids]
+        ids = order.at(positions.reshape(-1))
+        if full:
+            return list(ids.reshape(len(first), b))
+        ends = np.cumsum(count).tolist()
+        return [ids[a:e] for a, e in zip([0, *ends[:-1]], ends)]
 
     # ---- state ------------------------------------------------------------------------------
 
