@@ -72,6 +72,10 @@ from gdsload.plan.plan import STATE_VERSION
 from gdsload.plan.tokenmix import MixCursor, MixedEpoch, TokenMix
 
 ORDER = 2  # the plan's order version the document order uses
+# text tokenized on the fly: documents tokenized at once, from BLOCK up (each block twice the last):
+# one encode_batch_fast call of many documents keeps the tokenizer's threads busy (a block's longest
+# document is its tail), and the first batch waits for BLOCK only
+_TEXT_BLOCK = 4096
 _AHEAD = 1 << 16  # concat over local token shards: global tokens packed and assembled at a time (0: by step)
 
 
@@ -157,7 +161,8 @@ class TokenLoader:
         verify = all(getattr(d, "verify", "fast") is not None for d in (mix.datasets if mix is not None else [data]))
         self.docs = Documents(self._parts, dtypes, per_part, tok=self._tok if self.meta is None else None,
                               eos_id=self.eos_id, verify=verify,
-                              cache_limit=max(1 << 22, 8 * (self.prefetch + 2) * self.global_batch * self.seq_len))
+                              cache_limit=max(1 << (23 if self.meta is None else 22),
+                                              8 * (self.prefetch + 2) * self.global_batch * self.seq_len))
         self.num_documents = self.docs.num_documents
         self._verify_full = any(getattr(d, "verify", None) == "full"
                                 for d in (mix.datasets if mix is not None else [data]))
@@ -314,7 +319,8 @@ class TokenLoader:
             order = pk.DocOrder(self.docs.docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                                 window=self.window)
             packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack,
-                               num_documents=self.num_documents, lengths=lambda pos: self.docs.lengths(order.at(pos)))
+                               num_documents=self.num_documents, lengths=lambda pos: self.docs.lengths(order.at(pos)),
+                               block_max=_TEXT_BLOCK if self.meta is None else pk.BLOCK)
             return order.at, packer, None
         mixed = self._mixer.epoch(epoch, *(mixpos[::-1] if mixpos is not None else ()))
         packer = pk.Packer(seq_len=self.seq_len, rows=self.global_batch, pack=self.pack, num_documents=None,

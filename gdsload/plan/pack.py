@@ -86,16 +86,20 @@ class DocOrder:
 
 
 class _Lengths:
-    """Lengths by position, asked for in blocks of `BLOCK` (a cache of the last block). With
-    `num_documents` None the epoch ends where `lengths` first gives fewer lengths than asked for."""
+    """Lengths by position, asked for in blocks of `BLOCK`, each block twice the last up to
+    `block_max` (a cache of the last block). With `num_documents` None the epoch ends where
+    `lengths` first gives fewer lengths than asked for."""
 
-    def __init__(self, lengths: Callable[[np.ndarray], np.ndarray], num_documents: int | None):
+    def __init__(self, lengths: Callable[[np.ndarray], np.ndarray], num_documents: int | None,
+                 block_max: int = BLOCK):
         self._fn, self.n = lengths, num_documents
         self._start, self._block = 0, np.zeros(0, np.int64)
         self._end: int | None = num_documents
+        self._size, self._max = min(BLOCK, block_max), block_max
 
     def _load(self, pos: int) -> None:
-        want = BLOCK if self.n is None else max(0, min(BLOCK, self.n - pos))
+        size, self._size = self._size, min(self._max, 2 * self._size)
+        want = size if self.n is None else max(0, min(size, self.n - pos))
         self._start = pos
         self._block = np.asarray(self._fn(np.arange(pos, pos + want, dtype=np.int64)), np.int64)
         if len(self._block) < want:
@@ -126,11 +130,11 @@ class Packer:
     block of lengths)."""
 
     def __init__(self, *, seq_len: int, rows: int, pack: str, num_documents: int | None,
-                 lengths: Callable[[np.ndarray], np.ndarray]):
+                 lengths: Callable[[np.ndarray], np.ndarray], block_max: int = BLOCK):
         if pack not in PACKS:
             raise ValueError(f"pack must be one of {', '.join(map(repr, PACKS))}, got {pack!r}")
         self.seq_len, self.rows, self.pack, self.n = seq_len, rows, pack, num_documents
-        self._len = _Lengths(lengths, num_documents)
+        self._len = _Lengths(lengths, num_documents, block_max)
 
     def step(self, state: PackState) -> tuple[list[list[Piece]], PackState]:
         return self._concat(state) if self.pack == "concat" else self._best_fit(state)

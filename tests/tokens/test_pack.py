@@ -152,3 +152,28 @@ def test_check_state_names_fields():
         pk.check_state(dict(mine, carry=[[1, 2]]), mine)
     with pytest.raises(StateError, match="past the epoch's 5 documents"):
         pk.check_state(dict(mine, position=6), mine)
+
+
+@pytest.mark.parametrize("pack", pk.PACKS)
+def test_rows_do_not_depend_on_how_many_lengths_are_asked_at_once(pack):
+    """Blocks of lengths growing to `block_max` (the text path's: one tokenizer call per block)
+    give the same steps as blocks of `BLOCK`, and ask for each position once."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(0, 900, 3000)
+    asked: list[int] = []
+
+    def fn(pos):
+        asked.extend(pos.tolist())
+        return lengths[pos]
+
+    def steps(block_max, f):
+        p = pk.Packer(seq_len=512, rows=4, pack=pack, num_documents=len(lengths), lengths=f, block_max=block_max)
+        st, out = pk.start_state(), []
+        while True:
+            rows, st = p.step(st)
+            if not any(rows):
+                return out
+            out.append(rows)
+
+    assert steps(4096, fn) == steps(pk.BLOCK, lambda pos: lengths[pos])
+    assert sorted(asked) == list(range(len(lengths)))  # blocks of 512, 1024, then 1464: each position once
