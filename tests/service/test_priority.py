@@ -420,6 +420,31 @@ def test_remote_loader_checks_its_priority():
     assert lo.priority == -3 and len(lo.job) == 32 and lo.job != other.job
 
 
+def _low_paused_by_held_work(srv, addr: str, low) -> tuple[list, list, threading.Thread, Held]:
+    """`low` reads two batches, then the rest on a thread while priority-5 work holds `srv`; returns
+    once the low job's stream says it is paused: (its batches so far, its errors, the thread, the
+    held work)."""
+    it = iter(low)
+    got = [next(it), next(it)]
+    errors: list = []
+
+    def consume():
+        try:
+            got.extend(it)
+        except BaseException as exc:  # noqa: BLE001 (reported by the caller)
+            errors.append(exc)
+
+    held = Held(srv, priority=5)
+    loop = threading.Thread(target=consume, daemon=True)
+    loop.start()
+    try:
+        until(lambda: low.stats()["servers"][addr]["state"] == "paused", "the low job paused")
+    except BaseException:
+        held.release()
+        raise
+    return got, errors, loop, held
+
+
 # -- memory for higher work -------------------------------------------------------------------------
 def test_a_higher_job_short_of_memory_gets_a_paused_lower_jobs_and_both_epochs_stay_exact(roots):
     """Room for one stream and a half (`--max-memory`): a priority-0 job paused (by priority-5
@@ -447,20 +472,7 @@ def test_a_higher_job_short_of_memory_gets_a_paused_lower_jobs_and_both_epochs_s
     low = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", prefetch=1)
     held = None
     try:
-        it = iter(low)
-        got = [next(it), next(it)]
-        errors: list = []
-
-        def consume():
-            try:
-                got.extend(it)
-            except BaseException as exc:  # noqa: BLE001 (reported below)
-                errors.append(exc)
-
-        held = Held(srv, priority=5)
-        loop = threading.Thread(target=consume, daemon=True)
-        loop.start()
-        until(lambda: low.stats()["servers"][addr]["state"] == "paused", "the low job paused")
+        got, errors, loop, held = _low_paused_by_held_work(srv, addr, low)
         high = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", priority=10, retry_timeout_s=5,
                             backoff_s=0.05, max_backoff_s=0.2)
         assert keys(high) == local  # it fitted: the paused job's memory was given to it
@@ -504,20 +516,7 @@ def test_a_suspended_job_resumes_when_the_higher_one_left_its_loader_parked(root
     low = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", prefetch=1, retry_timeout_s=120)
     held = None
     try:
-        it = iter(low)
-        got = [next(it), next(it)]
-        errors: list = []
-
-        def consume():
-            try:
-                got.extend(it)
-            except BaseException as exc:  # noqa: BLE001 (reported below)
-                errors.append(exc)
-
-        held = Held(srv, priority=5)
-        loop = threading.Thread(target=consume, daemon=True)
-        loop.start()
-        until(lambda: low.stats()["servers"][addr]["state"] == "paused", "the low job paused")
+        got, errors, loop, held = _low_paused_by_held_work(srv, addr, low)
         # (another request than the low job's: its parked loader is not the low job's to take)
         high = RemoteLoader(addr, dataset="feats", batch_size=B, output="numpy", priority=10, retry_timeout_s=5,
                             backoff_s=0.05, max_backoff_s=0.2, shuffle=True, seed=1)
