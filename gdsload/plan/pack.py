@@ -27,6 +27,9 @@ Modes
 
 `Packer.step(state)` returns one step's rows and the state after it; the epoch ends with the
 first step that has no piece. Cost: O(pieces * log rows) per step, plus the lengths asked for.
+`concat_ahead` and `concat_batches` are ``concat`` for many steps at once, in whole-array NumPy
+(the same states and batches as `Packer.step` and `assemble`): the loader's path over local token
+shards.
 """
 
 from __future__ import annotations
