@@ -185,6 +185,97 @@ def test_strict_priority_between_levels_and_a_share_group_at_its_highest_member(
     assert {job for job, _, _ in arb.grants} == {("id", f"low{i}") for i in range(3)} | {("id", "member")}
 
 
+def test_a_lower_batch_backfills_only_a_gap_it_ends_within():
+    """A higher job that reads at its own pace (a training loop: it asks every second, its
+    batches take 0.1 s) leaves gaps; a lower job's batch starts in a gap only when it is expected
+    to end before the higher job asks again (its measured cost against the higher job's measured
+    period); a dearer one waits for that ask, and goes when the higher job is late."""
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    never = lambda: False  # noqa: E731
+    cheap, dear = arb.enter(("id", "cheap"), 0), arb.enter(("id", "dear"), 0)
+    for turn, cost in ((cheap, 0.3), (dear, 1.5)):  # their costs, measured before the high job came
+        assert turn.wait(never) is None
+        clock.t += cost
+        turn.made()
+        turn.sent()
+    high = arb.enter(("id", "high"), 10)
+    for i in range(3):  # asks at 0, 1, 2 s: a period of 1 s
+        if i:
+            clock.t += 0.9
+        assert high.wait(never) is None
+        clock.t += 0.1
+        high.made()
+        high.sent()
+    assert arb.jobs[("id", "high")].period == pytest.approx(1.0)
+    clock.t += 0.2  # 0.7 s before the high job's next ask: a 0.3-s batch fits, a 1.5-s one does not
+    stop = threading.Event()
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(dear.wait(stop.is_set)), daemon=True)
+    waiter.start()
+    assert cheap.wait(never) is None  # the cheap one backfills at once
+    clock.t += 0.3
+    cheap.made()
+    cheap.sent()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got  # the dear one waits for the high job's ask
+    assert dear.paused_since is not None
+    clock.t += 0.2  # the high job asks on time: it goes first, the dear one still waits
+    assert high.wait(never) is None
+    assert [job for job, _, _ in arb.grants][-1] == ("id", "high")
+    clock.t += 0.1
+    high.made()
+    high.sent()
+    clock.t += 1.5  # the high job is late (0.6 s past its next ask): it holds nothing now
+    waiter.join(10)  # (the waiter looks again by itself within POLL_S)
+    assert got == [None] and dear.paused_since is None
+    assert [job for job, _, _ in arb.grants][-1] == ("id", "dear")
+    dear.made()
+    for t in (cheap, dear, high):
+        t.leave()
+
+
+def test_waiting_streams_do_not_poll(monkeypatch):
+    """Eight streams wait behind a higher one making a batch: they sleep until something
+    concerns them (at most one look each per POLL_S for their stop condition), rather than each
+    looking at all the others every few milliseconds (at 0.05 of a core, that took more of the
+    server than its batches)."""
+    from gdsload.service.server import priority
+
+    arb = Arbiter(1)
+    high = arb.enter(("id", "high"), 10)
+    assert high.wait(lambda: False) is None  # making a batch: every lower stream waits
+    looks = [0]
+    above = arb._above
+
+    def counted(*args):
+        looks[0] += 1
+        return above(*args)
+
+    monkeypatch.setattr(arb, "_above", counted)
+    stop = threading.Event()
+    lows = [arb.enter(("id", f"low{i}"), 0) for i in range(8)]
+    threads = [threading.Thread(target=t.wait, args=(stop.is_set,), daemon=True) for t in lows]
+    for t in threads:
+        t.start()
+    until(lambda: looks[0] >= 8, "every low stream looked once")
+    start, t0 = looks[0], time.monotonic()
+    time.sleep(0.5)
+    spent = time.monotonic() - t0
+    # (a loaded machine makes fewer looks, never more; a 20-ms poll made ~25 each in 0.5 s)
+    assert priority.POLL_S >= 0.25
+    assert looks[0] - start <= 8 * (spent / 0.25 + 1), looks[0] - start
+    stop.set()
+    for t in lows:
+        t.wake()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    high.made()
+    for t in lows + [high]:
+        t.leave()
+
+
 # -- on servers --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_slot(roots):

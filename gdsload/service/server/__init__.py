@@ -15,7 +15,8 @@ Reading order for one batch, from a `StreamBatches` call to the bytes on the wir
    (`admission.py`'s `Budget`, sized by `estimate.py`), positioned at the request's start.
 6. `stream.py`: `serve(source, transport, meter)`, the one loop: next batch, send, count; its
    docstring is the stream's lifecycle (what happens to the loader, the reservations and the bulk
-   connection on ok, cancel, drain and error).
+   connection on ok, cancel, drain and error). At each batch boundary the stream takes its turn in
+   `priority.py`'s `Arbiter` (priorities, equal seconds per job, pauses; counted in `levels.py`).
 7. `share.py`, `window.py`: a share group's producer (itself a `LoaderSource`) and its window.
 8. `metrics.py`, `logs.py`: Prometheus metrics and JSON-lines logs.
 """

@@ -133,7 +133,7 @@ class FeedServer:
 
     def _drain(self) -> None:
         self.health.enter_graceful_shutdown()
-        self.servicer.draining.set()
+        self.servicer.drain()
 
     def _close(self) -> None:
         """After gRPC stopped: the servicer's parts, then metrics; `wait_for_termination` returns."""

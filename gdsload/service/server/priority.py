@@ -9,8 +9,14 @@ seconds to its job) and then sends it (`Turn.sent`). The rules, in this order:
    the server: it is waiting for a slot, making a batch, or sent its last batch less than
    `RETURN_S` ago (a stream whose client reads at once asks again within microseconds). A higher
    stream blocked in its send for longer (its client does not read: gRPC flow control, or the
-   bulk socket full) wants nothing now, so lower streams run meanwhile. A stream held back that
-   way is *paused*: its loader stops at the batch boundary (its prefetch ring fills, its readers
+   bulk socket full) wants nothing now, so lower streams run meanwhile, but only a batch that
+   ends before the higher job is expected back (*backfill*): each job's pace is measured (the
+   gap between its asks, `Job.period`, and the seconds a batch of it takes, `Job.cost`, both
+   moving averages), and a lower stream whose job's batch would still be making when the higher
+   job asks again (`Job.asked + Job.period`) waits for that ask (a batch cannot be interrupted:
+   at a tenth of a core one decoded batch takes seconds, which a training job that reads at
+   its own pace would spend waiting). A higher job later than expected holds nothing. A stream
+   held back that way is *paused*: its loader stops at the batch boundary (its prefetch ring fills, its readers
    wait), its cursor is the request's, and its next batch is the next of its plan when it goes
    on, so nothing is lost or repeated.
 2. **Equal share of seconds per job within a level.** Among the waiting streams of the highest
@@ -30,13 +36,20 @@ begins and every `NOTICE_S` while it lasts; the stream loop sends it. An older c
 notice, only a slower stream (a pause longer than its stall timeout is then a stall to it, which
 it retries as today, from its cursor).
 
-What it reports: per level, streams open, paused and queued now, batches made, seconds spent
-making them and paused (`usage()`, `ServerInfo.priorities`), and the Prometheus metrics
-`gdsload_feed_priority_*`. The server's decode pool takes decoding batches in the same order,
+What it reports (counted in `levels.Levels`): per level, streams open, paused and queued now,
+batches made, seconds spent making them and paused (`usage()`, `ServerInfo.priorities`), and the
+Prometheus metrics `gdsload_feed_priority_*`. The server's decode pool takes decoding batches in the same order,
 reading each turn without the lock (`Turn.level`, `Turn.making`, `Turn.wanting`; `pool.DecodePool`).
 `grants` keeps the last grants (job, level, the highest level then
-waiting) for tests and debugging. Every wait is bounded: `Turn.wait` wakes at least every
-`POLL_S` to check its stop condition.
+waiting) for tests and debugging.
+
+Waking: a waiting stream sleeps on a condition of its own; each change (a stream entered, asked,
+made its batch or left) settles the waiting streams once (`Arbiter._settle`: their pauses, as
+bookkeeping) and wakes only those with something to do: the stream that goes next, and a stream
+whose pause just began (to send its notice). A waiting stream never polls the others: at 0.05 of
+a core, twelve streams polling every 20 ms took more of the server than its batches. Every wait is
+bounded: `Turn.wait` also wakes at least every `POLL_S` to check its stop condition, which the
+call's end and the server's drain make come at once (`Turn.wake`, `Arbiter.wake_all`).
 """
 
 from __future__ import annotations
@@ -46,42 +59,22 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from gdsload.service.server.levels import Job, Levels
 from gdsload.v1 import feed_pb2 as pb
 
 #: A stream that sent its batch less than this ago still wants the server (it asks again at once).
 RETURN_S = 0.05
 #: How often a paused stream that understands pauses is told so.
 NOTICE_S = 1.0
-#: Longest wait of a stream between looks at its stop condition and at the others.
-POLL_S = 0.02
+#: Longest wait of a stream between looks at its stop condition (a change in the arbiter wakes
+#: the streams it concerns at once: `Arbiter._settle`).
+POLL_S = 0.25
 #: How long a job with no stream keeps its seconds: a striping client's next block (a new stream)
 #: comes back to its share, not to the least-served job's.
 FORGET_S = 5.0
-#: The span of `PriorityUse.utilisation`.
-USE_SPAN_S = 10.0
-
 _WAITING, _MAKING, _SENDING, _IDLE = "waiting", "making", "sending", "idle"
-
-
-@dataclass
-class Level:
-    """One priority level's counters since the server started."""
-
-    batches: int = 0
-    busy_s: float = 0.0
-    paused_s: float = 0.0
-    recent: collections.deque = field(default_factory=collections.deque)  # (when, seconds) of its batches
-
-
-@dataclass
-class Job:
-    used: float = 0.0  # seconds of making batches
-    last: float = 0.0  # when it was last granted a slot
-    streams: int = 0
-    left: float = 0.0  # when its last stream left
 
 
 class Turn:
@@ -104,6 +97,7 @@ class Turn:
         self.noticed = 0.0  # when it was last told it is paused
         self.memory = False  # its source waits for memory that higher work holds
         self.release: Callable[[], int] | None = None  # suspend its source (`sources.LoaderSource.suspend`)
+        self.cv = threading.Condition(arbiter.lock)  # its own: woken only when it has something to do
 
     def wait(self, stop: Callable[[], bool]) -> bytes | bool | None:
         """Wait for a slot: None when granted (make the batch, then `made()`), a pause notice to
@@ -122,6 +116,11 @@ class Turn:
 
     def sent(self) -> None:
         self.arbiter.sent(self)
+
+    def wake(self) -> None:
+        """Look at the stop condition now (the call ended: `grpc.ServicerContext.add_callback`)."""
+        with self.arbiter.lock:
+            self.cv.notify()
 
     # -- read without the arbiter's lock (the decode pool's order: `pool.DecodePool`) ---------------
     def level(self) -> int:
@@ -150,21 +149,19 @@ class Arbiter:
         self.slots = slots
         self.metrics = metrics
         self.clock = clock
-        self.cv = threading.Condition()
+        self.lock = threading.RLock()
         self.busy = 0
         self.turns: dict[int, Turn] = {}
         self.jobs: dict[tuple, Job] = {}
-        self.levels: dict[int, Level] = {}
+        self.levels = Levels(metrics)
         self.group_levels: dict[Any, int] = {}  # share group -> its highest priority (replaced, never changed)
         self.grants: collections.deque = collections.deque(maxlen=100_000)
-        self._shown: dict[int, tuple[int, int]] = {}  # level -> (queued, paused) last set on its gauges
-        self._batches: dict[int, Any] = {}  # level -> its batches counter (labelled once)
 
     # -- streams -----------------------------------------------------------------------------------
     def enter(self, job: tuple, priority: int, group: Any = None, *, notices: bool = False) -> Turn:
         """A stream of `job` (a key: the caller's identity and BatchRequest.job, or unique) at
         `priority`; `group`: its share group's key (None: none); `notices`: it understands pauses."""
-        with self.cv:
+        with self.lock:
             t = Turn(self, job, priority, group, notices)
             self.turns[t.id] = t
             self._publish_groups()
@@ -178,12 +175,12 @@ class Arbiter:
                          if o.job != job and o.job in self.jobs and self.level_of(o) == self.level_of(t)]
                 j.used = max(j.used, min(peers, default=0.0))
             j.streams += 1
-            self.levels.setdefault(priority, Level())
-            self.cv.notify_all()
+            self.levels.add(priority)
+            self._settle(now)
         return t
 
     def leave(self, t: Turn) -> None:
-        with self.cv:
+        with self.lock:
             if t.id not in self.turns:
                 return
             self._unpause(t, self.clock())
@@ -196,7 +193,13 @@ class Arbiter:
                 j.streams -= 1
                 j.left = self.clock()
             self._gauges()
-            self.cv.notify_all()
+            self._settle(self.clock())
+
+    def wake_all(self) -> None:
+        """Every waiting stream looks at its stop condition now (the server drains)."""
+        with self.lock:
+            for t in self.turns.values():
+                t.cv.notify()
 
     def _publish_groups(self) -> None:
         """`group_levels` anew (the lock is held): readers without the lock see one or the other."""
@@ -213,9 +216,7 @@ class Arbiter:
 
     def level_of(self, t: Turn) -> int:
         """Its priority, or its share group's highest (the lock is held)."""
-        if t.group is None:
-            return t.priority
-        return max(o.priority for o in self.turns.values() if o.group == t.group)
+        return t.priority if t.group is None else self.group_levels.get(t.group, t.priority)
 
     def wants(self, t: Turn, now: float) -> bool:
         """Whether `t` wants the server now (rule 1)."""
@@ -225,31 +226,124 @@ class Arbiter:
 
     # -- a batch boundary --------------------------------------------------------------------------
     def wait(self, t: Turn, stop: Callable[[], bool]) -> bytes | bool | None:
-        with self.cv:
+        with self.lock:
             now = self.clock()
             if t.state is not _WAITING:
                 t.state, t.since, t.asked = _WAITING, now, now
+                j = self.jobs.get(t.job)
+                if j is not None:
+                    j.ask(now)
                 self._gauges()
+                self._settle(now)
             while True:
                 if stop():  # (it no longer waits, nor wants the server)
                     self._unpause(t, now)
                     t.state, t.since = _IDLE, now - RETURN_S
                     self._gauges()
+                    self._settle(now)
                     return False
                 mine = self.level_of(t)
-                above = [self.level_of(o) for o in self.turns.values()
-                         if o is not t and self.wants(o, now) and self.level_of(o) > mine]
-                if above:
-                    notice = self._pause(t, max(above), now)
+                above, until = self._above(t, mine, now)
+                timeout = POLL_S
+                if above is not None:
+                    self._mark_paused(t, above, now)
+                    notice = self._notice(t, now)
                     if notice is not None:
                         return notice
+                    if until is not None:  # (only return windows above: the server may be free then)
+                        timeout = min(timeout, until - now)
+                    if t.notices:
+                        timeout = min(timeout, t.noticed + NOTICE_S - now)
                 else:
                     if not t.memory:
                         self._unpause(t, now)
                     if self.busy < self.slots and self._chosen(mine) is t:
                         return self._grant(t, mine, now)
-                self.cv.wait(POLL_S)
+                t.cv.wait(max(timeout, 0.001))
                 now = self.clock()
+
+    def _holds(self, o: Turn, now: float, cost: float) -> tuple[bool, float | None]:
+        """Whether `o` (of a higher level) holds back a lower stream whose batch takes `cost`
+        seconds (rule 1: it wants the server, or its job asks again before that batch would end),
+        and until when (None: until `o` changes state)."""
+        if o.state is _WAITING or o.state is _MAKING:
+            return True, None
+        if now - o.since < RETURN_S:
+            return True, o.since + RETURN_S
+        due = self._due(o, now)
+        if due is not None and due < now + cost:
+            return True, due
+        return False, None
+
+    def _due(self, o: Turn, now: float) -> float | None:
+        """When `o`'s job is expected to ask again, if that is still to come."""
+        j = self.jobs.get(o.job)
+        if j is None or not j.period:
+            return None
+        due = j.asked + j.period
+        return due if due > now else None
+
+    def _above(self, t: Turn, mine: int, now: float) -> tuple[int | None, float | None]:
+        """The highest level above `mine` that holds `t` back (`_holds`), and, when nothing
+        above holds it for longer than a known time, when the last of those times ends
+        (else None)."""
+        above, until, hard = None, None, False
+        cost = self.jobs[t.job].cost if t.job in self.jobs else 0.0
+        for o in self.turns.values():
+            if o is t:
+                continue
+            level = self.level_of(o)
+            if level <= mine:
+                continue
+            held, end = self._holds(o, now, cost)
+            if not held:
+                continue
+            above = level if above is None else max(above, level)
+            if end is None:
+                hard = True
+            else:
+                until = end if until is None else max(until, end)
+        return above, None if hard else until
+
+    def _settle(self, now: float) -> None:
+        """After a change (the lock is held): each waiting stream that a higher level holds back
+        (`_holds`) is paused (bookkeeping), the others are not; wake those whose pause just began
+        and that are told of pauses, and, with a slot free, the stream that goes next (the chosen
+        of the highest waiting level: if streams above it hold it back, it sleeps until they do
+        not)."""
+        top = None  # the highest level that wants the server
+        soon = []  # (level, when) of the streams above that do not want it now but whose job asks soon
+        for o in self.turns.values():
+            level = self.level_of(o)
+            if self.wants(o, now):
+                top = level if top is None else max(top, level)
+            else:
+                due = self._due(o, now)
+                if due is not None:
+                    soon.append((level, due))
+        first = None
+        for o in self.turns.values():
+            if o.state is not _WAITING:
+                continue
+            level = self.level_of(o)
+            by = top if top is not None and level < top else None
+            if soon:
+                cost = self.jobs[o.job].cost if o.job in self.jobs else 0.0
+                for lv, due in soon:
+                    if lv > level and due < now + cost and (by is None or lv > by):
+                        by = lv
+            if by is not None:
+                self._mark_paused(o, by, now)
+                if o.notices and not o.noticed:
+                    o.cv.notify()
+            elif not o.memory:
+                self._unpause(o, now)
+            if first is None or level > first:
+                first = level
+        if first is not None and self.busy < self.slots:
+            chosen = self._chosen(first)
+            if chosen is not None:
+                chosen.cv.notify()
 
     def _chosen(self, level: int) -> Turn | None:
         """The waiting stream of `level` whose job comes next (rule 2)."""
@@ -270,10 +364,12 @@ class Arbiter:
         self.busy += 1
         self.jobs[t.job].last = now
         self._gauges()
+        if self.busy < self.slots:  # the next stream may go too
+            self._settle(now)
         return None
 
     def made(self, t: Turn, memory_wait: bool = False) -> None:
-        with self.cv:
+        with self.lock:
             if t.state is not _MAKING:
                 return
             now = self.clock()
@@ -282,58 +378,54 @@ class Arbiter:
                 self._unpause(t, now)
             elif memory_wait and not t.memory:
                 t.memory = True
-                self._pause(t, max((self.level_of(o) for o in self.turns.values()), default=t.priority), now)
+                self._mark_paused(t, max((self.level_of(o) for o in self.turns.values()), default=t.priority), now)
                 t.noticed = 0.0
             took = now - t.granted
             self.busy -= 1
             t.state, t.since = _SENDING, now
             j = self.jobs.get(t.job)
             if j is not None:
-                j.used += took
-            lv = self.levels.setdefault(self.level_of(t), Level())
-            lv.batches += 1
-            lv.busy_s += took
-            lv.recent.append((now, took))
-            while lv.recent and now - lv.recent[0][0] > USE_SPAN_S:
-                lv.recent.popleft()
-            if self.metrics is not None:
-                level = self.level_of(t)
-                counter = self._batches.get(level)
-                if counter is None:
-                    counter = self._batches[level] = self.metrics.priority_batches.labels(str(level))
-                counter.inc()
+                j.made(took)
+            self.levels.made(self.level_of(t), took, now)
             self._gauges()
-            self.cv.notify_all()
+            self._settle(now)
 
     def sent(self, t: Turn) -> None:
-        with self.cv:
+        with self.lock:
             if t.state is _SENDING:
                 t.state, t.since = _IDLE, self.clock()
 
     # -- pauses --------------------------------------------------------------------------------------
-    def _pause(self, t: Turn, by: int, now: float) -> bytes | None:
-        """`t` waits for level `by`: a pause (begun now or going on); the notice to send, if due."""
+    def _mark_paused(self, t: Turn, by: int, now: float) -> None:
+        """`t` waits for level `by`: a pause (begun now or going on)."""
         if t.paused_since is None:
             t.paused_since, t.pauses, t.noticed = now, t.pauses + 1, 0.0
             self._gauges()
         t.paused_by = by
+
+    def _notice(self, t: Turn, now: float) -> bytes | None:
+        """(Paused) the pause notice to send, if due."""
         if not t.notices or (t.noticed and now - t.noticed < NOTICE_S):
             return None
-        t.noticed = now
+        t.noticed, by = now, t.paused_by
         return pb.BatchChunk(pause=pb.StreamPause(
             reason=f"priority {by} work on this server (this stream: priority {self.level_of(t)})",
             by_priority=by, paused_s=now - t.paused_since)).SerializeToString()
 
     def memory_notice(self, t: Turn) -> bytes | None:
-        with self.cv:
-            return self._pause(t, t.paused_by, self.clock()) if t.memory else None
+        with self.lock:
+            if not t.memory:
+                return None
+            now = self.clock()
+            self._mark_paused(t, t.paused_by, now)
+            return self._notice(t, now)
 
     def release_below(self, priority: int, need: int) -> int:
         """Suspend the sources of streams below `priority` that wait for their turn (lowest level
         first, so their threads are not in their sources), until `need` bytes are parked for
         eviction; returns the bytes parked. The budget's room maker for higher work."""
         freed = 0
-        with self.cv:
+        with self.lock:
             waiting = sorted((t for t in self.turns.values() if t.state is _WAITING and t.release is not None
                               and self.level_of(t) < priority), key=lambda t: (self.level_of(t), -t.id))
             for t in waiting:
@@ -343,8 +435,9 @@ class Arbiter:
                 if got:
                     freed += got
                     t.memory = True
-                    self._pause(t, priority, self.clock())
+                    self._mark_paused(t, priority, self.clock())
                     t.noticed = 0.0  # (told by its own thread, at its next look)
+                    t.cv.notify()
         return freed
 
     def _unpause(self, t: Turn, now: float) -> None:
@@ -353,45 +446,18 @@ class Arbiter:
         took = now - t.paused_since
         t.paused_since = None
         t.paused_s += took
-        p = self.level_of(t)
-        self.levels.setdefault(p, Level()).paused_s += took
-        if self.metrics is not None:
-            self.metrics.priority_paused_s.labels(str(p)).inc(took)
+        self.levels.paused(self.level_of(t), took)
         self._gauges()
 
     # -- what it reports ----------------------------------------------------------------------------
     def usage(self) -> list[pb.PriorityUse]:
         """Each level's `PriorityUse`, highest first."""
-        with self.cv:
-            now = self.clock()
-            out = []
-            for p in sorted(self.levels, reverse=True):
-                lv = self.levels[p]
-                mine = [t for t in self.turns.values() if self.level_of(t) == p]
-                paused = [t for t in mine if t.paused_since is not None]
-                recent = sum(s for when, s in lv.recent if now - when <= USE_SPAN_S)
-                out.append(pb.PriorityUse(
-                    priority=p, streams=len(mine), paused=len(paused),
-                    queued=sum(1 for t in mine if t.state is _WAITING), batches=lv.batches, busy_s=lv.busy_s,
-                    paused_s=lv.paused_s + sum(now - t.paused_since for t in paused),
-                    utilisation=min(1.0, recent / (self.slots * USE_SPAN_S))))
-            return out
+        with self.lock:
+            streams = [(self.level_of(t), t.state is _WAITING, t.paused_since) for t in self.turns.values()]
+            return self.levels.usage(streams, self.slots, self.clock())
 
     def _gauges(self) -> None:
         """The per-level gauges (the lock is held)."""
-        m = self.metrics
-        if m is None:
-            return
-        queued: dict[int, int] = dict.fromkeys(self.levels, 0)
-        paused: dict[int, int] = dict.fromkeys(self.levels, 0)
-        for t in self.turns.values():
-            p = self.level_of(t)
-            queued[p] = queued.get(p, 0) + (t.state is _WAITING)
-            paused[p] = paused.get(p, 0) + (t.paused_since is not None)
-        shown = self._shown
-        for p in queued:
-            now = (queued[p], paused[p])
-            if shown.get(p) != now:  # (a gauge set only when it changes: this runs a few times a batch)
-                shown[p] = now
-                m.priority_queue.labels(str(p)).set(now[0])
-                m.priority_paused.labels(str(p)).set(now[1])
+        if self.metrics is not None:
+            self.levels.gauges([(self.level_of(t), t.state is _WAITING, t.paused_since is not None)
+                                for t in self.turns.values()])

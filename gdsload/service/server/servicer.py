@@ -205,6 +205,7 @@ class FeedServicer(pb_grpc.FeedServicer):
         turn = self.arbiter.enter(job, request.priority, getattr(source, "key", None),
                                   notices=request.understands_pause)
         turn.release = getattr(source, "suspend", None)
+        context.add_callback(turn.wake)  # the call's end wakes a waiting turn at once
         if hasattr(source, "rank"):  # its loader's decoding, in the turn's order (`pool.DecodePool`)
             source.rank(turn)
         return turn
@@ -239,11 +240,16 @@ class FeedServicer(pb_grpc.FeedServicer):
     def warm_loaders(self, keep: int) -> None:
         self.warm.keep = keep
 
+    def drain(self) -> None:
+        """Streams end at their next batch boundary; waiting turns look now."""
+        self.draining.set()
+        self.arbiter.wake_all()
+
     def close(self) -> None:
         """Close the runtime parts (the streams ended, or gRPC cancelled them): share groups,
         parked loaders, the bulk port, the decode pool (queued batches fail; its pipelines go now,
         not at exit)."""
-        self.draining.set()
+        self.drain()
         self.share.close()
         self.warm.close()
         if self.bulk is not None:

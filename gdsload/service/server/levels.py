@@ -1,0 +1,118 @@
+"""What the priority arbiter counts (`priority.Arbiter`): each job's seconds and pace (`Job`) and
+each level's batches, seconds and pauses (`Levels`), reported as `ServerInfo.priorities` and the
+Prometheus metrics `gdsload_feed_priority_*`. Used under the arbiter's lock only."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from gdsload.v1 import feed_pb2 as pb
+
+#: The weight of the newest sample in a job's moving averages (`Job.period`, `Job.cost`).
+PACE_WEIGHT = 0.25
+#: The span of `PriorityUse.utilisation`.
+USE_SPAN_S = 10.0
+
+
+@dataclass
+class Job:
+    """One job on this server (every stream with its key: `priority.Arbiter.enter`)."""
+
+    used: float = 0.0  # seconds of making batches
+    last: float = 0.0  # when it was last granted a slot
+    asked: float = 0.0  # when one of its streams last asked for a slot
+    period: float = 0.0  # the gap between its asks (a moving average; 0: not known yet)
+    cost: float = 0.0  # the seconds a batch of it takes (a moving average; 0: not known yet)
+    streams: int = 0
+    left: float = 0.0  # when its last stream left
+
+    def ask(self, now: float) -> None:
+        if self.asked:
+            self.period = average(self.period, now - self.asked)
+        self.asked = now
+
+    def made(self, took: float) -> None:
+        self.used += took
+        self.cost = average(self.cost, took)
+
+
+def average(mean: float, sample: float) -> float:
+    """A moving average's next value (`PACE_WEIGHT`; 0: none yet)."""
+    return sample if not mean else mean + PACE_WEIGHT * (sample - mean)
+
+
+@dataclass
+class Level:
+    """One priority level's counters since the server started."""
+
+    batches: int = 0
+    busy_s: float = 0.0
+    paused_s: float = 0.0
+    recent: collections.deque = field(default_factory=collections.deque)  # (when, seconds) of its batches
+
+
+class Levels:
+    """Every level's counters and gauges (`metrics`: the server's `metrics.Metrics`, or None)."""
+
+    def __init__(self, metrics: Any = None):
+        self.metrics = metrics
+        self.levels: dict[int, Level] = {}
+        self.shown: dict[int, tuple[int, int]] = {}  # level -> (queued, paused) last set on its gauges
+        self.counters: dict[int, Any] = {}  # level -> its batches counter (labelled once)
+
+    def add(self, level: int) -> Level:
+        return self.levels.setdefault(level, Level())
+
+    def made(self, level: int, took: float, now: float) -> None:
+        """A batch of `level` took `took` seconds."""
+        lv = self.add(level)
+        lv.batches += 1
+        lv.busy_s += took
+        lv.recent.append((now, took))
+        while lv.recent and now - lv.recent[0][0] > USE_SPAN_S:
+            lv.recent.popleft()
+        if self.metrics is not None:
+            counter = self.counters.get(level)
+            if counter is None:
+                counter = self.counters[level] = self.metrics.priority_batches.labels(str(level))
+            counter.inc()
+
+    def paused(self, level: int, took: float) -> None:
+        """A stream of `level` was paused `took` seconds."""
+        self.add(level).paused_s += took
+        if self.metrics is not None:
+            self.metrics.priority_paused_s.labels(str(level)).inc(took)
+
+    def gauges(self, streams: list[tuple[int, bool, bool]]) -> None:
+        """Set the per-level gauges from the streams' (level, waiting, paused), where they changed
+        (this runs a few times a batch)."""
+        m = self.metrics
+        if m is None:
+            return
+        counts = {p: [0, 0] for p in self.levels}
+        for p, waiting, paused in streams:
+            c = counts.setdefault(p, [0, 0])
+            c[0] += waiting
+            c[1] += paused
+        for p, (queued, paused) in counts.items():
+            if self.shown.get(p) != (queued, paused):
+                self.shown[p] = (queued, paused)
+                m.priority_queue.labels(str(p)).set(queued)
+                m.priority_paused.labels(str(p)).set(paused)
+
+    def usage(self, streams: list[tuple[int, bool, float | None]], slots: int, now: float) -> list[pb.PriorityUse]:
+        """Each level's `PriorityUse`, highest first, from the streams' (level, waiting, paused
+        since or None)."""
+        out = []
+        for p in sorted(self.levels, reverse=True):
+            lv = self.levels[p]
+            mine = [s for s in streams if s[0] == p]
+            paused = [since for _, _, since in mine if since is not None]
+            recent = sum(s for when, s in lv.recent if now - when <= USE_SPAN_S)
+            out.append(pb.PriorityUse(
+                priority=p, streams=len(mine), paused=len(paused), queued=sum(1 for s in mine if s[1]),
+                batches=lv.batches, busy_s=lv.busy_s, paused_s=lv.paused_s + sum(now - since for since in paused),
+                utilisation=min(1.0, recent / (slots * USE_SPAN_S))))
+        return out
