@@ -14,14 +14,16 @@ default 5), per payload (raw, decoded), runs in a rotating order:
 
 - solo:      the high job (priority 10) alone reads `--batches` batches flat out: its rate and its
              median batch time (the time between batches).
-- contended: three low jobs (priority 0) read flat out; after `--warmup-s` the high job reads
+- contended: three low jobs (priority 0) read flat out; after `--warmup-s` (decoded:
+             `--decoded-warmup-s`) the high job reads
              `--batches` batches (a) flat out and (b) as a training loop whose step takes 1.1x
              its solo batch time (wall per batch; a sleep per batch): its rate against solo (target
              >= 0.9x, median of the rounds) and its data stall (the loop's wait over its wall
              time; target <= 5 %). After the high job leaves, how long until the low jobs' summed
-             rate over a window of about 20 of their batches (at least 1 s) is back to 0.9x their
+             rate over a window of about 10 of their batches (at least 1 s) is back to 0.9x their
              rate over the warm-up before the high job came (target: 2 s raw, 5 s decoded);
-             `low_rates` has both rates and the window.
+             `low_rates` has both rates and the window (the lows stay `--after-s`, decoded
+             `--decoded-after-s`, after the high job left).
 - equal:     four jobs at priority 0 read flat out for `--equal-s` (decoded: times
              `--equal-decoded-factor`, ~5 batches/s in all): each job's batches over the span
              where all four ran, max/min (target <= 1.2x).
@@ -168,15 +170,16 @@ def _rate(times: list[float], t0: float | None = None, t1: float | None = None) 
 def _recovery_s(lows: list[dict], before: float, after: float, span_s: float) -> tuple[float | None, dict]:
     """Seconds after `after` (the high job left) until the low jobs' summed rate over a window is
     back to 0.9x their rate before `before` (the high job came), and the figures: the rate before
-    is over the warm-up's last `span_s` (all lows reading), the window holds about 20 of their
-    batches at that rate (at least 1 s: a 1-s window of a decoded job's ~5 batches/s measured its
-    phase, not its rate), the rate after is over the window. None: not within the run."""
+    is over the warm-up's last `span_s` (all lows reading), the window holds about 10 of their
+    batches at that rate (at least 1 s: a 1-s window of a decoded job's few batches/s measured its
+    phase, not its rate), the rate after is over the window. None: not within the run (decoded
+    runs keep the lows `--decoded-after-s`, long enough for a window from 5 s after)."""
     times = sorted(t for r in lows for t in r["times"])
     earlier = sum(1 for t in times if before - span_s <= t < before) / span_s
     info = {"rate_before": earlier, "window_s": None, "rate_after": None}
     if not earlier:
         return None, info
-    w = info["window_s"] = max(1.0, 20.0 / earlier)
+    w = info["window_s"] = max(1.0, 10.0 / earlier)
     late = [t for t in times if t >= after]
     info["rate_after"] = (sum(1 for t in late if t >= late[-1] - w) / w) if late else 0.0  # its last window
     for t in late:
@@ -323,6 +326,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--payloads", default="raw,decoded")
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--after-s", type=float, default=8.0, help="low jobs kept after the high one left")
+    ap.add_argument("--decoded-warmup-s", type=float, default=10.0,
+                    help="decoded runs: the low jobs' warm-up (their pipelines built before their rate is taken)")
+    ap.add_argument("--decoded-after-s", type=float, default=18.0,
+                    help="decoded runs: low jobs kept after the high one left (a window of ~10 of their ~1 "
+                         "batches/s, from up to 5 s after: the 8 s of raw runs could not show a recovery)")
     ap.add_argument("--equal-s", type=float, default=15.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--throttle", choices=("auto", "cgroup", "sigstop"), default="auto")
@@ -342,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.tiny:
         a.images, a.batch_size, a.batches, a.rounds = 64, 4, 12, 1
         a.warmup_s, a.after_s, a.equal_s = 1.0, 2.0, 2.0
+        a.decoded_warmup_s, a.decoded_after_s = 1.0, 2.0
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-priority-"))
     work.mkdir(parents=True, exist_ok=True)
     dataset = image_dataset(work, a.images, a.tiny)
@@ -373,8 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for proc in procs:  # raw is held harder: the servers, not the four clients, must bound it
                     throttle.limit(proc.pid, jobs.cores)
                 s = solo(jobs, decoded, a.batches)
-                c = contended(jobs, decoded, a.batches, 0.0, a.warmup_s, a.after_s)
-                t = contended(jobs, decoded, a.batches, 1.1 * s["batch_s"], a.warmup_s, a.after_s)
+                warmup_s, after_s = (a.decoded_warmup_s, a.decoded_after_s) if decoded else (a.warmup_s, a.after_s)
+                c = contended(jobs, decoded, a.batches, 0.0, warmup_s, after_s)
+                t = contended(jobs, decoded, a.batches, 1.1 * s["batch_s"], warmup_s, after_s)
                 e = equal(jobs, decoded, a.equal_s * (a.equal_decoded_factor if decoded else 1.0))
                 row[payload] = {"solo": s, "contended": c, "training": t, "equal": e,
                                 "rate_vs_solo": c["rate"] / s["rate"] if s["rate"] else None}
