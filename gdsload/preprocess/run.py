@@ -19,8 +19,13 @@ same record is reported complete, nothing redone.
 import the feed). Each unit's windows come from one window request (`BatchRequest.windows`) at
 the pass's priority, decoded there by the same code (`gdsload.decode.passmedia`), so the output
 is the same, byte for byte; the source's manifest and indexes are still read here (the resume
-record, the items, progress). NVDEC decoding is not built: frames are PyAV's, on the CPU (NVDEC
-frames would differ from these in their last bits).
+record, the items, progress).
+
+`device=` (frames only): on a GPU host a pass run here decodes its frames with NVDEC
+(`gdsload.preprocess.gpu`: `device="auto"` takes the GPU where CUDA, DALI, CuPy and torch are
+there; "cpu" keeps PyAV; "cuda[:N]" insists) and `fn` gets them as a torch tensor on that GPU.
+NVDEC frames differ from PyAV's in their last bits, so the resume record then holds
+`"decode": "nvdec"` and a resume across the two is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
             shard_size: int | str = "1GiB", workers: int | None = None, on_error: str = "raise",
             resume: bool = False, overwrite: bool = False, feed: str | None = None, priority: int = 0,
             engine: str = "local", max_hours: float = MAX_HOURS, ray_address: str | None = None,
-            progress: bool | Callable[[dict[str, Any]], None] = False) -> dict[str, Any]:
+            progress: bool | Callable[[dict[str, Any]], None] = False, device: str = "auto") -> dict[str, Any]:
     """Run `fn` over every window of the media in `src`, writing its outputs as a dataset at `dst`.
 
     Exactly one of `frames=(fps, window)` (windows of `window` frames sampled at `fps`) and
@@ -64,7 +69,8 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
     callable: it gets the summary so far after each unit and, running here, each member).
     `feed`: decode on a feed server, a `gdsload.service.client.passfeed.WindowFeed` (which holds
     the pass's priority); `gdsload.process(feed="HOST:PORT", priority=...)` makes one of an
-    address. The output is the same bytes as decoding here.
+    address. The output is the same bytes as decoding here. `device`: where frames decode
+    ("auto": NVDEC on a GPU host, the CPU elsewhere; "cpu"; "cuda[:N]"; module docstring).
     """
     opts = make_options(frames=frames, speech=speech, fields=fields, size=size, batch_size=batch_size,
                         shard_size=shard_size, on_error=on_error, max_hours=max_hours)
@@ -93,6 +99,12 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
     sel = select_fields(ds, opts)
     record = {"source": {"id": mf.dataset_id(ds.shards), "version": version}, "options": opts.record(),
               "fn": fn_name(fn)}
+    from gdsload.preprocess.gpu import NvdecFrames, pass_device
+
+    ordinal = pass_device(device, engine=engine, workers=workers, feed=feed, mode=opts.mode)
+    nvdec = NvdecFrames(ordinal) if ordinal is not None else None
+    if nvdec is not None:
+        record["decode"] = "nvdec"  # other bytes than PyAV's frames: a resume across the two is refused
     remote = Remote(feed, feed.check(record["source"]["id"]), record["source"]["id"], opts, sel) if feed else None
     store = open_store(str(dst))
     if store.is_file():
@@ -119,7 +131,8 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
         else:
             results = []
             for u in todo:
-                results.append(run_unit(ds, store, u, opts, sel, fn, progress=report.member, remote=remote))
+                results.append(run_unit(ds, store, u, opts, sel, fn, progress=report.member, remote=remote,
+                                        nvdec=nvdec))
                 report.unit(results[-1])
         for r in results:
             stages.add(r["stages"])
@@ -128,6 +141,8 @@ def process(src: str | os.PathLike[str], dst: str | os.PathLike[str], fn: Any, *
     ds.close()
     out = _summary(manifest, records, stages, t0, engine, workers)
     out["resumed_units"] = resumed
+    out["decode"] = f"nvdec:cuda:{ordinal}" if nvdec is not None else "cpu"
+    out["routes"] = dict(nvdec.routes) if nvdec is not None else {}
     report.close(out)
     return out
 
@@ -215,6 +230,9 @@ def _differs(old: dict[str, Any], new: dict[str, Any]) -> str:
         o, n = old.get("source") or {}, new["source"]
         return (f"source dataset id {o.get('id')} version {o.get('version')} (this one: id {n['id']} version "
                 f"{n['version']})")
+    if old.get("decode", "cpu") != new.get("decode", "cpu"):
+        return (f"decode {old.get('decode', 'cpu')} (this one: {new.get('decode', 'cpu')}; NVDEC frames differ "
+                f"from the CPU's: pass device='cpu' or 'cuda' to match)")
     oo, no = old.get("options") or {}, new["options"]
     for k in no:
         if oo.get(k) != no[k]:

@@ -153,7 +153,9 @@ def unit_items(ds: Any, unit: int, fields: list[str]) -> list[_Item]:
     return items
 
 
-def _windows(opts: PassOptions, f: RangeFile, skip: int, threads: int | None):
+def _windows(opts: PassOptions, f: RangeFile, skip: int, threads: int | None, nvdec: Any = None):
+    if opts.mode == "frames" and nvdec is not None:  # NVDEC (`gdsload.preprocess.gpu.NvdecFrames`)
+        return nvdec.windows(f, opts.fps, opts.window, opts.size, skip, threads=threads)
     if opts.mode == "frames":
         return frame_windows(f, opts.fps, opts.window, opts.size, skip, threads=threads)
     return speech_windows(f, opts.chunk_s, skip)
@@ -193,8 +195,8 @@ class _Reader:
     bounded queue of events."""
 
     def __init__(self, ds: Any, unit: int, items: list[_Item], opts: PassOptions, start: tuple[int, int, int],
-                 threads: int | None = None, remote: Remote | None = None):
-        self.remote = remote
+                 threads: int | None = None, remote: Remote | None = None, nvdec: Any = None):
+        self.remote, self.nvdec = remote, nvdec
         self.q: queue.Queue = queue.Queue(maxsize=max(2, opts.batch_size))
         self.stop = threading.Event()
         self._ahead = 0  # bytes of windows queued (`AHEAD_BYTES`)
@@ -263,7 +265,7 @@ class _Reader:
                         return
                     continue
                 f = RangeFile(lambda o, n: ds.read_extent(unit, o, n), it.offset, it.size)
-                gen = _windows(opts, f, skip, threads)
+                gen = _windows(opts, f, skip, threads, self.nvdec)
                 t0 = time.perf_counter()
                 ev = None
                 while True:
@@ -322,13 +324,14 @@ def _positions(rec: dict[str, Any]) -> tuple[int, int, int]:
 
 def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list[str], fn: Any,
              progress: Callable[[float], None] | None = None, threads: int | None = None,
-             remote: Remote | None = None) -> dict[str, Any]:
+             remote: Remote | None = None, nvdec: Any = None) -> dict[str, Any]:
     """Run unit `unit` (input shard `unit` of `ds`) into `dst_store`; returns its unit record
     (also written to `STATE_DIR/units/`) plus `"stages"`: this run's seconds per stage.
     `threads`: video decoder threads (`gdsload.preprocess.media.frame_windows`; None: FFmpeg's
     choice); where units run side by side, each gets its share of the cores (`decode_threads`).
     They change the time a unit takes, never its bytes; nor does `remote` (the windows decoded on
-    a feed server, `Remote`)."""
+    a feed server, `Remote`). `nvdec`: frames decoded on a GPU (`gdsload.preprocess.gpu.NvdecFrames`;
+    other bytes, docs/preprocessing.md), batched on the device, `fn` gets them as a torch tensor."""
     store = dst_store
     prior = []
     start = (0, 0, 0)
@@ -346,7 +349,7 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
     first_key = next((r["first_key"] for r in prior if r.get("first_key")), None)
     want_fields: dict[str, str] = next((r["fields"] for r in prior if r["fields"]), {})
     call = callable_of(fn)
-    reader = _Reader(ds, unit, items, opts, start, threads, remote)
+    reader = _Reader(ds, unit, items, opts, start, threads, remote, nvdec)
     batch: list[_Event] = []  # windows and the events between them, in order
     nwin = 0
     shape = None
@@ -456,7 +459,8 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
                 if nwin and (nwin >= opts.batch_size or ev.win.shape != shape):
                     flush()
                 if data is None:  # pages are touched as windows land: a short batch costs its windows
-                    data = np.empty((opts.batch_size, *ev.win.shape), ev.win.data.dtype)
+                    data = (np.empty((opts.batch_size, *ev.win.shape), ev.win.data.dtype) if nvdec is None
+                            else _gpu().batch_buffer(ev.win.data, opts.batch_size))
                 data[nwin] = ev.win.data
                 ev.win.data = None  # the batch holds it now: one copy of each window in memory
                 shape = ev.win.shape
@@ -481,7 +485,14 @@ def run_unit(ds: Any, dst_store: Any, unit: int, opts: PassOptions, fields: list
     record = {"unit": unit, "shards": [r["entry"] for r in prior], "fields": want_fields, "first_key": first_key,
               "counts": totals, "rejects": rejects}
     store.write(unit_name(unit), json.dumps(record).encode())
-    return {**record, "stages": stages.__dict__.copy(), "resumed_shards": n}
+    routes = dict(nvdec.routes) if nvdec is not None else {}
+    return {**record, "stages": stages.__dict__.copy(), "resumed_shards": n, "routes": routes}
+
+
+def _gpu() -> Any:
+    from gdsload.preprocess import gpu
+
+    return gpu
 
 
 def _span(wins: list[_Event]) -> str:
@@ -496,7 +507,7 @@ def _batch_dict(wins: list[_Event], opts: PassOptions, data: np.ndarray) -> dict
     b: dict[str, Any] = {"__key__": [e.item.key for e in wins], "field": [e.item.field for e in wins],
                          "window": np.array([e.win.index for e in wins], np.int64)}
     if opts.mode == "frames":
-        b["frames"] = data
+        b["frames"] = _gpu().as_torch(data) if hasattr(data, "__cuda_array_interface__") else data
         b["t"] = np.stack([e.win.t for e in wins])
     else:
         b["audio"] = data
