@@ -7,7 +7,8 @@
 #        gpu_bench's raw-tier steps
 #   bash bench/gpu_check.sh --part 2 [--receive .daliN]  keep the last part, assemble, install DALI, import it
 #        and decode one JPEG through a mixed pipeline, pytest -m dali_gpu, gpu_bench's decoded-tier steps
-#        (DALI's own pipeline as the baseline), bench/media_gpu_check.py (NVDEC clips/s per codec, audio)
+#        (DALI's own pipeline as the baseline), bench/media_gpu_check.py (NVDEC clips/s per codec, a pass's
+#        NVDEC frames/s, audio)
 # Every cap comes from `bench/gpu_plan.py --caps PART` (the plan, this script and bench/README.md's summary
 # share it). An install already done (same wheels) is skipped: a marker file in $SITE. Each step adds a row
 # (step | status | on | figure | ratio | seconds) to $OUT/gpu-check.json as it ends; everything printed goes
@@ -116,10 +117,12 @@ install install "$WHL"/*.whl || verdict
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 # bench: a crash is a FAIL row, steps it never reached are NOT EXERCISED (the verdict) -----------------
-bench() {  # bench STEPS CAP
+bench() {  # bench STEPS CAP [ARGS: gpu_bench's arguments, the plan's PART_ARGS, word-split]
   local t=$SECONDS rc name=bench
   [[ $1 == *,* ]] || name=bench_$1
-  timeout -k 10 "$2" "$PY" "$BENCH" --out "$OUT" --steps "$1"
+  local -a extra
+  read -ra extra <<<"${3:-}"
+  timeout -k 10 "$2" "$PY" "$BENCH" --out "$OUT" --steps "$1" "${extra[@]}"
   rc=$?
   local after=""
   if (( rc != 0 && rc != 1 )) && "$PY" -c 'import json,sys; rows={r["step"] for r in json.load(open(sys.argv[1]))["rows"]}; sys.exit(not set(sys.argv[2].split(",")) <= rows)' "$OUT/gpu-check.json" "$1" 2>/dev/null; then
@@ -176,7 +179,7 @@ print("kvikio", kvikio.__version__, "cupy", cupy.__version__, "torch", torch.__v
     row doctor FAIL "gdsload doctor rc=$? (see log)" "" $((SECONDS - t))
   fi
   run_pytest
-  bench "$BENCH_STEPS" "$BENCH_CAP_S"
+  bench "$BENCH_STEPS" "$BENCH_CAP_S" "$BENCH_ARGS"
   verdict
 fi
 
@@ -195,7 +198,7 @@ install dali_install "$DALI_WHL"/*.whl || verdict
 export GDSLOAD_DALI_CARRIED=1  # gpu_bench: a DALI that does not import is a FAIL, not a SKIP
 bench dali_import "$DALI_IMPORT_CAP_S"
 run_pytest
-bench "$BENCH_STEPS" "$BENCH_CAP_S"
+bench "$BENCH_STEPS" "$BENCH_CAP_S" "$BENCH_ARGS"
 # video (NVDEC against PyAV's frames by PSNR, clips/s) and audio: clips made here by
 # `python bench/media_gpu_check.py make .media` and carried (no PyAV on the GPU host); rows as they end
 t=$SECONDS

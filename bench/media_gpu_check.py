@@ -34,7 +34,12 @@ as a GPU figure. A CPU fallback that cannot decode on the GPU host (H.264/HEVC n
 is not carried) is an INFO row that says so. With `--device cpu` (a CPU host) DALI's CPU build
 takes VP9 only; the rest go to PyAV there and are SKIP rows here. Audio: `AudioDecoder` (DALI's
 CPU decoder: rows labelled "cpu" even on a GPU host) against PyAV's resampled waveforms
-(correlation >= 0.99) and log-mel finite with the expected shape.
+(correlation >= 0.99) and log-mel finite with the expected shape. `pass_nvdec`: a preprocessing
+pass's NVDEC frames (`gdsload.preprocess.gpu.NvdecFrames`, what `gdsload.process(frames=...)` runs
+on a GPU host) over the H.264 clip at its own 24 fps in windows of `PASS_WINDOW`, every frame
+against PyAV's by PSNR (>= 30 dB), then whole passes timed for `PASS_SECONDS`: frames/s; the clip's
+demuxed timestamps come from `make` (`pass.json`: no PyAV on the GPU host); INFO where the probe
+routes H.264 to the CPU, SKIP with `--device cpu`.
 
 Each row is printed as one JSON line (`{"step", "status", "figure", "on", "expect"}`) as soon as
 its step ends, and with `--out` added at once to OUT/gpu-check.json (bench/gpu_table.py), so a
@@ -63,7 +68,9 @@ TRANSFORM = dict(frames=6, stride=3, clips=2, sampling="random", size=None, dtyp
 # the same clips cropped and normalised: the centre H x H square at 1:1 (no resampling), "NCTHW"
 CROP = dict(TRANSFORM, size=H, train=False, resize=H, dtype="float32", layout="NCTHW")
 SEED, SALT = 1, 0x7669
-STEPS = [f"video_{c}" for c in CODECS] + ["audio_flac", "audio_wav"]
+STEPS = [f"video_{c}" for c in CODECS] + ["pass_nvdec", "audio_flac", "audio_wav"]
+PASS_SECONDS = 4.0  # pass_nvdec: timed passes over the H.264 clip for about this long (frames/s)
+PASS_WINDOW = 8  # frames per window of the pass (every frame picked: the clip's own 24 fps)
 
 
 def _pattern(i: int) -> np.ndarray:
@@ -128,6 +135,11 @@ def make(d: Path) -> None:
             parts += [g.to_ndarray().reshape(-1) for g in rs.resample(None)]
         ref[f"audio_{name}"] = np.concatenate(parts)
     np.savez_compressed(d / "ref.npz", **ref)
+    from gdsload.preprocess.gpu import demux  # the pass's timestamps (PyAV demuxes; not on the GPU host)
+
+    info = demux((d / "h264.mp4").read_bytes())
+    info["times"], info["ends"] = ([[x.numerator, x.denominator] for x in info[k]] for k in ("times", "ends"))
+    (d / "pass.json").write_text(json.dumps(info))
     meta = {name: {"frames": N, "codec": name, "width": W, "height": H, "fps": 24.0, "keyint": 8, "bits": 8}
             for name in CODECS}
     (d / "meta.json").write_text(json.dumps(meta))
@@ -246,6 +258,49 @@ def _video(rows: _Rows, d: Path, name: str, device: str, ref, meta: dict, runs: 
     dec.close()
 
 
+def _pass_nvdec(rows: _Rows, d: Path, device: str, ref, meta: dict) -> None:
+    """A pass's NVDEC frames (`gdsload.preprocess.gpu.NvdecFrames`, what `gdsload.process(frames=...)`
+    runs on a GPU host) over the H.264 clip at its own 24 fps in windows of `PASS_WINDOW`: every
+    frame picked once, checked against PyAV's by PSNR, then passes timed for `PASS_SECONDS`:
+    frames/s. The demuxed timestamps come from `make` (pass.json: no PyAV on the GPU host)."""
+    from fractions import Fraction
+
+    expect, why = _route(device, "h264", meta)
+    if expect != "gpu":
+        rows.add("pass_nvdec", "INFO" if device == "mixed" else "SKIP",
+                 f"a pass decodes on the CPU here ({why}): no NVDEC figure", "cpu", "cpu")
+        return
+    from gdsload.preprocess.gpu import NvdecFrames
+
+    info = json.loads((d / "pass.json").read_text())
+    info["times"], info["ends"] = ([Fraction(*x) for x in info[k]] for k in ("times", "ends"))
+    enc = np.frombuffer((d / "h264.mp4").read_bytes(), np.uint8)
+    nv = NvdecFrames(0)
+
+    def one_pass(keep: bool) -> tuple[int, list]:
+        n, got = 0, []
+        for w in nv._nvdec(enc, info, 24.0, PASS_WINDOW, None, 0):
+            n += int((w.t >= 0).sum())
+            if keep:
+                got.append(w.data.get())
+        return n, got
+
+    n, got = one_pass(True)
+    frames = np.concatenate(got)[:n]
+    stored = ref["h264_frames"]
+    psnrs = [_psnr(frames[j], ref["h264"][pos]) for pos, j in enumerate(stored) if j < n]
+    t0, total, passes = time.perf_counter(), 0, 0
+    while time.perf_counter() - t0 < PASS_SECONDS:
+        total += one_pass(False)[0]
+        passes += 1
+    rate = total / max(time.perf_counter() - t0, 1e-9)
+    ok = n == N and len(psnrs) == len(stored) and min(psnrs) >= 30.0
+    rows.add("pass_nvdec", "PASS" if ok else "FAIL",
+             f"nvdec: {rate:.0f} frames/s for a pass ({W}x{H} H.264, {N} frames a pass in windows of "
+             f"{PASS_WINDOW}, {passes} passes); {n} frames, PSNR min {min(psnrs) if psnrs else float('nan'):.1f} dB",
+             "gpu", expect, frames_per_s=rate, frames=n, psnr_min=min(psnrs) if psnrs else None)
+
+
 def _cropped(device: str, on_device: bool, enc: np.ndarray, meta: dict, name: str, u: np.ndarray,
              idx: np.ndarray, stored: np.ndarray, ref: np.ndarray) -> list[float]:
     """The same clips through the crop path (`CROP`: the centre H x H square at 1:1, so no
@@ -315,6 +370,10 @@ def check(d: Path, device: str, out: Path | None = None, runs: int = 8) -> list[
             _video(rows, d, name, device, ref, meta[name], runs)
         except Exception as exc:  # noqa: BLE001 (a step's failure is its row)
             rows.add(f"video_{name}", "FAIL", f"{type(exc).__name__}: {exc}"[:400], "", "")
+    try:
+        _pass_nvdec(rows, d, device, ref, meta["h264"])
+    except Exception as exc:  # noqa: BLE001
+        rows.add("pass_nvdec", "FAIL", f"{type(exc).__name__}: {exc}"[:400], "", "gpu")
     for name in ("flac", "wav"):
         try:
             _audio(rows, d, name, ref)

@@ -599,3 +599,22 @@ def test_examples_set_the_ranks_gpu_before_the_process_group():
     for name in ("train_imagefolder.py", "train_remote.py"):
         text = (ROOT / "examples" / name).read_text()
         assert text.index("torch.cuda.set_device(") < text.index("dist.init_process_group("), name
+
+
+def test_the_plan_has_the_pass_nvdec_step_and_the_token_device_ring_test():
+    """Issue 54 item 4 and issue 51 item 5: part 2's media check expects a pass_nvdec row, capped at
+    60 s at most, and part 1's pytest selection holds the token test that reads token shards by
+    KvikIO into the device ring against the host path (its corpus fixture counted in the caps)."""
+    import gpu_plan
+
+    assert "pass_nvdec" in gpu_plan.media_steps() and "pass_nvdec" in gpu_plan.caps(2)["MEDIA_STEPS"].split(",")
+    assert gpu_plan.PASS_NVDEC_S[1] <= 60
+    assert "tests/tokens/test_token_gpu.py" in gpu_plan.SELECTION[1]["files"]
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "-m", "gpu or gds", "tests/tokens/test_token_gpu.py"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120).stdout
+    assert "test_token_gpu.py::test_real_gpu_batches_equal_host_batches" in collected, collected[-2000:]
+    name, typ, cap = gpu_plan._pytest_phase(1)
+    n = gpu_plan.SELECTION[1]["tests"]
+    assert cap >= gpu_plan.PYTEST_START_S[1] + n * gpu_plan.PER_TEST_S[1] + gpu_plan.FIXTURE_S[1][1] - 1
+    assert gpu_plan.caps(1)["BENCH_ARGS"] == "--samples 1024"

@@ -94,7 +94,7 @@ def sample_picks(times: list[Fraction], ends: list[Fraction], fps: float) -> np.
     return np.maximum(np.searchsorted(first, np.arange(n), side="right") - 1, 0)
 
 
-def _demux(data: bytes) -> dict[str, Any]:
+def demux(data: bytes) -> dict[str, Any]:
     """The video stream's codec, size, bits and each frame's time and end (seconds from the
     container's start, presentation order), from its packets alone (nothing decoded)."""
     import av
@@ -184,7 +184,7 @@ class NvdecFrames:
         from gdsload.host import gpu
 
         data = f.read()
-        info = _demux(data)
+        info = demux(data)
         why = (gpu.nvdec_route(gpu.nvdec_caps(self.device_id), info["codec"], info["bits"], info["width"],
                                info["height"]) if info["codec"] in gpu.NVDEC_CODEC_IDS else
                f"NVDEC is not used for {info['codec']}")

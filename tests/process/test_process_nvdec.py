@@ -195,3 +195,25 @@ def test_sample_picks_follow_the_frame_rule() -> None:
     assert picks.tolist() == [0, 1, 3, 3, 4]  # at 0, 0.4, 0.8, 1.2, 1.6
     late = pgpu.sample_picks([F(1, 2), F(1)], [F(1), F(3, 2)], 2.0)  # before the first frame: the first
     assert late.tolist() == [0, 0, 1]
+
+
+def test_the_gpu_plans_pass_nvdec_row_on_the_fakes(tmp_path: Path, monkeypatch) -> None:
+    """bench/media_gpu_check.py's pass_nvdec row (the GPU plan's step: NVDEC frames/s for a pass)
+    with the timestamps `make` demuxed here: every frame of the H.264 clip once, equal to PyAV's
+    reference frames (PSNR 99: the fake's NVDEC is PyAV), a frames/s figure, on the GPU."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("media_gpu_check_t", Path(__file__).resolve().parents[2]
+                                                  / "bench" / "media_gpu_check.py")
+    mgc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mgc)
+    d = tmp_path / "media"
+    mgc.make(d)
+    fake_nvdec(monkeypatch)
+    monkeypatch.setattr(mgc, "PASS_SECONDS", 0.2)
+    rows = mgc._Rows(None)
+    mgc._pass_nvdec(rows, d, "mixed", np.load(d / "ref.npz"), json.loads((d / "meta.json").read_text())["h264"])
+    (row,) = rows.rows
+    assert (row["step"], row["status"], row["on"], row["expect"]) == ("pass_nvdec", "PASS", "gpu", "gpu"), row
+    assert f"{mgc.N} frames, PSNR min 99.0 dB" in row["figure"] and "frames/s for a pass" in row["figure"]

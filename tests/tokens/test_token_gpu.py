@@ -282,9 +282,9 @@ def test_prefetch_0_keeping_every_batch_does_not_wait_for_itself(monkeypatch, co
 
 @pytest.mark.gds
 def test_real_gpu_batches_equal_host_batches(corpus):
-    """On a GPU host with KvikIO (skipped elsewhere; not in bench/gpu_check.sh's selection, whose
-    plan has no room for one more test): real CuPy kernels and KvikIO reads give the host path's
-    batches, torch output on the GPU."""
+    """On a GPU host with KvikIO (skipped elsewhere; in bench/gpu_check.sh's part 1 selection,
+    bench/gpu_plan.py SELECTION): real CuPy kernels and KvikIO reads into the device ring give the
+    host path's batches, torch output on the GPU."""
     import torch
 
     kw = dict(seq_len=256, batch_size=4, pack="best_fit", shuffle=True, prefetch=2)
