@@ -112,16 +112,23 @@ class Documents:
             del docs[i]
             self._cached_tokens -= len(arr)
 
-    def with_eos(self, got: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Documents' ids end to end (int64), each with its eos after it, in one copy: (the ids,
-        each one's end)."""
+    def with_eos(self, got: list[np.ndarray], widen: bool = True,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Documents' ids end to end (int64, or with `widen` False in their own dtype), each with its
+        eos after it, in one copy: (the ids, each one's end). `out` (of that dtype): a buffer to
+        write them into when it is long enough (the ids are then a view of it)."""
         lens = np.fromiter(map(len, got), np.int64, len(got))
         if not got:
             return np.zeros(0, np.int64), lens
-        if self.eos_id is None:
-            return np.concatenate(got).astype(np.int64, copy=False), np.cumsum(lens)
-        eos = np.asarray([self.eos_id], got[0].dtype)  # (an id of the vocabulary: it fits the ids' dtype)
-        return np.concatenate([x for d in got for x in (d, eos)]).astype(np.int64, copy=False), np.cumsum(lens + 1)
+        dtype = np.dtype(np.int64) if widen else got[0].dtype
+        extra = 0 if self.eos_id is None else 1
+        ends = np.cumsum(lens + extra)
+        eos = np.asarray([self.eos_id or 0], got[0].dtype)  # (an id of the vocabulary: it fits the ids' dtype)
+        parts = [x for d in got for x in (d, eos)] if extra else got
+        n = int(ends[-1])
+        if out is not None and out.dtype == dtype and len(out) >= n:
+            return np.concatenate(parts, out=out[:n]), ends
+        return np.concatenate(parts).astype(dtype, copy=False), ends
 
     def tokenize(self, ids: list[int]) -> list[np.ndarray]:
         """Token ids of text documents `ids`, in one `encode_batch_fast` call (`encode_batch`'s ids

@@ -76,7 +76,7 @@ ORDER = 2  # the plan's order version the document order uses
 # one encode_batch_fast call of many documents keeps the tokenizer's threads busy (a block's longest
 # document is its tail), and the first batch waits for BLOCK only
 _TEXT_BLOCK = 4096
-_AHEAD = 1 << 16  # concat over local token shards: global tokens packed and assembled at a time (0: by step)
+_AHEAD = 1 << 20  # concat over local token shards: global tokens packed and read at a time (0: by step)
 
 
 class TokenLoader:
@@ -393,14 +393,16 @@ class TokenLoader:
 
     def _concat_steps(self, epoch: int, step: int, state: pk.PackState) -> Iterator[tuple[Any, Any]]:
         """`_steps` for ``concat`` over a local token dataset, `_AHEAD` tokens of steps at a time
-        (`gdsload.plan.pack.concat_ahead` and `concat_batches`: the same batches and states as
-        step by step, whole-array NumPy instead of a few calls a piece). A step's arrays are views
-        of its chunk's: never written again, so a batch kept stays as it was handed out."""
+        (`gdsload.plan.pack.concat_ahead` and `ConcatChunk`: the same batches and states as step
+        by step; the chunk's states, lengths and reads at once, then each batch in a few NumPy
+        calls over that batch, when the pass hands it on). A step's arrays are its own, never
+        written again, so a batch kept stays as it was handed out."""
         order = pk.DocOrder(self.docs.docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                             window=self.window)
         n, rows, seq = self.num_documents, self.global_batch, self.seq_len
         cap = rows * seq
         ahead = max(1, _AHEAD // cap)
+        scratch = np.empty(0, self.docs.dtypes[0])  # a chunk's documents: made of its batches only, then reused
         while True:
             with self._lock:
                 pos, off = int(state["position"]), int(state["offset"])
@@ -417,15 +419,17 @@ class TokenLoader:
                 need = pk.rank_documents(lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
                                          world=self.world_size)
                 ids = order.at(pos + np.flatnonzero(need))
-                flat = self.docs.with_eos(self.docs.read(ids.tolist()))[0] if len(ids) else np.zeros(0, np.int64)
-                fields, cus = pk.concat_batches(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
-                                                world=self.world_size, pad_id=self.pad_id, need=need)
+                flat = self.docs.with_eos(self.docs.read(ids.tolist()), widen=False, out=scratch)[0]
+                if len(flat) > len(scratch) and flat.dtype == scratch.dtype:  # the next chunks' buffer
+                    scratch = np.empty(max(len(flat), 2 * len(scratch)), flat.dtype)
+                chunk = pk.ConcatChunk(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
+                                       world=self.world_size, pad_id=self.pad_id, need=need)
             for t in range(len(real)):
                 nxt = pk.PackState(position=pos + int(consumed[t]), offset=int(offs[t]), carry=[])
                 last = nxt["position"] >= n and not nxt["offset"]
                 ends = not real[t] or (last and self.drop_last and real[t] < cap)
                 after = (epoch + 1, 0, pk.start_state(), None) if ends or last else (epoch, step + 1, nxt, None)
-                arrays = None if ends else {**{k: v[t] for k, v in fields.items()}, "cu_seqlens": cus[t]}
+                arrays = None if ends else chunk.batch(t)
                 yield arrays, after
                 if ends or last:
                     return

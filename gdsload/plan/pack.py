@@ -27,9 +27,9 @@ Modes
 
 `Packer.step(state)` returns one step's rows and the state after it; the epoch ends with the
 first step that has no piece. Cost: O(pieces * log rows) per step, plus the lengths asked for.
-`concat_ahead` and `concat_batches` are ``concat`` for many steps at once, in whole-array NumPy
-(the same states and batches as `Packer.step` and `assemble`): the loader's path over local token
-shards.
+`concat_ahead` and `ConcatChunk` are ``concat`` for many steps at once (the same states and
+batches as `Packer.step` and `assemble`): the states in one NumPy pass, each batch in a few NumPy
+calls over that batch; the loader's path over local token shards.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 from gdsload.errors import StateError
 
 __all__ = ["LOOKAHEAD", "PACKS", "DocOrder", "PackState", "Packer", "TokenState", "assemble",
-           "check_state", "concat_steps"]
+           "ConcatChunk", "check_state", "concat_steps"]
 
 PACKS = ("concat", "best_fit")
 # best_fit takes documents until its pieces hold this many steps' capacity (>= 1: the steps bound
@@ -323,73 +323,94 @@ def concat_ahead(lengths: np.ndarray, offset: int, *, seq_len: int, rows: int, s
     return e.astype(np.int64), offs.astype(np.int64), real.astype(np.int64)
 
 
-def concat_batches(flat: np.ndarray, lengths: np.ndarray, offset: int, real: int, *, seq_len: int, rows: int,
-                   rank: int, world: int, pad_id: int,
-                   need: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """Rank `rank`'s rows of ``concat`` steps whose tokens are the documents of `lengths` end to
-    end from `offset` (the first ``real`` tokens of the span: the steps' real tokens together),
-    as `assemble` makes them, for all the steps at once: ``(fields [steps, B, seq_len] but
-    cu_seqlens, each step's cu_seqlens)``.
+class ConcatChunk:
+    """Rank `rank`'s batches of ``concat`` steps whose tokens are the documents of `lengths` end to
+    end from `offset` (the first `real` tokens of that span are the steps' real tokens together),
+    as `assemble` makes them: ``batch(t)`` for each of the chunk's ``steps``.
 
-    `flat` holds the whole documents (int64) this rank's rows touch, in order, the others left
-    out (`need`, `rank_documents`' answer, computed here if not given; ``lengths`` includes them). The fields are made over `flat` (a few
-    NumPy passes) and then taken: one rank's rows are a slice of it, several ranks' a gather."""
-    cap, S = rows * seq_len, seq_len
-    k = -(-real // cap) if real else 0
-    b = len(range(rank, rows, world))
-    lengths = np.asarray(lengths, np.int64)
-    start = np.cumsum(lengths) - lengths - offset  # each document's first token in the span (< 0: before)
-    if need is None:
-        need = rank_documents(lengths, offset, real, seq_len=S, rows=rows, rank=rank, world=world)
-    nl = np.where(need, lengths, 0)
-    fstart = np.cumsum(nl) - nl  # each document's first token in `flat` (the ones there)
-    # positions: +1 a token, back to 0 at each document's start (a cumulative sum of steps)
-    fpos = np.ones(len(flat), np.int64)
-    if len(flat):
-        fpos[0] = 0
-        fpos[fstart[need][1:]] = 1 - lengths[need][:-1]
-    np.cumsum(fpos, out=fpos)
-    flab = flat.copy()
-    flab[fstart[need]] = IGNORE
-    g = (np.arange(k, dtype=np.int64)[:, None] * rows + np.arange(rank, rows, world)[None, :]).reshape(-1)
-    lo = g * S  # each of this rank's rows, its first token in the span
-    shape = (k, b, S)
-    if world == 1:  # the rows are the span end to end: a slice of `flat` (from the first document's start)
-        def take(src: np.ndarray, fill: int) -> np.ndarray:
-            if real == k * cap:
-                return src[offset:offset + real].reshape(shape)
-            out = np.full(k * cap, fill, np.int64)
-            out[:real] = src[offset:offset + real]
-            return out.reshape(shape)
-        mask = np.ones(k * cap, np.int64)
-        mask[real:] = 0
-    else:
-        d = np.searchsorted(start, lo, side="right") - 1  # the document holding each row's first token
-        span = lo[:, None] + np.arange(S, dtype=np.int64)
-        at = np.minimum(span - (start - fstart)[d][:, None], max(len(flat) - 1, 0))
-        pad = span >= real
+    `flat` holds the whole documents this rank's rows touch, in order, as stored (uint16 or uint32,
+    each with its eos), the others left out (`need`: `rank_documents`' answer, computed here if
+    not given; `lengths` includes them). A row's documents are all needed, so each row is one run
+    of `flat`. What depends on the whole chunk (each row's run in `flat` and its first token's
+    position, the documents' starts by step, every step's cu_seqlens) is computed here once over
+    documents and rows; ``batch(t)`` makes the step's arrays, new (no other batch shares them, and
+    nothing writes them after), in a few NumPy calls over that batch only: arrays of one batch,
+    allocated and freed at the training loop's pace, stay in cache and reuse the allocator's memory,
+    where arrays of a whole chunk would cost a page fault every 4 KiB."""
 
-        def take(src: np.ndarray, fill: int) -> np.ndarray:
-            out = src[at] if len(src) else np.zeros(span.shape, np.int64)
-            out[pad] = fill
-            return out.reshape(shape)
-        mask = (~pad).astype(np.int64)
-    fields = {"input_ids": take(flat, pad_id), "labels": take(flab, IGNORE), "position_ids": take(fpos, 0),
-              "attention_mask": mask.reshape(shape)}
-    # cu_seqlens: 0, each piece's end (a document start or the padding's start inside a row), each row's end
-    st = start[(start > 0) & (start < real) & (lengths > 0)]
-    grow = st // S
-    st, grow = st[(grow % rows) % world == rank], grow[(grow % rows) % world == rank]
-    j = (grow // rows) * b + ((grow % rows) - rank) // world  # this rank's row number
-    q = st - grow * S
-    padq = real - lo
-    inner = (padq > 0) & (padq < S)
-    cuts = np.sort(np.concatenate([(j * S + q)[q > 0], (np.arange(len(lo)) + 1) * S,
-                                   np.flatnonzero(inner) * S + padq[inner]]))
-    per = b * S
-    edges = np.searchsorted(cuts, np.arange(k + 1) * per, side="right")
-    cus = [np.concatenate([[0], cuts[edges[t]:edges[t + 1]] - t * per]).astype(np.int32) for t in range(k)]
-    return fields, cus
+    def __init__(self, flat: np.ndarray, lengths: np.ndarray, offset: int, real: int, *, seq_len: int, rows: int,
+                 rank: int, world: int, pad_id: int, need: np.ndarray | None = None):
+        S, cap = seq_len, rows * seq_len
+        self.steps = k = -(-real // cap) if real else 0
+        self.b = b = len(range(rank, rows, world))
+        self.flat, self.S, self.pad_id, self.contiguous = flat, S, pad_id, world == 1
+        lengths = np.asarray(lengths, np.int64)
+        start = np.cumsum(lengths) - lengths - offset  # each document's first token in the span (< 0: before)
+        if need is None:
+            need = rank_documents(lengths, offset, real, seq_len=S, rows=rows, rank=rank, world=world)
+        nl = np.where(need, lengths, 0)
+        shift = start - (np.cumsum(nl) - nl)  # span index - flat index, for each needed document's tokens
+        lo = (np.arange(k, dtype=np.int64)[:, None] * rows + np.arange(rank, rows, world)[None, :]).reshape(-1) * S
+        self.rlen = np.clip(real - lo, 0, S)  # each of this rank's rows (step-major): its real tokens
+        live = self.rlen > 0
+        d = np.clip(np.searchsorted(start, lo, side="right") - 1, 0, None)  # the document of its first token
+        self.fa = np.where(live, lo - shift[d] if len(lengths) else 0, 0)  # its first token in `flat`
+        self.p0 = np.where(live, lo - start[d] if len(lengths) else 0, 0)  # that token's position in its document
+        self.full = (self.rlen.reshape(k, b) == S).all(axis=1).tolist() if k else []
+        # documents (of >= 1 token) starting inside one of this rank's rows: labels -100 there, positions restart
+        nz = lengths > 0
+        sd, prev = start[nz], np.concatenate([[0], lengths[nz][:-1]])
+        inside = (sd >= 0) & (sd < real)
+        sd, prev = sd[inside], prev[inside]
+        grow = sd // S
+        mine = (grow % rows) % world == rank
+        sd, prev, grow = sd[mine], prev[mine], grow[mine]
+        j = (grow // rows) * b + ((grow % rows) - rank) // world  # this rank's row number in the chunk
+        q = sd - grow * S
+        per = b * S
+        o = j * S + q  # over the chunk's rows of this rank, flattened
+        self.starts, self.start_edges = o % per, np.searchsorted(o, np.arange(k + 1) * per).tolist()
+        cut = q > 0
+        self.resets, self.reset_to = o[cut] % per, 1 - prev[cut]  # cumsum steps back to 0
+        self.reset_edges = np.searchsorted(o[cut], np.arange(k + 1) * per).tolist()
+        # cu_seqlens: 0, each piece's end (a document start or the padding's start inside a row), each row's end
+        padq = self.rlen
+        inner = (padq > 0) & (padq < S)
+        cuts = np.concatenate([o[cut], (np.arange(len(lo)) + 1) * S, np.flatnonzero(inner) * S + padq[inner]])
+        step = np.concatenate([(cuts - 1) // per, np.arange(k)])
+        vals = np.concatenate([cuts, np.arange(k) * per]) - step * per
+        by = np.argsort(step * (per + 1) + vals, kind="stable")
+        self.cu = vals[by].astype(np.int32)
+        self.cu_edges = [0, *np.cumsum(np.bincount(step, minlength=k)).tolist()]
+
+    def batch(self, t: int) -> dict[str, np.ndarray]:
+        """Step `t`'s arrays (``0 <= t < steps``)."""
+        b, S = self.b, self.S
+        r0, r1 = t * b, (t + 1) * b
+        full = self.full[t]
+        if full and self.contiguous:  # one rank: the step's rows are one run of `flat`
+            a = int(self.fa[r0])
+            ids = self.flat[a:a + b * S].astype(np.int64).reshape(b, S)
+        else:
+            ids = np.empty((b, S), np.int64) if full else np.full((b, S), self.pad_id, np.int64)
+            for i, (a, n) in enumerate(zip(self.fa[r0:r1].tolist(), self.rlen[r0:r1].tolist())):
+                ids[i, :n] = self.flat[a:a + n]
+        labels = ids.copy()
+        labels.reshape(-1)[self.starts[self.start_edges[t]:self.start_edges[t + 1]]] = IGNORE
+        pos = np.ones((b, S), np.int64)
+        pos[:, 0] = self.p0[r0:r1]
+        e0, e1 = self.reset_edges[t], self.reset_edges[t + 1]
+        pos.reshape(-1)[self.resets[e0:e1]] = self.reset_to[e0:e1]
+        np.cumsum(pos, axis=1, out=pos)
+        if full:
+            mask = np.ones((b, S), np.int64)
+        else:
+            pad = np.arange(S)[None, :] >= self.rlen[r0:r1, None]
+            labels[pad] = IGNORE
+            pos[pad] = 0
+            mask = (~pad).astype(np.int64)
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask,
+                "cu_seqlens": self.cu[self.cu_edges[t]:self.cu_edges[t + 1]]}
 
 
 def rank_documents(lengths: np.ndarray, offset: int, real: int, *, seq_len: int, rows: int, rank: int,
