@@ -64,6 +64,8 @@ def add_process_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="where units run: here / --workers processes, or Ray tasks (pip install 'gdsload[ray]')")
     p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to join with --engine ray")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where frames decode: auto (NVDEC on a GPU host, else the CPU), cpu, or cuda[:N] (insists)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     p.add_argument("--json", metavar="PATH", help="also write the summary here")
     p.set_defaults(func=cmd_process)
@@ -101,7 +103,7 @@ def cmd_process(a: argparse.Namespace) -> int:
                     resume=a.resume, overwrite=a.overwrite, feed=a.feed, priority=a.priority, engine=a.engine,
                     feed_token=Path(a.feed_token_file).read_text().strip() if a.feed_token_file else None,
                     max_hours=a.max_hours if a.max_hours is not None else MAX_HOURS, ray_address=a.ray_address,
-                    progress=not a.quiet)
+                    progress=not a.quiet, device=a.device)
     print(summary_text(r, a.dst))
     if a.json:
         with open(a.json, "w") as f:

@@ -110,6 +110,11 @@ def test_cli_summary_json_and_usage(media_src: Path, tmp_path: Path) -> None:
                         "passfns:speech_stats", "--speech", "1", "--frames", "1:2"], cwd=HERE, env=env,
                        capture_output=True, timeout=120)
     assert p.returncode == 2 and "not allowed with argument" in p.stderr.decode()
+    p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "g"), "--fn",
+                        "passfns:speech_stats", "--frames", "1:2", "--device", "cuda"], cwd=HERE, env=env,
+                       capture_output=True, timeout=120)  # (no GPU here: --device reaches process() and is refused)
+    assert p.returncode != 0 and "no usable CUDA device" in p.stderr.decode(), p.stderr.decode()
+    assert not (tmp_path / "g" / "manifest.json").exists()
 
 
 def test_sigterm_stops_the_cli_and_resume_finishes(media_src: Path, reference, tmp_path: Path) -> None:
