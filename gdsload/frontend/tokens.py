@@ -90,7 +90,9 @@ class TokenLoader:
     shuffle's window of shards (the plan's). `rank`/`world_size` default to the initialised
     `torch.distributed` group, else 0 of 1. `prefetch`: global steps packed, read and assembled
     ahead on a thread of the loader while the training step runs (that many wait for the training
-    loop, and the thread makes one more; 0: everything on the training thread).
+    loop, and the thread makes one more; ``concat`` over a local token dataset hands them over in
+    lists of `prefetch` steps: one list waits, the thread makes one more; 0: everything on the
+    training thread).
     """
 
     def __init__(self, data: Any, seq_len: int, batch_size: int, *, shuffle: bool = False, seed: int = 0,
@@ -348,8 +350,7 @@ class TokenLoader:
                mixpos: tuple[int, MixCursor] | None) -> Iterator[tuple[Any, Any]]:
         """The pass's items, each ``(arrays or None, the loader's state after it)``: a batch and
         the state once it is handed out, or (None, state) for the end of the epoch."""
-        if (_AHEAD and self.pack == "concat" and self.meta is not None and self.mix is None
-                and self._served is None and self._gpu is None):
+        if self._chunked():
             yield from self._concat_steps(epoch, step, state)
             return
         with self._lock:
@@ -391,12 +392,19 @@ class TokenLoader:
             if isinstance(mixed, StreamedEpoch):
                 mixed.close()
 
-    def _concat_steps(self, epoch: int, step: int, state: pk.PackState) -> Iterator[tuple[Any, Any]]:
+    def _chunked(self) -> bool:
+        """Whether passes take `_concat_steps` (``concat`` over a local token dataset, host path)."""
+        return bool(_AHEAD and self.pack == "concat" and self.meta is not None and self.mix is None
+                    and self._served is None and self._gpu is None)
+
+    def _concat_steps(self, epoch: int, step: int, state: pk.PackState) -> Iterator[Any]:
         """`_steps` for ``concat`` over a local token dataset, `_AHEAD` tokens of steps at a time
         (`gdsload.plan.pack.concat_ahead` and `ConcatChunk`: the same batches and states as step
         by step; the chunk's states, lengths and reads at once, then each batch in a few NumPy
         calls over that batch, when the pass hands it on). A step's arrays are its own, never
-        written again, so a batch kept stays as it was handed out."""
+        written again, so a batch kept stays as it was handed out. Items come in lists of up to
+        `prefetch` consecutive steps (one hand-over between threads for several steps: each costs
+        a wake-up and a GIL switch, as much as making a batch)."""
         order = pk.DocOrder(self.docs.docs_per_shard, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                             window=self.window)
         n, rows, seq = self.num_documents, self.global_batch, self.seq_len
@@ -424,16 +432,22 @@ class TokenLoader:
                     scratch = np.empty(max(len(flat), 2 * len(scratch)), flat.dtype)
                 chunk = pk.ConcatChunk(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
                                        world=self.world_size, pad_id=self.pad_id, need=need)
+            group: list[tuple[Any, Any]] = []
             for t in range(len(real)):
                 nxt = pk.PackState(position=pos + int(consumed[t]), offset=int(offs[t]), carry=[])
                 last = nxt["position"] >= n and not nxt["offset"]
                 ends = not real[t] or (last and self.drop_last and real[t] < cap)
                 after = (epoch + 1, 0, pk.start_state(), None) if ends or last else (epoch, step + 1, nxt, None)
-                arrays = None if ends else chunk.batch(t)
-                yield arrays, after
+                group.append((None if ends else chunk.batch(t), after))
                 if ends or last:
+                    yield group
                     return
+                if len(group) >= self.prefetch:
+                    yield group
+                    group = []
                 state, step = nxt, step + 1
+            if group:
+                yield group
 
     def _batch(self, rows: list[list[pk.Piece]]) -> Any:
         if self._gpu is not None:  # gdsload.frontend.tokens_gpu: planned here, read by `_steps`
@@ -465,7 +479,8 @@ class _Pass:
         self._done = False
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, loader.prefetch))
+        self._q: queue.Queue = queue.Queue(maxsize=1 if loader._chunked() else max(1, loader.prefetch))
+        self._held: list[Any] = []  # the rest of a list of items (`_concat_steps`), in order
 
     def start(self) -> None:
         if self._loader._gpu is not None:
@@ -486,7 +501,9 @@ class _Pass:
                               "again for the pass it set up")
         if self._done:
             raise StopIteration
-        if self._thread is None:
+        if self._held:
+            item = self._held.pop(0)
+        elif self._thread is None:
             item = next(self._gen, _END)
         else:
             item = self._q.get()
@@ -496,6 +513,8 @@ class _Pass:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        if isinstance(item, list):
+            item, self._held = item[0], item[1:]
         arrays, after = item
         lo = self._loader
         lo._epoch, lo._step, lo._state, lo._mixpos = after

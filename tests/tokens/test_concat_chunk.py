@@ -119,3 +119,27 @@ def test_a_whole_pass_at_the_default_chunk_equals_step_by_step(corpus, monkeypat
         want = run(0, rank)
         assert len(want) > 50
         same(run(default, rank), want)
+
+
+def test_steps_handed_over_in_lists_keep_every_state_exact(corpus):
+    """With prefetch, the chunked path hands steps to the training thread in lists of `prefetch`:
+    the batches and the state after each are those of prefetch=0; a state saved in the middle of
+    a list resumes there, and a new iter() mid-list continues with the next batch."""
+    def make(prefetch):
+        return gdsload.TokenLoader(str(corpus.tokens), 128, 2, eos_token="<eos>", output="numpy",
+                                   prefetch=prefetch, shuffle=True, seed=4)
+
+    ref = make(0)
+    want = [(b, ref.state_dict()) for b in ref]
+    assert len(want) > 40
+    ld = make(3)
+    it = iter(ld)
+    got = []
+    for _ in range(10):  # 10 = 3 lists of 3 and one more: mid-list
+        got.append((next(it), ld.state_dict()))
+    same(got, want[:10])
+    rest = [(b, ld.state_dict()) for b in iter(ld)]  # a new iter() closes the live pass, continues
+    same(rest, want[10:])
+    again = make(3)
+    again.load_state_dict(want[4][1])  # the middle of the second list
+    same([(b, again.state_dict()) for b in again], want[5:])
