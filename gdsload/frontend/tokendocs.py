@@ -92,9 +92,13 @@ class Documents:
         eos appended, made in one NumPy pass for all the missing documents together."""
         want = {int(i) for i in ids}
         docs = self.cache
-        for i in want & docs.keys():
-            docs.move_to_end(i)
-        missing = sorted(want - docs.keys())
+        missing = []
+        for i in want:  # (not `want & docs.keys()`: that makes a set of the whole cache, every step)
+            if i in docs:
+                docs.move_to_end(i)
+            else:
+                missing.append(i)
+        missing.sort()
         if missing:
             if self.served is not None:
                 got = [self.stream.doc(i) for i in missing]

@@ -271,17 +271,15 @@ def assemble(rows: Sequence[Sequence[Piece]], seq_len: int, tokens: Callable[[Pi
         input_ids, position_ids = ids.reshape(b, seq_len), pos.reshape(b, seq_len)
         labels = input_ids.copy()
         mask = np.ones((b, seq_len), np.int64)
-    else:
-        idx = np.repeat(dest - before, n) + np.arange(total, dtype=np.int64)
-        input_ids = np.full(b * seq_len, pad_id, np.int64)
-        input_ids[idx] = ids
-        labels = np.full(b * seq_len, IGNORE, np.int64)
-        labels[idx] = ids
-        position_ids = np.zeros(b * seq_len, np.int64)
-        position_ids[idx] = pos
-        mask = np.zeros(b * seq_len, np.int64)
-        mask[idx] = 1
-        input_ids, labels, position_ids, mask = (a.reshape(b, seq_len) for a in (input_ids, labels, position_ids, mask))
+    else:  # a row's pieces are one run of `ids` (and of `pos`): a slice a row, not a scatter a field
+        input_ids = np.full((b, seq_len), pad_id, np.int64)
+        position_ids = np.zeros((b, seq_len), np.int64)
+        for r, (a, f) in enumerate(zip(row_base.tolist(), fill.tolist())):
+            input_ids[r, :f] = ids[a:a + f]
+            position_ids[r, :f] = pos[a:a + f]
+        real = np.arange(seq_len)[None, :] < fill[:, None]
+        labels = np.where(real, input_ids, IGNORE)
+        mask = real.astype(np.int64)
     labels.reshape(-1)[dest[start == 0]] = IGNORE
     row_ends = (np.flatnonzero(fill < seq_len) + 1) * seq_len
     cu = np.sort(np.concatenate([[0], dest + n, row_ends])).astype(np.int32)
