@@ -355,22 +355,20 @@ class ConcatChunk:
         self.fa = np.where(live, lo - shift[d] if len(lengths) else 0, 0)  # its first token in `flat`
         self.p0 = np.where(live, lo - start[d] if len(lengths) else 0, 0)  # that token's position in its document
         self.full = (self.rlen.reshape(k, b) == S).all(axis=1).tolist() if k else []
-        # documents (of >= 1 token) starting inside one of this rank's rows: labels -100 there, positions restart
+        # documents (of >= 1 token) starting inside one of this rank's rows: labels -100 there
         nz = lengths > 0
-        sd, prev = start[nz], np.concatenate([[0], lengths[nz][:-1]])
+        sd = start[nz]
         inside = (sd >= 0) & (sd < real)
-        sd, prev = sd[inside], prev[inside]
+        sd = sd[inside]
         grow = sd // S
         mine = (grow % rows) % world == rank
-        sd, prev, grow = sd[mine], prev[mine], grow[mine]
+        sd, grow = sd[mine], grow[mine]
         j = (grow // rows) * b + ((grow % rows) - rank) // world  # this rank's row number in the chunk
         q = sd - grow * S
         per = b * S
         o = j * S + q  # over the chunk's rows of this rank, flattened
         self.starts, self.start_edges = o % per, np.searchsorted(o, np.arange(k + 1) * per).tolist()
         cut = q > 0
-        self.resets, self.reset_to = o[cut] % per, 1 - prev[cut]  # cumsum steps back to 0
-        self.reset_edges = np.searchsorted(o[cut], np.arange(k + 1) * per).tolist()
         # cu_seqlens: 0, each piece's end (a document start or the padding's start inside a row), each row's end
         padq = self.rlen
         inner = (padq > 0) & (padq < S)
@@ -379,7 +377,18 @@ class ConcatChunk:
         vals = np.concatenate([cuts, np.arange(k) * per]) - step * per
         by = np.argsort(step * (per + 1) + vals, kind="stable")
         self.cu = vals[by].astype(np.int32)
-        self.cu_edges = [0, *np.cumsum(np.bincount(step, minlength=k)).tolist()]
+        ends = np.cumsum(np.bincount(step, minlength=k))
+        self.cu_edges = [0, *ends.tolist()]
+        # positions: each piece (between two cu_seqlens) counts on from its first token's position (its
+        # row's first: p0; any other: 0, a document's start), so a step's positions are one repeat + arange
+        first = np.ones(len(self.cu), bool)
+        first[ends - 1] = False  # a step's last boundary starts no piece
+        c, pstep = vals[by][first], np.repeat(np.arange(k), ends - np.concatenate([[0], ends[:-1]]) - 1)
+        row = pstep * b + c // S
+        row_p0 = self.p0[np.minimum(row, max(len(self.p0) - 1, 0))] if len(self.p0) else np.zeros(0, np.int64)
+        self.shift = np.where(c % S == 0, row_p0, 0) - c
+        self.plen = np.diff(vals[by])[first[:-1]] if len(c) else np.zeros(0, np.int64)
+        self.arange = np.arange(per, dtype=np.int64)
 
     def batch(self, t: int) -> dict[str, np.ndarray]:
         """Step `t`'s arrays (``0 <= t < steps``)."""
@@ -395,11 +404,10 @@ class ConcatChunk:
                 ids[i, :n] = self.flat[a:a + n]
         labels = ids.copy()
         labels.reshape(-1)[self.starts[self.start_edges[t]:self.start_edges[t + 1]]] = IGNORE
-        pos = np.ones((b, S), np.int64)
-        pos[:, 0] = self.p0[r0:r1]
-        e0, e1 = self.reset_edges[t], self.reset_edges[t + 1]
-        pos.reshape(-1)[self.resets[e0:e1]] = self.reset_to[e0:e1]
-        np.cumsum(pos, axis=1, out=pos)
+        p0, p1 = self.cu_edges[t] - t, self.cu_edges[t + 1] - t - 1  # the step's pieces
+        pos = np.repeat(self.shift[p0:p1], self.plen[p0:p1])
+        pos += self.arange
+        pos = pos.reshape(b, S)
         if full:
             mask = np.ones((b, S), np.int64)
         else:
