@@ -38,7 +38,8 @@ Peak RSS (`--rss`): a pass with a NumPy no-op `fn` (every item None) over a 60-m
 a fresh process; its VmHWM. Target: the 60-minute pass <= 600 MB and <= 1.2x the 1-minute one.
 At 1 fps in windows of 8 a 1-minute video gives 8 windows, half a batch of 16: the longer passes
 hold a full batch (`batch_mb`, 34 MB at 224 px) that the 1-minute one never fills; the 60- over
-the 10-minute ratio shows what grows with length beyond that (the demuxer's sample index).
+the 10-minute ratio shows what grows with length beyond that (the demuxer's sample index), and
+`decode_hwm_mb` the decoding alone (every window decoded and dropped, no batch) of each video.
 
     python bench/pass_bench.py --mode frames --rounds 5          # frames: 2 media hours, all three
     python bench/pass_bench.py --mode speech --rounds 5          # speech (30 s chunks)
@@ -371,6 +372,19 @@ def open_child(shards: str) -> None:
     print(json.dumps({"demux_open_mb": after - before, "samples": samples}))
 
 
+def decode_child(shards: str, fps: float, window: int, size: int | None) -> None:
+    """The decoding alone, no batch: every window of the corpus's first member (read by range,
+    as a pass does) decoded and dropped; its VmHWM. What grows here with length is FFmpeg's."""
+    import gdsload
+    from gdsload.decode.passmedia import RangeFile, frame_windows
+
+    ds = gdsload.ShardedDataset(shards)
+    ext, off, nbytes = next(m for m in ds.index(0).members(0) if m[0] == "mp4")
+    f = RangeFile(lambda o, k: ds.read_extent(0, o, k), off, nbytes)
+    n = sum(1 for _ in frame_windows(f, fps, window, size))
+    print(json.dumps({"decode_hwm_mb": vm_hwm_mb(), "decode_windows": n}))
+
+
 def rss_mode(a, work: Path, log) -> dict:
     res = {}
     for name, minutes in (("long", a.rss_long_min), ("mid", a.rss_mid_min), ("short", a.rss_short_min)):
@@ -383,10 +397,15 @@ def rss_mode(a, work: Path, log) -> dict:
         p = subprocess.run([sys.executable, __file__, "--rss-open", str(shards)], capture_output=True, text=True,
                            check=True)
         res[name].update(json.loads(p.stdout.strip().splitlines()[-1]))
+        p = subprocess.run([sys.executable, __file__, "--rss-decode", str(shards), str(a.sample_fps), str(a.window),
+                            str(a.size or 0)], capture_output=True, text=True, check=True)
+        res[name].update(json.loads(p.stdout.strip().splitlines()[-1]))
         log(f"rss {name} ({minutes:g} min): VmHWM {res[name]['vm_hwm_mb']:.0f} MB; the demuxer's index (open) "
-            f"{res[name]['demux_open_mb']:.1f} MB for {res[name]['samples']} samples")
+            f"{res[name]['demux_open_mb']:.1f} MB for {res[name]['samples']} samples; decoding alone (no batch) "
+            f"{res[name]['decode_hwm_mb']:.0f} MB")
     res["ratio_long_over_short"] = res["long"]["vm_hwm_mb"] / res["short"]["vm_hwm_mb"]
     res["ratio_long_over_mid"] = res["long"]["vm_hwm_mb"] / res["mid"]["vm_hwm_mb"]  # both fill whole batches
+    res["decode_ratio_long_over_short"] = res["long"]["decode_hwm_mb"] / res["short"]["decode_hwm_mb"]
     h, w = (a.size, round(a.width * a.size / a.height)) if a.size else (a.height, a.width)
     res["batch_mb"] = 16 * a.window * h * w * 3 / 2**20  # a full batch's frames (the short video may not fill one)
     # the long pass less what it holds because it is long: FFmpeg's index beyond the short video's
@@ -400,6 +419,11 @@ def rss_mode(a, work: Path, log) -> dict:
         f"batch (16 windows) holds {res['batch_mb']:.0f} MB")
     log(f"rss: the long pass less the demuxer's extra index ({index:.1f} MB) and the batch the short one never "
         f"fills ({unfilled:.1f} MB): {res['ratio_without_index_and_batch']:.2f} x the short one")
+    grown = res["long"]["decode_hwm_mb"] - res["short"]["decode_hwm_mb"]  # what decoding holds more, at its peak
+    res["ratio_without_decode_growth_and_batch"] = ((res["long"]["vm_hwm_mb"] - grown - unfilled)
+                                                    / res["short"]["vm_hwm_mb"])
+    log(f"rss: decoding alone, long / short {res['decode_ratio_long_over_short']:.2f} ({grown:.1f} MB more); the long "
+        f"pass less that and the unfilled batch: {res['ratio_without_decode_growth_and_batch']:.2f} x the short one")
     res["targets"] = {"long_mb_max": 600, "ratio_max": 1.2}
     return res
 
@@ -431,11 +455,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rss-mid-min", type=float, default=10.0, help="a third video: past one full batch")
     ap.add_argument("--rss-short-min", type=float, default=1.0)
     ap.add_argument("--rss-open", metavar="SHARDS", help=argparse.SUPPRESS)
+    ap.add_argument("--rss-decode", nargs=4, metavar=("SHARDS", "FPS", "WINDOW", "SIZE"), help=argparse.SUPPRESS)
     ap.add_argument("--rss-child", nargs=5, metavar=("SHARDS", "OUT", "FPS", "WINDOW", "SIZE"), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help="smoke run: seconds of tiny video, one round")
     a = ap.parse_args(argv)
     if a.rss_open:
         open_child(a.rss_open)
+        return {}
+    if a.rss_decode:
+        s, f, w, z = a.rss_decode
+        decode_child(s, float(f), int(w), int(z) or None)
         return {}
     if a.rss_child:
         s, o, f, w, z = a.rss_child
@@ -448,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(a.workdir or Path(a.cache) / "work")
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"bench": "pass", "host": platform.node(), "cpus": os.cpu_count(), "mode": a.mode,
-                    "args": {k: v for k, v in vars(a).items() if k != "rss_child"}}
+                    "args": {k: v for k, v in vars(a).items() if k not in ("rss_child", "rss_decode")}}
     if a.rss:
         result["rss"] = rss_mode(a, work, log)
     else:

@@ -8,8 +8,9 @@ the same code and give the same windows.
 `frame_windows` and `speech_windows` decode one member from its start to its end with PyAV and
 yield `Window`s as they fill, so memory is one window, the decoder's own buffers, one read
 block and (frames) one group of pictures' encoded packets (at most `GOP_LIMIT_BYTES`), whatever
-the video's length. The demuxer skips the streams a mode does not decode (in an MP4 their bytes
-are not read).
+the video's length; only FFmpeg's own sample index grows with it (an MP4's, of every track, built
+when it opens: tens of bytes a sample; docs/preprocessing.md, Memory). The demuxer skips the
+streams a mode does not decode (in an MP4 their bytes are not read).
 
 Times count from the container's start: the earliest start of its video and audio streams
 (exact, as fractions of each stream's time base), so a frame at t and speech at t line up.
