@@ -5,7 +5,8 @@ streamed from a feed server), with their end-of-document token.
 Documents are numbered shard-major over every part (the datasets of a `Mix` one after another).
 `Documents.read` reads documents in runs (documents of a shard at most `_GAP` bytes apart are one
 read; a run's CRC32s checked in one call); `fetch` keeps documents in a cache of bounded tokens for
-the step-by-step path; `with_eos` lays documents end to end with their eos in one NumPy pass.
+the step-by-step path; `with_eos` lays documents end to end with their eos in one NumPy pass;
+`read_end_to_end` reads documents straight into such a layout, as stored (the chunked ``concat``).
 """
 
 from __future__ import annotations
@@ -116,23 +117,16 @@ class Documents:
             del docs[i]
             self._cached_tokens -= len(arr)
 
-    def with_eos(self, got: list[np.ndarray], widen: bool = True,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Documents' ids end to end (int64, or with `widen` False in their own dtype), each with its
-        eos after it, in one copy: (the ids, each one's end). `out` (of that dtype): a buffer to
-        write them into when it is long enough (the ids are then a view of it)."""
+    def with_eos(self, got: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Documents' ids end to end (int64), each with its eos after it, in one copy: (the ids,
+        each one's end)."""
         lens = np.fromiter(map(len, got), np.int64, len(got))
         if not got:
             return np.zeros(0, np.int64), lens
-        dtype = np.dtype(np.int64) if widen else got[0].dtype
-        extra = 0 if self.eos_id is None else 1
-        ends = np.cumsum(lens + extra)
-        eos = np.asarray([self.eos_id or 0], got[0].dtype)  # (an id of the vocabulary: it fits the ids' dtype)
-        parts = [x for d in got for x in (d, eos)] if extra else got
-        n = int(ends[-1])
-        if out is not None and out.dtype == dtype and len(out) >= n:
-            return np.concatenate(parts, out=out[:n]), ends
-        return np.concatenate(parts).astype(dtype, copy=False), ends
+        if self.eos_id is None:
+            return np.concatenate(got).astype(np.int64, copy=False), np.cumsum(lens)
+        eos = np.asarray([self.eos_id], got[0].dtype)  # (an id of the vocabulary: it fits the ids' dtype)
+        return np.concatenate([x for d in got for x in (d, eos)]).astype(np.int64, copy=False), np.cumsum(lens + 1)
 
     def tokenize(self, ids: list[int]) -> list[np.ndarray]:
         """Token ids of text documents `ids`, in one `encode_batch_fast` call (`encode_batch`'s ids
@@ -145,11 +139,36 @@ class Documents:
         return [np.asarray(e.ids, np.int64) for e in encode(texts, add_special_tokens=False)]
 
     def read(self, ids: list[int]) -> list[np.ndarray]:
-        """Token ids of documents `ids` (sorted), read as stored: per shard, documents in runs
-        at most `_GAP` bytes apart are one read; each checked against its CRC32 (a run of
-        back-to-back documents in one call: `gdsload.format.crc.first_mismatch`)."""
+        """Token ids of documents `ids`, read as stored (`_runs`), one array each."""
         out: dict[int, np.ndarray] = {}
-        arr = np.asarray(ids, np.int64)
+        for sel, first, count, toks in self._runs(np.asarray(ids, np.int64)):
+            for i, f, n in zip(sel.tolist(), first, count):
+                out[i] = toks[f:f + n]
+        return [out[i] for i in ids]
+
+    def read_end_to_end(self, ids: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Documents `ids` (distinct; `lengths`: their tokens, eos included) read as stored
+        (`_runs`) and laid end to end in their stored dtype, each with its eos after it: what
+        `with_eos` gives from `read` (but not widened), each document copied once straight to its place
+        (in `out` when it is long enough and of that dtype: the result is then a view of it)."""
+        ids, lengths = np.asarray(ids, np.int64), np.asarray(lengths, np.int64)
+        dtype = np.result_type(*self.dtypes)
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if len(ends) else 0
+        buf = out[:total] if out is not None and out.dtype == dtype and len(out) >= total else np.empty(total, dtype)
+        dst, by = ends - lengths, np.argsort(ids, kind="stable")
+        for sel, first, count, toks in self._runs(ids):
+            for d, f, n in zip(dst[by[np.searchsorted(ids, sel, sorter=by)]].tolist(), first, count):
+                buf[d:d + n] = toks[f:f + n]
+        if self.eos_id is not None and total:
+            buf[ends - 1] = self.eos_id
+        return buf
+
+    def _runs(self, arr: np.ndarray) -> Any:
+        """Documents `arr` read as stored, per shard in runs: documents at most `_GAP` bytes apart
+        are one read, each checked against its CRC32 (a run of back-to-back documents in one call:
+        `gdsload.format.crc.first_mismatch`). Yields ``(ids, first, count, tokens)`` a run:
+        document ``ids[j]`` is ``tokens[first[j]:first[j] + count[j]]``."""
         shards = self.shard_of(arr)
         for s in np.unique(shards).tolist():
             part, local_shard = self.shards[s]
@@ -177,10 +196,7 @@ class Documents:
                             f"{int(off[t])}, {int(size[t])} bytes) fails its CRC32 check: the shard is damaged; "
                             f"re-run gdsload convert")
                 toks = np.frombuffer(blob, dtype, count=(hi - lo) // dtype.itemsize)
-                first, count = (rel // dtype.itemsize).tolist(), (size[a:b] // dtype.itemsize).tolist()
-                for i, f, n in zip(sel_ids[a:b].tolist(), first, count):
-                    out[i] = toks[f:f + n]
-        return [out[i] for i in ids]
+                yield sel_ids[a:b], (rel // dtype.itemsize).tolist(), (size[a:b] // dtype.itemsize).tolist(), toks
 
 
 def is_served(data: Any) -> bool:

@@ -427,7 +427,7 @@ class TokenLoader:
                 need = pk.rank_documents(lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
                                          world=self.world_size)
                 ids = order.at(pos + np.flatnonzero(need))
-                flat = self.docs.with_eos(self.docs.read(ids.tolist()), widen=False, out=scratch)[0]
+                flat = self.docs.read_end_to_end(ids, lengths[need], out=scratch)
                 if len(flat) > len(scratch) and flat.dtype == scratch.dtype:  # the next chunks' buffer
                     scratch = np.empty(max(len(flat), 2 * len(scratch)), flat.dtype)
                 chunk = pk.ConcatChunk(flat, lengths, off, total, seq_len=seq, rows=rows, rank=self.rank,
