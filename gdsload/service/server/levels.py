@@ -61,6 +61,7 @@ class Levels:
         self.levels: dict[int, Level] = {}
         self.shown: dict[int, tuple[int, int]] = {}  # level -> (queued, paused) last set on its gauges
         self.counters: dict[int, Any] = {}  # level -> its batches counter (labelled once)
+        self.shown_on: dict[int, tuple[Any, Any]] = {}  # level -> its (queue, paused) gauges (labelled once)
 
     def add(self, level: int) -> Level:
         return self.levels.setdefault(level, Level())
@@ -97,10 +98,17 @@ class Levels:
             c[0] += waiting
             c[1] += paused
         for p, (queued, paused) in counts.items():
-            if self.shown.get(p) != (queued, paused):
-                self.shown[p] = (queued, paused)
-                m.priority_queue.labels(str(p)).set(queued)
-                m.priority_paused.labels(str(p)).set(paused)
+            was = self.shown.get(p)
+            if was == (queued, paused):
+                continue
+            self.shown[p] = (queued, paused)
+            gauges = self.shown_on.get(p)
+            if gauges is None:
+                gauges = self.shown_on[p] = (m.priority_queue.labels(str(p)), m.priority_paused.labels(str(p)))
+            if was is None or was[0] != queued:
+                gauges[0].set(queued)
+            if was is None or was[1] != paused:
+                gauges[1].set(paused)
 
     def usage(self, streams: list[tuple[int, bool, float | None]], slots: int, now: float) -> list[pb.PriorityUse]:
         """Each level's `PriorityUse`, highest first, from the streams' (level, waiting, paused
