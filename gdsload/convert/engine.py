@@ -584,9 +584,11 @@ class _DeferredStop:
         elif previous != signal.SIG_IGN:
             raise SystemExit(128 + signum)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if exc_type is None:  # a signal noted after the last `check()` is acted on, not lost
+            self.check()
 
 
 def _run_pool(dst: str, units: list[tuple[str, list[Sample]]], validate: bool, workers: int,
