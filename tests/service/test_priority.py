@@ -189,7 +189,8 @@ def test_a_lower_batch_backfills_only_a_gap_it_ends_within():
     """A higher job that reads at its own pace (a training loop: it asks every second, its
     batches take 0.1 s) leaves gaps; a lower job's batch starts in a gap only when it is expected
     to end before the higher job asks again (its measured cost against the higher job's measured
-    period); a dearer one waits for that ask, and goes when the higher job is late."""
+    period); a dearer one waits for that ask, and goes when the higher job is later than its
+    period."""
     clock = Clock()
     arb = Arbiter(1, clock=clock)
     never = lambda: False  # noqa: E731
@@ -226,7 +227,10 @@ def test_a_lower_batch_backfills_only_a_gap_it_ends_within():
     clock.t += 0.1
     high.made()
     high.sent()
-    clock.t += 1.5  # the high job is late (0.6 s past its next ask): it holds nothing now
+    clock.t += 1.5  # the high job is 0.6 s late: within a period (a job's asks come in bursts), it still holds
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got
+    clock.t += 0.6  # 1.2 s late, more than its period: it reads at a slower pace now and holds nothing
     waiter.join(10)  # (the waiter looks again by itself within POLL_S)
     assert got == [None] and dear.paused_since is None
     assert [job for job, _, _ in arb.grants][-1] == ("id", "dear")

@@ -15,7 +15,8 @@ seconds to its job) and then sends it (`Turn.sent`). The rules, in this order:
    moving averages), and a lower stream whose job's batch would still be making when the higher
    job asks again (`Job.asked + Job.period`) waits for that ask (a batch cannot be interrupted:
    at a tenth of a core one decoded batch takes seconds, which a training job that reads at
-   its own pace would spend waiting). A higher job later than expected holds nothing. A stream
+   its own pace would spend waiting). A higher job later than expected by more than its period
+   holds nothing. A stream
    held back that way is *paused*: its loader stops at the batch boundary (its prefetch ring fills, its readers
    wait), its cursor is the request's, and its next batch is the next of its plan when it goes
    on, so nothing is lost or repeated.
@@ -272,16 +273,18 @@ class Arbiter:
             return True, o.since + RETURN_S
         due = self._due(o, now)
         if due is not None and due < now + cost:
-            return True, due
+            return True, due if due > now else due + self.jobs[o.job].period
         return False, None
 
     def _due(self, o: Turn, now: float) -> float | None:
-        """When `o`'s job is expected to ask again, if that is still to come."""
+        """When `o`'s job is expected to ask again, while it may still come: up to one period late
+        (a job of several streams asks in bursts, so its mean gap is shorter than the gap between
+        its bursts); a job later than that reads at a slower pace now and holds nothing."""
         j = self.jobs.get(o.job)
         if j is None or not j.period:
             return None
         due = j.asked + j.period
-        return due if due > now else None
+        return due if now < due + j.period else None
 
     def _above(self, t: Turn, mine: int, now: float) -> tuple[int | None, float | None]:
         """The highest level above `mine` that holds `t` back (`_holds`), and, when nothing
