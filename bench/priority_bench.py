@@ -12,7 +12,7 @@ their whole core, partly checking each epoch against a local loader that read th
 the check now takes the epoch's keys from its plan, reading nothing). Each round (`--rounds`,
 default 5), per payload (raw, decoded), runs in a rotating order:
 
-- solo:      the high job (priority 10) alone reads `--batches` batches flat out: its rate and its
+- solo:      the high job (priority 10) alone reads `--batches` (raw: `--raw-batches`) batches flat out: its rate and its
              median batch time (the time between batches).
 - contended: three low jobs (priority 0) read flat out; after `--warmup-s` (decoded:
              `--decoded-warmup-s`) the high job reads
@@ -315,7 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2400)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--batches", type=int, default=60, help="batches the high job reads per run")
+    ap.add_argument("--batches", type=int, default=60, help="batches the high job reads per decoded run")
+    ap.add_argument("--raw-batches", type=int, default=300,
+                    help="batches the high job reads per raw run (60 at 0.05 core gave solo rates of 14 to 51/s "
+                         "across rounds: a run of 1-4 s measured its start)")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--server-cores", type=float, default=0.25, help="each server's CPU limit, decoded runs")
     ap.add_argument("--raw-server-cores", type=float, default=0.05,
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(a.job_out).write_text(json.dumps(run_job(json.loads(a.job))))
         return {}
     if a.tiny:
-        a.images, a.batch_size, a.batches, a.rounds = 64, 4, 12, 1
+        a.images, a.batch_size, a.batches, a.raw_batches, a.rounds = 64, 4, 12, 12, 1
         a.warmup_s, a.after_s, a.equal_s = 1.0, 2.0, 2.0
         a.decoded_warmup_s, a.decoded_after_s = 1.0, 2.0
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gdsload-priority-"))
@@ -381,10 +384,11 @@ def main(argv: list[str] | None = None) -> dict:
                 jobs.cores = a.server_cores if decoded else a.raw_server_cores
                 for proc in procs:  # raw is held harder: the servers, not the four clients, must bound it
                     throttle.limit(proc.pid, jobs.cores)
-                s = solo(jobs, decoded, a.batches)
+                batches = a.batches if decoded else a.raw_batches
+                s = solo(jobs, decoded, batches)
                 warmup_s, after_s = (a.decoded_warmup_s, a.decoded_after_s) if decoded else (a.warmup_s, a.after_s)
-                c = contended(jobs, decoded, a.batches, 0.0, warmup_s, after_s)
-                t = contended(jobs, decoded, a.batches, 1.1 * s["batch_s"], warmup_s, after_s)
+                c = contended(jobs, decoded, batches, 0.0, warmup_s, after_s)
+                t = contended(jobs, decoded, batches, 1.1 * s["batch_s"], warmup_s, after_s)
                 e = equal(jobs, decoded, a.equal_s * (a.equal_decoded_factor if decoded else 1.0))
                 row[payload] = {"solo": s, "contended": c, "training": t, "equal": e,
                                 "rate_vs_solo": c["rate"] / s["rate"] if s["rate"] else None}
