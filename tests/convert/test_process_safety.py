@@ -60,6 +60,13 @@ def src(tmp_path_factory) -> Path:
     return random_jpeg_folder(tmp_path_factory.mktemp("safety") / "src", classes=3, per_class=200, seed=3, digits=4)
 
 
+def _ctrl_c_on() -> None:
+    """(In the child, before exec) SIGINT at its default, as in a terminal: a shell without job
+    control starts background commands with SIGINT ignored, and that is inherited across exec
+    (the driver then rightly ignores Ctrl-C, and the INT case would test nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_and_signal(src: Path, dst: Path, sig: int, opts: list[str] = OPTS,
                      ) -> tuple[subprocess.Popen, list[int], threading.Thread, list[bytes]]:
     """Start the conversion, wait until its workers exist (with `--workers 2`) and a shard is
@@ -67,7 +74,7 @@ def start_and_signal(src: Path, dst: Path, sig: int, opts: list[str] = OPTS,
     draining stdout."""
     nworkers = int(opts[opts.index("--workers") + 1])
     proc = subprocess.Popen([sys.executable, "-m", "gdsload", "convert", str(src), str(dst), *opts],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_on)
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(1), b"")), daemon=True)
     reader.start()
@@ -136,13 +143,17 @@ def test_a_signal_after_the_pools_last_look_is_not_lost():
     to write its manifest and exit 0)."""
     from gdsload.convert.engine import _DeferredStop
 
-    with pytest.raises(KeyboardInterrupt):
-        with _DeferredStop() as stop:
-            os.kill(os.getpid(), signal.SIGINT)
-            deadline = time.monotonic() + 5
-            while stop.signum is None and time.monotonic() < deadline:  # (the handler runs between bytecodes)
-                time.sleep(0.001)
-            assert stop.signum == signal.SIGINT
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C on (see `_ctrl_c_on`)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _DeferredStop() as stop:
+                os.kill(os.getpid(), signal.SIGINT)
+                deadline = time.monotonic() + 5
+                while stop.signum is None and time.monotonic() < deadline:  # (the handler runs between bytecodes)
+                    time.sleep(0.001)
+                assert stop.signum == signal.SIGINT
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_resume_after_the_driver_was_killed(src, tmp_path, capsys):
