@@ -928,25 +928,19 @@ class FakeMixedPipeline:
         return (FakeTensorListGPU(self.gpu, self._buf, len(host), self.device_id),)
 
 
-def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPPER_NVDEC) -> list[dict]:
-    """`VideoDecoder(device="mixed")` with its real mixed graph (`_gpu_graph`: resize, crop/mirror/
-    normalise, reshape/transpose) built by DALI's CPU backend, `fn.decoders.video(device="mixed")`
-    standing in as a CPU operator that decodes with PyAV after `nvdec_check`, and the output handed
-    back as a `FakeTensorListGPU`. The stand-in takes only arguments the real operator's schema
-    (DALI 2.4 `decoders__Video`) has, and its `frames` as the real one does: any order, repeats,
-    past the end padded with zero frames (`pad_mode="constant"`, the default, checked on the CPU
-    decoder); a negative index raises (the schema says indices must be non-negative). Each
-    decode is logged as ("nvdec", key, width, height, thread, frames). Returns the operator's argument
-    sets, one dict per graph built."""
+def fake_mixed_video_op(gpu: FakeGPU, table: dict | None, ops: list[dict]) -> Any:
+    """`fn.decoders.video` with `device="mixed"` as a CPU operator of DALI's CPU backend: it takes
+    only arguments the real operator's schema (DALI 2.4 `decoders__Video`) has, decodes with PyAV
+    after `nvdec_check`, and takes its `frames` as the real one does (any order, repeats, past the
+    end padded with zero frames; a negative index raises). Each decode is logged in `gpu.log` as
+    ("nvdec", key, width, height, thread, frames), each operator's arguments appended to `ops`;
+    other devices go to the real operator."""
     import io
 
     from nvidia.dali import backend, fn
 
-    from gdsload.decode import video
-
     real_video = fn.decoders.video
     allowed = set(backend.GetSchema("decoders__Video").GetArgumentNames()) | {"device", "name", "seed"}
-    ops: list[dict] = []
 
     def decode(enc: np.ndarray, frames: np.ndarray) -> np.ndarray:
         import av
@@ -973,6 +967,27 @@ def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPP
             raise AssertionError("fake mixed video decoder: one encoded input and `frames` expected")
         ops.append({k: v for k, v in kw.items() if k != "frames"})
         return fn.python_function(inputs[0], kw["frames"], function=decode, num_outputs=1, output_layouts="FHWC")
+
+    return mixed_video
+
+
+def dali_video_mixed_on_cpu(monkeypatch, gpu: FakeGPU, table: dict | None = HOPPER_NVDEC) -> list[dict]:
+    """`VideoDecoder(device="mixed")` with its real mixed graph (`_gpu_graph`: resize, crop/mirror/
+    normalise, reshape/transpose) built by DALI's CPU backend, `fn.decoders.video(device="mixed")`
+    standing in as a CPU operator that decodes with PyAV after `nvdec_check`, and the output handed
+    back as a `FakeTensorListGPU`. The stand-in takes only arguments the real operator's schema
+    (DALI 2.4 `decoders__Video`) has, and its `frames` as the real one does: any order, repeats,
+    past the end padded with zero frames (`pad_mode="constant"`, the default, checked on the CPU
+    decoder); a negative index raises (the schema says indices must be non-negative). Each
+    decode is logged as ("nvdec", key, width, height, thread, frames). Returns the operator's argument
+    sets, one dict per graph built."""
+    from nvidia.dali import fn
+
+    from gdsload.decode import video
+
+    real_video = fn.decoders.video
+    ops: list[dict] = []
+    mixed_video = fake_mixed_video_op(gpu, table, ops)
 
     def _build_gpu(self, row_shape):
         monkeypatch.setattr(fn.decoders, "video", mixed_video)

@@ -15,7 +15,6 @@ shapes. What the fakes do not show: NVDEC's real speed, its frame numbering on o
 
 from __future__ import annotations
 
-import io
 import threading
 from pathlib import Path
 
@@ -48,36 +47,13 @@ class Recorder:
 
 def fake_nvdec(monkeypatch, table=gpu_fakes.HOPPER_NVDEC):
     """A GPU (CuPy, torch's CUDA calls), the NVDEC probe answering from `table`, and the pass's
-    mixed pipeline on DALI's CPU backend; returns (gpu, the decodes: (key, w, h, frames asked))."""
+    mixed pipeline on DALI's CPU backend; returns (gpu, a function giving the decodes so far: (key, w, h, frames asked))."""
     gpu = gpu_fakes.install(monkeypatch, devices=1, kvikio=False, torch_cuda=True)
     gpu_fakes.install_nvdec(monkeypatch, table)
-    from nvidia.dali import backend, fn
+    from nvidia.dali import fn
 
     real_video = fn.decoders.video
-    allowed = set(backend.GetSchema("decoders__Video").GetArgumentNames()) | {"device", "name", "seed"}
-    decodes: list[tuple] = []
-
-    def decode(enc: np.ndarray, frames: np.ndarray) -> np.ndarray:
-        import av
-
-        frames = np.asarray(frames)
-        if (frames < 0).any():
-            raise RuntimeError(f"[fake DALI] frame indices must be non-negative, got {frames.tolist()}")
-        with av.open(io.BytesIO(np.asarray(enc).tobytes())) as c:
-            cc = c.streams.video[0].codec_context
-            key = gpu_fakes.nvdec_check(table, cc.name, cc.pix_fmt or "", int(cc.width), int(cc.height))
-            decoded = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
-        decodes.append((key, int(cc.width), int(cc.height), tuple(int(i) for i in frames)))
-        pad = np.zeros_like(decoded[0])  # past the end: zero frames (pad_mode="constant")
-        return np.stack([decoded[int(i)] if i < len(decoded) else pad for i in frames])
-
-    def mixed_video(*inputs, device="cpu", **kw):
-        if device != "mixed":
-            return real_video(*inputs, device=device, **kw)
-        unknown = set(kw) - allowed
-        if unknown:
-            raise TypeError(f"[fake DALI] decoders.video got unexpected keyword argument(s) {sorted(unknown)}")
-        return fn.python_function(inputs[0], kw["frames"], function=decode, num_outputs=1, output_layouts="FHWC")
+    mixed_video = gpu_fakes.fake_mixed_video_op(gpu, table, [])
 
     def build(self, resize):
         monkeypatch.setattr(fn.decoders, "video", mixed_video)
@@ -89,6 +65,9 @@ def fake_nvdec(monkeypatch, table=gpu_fakes.HOPPER_NVDEC):
         return gpu_fakes.FakeMixedPipeline(gpu, pipe, self.device_id)
 
     monkeypatch.setattr(pgpu.NvdecFrames, "_build", build)
+    def decodes() -> list[tuple]:  # (key, w, h, frames asked) of each NVDEC decode so far
+        return [(e[1], e[2], e[3], e[5]) for e in gpu.log if e[0] == "nvdec"]
+
     return gpu, decodes
 
 
@@ -125,7 +104,7 @@ def test_nvdec_frames_reach_fn_on_the_device_and_equal_the_cpu_frames(media_src:
         assert np.array_equal(g[k][1], c[k][1]), k
         assert np.array_equal(g[k][0], c[k][0]), k
     assert [b["__key__"] for b in rec.batches] == [b["__key__"] for b in cpu.batches]  # the same batch cuts
-    v1 = [d for d in decodes if d[3] and d[1] == 160][1]  # the VFR video: frames repeat by time
+    v1 = [d for d in decodes() if d[3] and d[1] == 160][1]  # the VFR video: frames repeat by time
     assert len(set(v1[3])) < len(v1[3])
     assert any(e[0] == "dali_copy" for e in gpu.log)
 
@@ -155,7 +134,7 @@ def test_members_nvdec_does_not_take_go_to_the_cpu_path_still_on_the_device(medi
     _, decodes = fake_nvdec(monkeypatch, table)
     rec = Recorder()
     got = gdsload.process(media_src, tmp_path / "gpu", rec, frames=(2.5, 4), batch_size=3, fields=["mp4"])
-    assert got["routes"] == {"cpu": 6} and decodes == []
+    assert got["routes"] == {"cpu": 6} and decodes() == []
     assert all(b["frames_type"][1] is True for b in rec.batches)
     g, c = _frames(rec.batches), _frames(cpu.batches)
     assert list(g) == list(c) and all(np.array_equal(g[k][0], c[k][0]) for k in c)
