@@ -20,13 +20,23 @@ elements: 10-60 times the chi-square of a uniform draw), ``pi(x)`` is instead th
 ``mix(key) ^ (j + 1) * 0xD1B54A32D192ED03``: a permutation as uniform as the hash. Only wrapping
 uint64 arithmetic: the result depends on nothing but (x, n, key), never on NumPy's random
 generators. ``n <= 1`` is the identity.
+
+Evaluation (free to change, the values may not: `tests/plan/test_order2_frozen.py` holds the
+algorithm as first written and compares): `permute_grouped` takes per-group sizes and keys and a
+group per element, so what depends only on ``(n, key)`` (the six round keys, bit lengths, shifts,
+masks, a small permutation's whole table) is computed once per group and gathered; order 2 asks
+with groups of rounds and of shards. In the network ``F_i``'s top-bits shift already leaves fewer
+bits than the part it XORs (both parts have 3 bits or more past `SMALL`), so no mask is applied
+per round, and the rounds run in place.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["ROUNDS", "mix64", "permute"]
+__all__ = ["ROUNDS", "mix64", "permutation_tables", "permute", "permute_grouped", "subkeys", "table_sizes"]
 
 ROUNDS = 6
 SMALL = 32  # up to this many elements, ranks of hashes instead of the network
@@ -34,25 +44,44 @@ _SMALL_STEP = np.uint64(0xD1B54A32D192ED03)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_STEPS = [np.uint64((i + 1) * int(_GOLDEN) % 2**64) for i in range(ROUNDS)]  # round i's key offset
+_HASH_STEPS = (np.arange(SMALL, dtype=np.uint64) + np.uint64(1)) * _SMALL_STEP  # _ranks' (j + 1) * step
+_ONES = np.uint64(2**64 - 1)
+_STEP_ROW = np.array(_STEPS, np.uint64)[None, :]
+_ONE_PASS = 8192  # whole tables up to this many entries: one network pass (few entries: calls cost)
 
 
 def mix64(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, elementwise on a uint64 array (a bijection of 64-bit words)."""
     z = np.asarray(z, dtype=np.uint64)
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    t = z >> np.uint64(30)
+    t ^= z
+    t *= _M1
+    z = t >> np.uint64(27)
+    z ^= t
+    z *= _M2
+    t = z >> np.uint64(31)
+    t ^= z
+    return t
 
 
-def subkeys(key: int | np.uint64, index: np.ndarray) -> np.ndarray:
-    """Independent-looking 64-bit keys, one per `index` (int64 >= 0), derived from `key`."""
+def subkeys(key: int | np.uint64 | np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Independent-looking 64-bit keys, one per `index` (int64 >= 0), derived from `key` (one
+    key, or one per index)."""
     index = np.asarray(index, dtype=np.int64).astype(np.uint64)
-    return mix64(mix64(index * _GOLDEN + np.uint64(key)) ^ np.uint64(key))
+    key = np.asarray(key).astype(np.uint64)
+    index *= _GOLDEN
+    index += key
+    z = mix64(index)
+    z ^= key
+    return mix64(z)
 
 
 def _bit_length(v: np.ndarray) -> np.ndarray:
-    """Exact bit lengths of int64 values >= 0 (no float rounding)."""
-    v = v.copy()
+    """Exact bit lengths of int64 values (0 for those <= 0; no float rounding)."""
+    v = np.maximum(v, 0)
+    if not len(v) or int(v.max()) < 2**53:  # exact in a double: its exponent
+        return np.frexp(v.astype(np.float64))[1].astype(np.int64)
     bits = np.zeros(v.shape, np.int64)
     for s in (32, 16, 8, 4, 2, 1):
         big = v >= (1 << s)
@@ -61,35 +90,151 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
     return bits + (v > 0)
 
 
-def _round(v: np.ndarray, k: np.ndarray, shift: np.ndarray) -> np.ndarray:
-    """``F_i(v)``: the top ``64 - shift`` bits of a multiply-xorshift-multiply hash of ``v ^ k``."""
-    z = (v ^ k) * _M1
-    z = (z ^ (z >> np.uint64(32))) * _M2
-    return z >> shift
+def table_sizes(n: np.ndarray) -> np.ndarray:
+    """Entries of `permutation_tables` per group of `n` elements: ``2**b`` past `SMALL` (the
+    network's domain, walked through), else ``n``."""
+    n = np.asarray(n, np.int64)
+    return np.where(n > SMALL, np.left_shift(1, _bit_length(n - 1)), np.maximum(n, 0))
 
 
-def _feistel(x: np.ndarray, high: np.ndarray, low: np.ndarray, keys: list[np.ndarray]) -> np.ndarray:
-    hi_mask = (np.uint64(1) << high) - np.uint64(1)
-    lo_mask = (np.uint64(1) << low) - np.uint64(1)
-    hi_shift = np.uint64(64) - np.maximum(high, np.uint64(1))
-    lo_shift = np.uint64(64) - np.maximum(low, np.uint64(1))
-    h, lo = x >> low, x & lo_mask
-    for i, k in enumerate(keys):
-        if i % 2 == 0:
-            h = h ^ (_round(lo, k, hi_shift) & hi_mask)
+def permutation_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Whole permutations, one per group (`n` int64 and `key` uint64 per group; `size`, their
+    `table_sizes` if known): ``(offset, table)`` with ``table[offset[g] + x] == permute(x, n[g],
+    key[g])`` for ``x < n[g]``. A group past `SMALL` costs ``2**b < 2n`` network evaluations, one
+    pass, its cycle walks then followed in the table: the cheaper way where most of a group's
+    elements are asked (no pass per walk step over the few still walking)."""
+    n, key = np.asarray(n, np.int64), np.asarray(key).astype(np.uint64)
+    size = table_sizes(n) if size is None else size
+    big, small, one = n > SMALL, (n > 1) & (n <= SMALL), n == 1
+    if big.all():
+        return np.cumsum(size) - size, _network_tables(n, key, size)
+    offset = np.zeros(len(n), np.int64)
+    parts = []  # the network's groups first, then the ranks', then the ones
+    start = 0
+    for kind in (big, small, one):
+        which = np.flatnonzero(kind)
+        if not len(which):
+            continue
+        ends = np.cumsum(size[which])
+        offset[which] = start + ends - size[which]
+        start += int(ends[-1])
+        if kind is big:
+            parts.append(_network_tables(n[which], key[which], size[which]))
+        elif kind is small:
+            parts.append(_rank_tables(n[which], key[which]))
         else:
-            lo = lo ^ (_round(h, k, lo_shift) & lo_mask)
-    return (h << low) | lo
+            parts.append(np.zeros(len(which), np.int64))
+    table = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return offset, table
 
 
-def _ranks(x: np.ndarray, n: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """``pi(x)`` for ``n <= SMALL``: the rank of ``h(x)`` among ``h(0..n-1)``, ties by index."""
-    j = np.arange(SMALL, dtype=np.uint64)
-    h = mix64(base[:, None] ^ ((j + np.uint64(1)) * _SMALL_STEP)[None, :])
-    h = np.where(j[None, :] < n[:, None].astype(np.uint64), h, np.uint64(2**64 - 1))
-    mine = h[np.arange(len(x)), x][:, None]
-    before = (h < mine) | ((h == mine) & (j[None, :] < x[:, None].astype(np.uint64)))
-    return before.sum(axis=1).astype(np.int64)
+def _rank_tables(n: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """The permutations of 2..`SMALL` elements, whole and end to end: ranks of ``h(j)`` (module
+    docstring; a stable sort breaks ties by index)."""
+    h = mix64(mix64(key)[:, None] ^ _HASH_STEPS[None, :])
+    inside = np.arange(SMALL)[None, :] < n[:, None]
+    h[~inside] = _ONES
+    order = np.argsort(h, axis=1, kind="stable")
+    ranks = np.empty(order.shape, np.int64)
+    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(SMALL, dtype=np.int64), order.shape), axis=1)
+    return ranks[inside]
+
+
+def _network_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """The network on all ``2**b`` values of each group (past `SMALL`), end to end, each value
+    below ``n`` then followed through the table until it lands below ``n`` (the cycle walk).
+    Up to `_ONE_PASS` entries, one pass with the keys spread per entry; more, one block per bit
+    length, a row per group (the keys broadcast along rows: less memory traffic)."""
+    bits = _bit_length(n - 1)
+    keys, shape = _network_keys(bits, key)
+    total = int(size.sum())
+    if total <= _ONE_PASS:
+        first = np.repeat(np.cumsum(size) - size, size)
+        local = np.arange(total, dtype=np.int64)
+        local -= first
+        if np.ndim(shape[0]):
+            shape = [np.repeat(a, size) for a in shape]
+        value = _feistel(local.astype(np.uint64), [np.repeat(k, size) for k in keys], *shape).view(np.int64)
+        limit = np.repeat(n, size)
+        at = np.flatnonzero((value >= limit) & (local < limit))  # the walks, by entry
+        return _walk(value, at, first[at], limit[at])
+    lengths = sorted(set(bits.tolist()))
+    out = np.empty(total, np.int64) if len(lengths) > 1 else None
+    start = np.cumsum(size) - size
+    for b in lengths:
+        rows = np.flatnonzero(bits == b) if out is not None else slice(None)
+        lw, hi = np.uint64(b >> 1), np.uint64((b + 1) >> 1)
+        local = np.arange(1 << b, dtype=np.uint64)
+        block = np.empty((len(n[rows]), 1 << b), np.uint64)
+        block[:] = local
+        value = _feistel(block, [k[rows, None] for k in keys], lw, (np.uint64(1) << lw) - np.uint64(1),
+                         np.uint64(64) - hi, np.uint64(64) - lw).view(np.int64)
+        limit = n[rows][:, None]
+        at = np.flatnonzero((value >= limit) & (local.view(np.int64) < limit))
+        walked = _walk(value.ravel(), at, (at >> b) << b, limit.ravel()[at >> b])
+        if out is None:
+            return walked
+        out[(start[rows][:, None] + local.view(np.int64)[None, :]).ravel()] = walked
+    return out
+
+
+def _walk(value: np.ndarray, at: np.ndarray, row_start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """`value` (a table of groups end to end, each entry's network value) with the entries
+    `at` (of groups starting at `row_start`, of `stop` elements) followed through the table
+    until they land below `stop`: array steps while many walk, then one by one."""
+    walked = value.copy()
+    while len(at) > 16:
+        again = value[row_start + walked[at]]
+        walked[at] = again
+        keep = again >= stop
+        at, row_start, stop = at[keep], row_start[keep], stop[keep]
+    for e, first, limit in zip(at.tolist(), row_start.tolist(), stop.tolist()):
+        v = int(walked[e])
+        while v >= limit:
+            v = int(value[first + v])
+        walked[e] = v
+    return walked
+
+
+def _network_keys(bits: np.ndarray, key: np.ndarray, used: np.ndarray | None = None) -> tuple[list[np.ndarray], list[Any]]:
+    """The six round keys per group (bit lengths `bits`, keys `key`), and ``low, lo_mask,
+    hi_shift, lo_shift`` per group (numpy scalars when all the groups `used` (None: all) have
+    one bit length)."""
+    every = mix64(mix64(key)[:, None] ^ _STEP_ROW)
+    keys = [every[:, i] for i in range(ROUNDS)]
+    these = bits if used is None else bits[used]
+    if len(these) and these.min() == these.max():  # one bit length: shifts and masks are scalars
+        b = int(these[0])
+        high, low = np.uint64((b + 1) >> 1), np.uint64(b >> 1)
+        return keys, [low, (np.uint64(1) << low) - np.uint64(1), np.uint64(64) - high, np.uint64(64) - low]
+    high, low = ((bits + 1) >> 1).astype(np.uint64), (bits >> 1).astype(np.uint64)
+    return keys, [low, (np.uint64(1) << low) - np.uint64(1), np.uint64(64) - high, np.uint64(64) - low]
+
+
+class _Groups:
+    """Which group each of `m` elements belongs to: ``index`` (an intp array), or runs of equal
+    groups in order (``counts`` per group: element arrays by `np.repeat`), or, with neither, one
+    group per element (``G == m``), or one group for all (``G == 1``: values broadcast)."""
+
+    def __init__(self, m: int, size: int, index: np.ndarray | None = None, counts: np.ndarray | None = None):
+        self.m, self.size, self.counts, self._index = m, size, counts, index
+
+    @property
+    def index(self) -> np.ndarray:
+        if self._index is None:
+            self._index = (np.zeros(self.m, np.intp) if self.size == 1 and self.counts is None
+                           else np.repeat(np.arange(self.size), self.counts if self.counts is not None else 1))
+        return self._index
+
+    def expand(self, a: np.ndarray, sel: np.ndarray | None = None) -> Any:
+        """The per-group values `a` per element (of `sel` only, when given)."""
+        if self.size == 1 and self._index is None and self.counts is None:
+            return a[0]
+        if sel is None:
+            if self.counts is not None:
+                return np.repeat(a, self.counts)
+            return a if self._index is None else a[self._index]
+        return a[sel] if self._index is None and self.counts is None else a[self.index[sel]]
 
 
 def permute(x: np.ndarray, n: np.ndarray | int, key: np.ndarray | int) -> np.ndarray:
@@ -97,28 +242,88 @@ def permute(x: np.ndarray, n: np.ndarray | int, key: np.ndarray | int) -> np.nda
 
     `x` must lie in ``[0, n)`` (not checked here: callers compute it); `n` up to ``2**62``.
     """
-    x, n, key = np.broadcast_arrays(np.asarray(x, np.int64), np.asarray(n, np.int64),
-                                    np.asarray(key).astype(np.uint64))
-    shape = x.shape
-    x, n, key = x.ravel(), n.ravel(), key.ravel()
-    out = x.copy()
-    small = np.flatnonzero((n > 1) & (n <= SMALL))
-    if len(small):
-        out[small] = _ranks(x[small], n[small], mix64(key[small]))
-    todo = np.flatnonzero(n > SMALL)
-    if not len(todo):
-        return out.reshape(shape)
-    bits = _bit_length(n[todo] - 1).astype(np.uint64)
-    high = (bits + np.uint64(1)) >> np.uint64(1)
-    low = bits >> np.uint64(1)
-    base = mix64(key[todo])
-    keys = [mix64(base ^ np.uint64((i + 1) * int(_GOLDEN) % 2**64)) for i in range(ROUNDS)]
-    value = _feistel(x[todo].astype(np.uint64), high, low, keys)
-    limit = n[todo].astype(np.uint64)
-    while True:
-        walk = np.flatnonzero(value >= limit)
-        if not len(walk):
-            break
-        value[walk] = _feistel(value[walk], high[walk], low[walk], [k[walk] for k in keys])
-    out[todo] = value.astype(np.int64)
-    return out.reshape(shape)
+    x = np.asarray(x, np.int64)
+    n, key = np.asarray(n, np.int64), np.asarray(key).astype(np.uint64)
+    if n.ndim == 0 and key.ndim == 0:  # one permutation for all
+        return permute_grouped(x.ravel(), n.reshape(1), key.reshape(1)).reshape(x.shape)
+    x, n, key = np.broadcast_arrays(x, n, key)
+    return permute_grouped(x.ravel(), n.ravel(), key.ravel()).reshape(x.shape)
+
+
+def permute_grouped(x: np.ndarray, n: np.ndarray, key: np.ndarray, *, index: np.ndarray | None = None,
+                    counts: np.ndarray | None = None) -> np.ndarray:
+    """`permute` of the int64 elements `x` (one dimension), element ``e`` in the permutation of
+    group ``g``: size ``n[g]``, key ``key[g]``. The groups: ``g = index[e]``; or `counts`, runs of
+    ``counts[g]`` elements of group ``g`` in order; or neither, ``g = e`` (``len(n) == len(x)``)
+    or, with one group, every element in it. A new int64 array."""
+    n = np.asarray(n, np.int64)
+    key = np.asarray(key).astype(np.uint64)
+    groups = _Groups(len(x), len(n), index, counts)
+    big = n > SMALL
+    if big.all():
+        return _network(x, n, key, groups, None)
+    out = np.array(x, np.int64)
+    small = (n > 1) & ~big
+    if small.any():
+        _small(out, x, n, key, groups, small)
+    if big.any():
+        sel = np.flatnonzero(groups.expand(big)) if groups.size > 1 else np.arange(len(x))
+        out[sel] = _network(x[sel], n, key, groups, sel)
+    return out
+
+
+def _small(out: np.ndarray, x: np.ndarray, n: np.ndarray, key: np.ndarray, groups: _Groups,
+           small: np.ndarray) -> None:
+    """``pi(x)`` for the elements of groups of 2..`SMALL` elements, into `out`: each such group's
+    whole permutation (`_rank_tables`), then one gather."""
+    which = np.flatnonzero(small)
+    start = np.zeros(len(n), np.int64)
+    start[which] = np.cumsum(n[which]) - n[which]
+    flat = _rank_tables(n[which], key[which])
+    sel = (np.flatnonzero(groups.expand(small)) if groups.size > 1 or groups.counts is not None
+           else np.arange(len(x)))
+    out[sel] = flat[groups.expand(start, sel) + x[sel]]
+
+
+def _network(x: np.ndarray, n: np.ndarray, key: np.ndarray, groups: _Groups,
+             sel: np.ndarray | None) -> np.ndarray:
+    """``pi(x)`` by the Feistel network and cycle walking, for elements `sel` of `groups` (all:
+    None) whose groups have more than `SMALL` elements; per-group values gathered per element."""
+    keys, shape = _network_keys(_bit_length(n - 1), key, np.flatnonzero(n > SMALL) if len(n) > 1 else None)
+    uniform = all(np.ndim(a) == 0 for a in shape)
+
+    def per_element(at: np.ndarray | None) -> tuple[list[Any], list[Any]]:
+        ks = [groups.expand(k, at) for k in keys]
+        return ks, shape if uniform else [groups.expand(a, at) for a in shape]
+
+    limit = n.astype(np.uint64)
+    ks, sh = per_element(sel)
+    value = _feistel(np.array(x, np.uint64), ks, *sh)
+    bad = np.flatnonzero(value >= groups.expand(limit, sel))
+    while len(bad):  # cycle walking: through the network again until below n
+        at = bad if sel is None else sel[bad]
+        ks, sh = per_element(at)
+        again = _feistel(value[bad], ks, *sh)
+        value[bad] = again
+        bad = bad[again >= groups.expand(limit, at)]
+    return value.view(np.int64)
+
+
+def _feistel(x: np.ndarray, keys: list[Any], low: Any, lo_mask: Any, hi_shift: Any, lo_shift: Any) -> np.ndarray:
+    """The network on uint64 `x` (consumed): even rounds ``high ^= F_i(low)``, odd ones
+    ``low ^= F_i(high)``, ``F_i(v)`` the top bits of ``((v ^ k_i) * M1 ^ (... >> 32)) * M2``."""
+    h = np.right_shift(x, low)
+    lo = np.bitwise_and(x, lo_mask, out=x)
+    t, u = np.empty_like(h), np.empty_like(h)
+    s32 = np.uint64(32)
+    for i, k in enumerate(keys):
+        src, dst, shift = (lo, h, hi_shift) if i % 2 == 0 else (h, lo, lo_shift)
+        np.bitwise_xor(src, k, out=t)
+        np.multiply(t, _M1, out=t)
+        np.right_shift(t, s32, out=u)
+        np.bitwise_xor(t, u, out=t)
+        np.multiply(t, _M2, out=t)
+        np.right_shift(t, shift, out=t)
+        np.bitwise_xor(dst, t, out=dst)
+    np.left_shift(h, low, out=h)
+    return np.bitwise_or(h, lo, out=h)

@@ -32,16 +32,18 @@ of few samples, and that cost per sample).
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numpy as np
 
 from gdsload.plan.pcg import raw_words
-from gdsload.plan.permute import permute, subkeys
+from gdsload.plan.permute import permutation_tables, permute_grouped, subkeys, table_sizes
 
 __all__ = ["WindowOrder", "sizes_key"]
 
 _DOMAIN = 0x706C616E  # "plan", as order 1; the version number (2) follows it in the seed
 _CELLS = 1 << 22  # most (rounds x window) cells one group of positions lays out at once
+_TABLE_ENTRIES = 32768  # whole permutations of up to this many entries (plus 2 per position) a call
 
 
 def sizes_key(sizes: tuple[int, ...]) -> str:
@@ -104,26 +106,50 @@ class WindowOrder:
         if not self.shuffle:
             return positions.copy()
         flat = positions.ravel()
-        seg = np.searchsorted(self.seg_pos, flat, side="right") - 1
-        size = self.seg_size[seg]
-        k, offset = np.divmod(flat - self.seg_pos[seg], size)
-        rounds = self.seg_round[seg] + k
-        out = np.empty(flat.shape, np.int64)
-        sort = np.argsort(rounds, kind="stable")
-        touched, first_of = np.unique(rounds[sort], return_index=True)
-        width = min(self.window, self.places)
-        per_group = max(1, _CELLS // width)
-        for g in range(0, len(touched), per_group):
-            lo = first_of[g]
-            hi = first_of[g + per_group] if g + per_group < len(touched) else len(sort)
-            sel = sort[lo:hi]
-            out[sel] = self._in_rounds(touched[g:g + per_group], rounds[sel], offset[sel], size[sel], width)
-        return out.reshape(positions.shape)
+        if len(flat) > 1 and not (flat[1:] >= flat[:-1]).all():  # evaluated in order, put back
+            sort = np.argsort(flat, kind="stable")
+            out = np.empty(flat.shape, np.int64)
+            out[sort] = self._ordered(flat[sort])
+            return out.reshape(positions.shape)
+        return self._ordered(flat).reshape(positions.shape)
 
-    def _in_rounds(self, touched: np.ndarray, rounds: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                   width: int) -> np.ndarray:
-        w, S = self.window, self.places
-        member = permute(offset, size, subkeys(self.round_key, rounds))
+    def _ordered(self, flat: np.ndarray) -> np.ndarray:
+        """`at` of increasing positions (repeats allowed): each round's positions are one run, so
+        per-round values spread by `np.repeat`, not by searches or sorts."""
+        m = len(flat)
+        if not m:
+            return np.empty(0, np.int64)
+        s0, s1 = np.searchsorted(self.seg_pos, flat[[0, -1]], side="right") - 1
+        if s0 == s1:  # one segment of equal rounds (most calls): scalars
+            size = self.seg_size[s0]
+            k, offset = np.divmod(flat - self.seg_pos[s0], size)
+            rounds = np.add(k, self.seg_round[s0], out=k)
+        else:
+            ends = np.searchsorted(flat, self.seg_pos[s0 + 1:s1 + 1])
+            per_seg = np.diff(ends, prepend=0, append=m)
+            k, offset = np.divmod(flat - np.repeat(self.seg_pos[s0:s1 + 1], per_seg),
+                                  np.repeat(self.seg_size[s0:s1 + 1], per_seg))
+            rounds = np.add(k, np.repeat(self.seg_round[s0:s1 + 1], per_seg), out=k)
+        starts = np.flatnonzero(rounds[1:] != rounds[:-1])
+        starts += 1
+        starts = np.concatenate(([0], starts, [m]))
+        width = min(self.window, self.places)
+        per_group = max(1, _CELLS // width)  # rounds laid out together: their lists cost R x width
+        if len(starts) - 1 <= per_group:
+            return self._in_rounds(rounds, offset, starts, width)
+        out = np.empty(m, np.int64)
+        for g in range(0, len(starts) - 1, per_group):
+            part = starts[g:g + per_group + 1]
+            a, b = part[0], part[-1]
+            out[a:b] = self._in_rounds(rounds[a:b], offset[a:b], part - a, width)
+        return out
+
+    def _in_rounds(self, rounds: np.ndarray, offset: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+        """The ids of positions in runs of rounds (run ``g``: elements ``starts[g]:starts[g + 1]``,
+        round `rounds` there, member `offset` of it before its bijection ``pi_r``)."""
+        w, S, m = self.window, self.places, len(rounds)
+        counts = np.diff(starts)
+        touched = rounds[starts[:-1]]
         # the round's canonical list: t ascending (place r - t), each ceil((n_p - t) / w) members;
         # the places of round r are those with 0 <= t < w and 0 <= r - t < S, at most `width`
         t_low = np.maximum(touched - (S - 1), 0)
@@ -133,12 +159,63 @@ class WindowOrder:
         n = self.counts[self.place_shard[np.clip(place, 0, S - 1)]]
         take = np.where(valid, np.maximum((n - t + w - 1) // w, 0), 0)
         ends = np.cumsum(take, axis=1)
-        row = np.searchsorted(touched, rounds)
-        stride = int(ends[:, -1].max()) + 1
-        flat_ends = (ends + (np.arange(len(touched), dtype=np.int64) * stride)[:, None]).ravel()
-        col = np.searchsorted(flat_ends, member + row * stride, side="right") - row * width
-        i = member - (ends[row, col] - take[row, col])
-        tt = t_low[row] + col
-        shard = self.place_shard[rounds - tt]
-        j = tt + w * i
-        return self.first[shard] + permute(j, self.counts[shard], subkeys(self.sample_key, shard))
+        # the places these rounds draw from: a range (per place there, if no longer than the
+        # positions; else per position)
+        low, high = max(int(touched[0] - t_low[0]) - width + 1, 0), min(int(touched[-1] - t_low[-1]), S - 1)
+        shards = self.place_shard[low:high + 1] if high - low + 1 <= m else None
+        member, sigma = self._bijections(offset, counts, touched, ends[:, -1], shards)
+        # the member's place in the list: col = how many of its round's list ends are <= member
+        row_start = np.repeat(np.arange(0, len(touched) * width, width, dtype=np.int64), counts)
+        if width <= 8:
+            col = np.zeros(m, np.int64)
+            for c in range(width - 1):
+                np.add(col, member >= np.repeat(ends[:, c], counts), out=col)
+            cell = col + row_start
+        else:
+            stride = int(ends[:, -1].max()) + 1
+            flat_ends = (ends + (np.arange(len(touched), dtype=np.int64) * stride)[:, None]).ravel()
+            cell = np.searchsorted(flat_ends, member + np.repeat(np.arange(len(touched)) * stride, counts),
+                                   side="right")
+            col = cell - row_start
+        i = member - (ends - take).ravel()[cell]
+        tt = np.repeat(t_low, counts) + col
+        where = rounds - tt  # the sample's place; j, its rank in the shard's dealing
+        j = np.multiply(i, w, out=i)
+        j += tt
+        if shards is None:
+            shard = self.place_shard[where]
+            ids = permute_grouped(j, self.counts[shard], subkeys(self.sample_key, shard))
+            ids += self.first[shard]
+            return ids
+        where -= low
+        return sigma(j, where)
+
+    def _bijections(self, offset: np.ndarray, counts: np.ndarray, touched: np.ndarray, size: np.ndarray,
+                    shards: np.ndarray | None) -> tuple[np.ndarray, Any]:
+        """``pi_r(offset)`` for the runs of rounds `touched` (`counts` positions each, `size`
+        members), and ``sigma(j, place)`` giving ``first[shard] + sigma_shard(j)`` for the shards
+        `shards` (by place in that range): by whole tables where they cost at most about what
+        the positions do (`permutation_tables`), else per position."""
+        m, R = len(offset), len(touched)
+        n = size if shards is None else np.concatenate((size, self.counts[shards]))
+        which = np.concatenate((touched, shards)) if shards is not None else touched
+        key = np.full(len(which), self.round_key, np.uint64)
+        key[R:] = self.sample_key
+        keys = subkeys(key, which)
+        entries = table_sizes(n)
+        budget = _TABLE_ENTRIES + 2 * m
+        by_rounds = int(entries[:R].sum()) <= budget
+        by_places = shards is not None and int(entries[R:].sum()) <= budget
+        tabled = slice(0 if by_rounds else R, len(n) if by_places else R)
+        offsets, table = permutation_tables(n[tabled], keys[tabled], entries[tabled])
+        if by_rounds:
+            member = table[np.repeat(offsets[:R], counts) + offset]
+        else:
+            member = permute_grouped(offset, size, keys[:R], counts=counts)
+        if shards is None:
+            return member, None
+        first = self.first[shards]
+        if by_places:
+            at = offsets[-len(shards):]
+            return member, lambda j, place: table[at[place] + j] + first[place]
+        return member, lambda j, place: permute_grouped(j, n[R:], keys[R:], index=place) + first[place]
