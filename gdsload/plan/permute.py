@@ -47,7 +47,9 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _STEPS = [np.uint64((i + 1) * int(_GOLDEN) % 2**64) for i in range(ROUNDS)]  # round i's key offset
 _HASH_STEPS = (np.arange(SMALL, dtype=np.uint64) + np.uint64(1)) * _SMALL_STEP  # _ranks' (j + 1) * step
 _ONES = np.uint64(2**64 - 1)
-_STEP_ROW = np.array(_STEPS, np.uint64)[None, :]
+_STEP_COLUMN = np.array(_STEPS, np.uint64)[:, None]
+_M1_INT, _M2_INT, _MASK64 = int(_M1), int(_M2), 2**64 - 1
+_FEW = 8  # cycle walks left to this many elements: finished one by one in Python integers
 _ONE_PASS = 8192  # whole tables up to this many entries: one network pass (few entries: calls cost)
 
 
@@ -183,7 +185,7 @@ def _walk(value: np.ndarray, at: np.ndarray, row_start: np.ndarray, stop: np.nda
     `at` (of groups starting at `row_start`, of `stop` elements) followed through the table
     until they land below `stop`: array steps while many walk, then one by one."""
     walked = value.copy()
-    while len(at) > 16:
+    while len(at) > 2 * _FEW:
         again = value[row_start + walked[at]]
         walked[at] = again
         keep = again >= stop
@@ -200,8 +202,8 @@ def _network_keys(bits: np.ndarray, key: np.ndarray, used: np.ndarray | None = N
     """The six round keys per group (bit lengths `bits`, keys `key`), and ``low, lo_mask,
     hi_shift, lo_shift`` per group (numpy scalars when all the groups `used` (None: all) have
     one bit length)."""
-    every = mix64(mix64(key)[:, None] ^ _STEP_ROW)
-    keys = [every[:, i] for i in range(ROUNDS)]
+    every = mix64(_STEP_COLUMN ^ mix64(key)[None, :])  # a row per round: contiguous keys
+    keys = list(every)
     these = bits if used is None else bits[used]
     if len(these) and these.min() == these.max():  # one bit length: shifts and masks are scalars
         b = int(these[0])
@@ -300,13 +302,37 @@ def _network(x: np.ndarray, n: np.ndarray, key: np.ndarray, groups: _Groups,
     ks, sh = per_element(sel)
     value = _feistel(np.array(x, np.uint64), ks, *sh)
     bad = np.flatnonzero(value >= groups.expand(limit, sel))
-    while len(bad):  # cycle walking: through the network again until below n
+    while len(bad) > _FEW:  # cycle walking: through the network again until below n
         at = bad if sel is None else sel[bad]
         ks, sh = per_element(at)
         again = _feistel(value[bad], ks, *sh)
         value[bad] = again
         bad = bad[again >= groups.expand(limit, at)]
+    if len(bad):  # the last few one by one (an array pass costs some 50 calls whatever its size)
+        at = bad if sel is None else sel[bad]
+        ks, sh = per_element(at)
+        ks = [np.broadcast_to(k, at.shape).tolist() for k in ks]
+        sh = [np.broadcast_to(a, at.shape).tolist() for a in sh]
+        stop = np.broadcast_to(groups.expand(limit, at), at.shape).tolist()
+        for e, v in enumerate(value[bad].tolist()):
+            keys_e, shape_e = [k[e] for k in ks], [a[e] for a in sh]
+            while v >= stop[e]:
+                v = _feistel_one(v, keys_e, *shape_e)
+            value[bad[e]] = v
     return value.view(np.int64)
+
+
+def _feistel_one(x: int, keys: list[int], low: int, lo_mask: int, hi_shift: int, lo_shift: int) -> int:
+    """`_feistel` of one value in Python integers (64-bit wrapping made explicit)."""
+    h, lo = x >> low, x & lo_mask
+    for i, k in enumerate(keys):
+        z = (((lo if i % 2 == 0 else h) ^ k) * _M1_INT) & _MASK64
+        z = ((z ^ (z >> 32)) * _M2_INT) & _MASK64
+        if i % 2 == 0:
+            h ^= z >> hi_shift
+        else:
+            lo ^= z >> lo_shift
+    return (h << low) | lo
 
 
 def _feistel(x: np.ndarray, keys: list[Any], low: Any, lo_mask: Any, hi_shift: Any, lo_shift: Any) -> np.ndarray:

@@ -23,10 +23,15 @@ most (equal shards: a few segments plus 24 bytes per shard). So invariants 3a an
 order 1 (at most ``w`` shards open at any position; any ``min(shard_sizes)`` consecutive positions
 draw from at most ``w + 1`` shards), and 3c (``window=1``: shards one after another, shuffled
 within); a window of at least the shard size with equal shards puts every shard in most rounds.
-A position costs a binary search over the segments, two keyed bijections and, per round touched,
-O(min(w, S)) for the round's list (rounds hold about ``min(w, S)`` samples or more when shards
-are of similar sizes; a few large shards among many tiny ones with a large window make rounds
-of few samples, and that cost per sample).
+A position costs, per call, a binary search over the segments (increasing positions: each round's
+positions are one run, its values spread by `np.repeat`; others are sorted first and put back),
+two keyed bijections and, per round touched, O(min(w, S)) for the round's list (rounds hold about
+``min(w, S)`` samples or more when shards are of similar sizes; a few large shards among many
+tiny ones with a large window make rounds of few samples, and that cost per sample). Where the
+whole permutations of the touched rounds and shards cost about what the positions do (consecutive
+positions: `PlanBatches`' chunks), they are computed as tables in one network pass
+(`gdsload.plan.permute.permutation_tables`), else per position; either gives the same ids, those
+of the first implementation (`tests/plan/test_order2_frozen.py` keeps a copy of it).
 """
 
 from __future__ import annotations
@@ -207,7 +212,8 @@ class WindowOrder:
         by_rounds = int(entries[:R].sum()) <= budget
         by_places = shards is not None and int(entries[R:].sum()) <= budget
         tabled = slice(0 if by_rounds else R, len(n) if by_places else R)
-        offsets, table = permutation_tables(n[tabled], keys[tabled], entries[tabled])
+        offsets, table = (permutation_tables(n[tabled], keys[tabled], entries[tabled])
+                          if by_rounds or by_places else (None, None))
         if by_rounds:
             member = table[np.repeat(offsets[:R], counts) + offset]
         else:

@@ -356,3 +356,30 @@ def test_plan_batches_are_unchanged():
         want = old.at(positions)
         got = np.concatenate(list(plan.batches(1)))
         assert np.array_equal(got, want[: len(got)])
+
+
+def test_whole_tables_and_groups_match_the_frozen_permute():
+    from gdsload.plan.permute import permutation_tables, permute_grouped
+
+    rng = np.random.default_rng(5)
+    for trial in range(30):  # sizes of one and of several bit lengths, tiny, one, empty; few and many entries
+        g = int(rng.integers(1, 40))
+        n = rng.choice(np.array([0, 1, 2, 5, 32, 33, 64, 65, 100, 129, 255, 256, 257, 1000, 3000, 9000]), g)
+        if trial % 3 == 0:
+            n = np.full(g, int(rng.integers(33, 5000)))
+        key = rng.integers(0, 2**64, g, dtype=np.uint64)
+        offset, table = permutation_tables(n, key)
+        for k in range(g):
+            if n[k]:
+                whole = np.arange(n[k])
+                assert np.array_equal(table[offset[k] + whole], ref_permute(whole, int(n[k]), key[k])), (n[k], trial)
+        nz = np.flatnonzero(n)
+        if not len(nz):
+            continue
+        index = rng.choice(nz, 2000)  # elements of given groups, any order
+        x = (rng.random(2000) * n[index]).astype(np.int64)
+        want = ref_permute(x, n[index], key[index])
+        assert np.array_equal(permute_grouped(x, n, key, index=index), want)
+        order = np.argsort(index, kind="stable")  # the same elements as runs of groups
+        counts = np.bincount(index, minlength=g)
+        assert np.array_equal(permute_grouped(x[order], n, key, counts=counts), want[order])
