@@ -214,7 +214,7 @@ def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots
     real = server_bulk.BulkSink.send
     cut = threading.Event()
 
-    def send_then_cut(self, frames):
+    def send_then_cut(self, frames, progress=None):
         if not cut.is_set():
             pieces = next(iter(frames))
             cut.set()
@@ -222,7 +222,7 @@ def test_a_connection_cut_inside_a_message_is_a_retried_stream(big_server, roots
             head = memoryview(pieces[0]).nbytes
             self.conn.sendall(framing.FRAME.pack(len(whole), head) + whole[: head + (len(whole) - head) // 2])
             raise server_bulk.ClientGone("cut by the test")
-        return real(self, frames)
+        return real(self, frames, progress)
 
     monkeypatch.setattr(server_bulk.BulkSink, "send", send_then_cut)
     want = [b["__key__"] for b in DataLoader(str(roots / "feats"), batch_size=32, output="numpy")]

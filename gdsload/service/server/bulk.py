@@ -11,7 +11,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gdsload.errors import CorruptDataError, StorageError
@@ -335,7 +335,7 @@ class BulkSink:
         self._done = False
         self._on_done = on_done  # (sink, reuse): the listener takes the connection back, or forgets it
 
-    def send(self, frames: Iterable[Sequence[Any]]) -> None:
+    def send(self, frames: Iterable[Sequence[Any]], progress: Callable[[], None] | None = None) -> None:
         """Write messages, each a list of buffers whose concatenation is one serialized BatchChunk
         and whose first buffer is its head (everything before the value of `data`, which is the
         message's last field: `wire.encode_frames`' layout), framed with their lengths, straight
@@ -343,9 +343,12 @@ class BulkSink:
 
         The buffers between stored members go with one `sendmsg`, each run of members with one
         `_sendfiles` (a raw stored batch is a piece per member: no Python call per member but
-        `os.sendfile`)."""
+        `os.sendfile`). `progress`, when given, is called per message and per stored member
+        (`priority.Turn.progress`)."""
         span = wire.FileSpan
         for pieces in frames:
+            if progress is not None:
+                progress()
             views = [p if type(p) is span else memoryview(p).cast("B") for p in pieces]
             n = sum([v.nbytes for v in views])
             views.insert(0, memoryview(FRAME.pack(n, views[0].nbytes)))
@@ -360,18 +363,20 @@ class BulkSink:
                 start = i
                 while i < end and type(views[i]) is span:
                     i += 1
-                self._sendfiles(views[start:i])
+                self._sendfiles(views[start:i], progress)
                 start = i
             if start < end:
                 self._sendmsg(views[start:])
 
-    def _sendfiles(self, spans: list[wire.FileSpan]) -> None:
+    def _sendfiles(self, spans: list[wire.FileSpan], progress: Callable[[], None] | None = None) -> None:
         """Write each span's bytes from its file (the page cache's pages go to the socket: no copy
         here). A file shorter than a span is a `CorruptDataError` naming it; the connection is
         then cut mid-message, so the client takes the call's status, never a short batch."""
         out = self.conn.fileno()
         sendfile = os.sendfile
         for fd, off, n in spans:
+            if progress is not None:
+                progress()
             while n:
                 try:
                     k = sendfile(out, fd, off, n)

@@ -20,11 +20,12 @@ USE_SPAN_S = 10.0
 class Job:
     """One job on this server (every stream with its key: `priority.Arbiter.enter`)."""
 
-    used: float = 0.0  # seconds of making batches
+    used: float = 0.0  # seconds of making and sending batches
     last: float = 0.0  # when it was last granted a slot
     asked: float = 0.0  # when one of its streams last asked for a slot
     period: float = 0.0  # the gap between its asks (a moving average; 0: not known yet)
-    cost: float = 0.0  # the seconds a batch of it takes (a moving average; 0: not known yet)
+    cost: float = 0.0  # the seconds a batch of it takes, made and sent (a moving average; 0: not known yet)
+    send: float = 0.0  # the seconds a batch of it takes to send (a moving average)
     streams: int = 0
     left: float = 0.0  # when its last stream left
 
@@ -34,8 +35,15 @@ class Job:
         self.asked = now
 
     def made(self, took: float) -> None:
+        """A slot's use that sent nothing (the source ended or waits for memory)."""
         self.used += took
         self.cost = average(self.cost, took)
+
+    def sent(self, made: float, took: float) -> None:
+        """A batch that took `made` seconds to make (charged then) was sent in `took`."""
+        self.used += took
+        self.cost = average(self.cost, made + took)
+        self.send = average(self.send, took)
 
 
 def average(mean: float, sample: float) -> float:
@@ -79,6 +87,12 @@ class Levels:
             if counter is None:
                 counter = self.counters[level] = self.metrics.priority_batches.labels(str(level))
             counter.inc()
+
+    def busy(self, level: int, took: float, now: float) -> None:
+        """`level` spent `took` more seconds on a batch counted by `made` (its send)."""
+        lv = self.add(level)
+        lv.busy_s += took
+        lv.recent.append((now, took))
 
     def paused(self, level: int, took: float) -> None:
         """A stream of `level` was paused `took` seconds."""

@@ -2,12 +2,22 @@
 
 A server makes at most `slots` batches at once (`--batch-slots`, default its cores). Each stream
 (`Arbiter.enter(job, priority, group)`, one `Turn`) asks for a slot at each batch boundary
-(`Turn.wait`), holds it while its source makes the batch (`Turn.made` gives it back, charging the
-seconds to its job) and then sends it (`Turn.sent`). The rules, in this order:
+(`Turn.wait`), holds it while its source makes the batch (`Turn.made` gives it back), then may
+send it (`Turn.may_send`) and sends it (`Turn.sent`: the batch's seconds, its making and its
+sending, are charged to its job). The rules, in this order:
 
 1. **Strict priority between levels.** A stream waits while a stream of a higher level *wants*
-   the server: it is waiting for a slot, making a batch, or sent its last batch less than
-   `RETURN_S` ago (a stream whose client reads at once asks again within microseconds). A higher
+   the server: it is waiting for a slot, making a batch, sending one (and its bytes moved less
+   than `RETURN_S` ago), or sent its last batch less than `RETURN_S` ago (a stream whose client
+   reads at once asks again within microseconds). The rule holds for sending too: a lower
+   stream's batch, once made, waits before its send while a higher stream wants the server
+   (`Turn.may_send`; it is then paused, its batch kept). Sending is most of a raw batch's cost
+   (a stored batch of 3.4 MB: 0.4 ms of the stream thread's CPU to make, 2.4 ms to write to the
+   bulk socket), so three lower streams' sends would otherwise take most of a server limited to
+   a twentieth of a core while the higher stream's batches waited. A stream that sends reports
+   its progress (`Turn.progress`, per member on the bulk connection, per message in gRPC) while
+   a lower level is present; a send that moved nothing for `RETURN_S` is blocked by its client,
+   and the higher stream wants nothing while it is. A higher
    stream blocked in its send for longer (its client does not read: gRPC flow control, or the
    bulk socket full) wants nothing now, so lower streams run meanwhile, but only a batch that
    ends before the higher job is expected back (*backfill*): each job's pace is measured (the
@@ -27,8 +37,9 @@ seconds to its job) and then sends it (`Turn.sent`). The rules, in this order:
    least-served job already there (it does not get the time it was absent); a job whose streams
    all ended keeps its seconds for `FORGET_S` (a striping client's next block is a new stream:
    it comes back to its own share, not to the least-served job's). The seconds a batch
-   takes (from the grant to the batch's frames ready: the wait for its loader and its encoding)
-   are its cost, so a decoded batch counts for what it took, not as one batch.
+   takes (from the grant to the batch's frames ready: the wait for its loader and its encoding;
+   then from the start of its send to its end) are its cost, so a decoded batch counts for what
+   it took, not as one batch, and a raw one for its send too.
 3. **A share group runs at its highest member's priority** (`group`: the share group's key).
 
 A request that declared it understands pauses (`BatchRequest.understands_pause`) is told: while
@@ -56,89 +67,17 @@ call's end and the server's drain make come at once (`Turn.wake`, `Arbiter.wake_
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from gdsload.service.server.levels import Job, Levels
+from gdsload.service.server.turn import (FORGET_S, HELD, IDLE, MAKING, NOTICE_S, POLL_S, RETURN_S, SENDING,
+                                         WAITING, Turn)
 from gdsload.v1 import feed_pb2 as pb
 
-#: A stream that sent its batch less than this ago still wants the server (it asks again at once).
-RETURN_S = 0.05
-#: How often a paused stream that understands pauses is told so.
-NOTICE_S = 1.0
-#: Longest wait of a stream between looks at its stop condition (a change in the arbiter wakes
-#: the streams it concerns at once: `Arbiter._settle`).
-POLL_S = 0.25
-#: How long a job with no stream keeps its seconds: a striping client's next block (a new stream)
-#: comes back to its share, not to the least-served job's.
-FORGET_S = 5.0
-_WAITING, _MAKING, _SENDING, _IDLE = "waiting", "making", "sending", "idle"
-
-
-class Turn:
-    """One stream's place in the arbiter (see the module docstring). Used by the stream's thread
-    only; `leave()` once, when the stream ends."""
-
-    _ids = itertools.count()
-
-    def __init__(self, arbiter: Arbiter, job: tuple, priority: int, group: Any, notices: bool):
-        self.arbiter, self.job, self.priority, self.group, self.notices = arbiter, job, priority, group, notices
-        self.id = next(self._ids)
-        self.state = _IDLE
-        self.since = arbiter.clock()  # when it entered its state
-        self.asked = self.since  # when it began to wait
-        self.granted = 0.0
-        self.paused_since: float | None = None
-        self.paused_by = 0
-        self.paused_s = 0.0  # in all
-        self.pauses = 0
-        self.noticed = 0.0  # when it was last told it is paused
-        self.memory = False  # its source waits for memory that higher work holds
-        self.release: Callable[[], int] | None = None  # suspend its source (`sources.LoaderSource.suspend`)
-        self.cv = threading.Condition(arbiter.lock)  # its own: woken only when it has something to do
-
-    def wait(self, stop: Callable[[], bool]) -> bytes | bool | None:
-        """Wait for a slot: None when granted (make the batch, then `made()`), a pause notice to
-        send (then call again), or False when `stop()` became true."""
-        return self.arbiter.wait(self, stop)
-
-    def made(self, memory_wait: bool = False) -> None:
-        """The batch is made (or the source ended): the slot is free, its seconds charged.
-        `memory_wait`: no batch, the source waits for memory (`sources.MEMORY_WAIT`): it stays
-        paused (`memory_notice`)."""
-        self.arbiter.made(self, memory_wait)
-
-    def memory_notice(self) -> bytes | None:
-        """(Waiting for memory) the pause notice to send, if due."""
-        return self.arbiter.memory_notice(self)
-
-    def sent(self) -> None:
-        self.arbiter.sent(self)
-
-    def wake(self) -> None:
-        """Look at the stop condition now (the call ended: `grpc.ServicerContext.add_callback`)."""
-        with self.arbiter.lock:
-            self.cv.notify()
-
-    # -- read without the arbiter's lock (the decode pool's order: `pool.DecodePool`) ---------------
-    def level(self) -> int:
-        """Its level now: its priority, or its share group's highest (`Arbiter.group_levels`)."""
-        return self.priority if self.group is None else self.arbiter.group_levels.get(self.group, self.priority)
-
-    def making(self) -> bool:
-        """Whether it holds a batch slot (granted, its batch not made yet)."""
-        return self.state is _MAKING
-
-    def wanting(self) -> bool:
-        """Whether it wants the server now (`Arbiter.wants`: waiting, making, or just sent)."""
-        state, since = self.state, self.since
-        return state in (_WAITING, _MAKING) or self.arbiter.clock() - since < RETURN_S
-
-    def leave(self) -> None:
-        self.arbiter.leave(self)
+__all__ = ["Arbiter", "FORGET_S", "NOTICE_S", "POLL_S", "RETURN_S", "Turn"]
 
 
 class Arbiter:
@@ -156,6 +95,7 @@ class Arbiter:
         self.jobs: dict[tuple, Job] = {}
         self.levels = Levels(metrics)
         self.group_levels: dict[Any, int] = {}  # share group -> its highest priority (replaced, never changed)
+        self.top = self.bottom = 0  # the highest and lowest level of its streams (read without the lock)
         self.grants: collections.deque = collections.deque(maxlen=100_000)
 
     # -- streams -----------------------------------------------------------------------------------
@@ -186,7 +126,7 @@ class Arbiter:
                 return
             self._unpause(t, self.clock())
             del self.turns[t.id]
-            if t.state is _MAKING:
+            if t.state is MAKING:
                 self.busy -= 1
             self._publish_groups()
             j = self.jobs.get(t.job)
@@ -209,6 +149,8 @@ class Arbiter:
             if o.group is not None:
                 levels[o.group] = max(levels.get(o.group, o.priority), o.priority)
         self.group_levels = levels
+        present = [self.level_of(o) for o in self.turns.values()]
+        self.top, self.bottom = max(present, default=0), min(present, default=0)
 
     def _forget(self, now: float) -> None:
         """Drop the jobs with no stream for `FORGET_S` (the lock is held)."""
@@ -221,16 +163,18 @@ class Arbiter:
 
     def wants(self, t: Turn, now: float) -> bool:
         """Whether `t` wants the server now (rule 1)."""
-        if t.state in (_WAITING, _MAKING):
+        if t.state is WAITING or t.state is MAKING:
             return True
-        return now - t.since < RETURN_S  # just sent (or just opened): it asks again at once
+        if t.state is HELD:
+            return False
+        return now - t.since < RETURN_S  # sending, or just sent (or just opened): it asks again at once
 
     # -- a batch boundary --------------------------------------------------------------------------
     def wait(self, t: Turn, stop: Callable[[], bool]) -> bytes | bool | None:
         with self.lock:
             now = self.clock()
-            if t.state is not _WAITING:
-                t.state, t.since, t.asked = _WAITING, now, now
+            if t.state is not WAITING:
+                t.state, t.since, t.asked = WAITING, now, now
                 j = self.jobs.get(t.job)
                 if j is not None:
                     j.ask(now)
@@ -239,7 +183,7 @@ class Arbiter:
             while True:
                 if stop():  # (it no longer waits, nor wants the server)
                     self._unpause(t, now)
-                    t.state, t.since = _IDLE, now - RETURN_S
+                    t.state, t.since = IDLE, now - RETURN_S
                     self._gauges()
                     self._settle(now)
                     return False
@@ -267,9 +211,9 @@ class Arbiter:
         """Whether `o` (of a higher level) holds back a lower stream whose batch takes `cost`
         seconds (rule 1: it wants the server, or its job asks again before that batch would end),
         and until when (None: until `o` changes state)."""
-        if o.state is _WAITING or o.state is _MAKING:
+        if o.state is WAITING or o.state is MAKING:
             return True, None
-        if now - o.since < RETURN_S:
+        if o.state is not HELD and now - o.since < RETURN_S:
             return True, o.since + RETURN_S
         due = self._due(o, now)
         if due is not None and due < now + cost:
@@ -286,12 +230,13 @@ class Arbiter:
         due = j.asked + j.period
         return due if now < due + j.period else None
 
-    def _above(self, t: Turn, mine: int, now: float) -> tuple[int | None, float | None]:
-        """The highest level above `mine` that holds `t` back (`_holds`), and, when nothing
-        above holds it for longer than a known time, when the last of those times ends
-        (else None)."""
+    def _above(self, t: Turn, mine: int, now: float, cost: float | None = None) -> tuple[int | None, float | None]:
+        """The highest level above `mine` that holds `t` back (`_holds`; `cost`: of what `t`
+        would do, default its job's batch), and, when nothing above holds it for longer than a
+        known time, when the last of those times ends (else None)."""
         above, until, hard = None, None, False
-        cost = self.jobs[t.job].cost if t.job in self.jobs else 0.0
+        if cost is None:
+            cost = self.jobs[t.job].cost if t.job in self.jobs else 0.0
         for o in self.turns.values():
             if o is t:
                 continue
@@ -326,7 +271,11 @@ class Arbiter:
                     soon.append((level, due))
         first = None
         for o in self.turns.values():
-            if o.state is not _WAITING:
+            if o.state is HELD:  # a made batch waiting to be sent: it looks again when nothing above wants
+                if top is None or self.level_of(o) >= top:
+                    o.cv.notify()
+                continue
+            if o.state is not WAITING:
                 continue
             level = self.level_of(o)
             by = top if top is not None and level < top else None
@@ -352,7 +301,7 @@ class Arbiter:
         """The waiting stream of `level` whose job comes next (rule 2)."""
         best, key = None, None
         for o in self.turns.values():
-            if o.state is not _WAITING or self.level_of(o) != level:
+            if o.state is not WAITING or self.level_of(o) != level:
                 continue
             j = self.jobs[o.job]
             k = (j.used, j.last, o.asked, o.id)
@@ -361,9 +310,9 @@ class Arbiter:
         return best
 
     def _grant(self, t: Turn, level: int, now: float) -> None:
-        waiting = [self.level_of(o) for o in self.turns.values() if o is not t and o.state is _WAITING]
+        waiting = [self.level_of(o) for o in self.turns.values() if o is not t and o.state is WAITING]
         self.grants.append((t.job, level, max(waiting, default=None)))
-        t.state, t.since, t.granted = _MAKING, now, now
+        t.state, t.since, t.granted = MAKING, now, now
         self.busy += 1
         self.jobs[t.job].last = now
         self._gauges()
@@ -371,9 +320,9 @@ class Arbiter:
             self._settle(now)
         return None
 
-    def made(self, t: Turn, memory_wait: bool = False) -> None:
+    def made(self, t: Turn, memory_wait: bool = False, batch: bool = False) -> None:
         with self.lock:
-            if t.state is not _MAKING:
+            if t.state is not MAKING:
                 return
             now = self.clock()
             if t.memory and not memory_wait:
@@ -385,18 +334,61 @@ class Arbiter:
                 t.noticed = 0.0
             took = now - t.granted
             self.busy -= 1
-            t.state, t.since = _SENDING, now
+            t.state, t.since, t.send_start = SENDING, now, now
             j = self.jobs.get(t.job)
-            if j is not None:
+            t.pending = took if batch else None
+            if batch:  # (its cost is known when it is sent)
+                if j is not None:
+                    j.used += took
+            elif j is not None:
                 j.made(took)
             self.levels.made(self.level_of(t), took, now)
             self._gauges()
             self._settle(now)
 
+    def may_send(self, t: Turn, stop: Callable[[], bool]) -> bytes | bool | None:
+        """(`Turn.may_send`) hold a made batch while a higher level wants the server (rule 1)."""
+        with self.lock:
+            now = self.clock()
+            cost = self.jobs[t.job].send if t.job in self.jobs else 0.0
+            while True:
+                if stop():
+                    self._unpause(t, now)
+                    t.state, t.since = IDLE, now - RETURN_S
+                    self._settle(now)
+                    return False
+                above, until = self._above(t, self.level_of(t), now, cost)
+                if above is None or t.hurry:
+                    if t.state is HELD:
+                        self._unpause(t, now)
+                    t.state, t.since, t.send_start, t.hurry = SENDING, now, now, False
+                    return None
+                if t.state is not HELD:
+                    t.state = HELD
+                    self._settle(now)  # (it no longer wants the server: lower levels may go)
+                self._mark_paused(t, above, now)
+                notice = self._notice(t, now)
+                if notice is not None:
+                    return notice
+                timeout = POLL_S if until is None else min(POLL_S, until - now)
+                if t.notices:
+                    timeout = min(timeout, t.noticed + NOTICE_S - now)
+                t.cv.wait(max(timeout, 0.001))
+                now = self.clock()
+
     def sent(self, t: Turn) -> None:
         with self.lock:
-            if t.state is _SENDING:
-                t.state, t.since = _IDLE, self.clock()
+            if t.state is SENDING:
+                now = self.clock()
+                t.state, t.since = IDLE, now
+                if t.pending is None:  # (nothing was made to send)
+                    return
+                took = now - t.send_start
+                j = self.jobs.get(t.job)
+                if j is not None:
+                    j.sent(t.pending, took)
+                self.levels.busy(self.level_of(t), took, now)
+                t.pending = None
 
     # -- pauses --------------------------------------------------------------------------------------
     def _mark_paused(self, t: Turn, by: int, now: float) -> None:
@@ -426,10 +418,16 @@ class Arbiter:
     def release_below(self, priority: int, need: int) -> int:
         """Suspend the sources of streams below `priority` that wait for their turn (lowest level
         first, so their threads are not in their sources), until `need` bytes are parked for
-        eviction; returns the bytes parked. The budget's room maker for higher work."""
+        eviction; returns the bytes parked. The budget's room maker for higher work. A lower stream
+        held before its send (`may_send`) sends its batch at once instead, so that it can be
+        suspended at its next turn (the higher stream's next try: its admission is retried)."""
         freed = 0
         with self.lock:
-            waiting = sorted((t for t in self.turns.values() if t.state is _WAITING and t.release is not None
+            for t in self.turns.values():  # a made batch must go before its loader can be parked: at
+                if t.state is HELD and self.level_of(t) < priority:  # its next turn (the next try)
+                    t.hurry = True
+                    t.cv.notify()
+            waiting = sorted((t for t in self.turns.values() if t.state is WAITING and t.release is not None
                               and self.level_of(t) < priority), key=lambda t: (self.level_of(t), -t.id))
             for t in waiting:
                 if freed >= need:
@@ -456,11 +454,11 @@ class Arbiter:
     def usage(self) -> list[pb.PriorityUse]:
         """Each level's `PriorityUse`, highest first."""
         with self.lock:
-            streams = [(self.level_of(t), t.state is _WAITING, t.paused_since) for t in self.turns.values()]
+            streams = [(self.level_of(t), t.state is WAITING, t.paused_since) for t in self.turns.values()]
             return self.levels.usage(streams, self.slots, self.clock())
 
     def _gauges(self) -> None:
         """The per-level gauges (the lock is held)."""
         if self.metrics is not None:
-            self.levels.gauges([(self.level_of(t), t.state is _WAITING, t.paused_since is not None)
+            self.levels.gauges([(self.level_of(t), t.state is WAITING, t.paused_since is not None)
                                 for t in self.turns.values()])

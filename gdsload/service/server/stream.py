@@ -30,8 +30,12 @@ run exactly once, in that order.
 
 Priorities (`turn`, a `priority.Turn`, or None): before each batch the loop waits for its turn
 (`Turn.wait`: a paused stream waits here, at a batch boundary, sending the pause notices the
-turn hands it), holds its slot while the source makes the batch (`Turn.made`), and says when the
-batch went (`Turn.sent`); the turn is left when the stream ends, whatever the outcome.
+turn hands it), holds its slot while the source makes the batch (`Turn.made`), waits before
+sending it while a higher level wants the server (`Turn.may_send`, notices as above; the batch is
+kept meanwhile, and dropped unsent if the call or the server ends then: the client's cursor has
+not passed it), reports the send's progress to the transport's hook (`Turn.progress_hook`) and
+says when the batch went (`Turn.sent`); the turn is left when the stream ends, whatever the
+outcome.
 """
 
 from __future__ import annotations
@@ -157,7 +161,7 @@ def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, 
             frames = source.next()
         finally:
             if turn is not None:
-                turn.made(frames is MEMORY_WAIT)
+                turn.made(frames is MEMORY_WAIT, batch=frames is not None and frames is not MEMORY_WAIT)
         if frames is MEMORY_WAIT:  # suspended for a higher priority's memory, which is still short
             notice = turn.memory_notice()
             if notice is not None:
@@ -167,8 +171,15 @@ def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, 
         if frames is None:
             return "drained" if draining.is_set() else "ok" if transport.active() else "cancelled"
         meter.read(t_read)
+        progress = None
+        if turn is not None:
+            while (got := turn.may_send(stop)) is not None:
+                if got is False:  # (the batch goes unsent: the client's cursor is before it)
+                    return "drained" if draining.is_set() else "cancelled"
+                yield from transport.send(Notice(got))
+            progress = turn.progress_hook()
         t_send = time.perf_counter()
-        yield from transport.send(frames)  # from the batch's memory, before the loader reuses it
+        yield from transport.send(frames, progress)  # from the batch's memory, before the loader reuses it
         meter.sent(frames, t_send)
         if turn is not None:
             turn.sent()

@@ -1,6 +1,7 @@
 """How a stream's batches travel: inside the gRPC call (`GrpcFrames`) or on the bulk connection
-(`BulkFrames`, over a `bulk.BulkSink`), behind one interface: `send(frames)` (an iterable of what
-the call yields: gRPC messages, or nothing when the bytes went on the bulk connection),
+(`BulkFrames`, over a `bulk.BulkSink`), behind one interface: `send(frames, progress=None)` (an iterable of what
+the call yields: gRPC messages, or nothing when the bytes went on the bulk connection; `progress`,
+when given, is called as the bytes move: per message in gRPC, per member on the bulk connection),
 `finish()` (the stream ended cleanly), `close()` (always, last), `active()` (the call is still on).
 
 `open_transport` is a generator (it yields the bulk offer through the call, then waits for the
@@ -9,7 +10,7 @@ client's connection) that returns the transport, or None when the call ended mea
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from gdsload.service.protocol.framing import WAIT_S as BULK_WAIT_S
@@ -30,8 +31,10 @@ class GrpcFrames:
     def active(self) -> bool:
         return self.context.is_active()
 
-    def send(self, frames: Any) -> Iterable[bytes]:
-        return frames.messages()
+    def send(self, frames: Any, progress: Callable[[], None] | None = None) -> Iterable[bytes]:
+        if progress is None:
+            return frames.messages()
+        return _progressing(frames.messages(), progress)
 
     def finish(self) -> None:
         pass
@@ -55,8 +58,8 @@ class BulkFrames:
     def active(self) -> bool:
         return self.context.is_active()
 
-    def send(self, frames: Any) -> Iterable[bytes]:
-        self.sink.send(frames.pieces())  # raises bulk.ClientGone when the connection broke
+    def send(self, frames: Any, progress: Callable[[], None] | None = None) -> Iterable[bytes]:
+        self.sink.send(frames.pieces(), progress)  # raises bulk.ClientGone when the connection broke
         return ()
 
     def finish(self) -> None:
@@ -64,6 +67,12 @@ class BulkFrames:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _progressing(messages: Iterable[bytes], progress: Callable[[], None]) -> Iterator[bytes]:
+    for m in messages:
+        progress()
+        yield m
 
 
 def open_transport(req: pb.BatchRequest, context: Any, listener: Any,

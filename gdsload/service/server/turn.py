@@ -1,0 +1,110 @@
+"""One stream's place in the server's priority arbiter (`priority.Arbiter`, whose docstring has
+the rules): `Turn`, the calls a stream makes at each batch boundary, and the states and times
+the rules are written in."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: A stream that sent its batch less than this ago still wants the server (it asks again at once).
+RETURN_S = 0.05
+#: How often a paused stream that understands pauses is told so.
+NOTICE_S = 1.0
+#: Longest wait of a stream between looks at its stop condition (a change in the arbiter wakes
+#: the streams it concerns at once: `Arbiter._settle`).
+POLL_S = 0.25
+#: How long a job with no stream keeps its seconds: a striping client's next block (a new stream)
+#: comes back to its share, not to the least-served job's.
+FORGET_S = 5.0
+#: A stream's states (`Turn.state`): asking for a slot, holding one, its batch made and held before
+#: its send (a higher level wants the server), sending it, neither.
+WAITING, MAKING, HELD, SENDING, IDLE = "waiting", "making", "held", "sending", "idle"
+
+
+class Turn:
+    """One stream's place in the arbiter (`priority`'s docstring has the rules). Used by the stream's thread
+    only; `leave()` once, when the stream ends."""
+
+    _ids = itertools.count()
+
+    def __init__(self, arbiter: Any, job: tuple, priority: int, group: Any, notices: bool):
+        self.arbiter, self.job, self.priority, self.group, self.notices = arbiter, job, priority, group, notices
+        self.id = next(self._ids)
+        self.state = IDLE
+        self.since = arbiter.clock()  # when it entered its state
+        self.asked = self.since  # when it began to wait
+        self.granted = 0.0
+        self.pending: float | None = None  # its made batch's seconds (its send is charged with them: `sent`)
+        self.send_start = 0.0  # when its send began
+        self.paused_since: float | None = None
+        self.paused_by = 0
+        self.paused_s = 0.0  # in all
+        self.pauses = 0
+        self.noticed = 0.0  # when it was last told it is paused
+        self.memory = False  # its source waits for memory that higher work holds
+        self.hurry = False  # (held) send now: higher work needs the memory its loader holds
+        self.release: Callable[[], int] | None = None  # suspend its source (`sources.LoaderSource.suspend`)
+        self.cv = threading.Condition(arbiter.lock)  # its own: woken only when it has something to do
+
+    def wait(self, stop: Callable[[], bool]) -> bytes | bool | None:
+        """Wait for a slot: None when granted (make the batch, then `made()`), a pause notice to
+        send (then call again), or False when `stop()` became true."""
+        return self.arbiter.wait(self, stop)
+
+    def made(self, memory_wait: bool = False, batch: bool = False) -> None:
+        """The batch is made (or the source ended): the slot is free. `batch`: there is a batch to
+        send (its seconds are charged when it is `sent`; else now). `memory_wait`: no batch, the
+        source waits for memory (`sources.MEMORY_WAIT`): it stays paused (`memory_notice`)."""
+        self.arbiter.made(self, memory_wait, batch)
+
+    def may_send(self, stop: Callable[[], bool]) -> bytes | bool | None:
+        """(After `made(batch=True)`) wait while a higher level wants the server (rule 1): None
+        when the batch may go, a pause notice to send (then call again), or False when `stop()`
+        became true (the batch is not sent). Without a level above this stream's on the server,
+        returns at once without the lock."""
+        a = self.arbiter
+        if a.top <= self.level():
+            self.send_start = a.clock()
+            return None
+        return a.may_send(self, stop)
+
+    def progress(self) -> None:
+        """Its send moved (the transport calls it per member or message; no lock)."""
+        self.since = self.arbiter.clock()
+
+    def progress_hook(self) -> Callable[[], None] | None:
+        """`progress`, for the transport, when a lower level is on the server (else None: nothing
+        to hold back, no call per member)."""
+        return self.progress if self.arbiter.bottom < self.level() else None
+
+    def memory_notice(self) -> bytes | None:
+        """(Waiting for memory) the pause notice to send, if due."""
+        return self.arbiter.memory_notice(self)
+
+    def sent(self) -> None:
+        self.arbiter.sent(self)
+
+    def wake(self) -> None:
+        """Look at the stop condition now (the call ended: `grpc.ServicerContext.add_callback`)."""
+        with self.arbiter.lock:
+            self.cv.notify()
+
+    # -- read without the arbiter's lock (the decode pool's order: `pool.DecodePool`) ---------------
+    def level(self) -> int:
+        """Its level now: its priority, or its share group's highest (`Arbiter.group_levels`)."""
+        return self.priority if self.group is None else self.arbiter.group_levels.get(self.group, self.priority)
+
+    def making(self) -> bool:
+        """Whether it holds a batch slot (granted, its batch not made yet)."""
+        return self.state is MAKING
+
+    def wanting(self) -> bool:
+        """Whether it wants the server now (`Arbiter.wants`: waiting, making, sending, or just sent)."""
+        state, since = self.state, self.since
+        return state is WAITING or state is MAKING or (state is not HELD and self.arbiter.clock() - since < RETURN_S)
+
+    def leave(self) -> None:
+        self.arbiter.leave(self)

@@ -1,0 +1,144 @@
+"""The priority rule applied to sends (issue 49): a lower stream's made batch waits before its
+send while a higher stream wants the server, its seconds (made and sent) are charged to its job,
+a higher send that does not move (its client does not read) holds nothing, and with one level
+the send path takes no lock and no per-member call. A clock that moves only when the test moves
+it decides what "wants" means; no assertion is on a duration; every wait is bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gdsload.service.server.priority import RETURN_S, Arbiter
+
+never = lambda: False  # noqa: E731
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def made_batch(turn, clock: Clock, cost: float) -> None:
+    assert turn.wait(never) is None
+    clock.t += cost
+    turn.made(batch=True)
+
+
+def in_thread(fn) -> tuple[threading.Thread, list]:
+    got: list = []
+    th = threading.Thread(target=lambda: got.append(fn()), daemon=True)
+    th.start()
+    return th, got
+
+
+def test_a_lower_batch_waits_before_its_send_while_a_higher_stream_wants_the_server():
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low = arb.enter(("id", "low"), 0)
+    made_batch(low, clock, 0.1)  # made before the high job came
+    high = arb.enter(("id", "high"), 10)
+    assert high.wait(never) is None  # the high job makes its batch: it wants the server
+    th, got = in_thread(lambda: low.may_send(never))
+    th.join(0.5)
+    assert th.is_alive() and not got and low.state == "held" and low.paused_since is not None
+    clock.t += 0.3
+    high.made(batch=True)
+    assert high.may_send(never) is None  # (the top level never waits)
+    hook = high.progress_hook()
+    assert hook is not None  # a lower level is here: the high send reports its progress
+    for _ in range(5):  # its bytes move: it still wants the server, the low batch still waits
+        clock.t += RETURN_S / 2
+        hook()
+        th.join(0.1)
+        assert th.is_alive() and not got
+    high.sent()
+    clock.t += RETURN_S / 2  # just sent: it asks again at once
+    th.join(0.3)
+    assert th.is_alive() and not got
+    clock.t += RETURN_S  # it did not ask again: the low batch goes (the waiter looks again by itself)
+    th.join(10)
+    assert got == [None] and low.state == "sending" and low.paused_since is None
+    held_for = low.paused_s
+    assert held_for > 0
+    clock.t += 0.2
+    low.sent()
+    job = arb.jobs[("id", "low")]
+    assert job.cost == pytest.approx(0.1 + 0.2)  # made and sent, not the time it was held
+    assert job.send == pytest.approx(0.2)
+    assert job.used == pytest.approx(0.3)
+    for t in (low, high):
+        t.leave()
+
+
+def test_a_higher_send_that_does_not_move_holds_nothing():
+    """A higher stream whose client does not read (its send blocked by flow control) wants nothing
+    once its bytes have not moved for RETURN_S: lower batches go meanwhile."""
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low = arb.enter(("id", "low"), 0)
+    made_batch(low, clock, 0.1)
+    high = arb.enter(("id", "high"), 10)
+    made_batch(high, clock, 0.1)
+    assert high.may_send(never) is None
+    high.progress_hook()()
+    th, got = in_thread(lambda: low.may_send(never))
+    th.join(0.3)
+    assert th.is_alive() and not got  # the high send just moved
+    clock.t += RETURN_S * 1.5  # and then did not
+    th.join(10)
+    assert got == [None]
+    low.sent()
+    high.sent()
+    for t in (low, high):
+        t.leave()
+
+
+def test_with_one_level_a_send_takes_no_lock_and_no_call_per_member():
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    a, b = arb.enter(("id", "a"), 3), arb.enter(("id", "b"), 3)
+    made_batch(a, clock, 0.1)
+    assert a.progress_hook() is None
+    with arb.lock:  # held by another thread: a send of the top level must not need it
+        th, got = in_thread(lambda: a.may_send(never))
+        th.join(10)
+        assert got == [None]
+    low = arb.enter(("id", "low"), 0)
+    assert a.progress_hook() is not None and low.progress_hook() is None
+    a.sent()
+    for t in (a, b, low):
+        t.leave()
+
+
+def test_a_held_batch_goes_at_once_when_higher_work_needs_its_memory_or_the_call_ends():
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low, other = arb.enter(("id", "low"), 0), arb.enter(("id", "other"), 0)
+    made_batch(low, clock, 0.1)
+    made_batch(other, clock, 0.1)
+    high = arb.enter(("id", "high"), 10)
+    assert high.wait(never) is None
+    th, got = in_thread(lambda: low.may_send(never))
+    stop = threading.Event()
+    th2, got2 = in_thread(lambda: other.may_send(stop.is_set))
+    th.join(0.3)
+    assert th.is_alive() and th2.is_alive() and not got and not got2
+    stop.set()  # the call of one ended: its held batch is not sent (the client's cursor is before it)
+    other.wake()
+    th2.join(10)
+    assert got2 == [False] and other.paused_since is None
+    assert th.is_alive() and not got
+    # the room maker: a held stream cannot park its loader with its batch unsent, so it sends it now
+    # (and is suspended at its next turn, the higher stream's next try)
+    assert arb.release_below(10, 1 << 20) == 0
+    th.join(10)
+    assert got == [None]
+    low.sent()
+    high.made()
+    for t in (low, other, high):
+        t.leave()
