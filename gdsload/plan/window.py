@@ -48,6 +48,7 @@ __all__ = ["WindowOrder", "sizes_key"]
 
 _DOMAIN = 0x706C616E  # "plan", as order 1; the version number (2) follows it in the seed
 _CELLS = 1 << 22  # most (rounds x window) cells one group of positions lays out at once
+_POSITIONS = 1 << 18  # most positions evaluated at once (their arrays, a few tables of about as many)
 _TABLE_ENTRIES = 32768  # whole permutations of up to this many entries (plus 2 per position) a call
 
 
@@ -140,13 +141,17 @@ class WindowOrder:
         starts = np.concatenate(([0], starts, [m]))
         width = min(self.window, self.places)
         per_group = max(1, _CELLS // width)  # rounds laid out together: their lists cost R x width
-        if len(starts) - 1 <= per_group:
+        runs = len(starts) - 1
+        if runs <= per_group and m <= _POSITIONS:
             return self._in_rounds(rounds, offset, starts, width)
         out = np.empty(m, np.int64)
-        for g in range(0, len(starts) - 1, per_group):
-            part = starts[g:g + per_group + 1]
+        g = 0
+        while g < runs:  # whole rounds, at most per_group of them and _POSITIONS positions (or one round)
+            end = min(g + per_group, max(g + 1, int(np.searchsorted(starts, starts[g] + _POSITIONS, "right")) - 1))
+            part = starts[g:end + 1]
             a, b = part[0], part[-1]
             out[a:b] = self._in_rounds(rounds[a:b], offset[a:b], part - a, width)
+            g = end
         return out
 
     def _in_rounds(self, rounds: np.ndarray, offset: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:

@@ -320,10 +320,12 @@ def test_unshuffled_and_empty_orders_are_unchanged():
         assert np.array_equal(new.at(positions), old.at(positions))
 
 
-@pytest.mark.parametrize("cells", [1, 5, 64])
-def test_groups_of_rounds_give_the_same_ids(monkeypatch, cells):
-    # a handful of rounds per group, also when the positions are unordered or far apart
+@pytest.mark.parametrize(("cells", "positions"), [(1, 1 << 18), (5, 7), (64, 100), (1 << 22, 1)])
+def test_groups_of_rounds_give_the_same_ids(monkeypatch, cells, positions):
+    # a handful of rounds or positions per group (a round alone past the limit), also when the
+    # positions are unordered or far apart
     monkeypatch.setattr(window_module, "_CELLS", cells)
+    monkeypatch.setattr(window_module, "_POSITIONS", positions)
     rng = np.random.default_rng(cells)
     for sizes, seed, epoch, window in _cases(rng, 30):
         new, old = WindowOrder(sizes, seed, epoch, True, window), RefWindowOrder(sizes, seed, epoch, True, window)
