@@ -142,3 +142,33 @@ def test_a_held_batch_goes_at_once_when_higher_work_needs_its_memory_or_the_call
     high.made()
     for t in (low, other, high):
         t.leave()
+
+
+def test_the_per_level_gauges_are_read_at_the_scrape():
+    """The queue and paused gauges are the arbiter's streams at the scrape (nothing set per batch)."""
+    prom = pytest.importorskip("prometheus_client")
+    from gdsload.service.server.metrics import Metrics
+
+    def is_one(m, name: str, level: int) -> int:
+        return prom.generate_latest(m.registry).decode().count(f'{name}{{priority="{level}"}} 1.0')
+
+    clock = Clock()
+    m = Metrics()
+    arb = Arbiter(1, metrics=m, clock=clock)
+    high = arb.enter(("id", "high"), 10)
+    assert high.wait(never) is None  # it holds the one slot
+    low = arb.enter(("id", "low"), 0)
+    th, got = in_thread(lambda: low.wait(never))
+    deadline = 200
+    while low.state != "waiting" and deadline:
+        th.join(0.02)
+        deadline -= 1
+    assert is_one(m, "gdsload_feed_priority_queue", 0) == 1 and is_one(m, "gdsload_feed_priority_paused", 0) == 1
+    assert is_one(m, "gdsload_feed_priority_queue", 10) == 0
+    high.made()
+    high.leave()
+    th.join(10)
+    assert got == [None]
+    assert is_one(m, "gdsload_feed_priority_queue", 0) == 0 and is_one(m, "gdsload_feed_priority_paused", 0) == 0
+    low.made()
+    low.leave()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from gdsload.v1 import feed_pb2 as pb
@@ -67,9 +68,8 @@ class Levels:
     def __init__(self, metrics: Any = None):
         self.metrics = metrics
         self.levels: dict[int, Level] = {}
-        self.shown: dict[int, tuple[int, int]] = {}  # level -> (queued, paused) last set on its gauges
         self.counters: dict[int, Any] = {}  # level -> its batches counter (labelled once)
-        self.shown_on: dict[int, tuple[Any, Any]] = {}  # level -> its (queue, paused) gauges (labelled once)
+        self.watched: set[int] = set()  # levels whose gauges read the arbiter (`watch`)
 
     def add(self, level: int) -> Level:
         return self.levels.setdefault(level, Level())
@@ -100,29 +100,15 @@ class Levels:
         if self.metrics is not None:
             self.metrics.priority_paused_s.labels(str(level)).inc(took)
 
-    def gauges(self, streams: list[tuple[int, bool, bool]]) -> None:
-        """Set the per-level gauges from the streams' (level, waiting, paused), where they changed
-        (this runs a few times a batch)."""
+    def watch(self, level: int, count: Callable[[int], tuple[int, int]]) -> None:
+        """Give `level`'s gauges (queued, paused) their values at each scrape, from `count(level)`
+        (the arbiter's streams then): nothing is set per batch."""
         m = self.metrics
-        if m is None:
+        if m is None or level in self.watched:
             return
-        counts = {p: [0, 0] for p in self.levels}
-        for p, waiting, paused in streams:
-            c = counts.setdefault(p, [0, 0])
-            c[0] += waiting
-            c[1] += paused
-        for p, (queued, paused) in counts.items():
-            was = self.shown.get(p)
-            if was == (queued, paused):
-                continue
-            self.shown[p] = (queued, paused)
-            gauges = self.shown_on.get(p)
-            if gauges is None:
-                gauges = self.shown_on[p] = (m.priority_queue.labels(str(p)), m.priority_paused.labels(str(p)))
-            if was is None or was[0] != queued:
-                gauges[0].set(queued)
-            if was is None or was[1] != paused:
-                gauges[1].set(paused)
+        self.watched.add(level)
+        m.priority_queue.labels(str(level)).set_function(lambda: count(level)[0])
+        m.priority_paused.labels(str(level)).set_function(lambda: count(level)[1])
 
     def usage(self, streams: list[tuple[int, bool, float | None]], slots: int, now: float) -> list[pb.PriorityUse]:
         """Each level's `PriorityUse`, highest first, from the streams' (level, waiting, paused

@@ -117,6 +117,7 @@ class Arbiter:
                 j.used = max(j.used, min(peers, default=0.0))
             j.streams += 1
             self.levels.add(priority)
+            self.levels.watch(priority, self._count)
             self._settle(now)
         return t
 
@@ -133,7 +134,6 @@ class Arbiter:
             if j is not None:  # kept `FORGET_S` (a striping client's next block is a new stream)
                 j.streams -= 1
                 j.left = self.clock()
-            self._gauges()
             self._settle(self.clock())
 
     def wake_all(self) -> None:
@@ -178,13 +178,11 @@ class Arbiter:
                 j = self.jobs.get(t.job)
                 if j is not None:
                     j.ask(now)
-                self._gauges()
                 self._settle(now)
             while True:
                 if stop():  # (it no longer waits, nor wants the server)
                     self._unpause(t, now)
                     t.state, t.since = IDLE, now - RETURN_S
-                    self._gauges()
                     self._settle(now)
                     return False
                 mine = self.level_of(t)
@@ -315,7 +313,6 @@ class Arbiter:
         t.state, t.since, t.granted = MAKING, now, now
         self.busy += 1
         self.jobs[t.job].last = now
-        self._gauges()
         if self.busy < self.slots:  # the next stream may go too
             self._settle(now)
         return None
@@ -343,7 +340,6 @@ class Arbiter:
             elif j is not None:
                 j.made(took)
             self.levels.made(self.level_of(t), took, now)
-            self._gauges()
             self._settle(now)
 
     def may_send(self, t: Turn, stop: Callable[[], bool]) -> bytes | bool | None:
@@ -395,7 +391,6 @@ class Arbiter:
         """`t` waits for level `by`: a pause (begun now or going on)."""
         if t.paused_since is None:
             t.paused_since, t.pauses, t.noticed = now, t.pauses + 1, 0.0
-            self._gauges()
         t.paused_by = by
 
     def _notice(self, t: Turn, now: float) -> bytes | None:
@@ -448,7 +443,6 @@ class Arbiter:
         t.paused_since = None
         t.paused_s += took
         self.levels.paused(self.level_of(t), took)
-        self._gauges()
 
     # -- what it reports ----------------------------------------------------------------------------
     def usage(self) -> list[pb.PriorityUse]:
@@ -457,8 +451,8 @@ class Arbiter:
             streams = [(self.level_of(t), t.state is WAITING, t.paused_since) for t in self.turns.values()]
             return self.levels.usage(streams, self.slots, self.clock())
 
-    def _gauges(self) -> None:
-        """The per-level gauges (the lock is held)."""
-        if self.metrics is not None:
-            self.levels.gauges([(self.level_of(t), t.state is WAITING, t.paused_since is not None)
-                                for t in self.turns.values()])
+    def _count(self, level: int) -> tuple[int, int]:
+        """(A scrape of the per-level gauges) the streams of `level` waiting for a slot, and paused."""
+        with self.lock:
+            mine = [t for t in self.turns.values() if self.level_of(t) == level]
+            return sum(t.state is WAITING for t in mine), sum(t.paused_since is not None for t in mine)
