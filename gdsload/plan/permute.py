@@ -145,39 +145,58 @@ def _rank_tables(n: np.ndarray, key: np.ndarray) -> np.ndarray:
 def _network_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray) -> np.ndarray:
     """The network on all ``2**b`` values of each group (past `SMALL`), end to end, each value
     below ``n`` then followed through the table until it lands below ``n`` (the cycle walk).
-    Up to `_ONE_PASS` entries, one pass with the keys spread per entry; more, one block per bit
-    length, a row per group (the keys broadcast along rows: less memory traffic)."""
+    A bit length with at least half `_ONE_PASS` entries is a block of its own, a row per group
+    (the keys broadcast along rows: less memory traffic than spreading them); the others go in
+    one pass together, the keys spread per entry (one pass: its 50 calls once)."""
     bits = _bit_length(n - 1)
-    keys, shape = _network_keys(bits, key)
     total = int(size.sum())
     if total <= _ONE_PASS:
-        first = np.repeat(np.cumsum(size) - size, size)
-        local = np.arange(total, dtype=np.int64)
-        local -= first
-        if np.ndim(shape[0]):
-            shape = [np.repeat(a, size) for a in shape]
-        value = _feistel(local.astype(np.uint64), [np.repeat(k, size) for k in keys], *shape).view(np.int64)
-        limit = np.repeat(n, size)
-        at = np.flatnonzero((value >= limit) & (local < limit))  # the walks, by entry
-        return _walk(value, at, first[at], limit[at])
+        return _one_pass(n, key, size, bits)
     lengths = sorted(set(bits.tolist()))
-    out = np.empty(total, np.int64) if len(lengths) > 1 else None
+    blocks = [b for b in lengths if int((bits == b).sum()) << b >= _ONE_PASS // 2]
+    if len(blocks) == 1 and len(lengths) == 1:
+        return _block(n, key, blocks[0])
+    out = np.empty(total, np.int64)
     start = np.cumsum(size) - size
-    for b in lengths:
-        rows = np.flatnonzero(bits == b) if out is not None else slice(None)
-        lw, hi = np.uint64(b >> 1), np.uint64((b + 1) >> 1)
-        local = np.arange(1 << b, dtype=np.uint64)
-        block = np.empty((len(n[rows]), 1 << b), np.uint64)
-        block[:] = local
-        value = _feistel(block, [k[rows, None] for k in keys], lw, (np.uint64(1) << lw) - np.uint64(1),
-                         np.uint64(64) - hi, np.uint64(64) - lw).view(np.int64)
-        limit = n[rows][:, None]
-        at = np.flatnonzero((value >= limit) & (local.view(np.int64) < limit))
-        walked = _walk(value.ravel(), at, (at >> b) << b, limit.ravel()[at >> b])
-        if out is None:
-            return walked
-        out[(start[rows][:, None] + local.view(np.int64)[None, :]).ravel()] = walked
+    for b in blocks:
+        rows = np.flatnonzero(bits == b)
+        out[(start[rows][:, None] + np.arange(1 << b)[None, :]).ravel()] = _block(n[rows], key[rows], b)
+    rest = np.flatnonzero(~np.isin(bits, blocks))
+    if len(rest):
+        size_r = size[rest]
+        at = np.repeat(start[rest] - (np.cumsum(size_r) - size_r), size_r)
+        at += np.arange(len(at))
+        out[at] = _one_pass(n[rest], key[rest], size_r, bits[rest])
     return out
+
+
+def _one_pass(n: np.ndarray, key: np.ndarray, size: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """`_network_tables` of groups of any bit lengths in one pass, keys and shifts per entry."""
+    keys, shape = _network_keys(bits, key)
+    total = int(size.sum())
+    first = np.repeat(np.cumsum(size) - size, size)
+    local = np.arange(total, dtype=np.int64)
+    local -= first
+    if np.ndim(shape[0]):
+        shape = [np.repeat(a, size) for a in shape]
+    value = _feistel(local.astype(np.uint64), [np.repeat(k, size) for k in keys], *shape).view(np.int64)
+    limit = np.repeat(n, size)
+    at = np.flatnonzero((value >= limit) & (local < limit))  # the walks, by entry
+    return _walk(value, at, first[at], limit[at])
+
+
+def _block(n: np.ndarray, key: np.ndarray, b: int) -> np.ndarray:
+    """`_network_tables` of groups of bit length `b`: a row of ``2**b`` entries each."""
+    keys, _ = _network_keys(np.full(len(n), b), key)
+    lw, hi = np.uint64(b >> 1), np.uint64((b + 1) >> 1)
+    local = np.arange(1 << b, dtype=np.uint64)
+    block = np.empty((len(n), 1 << b), np.uint64)
+    block[:] = local
+    value = _feistel(block, [k[:, None] for k in keys], lw, (np.uint64(1) << lw) - np.uint64(1),
+                     np.uint64(64) - hi, np.uint64(64) - lw).view(np.int64)
+    limit = n[:, None]
+    at = np.flatnonzero((value >= limit) & (local.view(np.int64) < limit))
+    return _walk(value.ravel(), at, (at >> b) << b, limit.ravel()[at >> b])
 
 
 def _walk(value: np.ndarray, at: np.ndarray, row_start: np.ndarray, stop: np.ndarray) -> np.ndarray:
