@@ -109,7 +109,7 @@ def permutation_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray | None =
     size = table_sizes(n) if size is None else size
     big, small, one = n > SMALL, (n > 1) & (n <= SMALL), n == 1
     if big.all():
-        return np.cumsum(size) - size, _network_tables(n, key, size)
+        return _network_tables(n, key, size)
     offset = np.zeros(len(n), np.int64)
     parts = []  # the network's groups first, then the ranks', then the ones
     start = 0
@@ -117,15 +117,15 @@ def permutation_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray | None =
         which = np.flatnonzero(kind)
         if not len(which):
             continue
-        ends = np.cumsum(size[which])
-        offset[which] = start + ends - size[which]
-        start += int(ends[-1])
         if kind is big:
-            parts.append(_network_tables(n[which], key[which], size[which]))
-        elif kind is small:
-            parts.append(_rank_tables(n[which], key[which]))
+            local, table = _network_tables(n[which], key[which], size[which])
+            offset[which] = start + local
         else:
-            parts.append(np.zeros(len(which), np.int64))
+            ends = np.cumsum(size[which])
+            offset[which] = start + ends - size[which]
+            table = _rank_tables(n[which], key[which]) if kind is small else np.zeros(len(which), np.int64)
+        parts.append(table)
+        start += len(table)
     table = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return offset, table
 
@@ -142,32 +142,37 @@ def _rank_tables(n: np.ndarray, key: np.ndarray) -> np.ndarray:
     return ranks[inside]
 
 
-def _network_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """The network on all ``2**b`` values of each group (past `SMALL`), end to end, each value
-    below ``n`` then followed through the table until it lands below ``n`` (the cycle walk).
-    A bit length with at least half `_ONE_PASS` entries is a block of its own, a row per group
-    (the keys broadcast along rows: less memory traffic than spreading them); the others go in
-    one pass together, the keys spread per entry (one pass: its 50 calls once)."""
+def _network_tables(n: np.ndarray, key: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(offset, table)``: the network on all ``2**b`` values of each group (past `SMALL`),
+    each value below ``n`` then followed through the table until it lands below ``n`` (the cycle
+    walk), group ``g``'s at ``offset[g]``. A bit length with at least half `_ONE_PASS` entries is
+    a block of its own, a row per group (the keys broadcast along rows: less memory traffic than
+    spreading them); the others go in one pass together, the keys spread per entry (one pass:
+    its 50 calls once)."""
     bits = _bit_length(n - 1)
     total = int(size.sum())
     if total <= _ONE_PASS:
-        return _one_pass(n, key, size, bits)
+        return np.cumsum(size) - size, _one_pass(n, key, size, bits)
     lengths = sorted(set(bits.tolist()))
     blocks = [b for b in lengths if int((bits == b).sum()) << b >= _ONE_PASS // 2]
     if len(blocks) == 1 and len(lengths) == 1:
-        return _block(n, key, blocks[0])
-    out = np.empty(total, np.int64)
-    start = np.cumsum(size) - size
+        return np.cumsum(size) - size, _block(n, key, blocks[0])
+    offset = np.empty(len(n), np.int64)
+    parts, start = [], 0
+    rest = np.ones(len(n), bool)
     for b in blocks:
-        rows = np.flatnonzero(bits == b)
-        out[(start[rows][:, None] + np.arange(1 << b)[None, :]).ravel()] = _block(n[rows], key[rows], b)
-    rest = np.flatnonzero(~np.isin(bits, blocks))
-    if len(rest):
-        size_r = size[rest]
-        at = np.repeat(start[rest] - (np.cumsum(size_r) - size_r), size_r)
-        at += np.arange(len(at))
-        out[at] = _one_pass(n[rest], key[rest], size_r, bits[rest])
-    return out
+        which = bits == b
+        rest &= ~which
+        rows = np.flatnonzero(which)
+        offset[rows] = start + (np.arange(len(rows), dtype=np.int64) << b)
+        parts.append(_block(n[rows], key[rows], b))
+        start += len(rows) << b
+    rows = np.flatnonzero(rest)
+    if len(rows):
+        ends = np.cumsum(size[rows])
+        offset[rows] = start + ends - size[rows]
+        parts.append(_one_pass(n[rows], key[rows], size[rows], bits[rows]))
+    return offset, np.concatenate(parts)
 
 
 def _one_pass(n: np.ndarray, key: np.ndarray, size: np.ndarray, bits: np.ndarray) -> np.ndarray:
