@@ -34,8 +34,16 @@ be decoded before the higher stream's next one, and a job of many streams would 
    level with the least-served job of its level; one that comes back within `FORGET_S` (a
    striping client's next block is a new stream) keeps its seconds.
 
+3. **A higher batch waits at most a slice of a lower one** (`slicing`). A running decode cannot
+   be interrupted, so while a higher level has a stream here a lower batch is decoded in
+   `slicing.SLICES` slices, its worker giving way between two when a higher batch is queued (or,
+   for a stream that may be held back, a higher level is active): the rest of the batch goes back
+   to the head of its stream's queue. The output is the whole batch's; without a higher level
+   here a batch is decoded whole, as one run of the loader's decoder.
+
 `order` keeps (job, level, the highest active level, whether a batch was held back) per batch
-taken, for tests and debugging; `used()` the decode seconds per job.
+taken (not the rest of a batch taken again), `slices` (job, level, first row, end row) per slice
+decoded (a whole batch is one), for tests and debugging; `used()` the decode seconds per job.
 
 Bounds: a pipeline is only ever used by one worker at a time and a loader decodes one batch at a
 time, so at most min(workers, attached streams) pipelines exist: the pool never holds more
@@ -51,9 +59,11 @@ Shutdown and ends, every wait bounded: a stream that ends (`detach`) fails its b
 queued with `RingClosed` (its readers stop at once) and a batch it submits later too; `close()`
 fails every queued batch with `Unavailable` (not `RingClosed`: a reader stops quietly on that,
 leaving its stream's consumer waiting for the batch), lets the workers finish the batch in hand
-(at most `close_timeout_s`), and releases the pipelines in the calling thread, not at the
-interpreter's exit. A stream waiting for its batch checks every `POLL_S` whether the pool closed
-and gives up `close_timeout_s` after, with `Unavailable`.
+(at most `close_timeout_s`; a batch decoded in slices fails at its next slice, as queued: with
+`RingClosed` when its stream ended, `Unavailable` when the pool closed), and releases the
+pipelines in the calling thread, not at the interpreter's exit. A stream waiting for its batch
+checks every `POLL_S` whether the pool closed and gives up `close_timeout_s` after, with
+`Unavailable`.
 """
 
 from __future__ import annotations
@@ -66,8 +76,8 @@ from typing import Any
 from gdsload.errors import RingClosed, Unavailable
 from gdsload.service.server.priority import FORGET_S as PRIORITY_FORGET_S
 from gdsload.service.server.priority import RETURN_S
-
-_CLOSED = "the server's decode pool is closed (the server is shutting down); retry on another server"
+from gdsload.service.server.slicing import CLOSED as _CLOSED
+from gdsload.service.server.slicing import Batch, Slicing
 
 #: How often a stream waiting for its batch checks that the pool is still open (seconds).
 POLL_S = 0.25
@@ -81,23 +91,7 @@ NEXT_S = 0.01
 FORGET_S = PRIORITY_FORGET_S
 
 
-class _Job:
-    __slots__ = ("args", "done", "dst", "encoded", "error", "job", "key", "names", "queued", "result", "sid",
-                 "started", "waited")
-
-    def __init__(self, key, args, encoded, names, dst):
-        self.key, self.args, self.encoded, self.names, self.dst = key, args, encoded, names, dst
-        self.queued = time.perf_counter()
-        self.sid = 0
-        self.job: Any = None  # its stream's job when taken (charged its decode seconds)
-        self.waited = 0.0
-        self.started = False  # a worker took it
-        self.done = threading.Event()
-        self.result: list[int] | None = None
-        self.error: BaseException | None = None
-
-
-class DecodePool:
+class DecodePool(Slicing):
     def __init__(self, *, workers: int, threads: int, metrics: Any = None, linger_s: float = 2.0,
                  close_timeout_s: float = 10.0, clock: Any = time.monotonic):
         self.workers = workers
@@ -107,7 +101,7 @@ class DecodePool:
         self.threads = threads
         self.metrics = metrics
         self._cv = threading.Condition()
-        self._queues: dict[int, collections.deque[_Job]] = {}  # stream -> its waiting batches
+        self._queues: dict[int, collections.deque[Batch]] = {}  # stream -> its waiting batches
         self._seats: dict[int, PooledDecoder] = {}  # stream -> its seat (its `turn`: level and job)
         self._busy: dict[int, int] = {}  # stream -> its batches being decoded
         self._done: dict[int, float] = {}  # stream -> when its last batch was decoded (`clock`)
@@ -115,6 +109,7 @@ class DecodePool:
         self.next_s = NEXT_S
         self._jobs: dict[Any, list[float]] = {}  # job -> [decode seconds, last served, last seen]
         self.order: collections.deque = collections.deque(maxlen=100_000)  # per batch taken (the docstring)
+        self.slices: collections.deque = collections.deque(maxlen=100_000)  # per slice (`slicing`)
         self._free: dict[tuple, list[Any]] = {}  # key -> idle decoders
         self._built = 0
         self._attached = 0
@@ -195,7 +190,7 @@ class DecodePool:
         """Decode one batch of stream `sid` (blocks); returns the rows kept and the queue time.
         Raises `RingClosed` when the stream ended (its readers stop), `Unavailable` when the pool
         closed before the batch was decoded (the stream's consumer gets it, in order)."""
-        job = _Job(key, args, encoded, names, dst)
+        job = Batch(key, args, encoded, names, dst)
         with self._cv:
             if self._closed:
                 raise Unavailable(_CLOSED)
@@ -242,7 +237,7 @@ class DecodePool:
         return not any(t.is_alive() for t in self._threads)
 
     # -- workers -------------------------------------------------------------------------------------
-    def _take(self) -> tuple[_Job, Any, Any] | None:
+    def _take(self) -> tuple[Batch, Any, Any] | None:
         """The next job in turn, an idle decoder for it (or None: build one) and an idle decoder of
         another transform to drop (making room), or None when the pool is closed."""
         with self._cv:
@@ -267,39 +262,6 @@ class DecodePool:
                         self._built += 1
                     return job, dec, evicted
                 self._cv.wait(wake)
-
-    def _work(self) -> None:
-        from gdsload.decode.image import ImageDecoder
-
-        while True:
-            got = self._take()
-            if got is None:
-                return
-            job, dec, evicted = got
-            del evicted, got  # its pipeline goes here, outside the lock
-            job.waited = time.perf_counter() - job.queued
-            t0 = self.clock()
-            if self.metrics is not None:
-                self.metrics.pool_busy.inc()
-            try:
-                if dec is None:
-                    dec = ImageDecoder(**job.args)
-                job.result = dec.decode_into(job.encoded, job.names, job.dst)
-            except BaseException as exc:  # the stream's error (a corrupt image), raised in its thread
-                job.error = exc
-                dec = None  # DALI may have invalidated it
-            finally:
-                if self.metrics is not None:
-                    self.metrics.pool_busy.dec()
-                with self._cv:
-                    self._charge(job, t0)
-                    if dec is None or self._closed:  # closed: released here, by its worker
-                        self._built -= 1
-                    else:
-                        self._free.setdefault(job.key, []).append(dec)
-                        dec = None
-                job.done.set()
-            job = dec = None  # nothing of the batch or a pipeline is kept while waiting
 
     # -- the order of batches: the arbiter's rules -----------------------------------------------------
     def _rank(self, sid: int) -> tuple[int, Any, bool]:
@@ -348,9 +310,11 @@ class DecodePool:
             return None, self.next_s
         if best is not None:
             level, job, _ = ranks[best]
-            self._queues[best][0].job = job
+            head = self._queues[best][0]
+            head.job = job
             self._jobs[job][1] = self._jobs[job][2] = now
-            self.order.append((job, level, top, held))
+            if not head.started:  # (not the rest of a batch a worker gave way with: `slicing`)
+                self.order.append((job, level, top, held))
             return best, None
         return None, (HOLD_S / 2 if held else None)
 
@@ -380,18 +344,6 @@ class DecodePool:
         row = self._jobs.setdefault(job, [0.0, 0.0, self.clock()])
         row[0] = max(row[0], min(peers, default=0.0))
         return row
-
-    def _charge(self, job: _Job, t0: float) -> None:
-        """Job `job` was decoded from `t0` on (the lock is held): its stream's job pays the seconds."""
-        now = self.clock()
-        if job.sid in self._busy:
-            self._busy[job.sid] -= 1
-            self._done[job.sid] = now
-            self._ended[job.sid] = time.monotonic()
-        row = self._jobs.get(job.job)
-        if row is not None:
-            row[0] += now - t0
-            row[2] = now
 
     def _forget(self) -> None:
         """Drop the jobs of no attached stream not seen for `FORGET_S` (the lock is held)."""
