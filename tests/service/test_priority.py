@@ -30,6 +30,7 @@ from gdsload.service.protocol import auth
 from gdsload.service.protocol.status import PermissionDenied
 from gdsload.service.server import create_server
 from gdsload.service.server.priority import Arbiter
+from gdsload.service.server.turn import HANDOVER_S, RETURN_S
 from gdsload.v1 import feed_pb2 as pb
 from gdsload.v1 import feed_pb2_grpc as pb_grpc
 
@@ -181,6 +182,7 @@ def test_strict_priority_between_levels_and_a_share_group_at_its_highest_member(
     assert [job for job, _, _ in arb.grants] == [("id", "high")] * 40  # high asks again at once: only it
     assert all(level >= (waiting or 0) for _, level, waiting in arb.grants)
     high.leave()
+    clock.t += HANDOVER_S  # (a job between two of its streams holds lower levels until then)
     run_streams(arb, clock, [(x, 1.0) for x in lows] + [(member, 1.0)], grants=40)
     assert {job for job, _, _ in arb.grants} == {("id", f"low{i}") for i in range(3)} | {("id", "member")}
 
@@ -687,3 +689,39 @@ def test_servers_needed_is_the_servers_in_use_scaled_by_the_stall():
     assert t.servers_needed(2) == 2
     t.counts["wait_s"] = 6.0  # half of the loop's time waiting: twice the servers
     assert t.servers_needed(2) == 4
+
+
+def test_a_reading_higher_job_between_two_of_its_streams_holds_lower_levels_for_the_handover():
+    """A striping client's next block, or its next epoch, is a new stream: a higher job that was
+    reading holds lower levels back for HANDOVER_S after its last stream left (its next stream
+    would otherwise start on a server busy with lower batches); a job that made one batch and
+    left (no pace) holds nothing."""
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    never = lambda: False  # noqa: E731
+    high = arb.enter(("id", "high"), 10)
+    for _ in range(3):  # it reads: its pace is known
+        assert high.wait(never) is None
+        clock.t += 0.01
+        high.made()
+        high.sent()
+    high.leave()
+    low = arb.enter(("id", "low"), 0)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(low.wait(never)), daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got and low.paused_since is not None
+    clock.t += HANDOVER_S  # it did not come back: the low stream goes (it looks again by itself)
+    waiter.join(10)
+    assert got == [None] and low.paused_since is None
+    low.made()
+    once = arb.enter(("id", "once"), 10)  # one batch, no pace
+    assert once.wait(never) is None
+    once.made()
+    once.sent()
+    once.leave()
+    clock.t += RETURN_S
+    assert low.wait(never) is None  # at once
+    low.made()
+    low.leave()

@@ -29,6 +29,7 @@ class Job:
     send: float = 0.0  # the seconds a batch of it takes to send (a moving average)
     streams: int = 0
     left: float = 0.0  # when its last stream left
+    level: int = 0  # the priority of its streams
 
     def ask(self, now: float) -> None:
         if self.asked:

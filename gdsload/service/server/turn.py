@@ -16,6 +16,10 @@ NOTICE_S = 1.0
 #: Longest wait of a stream between looks at its stop condition (a change in the arbiter wakes
 #: the streams it concerns at once: `Arbiter._settle`).
 POLL_S = 0.25
+#: How long a higher job whose streams all ended still holds lower levels back: the gap until its
+#: next stream (a striping client's next block, the next epoch: a probe, the bulk handshake and
+#: the first batch; about 0.3 s at a twentieth of a core), which lower batches would otherwise fill.
+HANDOVER_S = 0.5
 #: How long a job with no stream keeps its seconds: a striping client's next block (a new stream)
 #: comes back to its share, not to the least-served job's.
 FORGET_S = 5.0
