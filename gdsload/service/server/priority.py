@@ -100,6 +100,7 @@ class Arbiter:
         self.levels = Levels(metrics)
         self.group_levels: dict[Any, int] = {}  # share group -> its highest priority (replaced, never changed)
         self.top = self.bottom = 0  # the highest and lowest level of its streams (read without the lock)
+        self.last_left = float("-inf")  # when a job with a known pace last lost its last stream here
         self.grants: collections.deque = collections.deque(maxlen=100_000)
 
     # -- streams -----------------------------------------------------------------------------------
@@ -139,6 +140,8 @@ class Arbiter:
             if j is not None:  # kept `FORGET_S` (a striping client's next block is a new stream)
                 j.streams -= 1
                 j.left = self.clock()
+                if j.period:
+                    self.last_left = j.left
             self._settle(self.clock())
 
     def wake_all(self) -> None:
@@ -263,6 +266,8 @@ class Arbiter:
         """The jobs above level `mine` that were reading (their pace is known) and whose streams
         all ended less than `HANDOVER_S` ago (rule 1: they hold lower levels back until their
         next stream comes)."""
+        if now - self.last_left >= HANDOVER_S:  # (no job left lately: nothing to look at)
+            return []
         return [j for j in self.jobs.values()
                 if not j.streams and j.period and j.level > mine and now - j.left < HANDOVER_S]
 
