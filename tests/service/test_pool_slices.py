@@ -71,8 +71,8 @@ def whole(encoded, on_error="raise"):
 class Turn:
     """What the pool reads of a `priority.Turn`."""
 
-    def __init__(self, job, level: int):
-        self.job, self._level = job, level
+    def __init__(self, job, level: int, place: tuple = ()):
+        self.job, self._level, self.place = job, level, place
 
     def level(self) -> int:
         return self._level
@@ -176,7 +176,34 @@ def test_one_worker_takes_the_higher_batch_after_the_slice_in_progress(images, g
         assert Gated.runs == [STEP, N] + [STEP] * (SLICES - 1)  # a run per slice, the high batch one
         used = pool.used()
         assert used["low"] > 0 and used["high"] > 0
+        # each seat counts its batches' worker seconds, all its slices (what the arbiter charges
+        # its stream's job in place of the stream's wait for them: test_priority)
+        assert low.decoded_s == pytest.approx(used["low"]) and high.decoded_s == pytest.approx(used["high"])
         assert low.batches == 1 and low.queue_s > 0  # (it waited for the high batch too)
+    finally:
+        assert pool.close()
+
+
+def test_of_a_job_s_streams_the_first_in_its_plan_is_decoded_first(images, gated):
+    """A striping client hands batches out in plan order: of one job's streams, the batch of the
+    one whose next batch comes first in its plan (`Turn.place`) is taken first, whatever was
+    queued first (a later block's batch decoded first only waits in the client)."""
+    pool = DecodePool(workers=1, threads=1)
+    try:
+        other = seat(pool, Turn("other", 0))
+        later, head = seat(pool, Turn("A", 0, place=(0, 8))), seat(pool, Turn("A", 0, place=(0, 0)))
+        go_other, go_head = gated("other/0"), gated("head/0")
+        got = [Submitted(other, images, "other")]
+        assert Gated.reached["other/0"].wait(30)  # the worker is busy
+        got.append(Submitted(later, images, "later"))
+        until(lambda: queued(pool, later) == 1, "the later block's batch queued")
+        got.append(Submitted(head, images, "head"))
+        until(lambda: queued(pool, head) == 1, "the head block's batch queued")
+        go_other.set()
+        assert Gated.reached["head/0"].wait(30)  # taken before the batch queued first
+        assert queued(pool, later) == 1
+        go_head.set()
+        assert all(g.join().error is None for g in got), [g.error for g in got]
     finally:
         assert pool.close()
 

@@ -82,7 +82,9 @@ def run_streams(arbiter: Arbiter, clock: Clock, streams: list, grants: int) -> N
             turn.made()
             turn.sent()
 
-    blocker = arbiter.enter(("test", "blocker"), 1 << 30)  # holds the slot until every stream waits
+    # holds the slot until every stream waits (a job of its own each time: one back with a pace
+    # would hold the lower levels for the handover, on a clock that stands still meanwhile)
+    blocker = arbiter.enter(("test", "blocker", time.monotonic_ns()), 1 << 30)
     assert blocker.wait(stop.is_set) is None
     arbiter.grants.clear()
     threads = [threading.Thread(target=run, args=s, daemon=True) for s in streams]
@@ -120,6 +122,26 @@ def test_four_equal_jobs_get_equal_shares_whatever_their_streams():
     assert sum(count) >= 200 and max(count) - min(count) <= 3, count  # 50 each, within a few batches
 
 
+def test_of_a_job_s_streams_the_first_in_its_plan_goes_first():
+    """A striping client hands batches out in plan order, so of one job's streams on a server the
+    one whose next batch comes first in its plan (`Turn.place`: its head block) goes first; a
+    later block's batch made first would only wait in the client (seen: a job's head block made
+    at half its job's share while its next block took the rest, its batches handed out 4 to 12
+    at a time after 5-s gaps)."""
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    later, head = arb.enter(("id", "A"), 0), arb.enter(("id", "A"), 0)
+    later.place, head.place = (0, 8), (0, 0)
+    run_streams(arb, clock, [(later, 1.0), (head, 1.0)], grants=4)
+    assert [g[0] for g in arb.grants] == [("id", "A")] * 4
+    assert later.asked < head.asked and head.granted > later.granted  # (head made all four)
+    head.place = (0, 12)  # its block done, it reads its next: now the other is first
+    run_streams(arb, clock, [(later, 1.0), (head, 1.0)], grants=2)
+    assert later.granted > head.granted
+    for t in (later, head):
+        t.leave()
+
+
 def test_a_job_back_within_forget_s_keeps_its_seconds_a_new_one_starts_level():
     """A striping client's next block is a new stream of the same job: it comes back to its own
     seconds, not to the least-served job's (which gave a job ahead of its share a fresh start at
@@ -149,6 +171,28 @@ def test_a_job_back_within_forget_s_keeps_its_seconds_a_new_one_starts_level():
     d = arb.enter(("id", "D"), 0)  # (a stream entering drops the jobs gone for longer)
     assert ("id", "A") not in arb.jobs and ("id", "C") not in arb.jobs
     for t in (b, d):
+        t.leave()
+
+
+def test_a_pooled_decode_charges_its_job_the_pools_seconds_not_its_stream_s_wait():
+    """A stream whose batches are decoded in the server's decode pool waits for them behind other
+    jobs' decodes (and its loader decodes ahead): its job pays the pool's seconds for its decodes,
+    not that wait. Charged the wait, a job whose first batch waited 11 s for the pool (seen at a
+    quarter core: four jobs' first batches, one pipeline) was then held back until the other jobs
+    had used 11 s each, and its client, silent that long, counted a stall."""
+    clock = Clock()
+    arb = Arbiter(1, clock=clock)
+    a, b = arb.enter(("id", "A"), 0), arb.enter(("id", "B"), 0)
+    assert a.wait(lambda: False) is None
+    clock.t += 11.5  # 11 s of it waiting for the pool, whose workers took 0.5 s for A's batches
+    a.made(batch=True, pooled=(11.0, 0.5))
+    assert a.may_send(lambda: False) is None
+    clock.t += 0.25  # its send
+    a.sent()
+    assert arb.jobs[("id", "A")].used == pytest.approx(0.5 + 0.5 + 0.25)  # made 0.5 (not its wait) + 0.5 + send
+    run_streams(arb, clock, [(a, 1.0), (b, 1.0)], grants=6)  # B at 1 and 2 s, then A at 1.25 s goes
+    assert [g[0][1] for g in arb.grants] == ["B", "B", "A", "B", "A", "B"]  # (charged 11.75 s: B six times)
+    for t in (a, b):
         t.leave()
 
 

@@ -186,8 +186,9 @@ class DecodePool(Slicing):
         self._free.clear()
         return idle
 
-    def submit(self, sid: int, key: tuple, args: dict, encoded, names, dst) -> tuple[list[int], float]:
-        """Decode one batch of stream `sid` (blocks); returns the rows kept and the queue time.
+    def submit(self, sid: int, key: tuple, args: dict, encoded, names, dst) -> tuple[list[int], float, float]:
+        """Decode one batch of stream `sid` (blocks); returns the rows kept, the queue time and the
+        seconds its worker took (its job's charge).
         Raises `RingClosed` when the stream ended (its readers stop), `Unavailable` when the pool
         closed before the batch was decoded (the stream's consumer gets it, in order)."""
         job = Batch(key, args, encoded, names, dst)
@@ -205,7 +206,7 @@ class DecodePool(Slicing):
                 raise Unavailable(_CLOSED + " (the batch was not decoded in time)")
         if job.error is not None:
             raise job.error
-        return job.result, job.waited
+        return job.result, job.waited, job.spent
 
     def close(self) -> bool:
         """Stop the workers and release the pipelines: batches still queued fail, the batches being
@@ -287,7 +288,8 @@ class DecodePool(Slicing):
         """The stream whose batch a worker takes next, or None and how long to wait (None: until
         notified). Rule 1: a bound stream's batch waits while a stream of a higher level is active
         (`_active`); rule 2: of the rest, the highest level first, then the job with the fewest
-        decode seconds, then the one served least recently, then the batch queued first."""
+        decode seconds, then the one served least recently, then of its streams the one whose next
+        batch comes first in its plan (`priority.Turn.place`), then the batch queued first."""
         ranks = {sid: self._rank(sid) for sid in self._queues}
         top = max((ranks[s][0] for s in self._queues if self._active(s, now)), default=None)
         ranked = [ranks[s][0] for s in self._queues if getattr(self._seats.get(s), "turn", None) is not None]
@@ -303,7 +305,8 @@ class DecodePool(Slicing):
                 held = True  # (below the highest level here, one worker is kept for it)
                 continue
             used, last, _ = self._jobs.get(job) or self._enter(job, level, ranks)
-            k = (-level, used, last, q[0].queued, sid)
+            place = getattr(getattr(self._seats.get(sid), "turn", None), "place", ())
+            k = (-level, used, last, place, q[0].queued, sid)
             if key is None or k < key:
                 best, key = sid, k
         if best is not None and self._owed(best, ranks, now):
@@ -377,6 +380,8 @@ class PooledDecoder:
         self.turn: Any = None  # its stream's `priority.Turn` (`rank`): the order of its batches
         self.queue_s = 0.0  # since the last attach
         self.batches = 0
+        self.decoded_s = 0.0  # the seconds the pool's workers took for its batches, ever (never reset:
+        # a source reads how much it grew; one writer, as a loader decodes one batch at a time)
 
     def configure(self, **args: Any) -> PooledDecoder:
         """(The loader's decoder factory) `ImageDecoder`'s arguments; the pool's pipelines take
@@ -417,8 +422,9 @@ class PooledDecoder:
         sid = self.sid
         if sid is None:
             raise RingClosed("the stream ended")
-        kept, waited = self.pool.submit(sid, self.key, self.args, encoded, names, dst)
+        kept, waited, spent = self.pool.submit(sid, self.key, self.args, encoded, names, dst)
         self.queue_s += waited
+        self.decoded_s += spent
         self.batches += 1
         m = self.pool.metrics
         if m is not None:

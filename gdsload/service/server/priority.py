@@ -37,13 +37,18 @@ sending, are charged to its job). The rules, in this order:
 2. **Equal share of seconds per job within a level.** Among the waiting streams of the highest
    level, the slot goes to the job that used the fewest seconds of making batches (a job: every
    stream with the same `BatchRequest.job` from the same credentials; an empty job is a job of
-   its own), ties to the job served least recently. A job that arrives starts level with the
+   its own), ties to the job served least recently; of that job's streams, the one whose next
+   batch comes first in its plan (`Turn.place`: a striping client hands batches out in plan
+   order, so it waits for its head block, not for a later one). A job that arrives starts level with the
    least-served job already there (it does not get the time it was absent); a job whose streams
    all ended keeps its seconds for `FORGET_S` (a striping client's next block is a new stream:
    it comes back to its own share, not to the least-served job's). The seconds a batch
    takes (from the grant to the batch's frames ready: the wait for its loader and its encoding;
    then from the start of its send to its end) are its cost, so a decoded batch counts for what
-   it took, not as one batch, and a raw one for its send too.
+   it took, not as one batch, and a raw one for its send too. A batch decoded in the server's
+   decode pool (`pool.DecodePool`) is charged the pool's seconds for its loader's decodes in
+   place of the stream's wait for them (`Turn.made(pooled=)`): that wait is mostly other jobs'
+   decodes, charged to them, and a loader decodes ahead of its stream.
 3. **A share group runs at its highest member's priority** (`group`: the share group's key).
 
 A request that declared it understands pauses (`BatchRequest.understands_pause`) is told: while
@@ -318,13 +323,14 @@ class Arbiter:
                 chosen.cv.notify()
 
     def _chosen(self, level: int) -> Turn | None:
-        """The waiting stream of `level` whose job comes next (rule 2)."""
+        """The waiting stream of `level` whose job comes next (rule 2), and of its streams the one
+        whose batch comes first in its plan (`Turn.place`)."""
         best, key = None, None
         for o in self.turns.values():
             if o.state is not WAITING or self.level_of(o) != level:
                 continue
             j = self.jobs[o.job]
-            k = (j.used, j.last, o.asked, o.id)
+            k = (j.used, j.last, o.place, o.asked, o.id)
             if key is None or k < key:
                 best, key = o, k
         return best
@@ -339,7 +345,8 @@ class Arbiter:
             self._settle(now)
         return None
 
-    def made(self, t: Turn, memory_wait: bool = False, batch: bool = False) -> None:
+    def made(self, t: Turn, memory_wait: bool = False, batch: bool = False,
+             pooled: tuple[float, float] | None = None) -> None:
         with self.lock:
             if t.state is not MAKING:
                 return
@@ -357,8 +364,8 @@ class Arbiter:
             j = self.jobs.get(t.job)
             t.pending = took if batch else None
             if batch:  # (its cost is known when it is sent)
-                if j is not None:
-                    j.used += took
+                if j is not None:  # (a pooled decode: the pool's seconds, not the wait for them)
+                    j.used += took if pooled is None else max(0.0, took - pooled[0]) + pooled[1]
             elif j is not None:
                 j.made(took)
             self.levels.made(self.level_of(t), took, now)

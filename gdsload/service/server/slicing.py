@@ -53,7 +53,7 @@ class Batch:
     its decode got (`offset`: the rows done; `kept`: their indices kept)."""
 
     __slots__ = ("args", "done", "dst", "encoded", "error", "job", "kept", "key", "names", "offset", "queued",
-                 "result", "sid", "since", "started", "waited")
+                 "result", "sid", "since", "spent", "started", "waited")
 
     def __init__(self, key, args, encoded, names, dst):
         self.key, self.args, self.encoded, self.names, self.dst = key, args, encoded, names, dst
@@ -61,6 +61,7 @@ class Batch:
         self.sid = 0
         self.job: Any = None  # its stream's job when taken (charged its decode seconds)
         self.waited = 0.0
+        self.spent = 0.0  # seconds its worker(s) took, over its slices
         self.started = False  # a worker took it
         self.offset = 0
         self.kept: list[int] = []
@@ -168,6 +169,7 @@ class Slicing:
         """`job` was decoded from `t0` on (the lock is held): its stream's job pays the seconds;
         `ended`: the batch was decoded (else its worker gave way, the rest goes back)."""
         now = self.clock()
+        job.spent += now - t0
         if job.sid in self._busy:
             self._busy[job.sid] -= 1
             if ended:

@@ -28,6 +28,7 @@ stays paused, its cursor unchanged) instead of failing.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -98,7 +99,9 @@ class BatchSource(Protocol):
     or None when the stream's range is done) and, once, `close(outcome)` ("ok", "cancelled",
     "drained" or a status name): it releases everything the source holds (its loader parked
     after "ok" and "cancelled", else closed; its reservations). `label` and `payload` label the
-    stream's metrics; `log_fields(end)` adds to its stream_start/stream_end events."""
+    stream's metrics; `log_fields(end)` adds to its stream_start/stream_end events. A source
+    whose batches are decoded in the server's decode pool also has `pooled()` (`LoaderSource`'s):
+    its job's share is charged the pool's seconds for them, not the wait for them."""
 
     label: str
     payload: str
@@ -150,10 +153,13 @@ class LoaderSource:
         self.sent = 0
         self.it: Any = None
         self.closed = False
+        self.waited = 0.0  # (a pooled decode) the last batch's wait for its loader
+        self.decoded_s = 0.0  # (a pooled decode) its seat's `decoded_s` when last looked at
         try:
             seat = opened.loaded.seat
             if seat is not None:
                 seat.attach()
+                self.decoded_s = seat.decoded_s
             self.start()
         except BaseException:
             self.close("error")
@@ -179,8 +185,24 @@ class LoaderSource:
 
     def batch(self) -> tuple[np.ndarray, dict[str, Any]]:
         """The next batch's sample ids (the plan's) and the batch (StopIteration at the end)."""
-        batch = next(self.it)
+        t0 = time.perf_counter()
+        try:
+            batch = next(self.it)
+        finally:
+            self.waited = time.perf_counter() - t0
         return next(self.opened.planned), batch
+
+    def pooled(self) -> tuple[float, float] | None:
+        """(After `next`) for a loader that decodes in the server's decode pool: the seconds its last
+        batch waited for the loader, and the seconds the pool's workers took for the loader's
+        batches since the last look (None: it decodes nothing there). Its job pays the second, not
+        the first (`priority.Turn.made`): the wait is mostly other jobs' decodes, which the pool
+        charges to them, and the loader decodes ahead of its stream."""
+        seat = self.opened.loaded.seat
+        if seat is None:
+            return None
+        spent, self.decoded_s = seat.decoded_s - self.decoded_s, seat.decoded_s
+        return self.waited, max(0.0, spent)
 
     def rank(self, turn: Any) -> None:
         """Its stream's turn: its loader's batches are decoded in the turn's order (`pool.DecodePool`)."""
@@ -225,8 +247,16 @@ class LoaderSource:
         if opened.loaded.seat is not None:
             opened.loaded.seat.attach()
             opened.loaded.seat.rank(self.turn)
+            self.decoded_s = opened.loaded.seat.decoded_s
         self.start()
         return True
+
+    def place(self) -> tuple[int, int]:
+        """Where its next batch is in its job's plan: (epoch, step). Of one job's streams on a
+        server the first in plan order goes first (`priority.Arbiter`, `pool.DecodePool`): a
+        striping client hands batches out in plan order, so the stream of its head block is the
+        one it waits for (a later block's, made first, only waits in the client)."""
+        return self.epoch, self.next_step()
 
     def next_step(self) -> int:
         """The step of the stream's next batch (a `block_stride` stream's: the rest of the block,

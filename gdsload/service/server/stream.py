@@ -142,6 +142,8 @@ class Notice:
 def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, turn: Any) -> Iterator[bytes]:
     """The batches, at each boundary checking the server and the call; returns the outcome."""
     stop = lambda: draining.is_set() or not transport.active()  # noqa: E731
+    pooled = getattr(source, "pooled", None)  # (a loader's source: its decodes in the server's pool)
+    place = getattr(source, "place", None)  # (a loader's source: where it is in its plan)
     while True:
         if turn is None:
             if draining.is_set():
@@ -149,6 +151,8 @@ def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, 
             if not transport.active():
                 return "cancelled"
         else:  # (its wait checks `stop` first: the same checks, once per batch)
+            if place is not None:
+                turn.place = place()
             got = turn.wait(stop)
             if got is False:  # the call or the server ended (neither comes back)
                 return "drained" if draining.is_set() else "cancelled"
@@ -161,7 +165,8 @@ def _loop(source: Any, transport: Any, meter: Meter, draining: threading.Event, 
             frames = source.next()
         finally:
             if turn is not None:
-                turn.made(frames is MEMORY_WAIT, batch=frames is not None and frames is not MEMORY_WAIT)
+                made = frames is not None and frames is not MEMORY_WAIT
+                turn.made(frames is MEMORY_WAIT, batch=made, pooled=pooled() if made and pooled else None)
         if frames is MEMORY_WAIT:  # suspended for a higher priority's memory, which is still short
             notice = turn.memory_notice()
             if notice is not None:

@@ -41,6 +41,7 @@ class Turn:
         self.since = arbiter.clock()  # when it entered its state
         self.asked = self.since  # when it began to wait
         self.granted = 0.0
+        self.place: tuple = ()  # its next batch's (epoch, step) in its job's plan (`sources.LoaderSource.place`)
         self.pending: float | None = None  # its made batch's seconds (its send is charged with them: `sent`)
         self.send_start = 0.0  # when its send began
         self.paused_since: float | None = None
@@ -58,11 +59,15 @@ class Turn:
         send (then call again), or False when `stop()` became true."""
         return self.arbiter.wait(self, stop)
 
-    def made(self, memory_wait: bool = False, batch: bool = False) -> None:
+    def made(self, memory_wait: bool = False, batch: bool = False,
+             pooled: tuple[float, float] | None = None) -> None:
         """The batch is made (or the source ended): the slot is free. `batch`: there is a batch to
         send (its seconds are charged when it is `sent`; else now). `memory_wait`: no batch, the
-        source waits for memory (`sources.MEMORY_WAIT`): it stays paused (`memory_notice`)."""
-        self.arbiter.made(self, memory_wait, batch)
+        source waits for memory (`sources.MEMORY_WAIT`): it stays paused (`memory_notice`).
+        `pooled`: (waited, decoded) for a batch decoded in the server's decode pool
+        (`sources.LoaderSource.pooled`): its job pays the pool's seconds for its decodes in place
+        of its wait for them."""
+        self.arbiter.made(self, memory_wait, batch, pooled)
 
     def may_send(self, stop: Callable[[], bool]) -> bytes | bool | None:
         """(After `made(batch=True)`) wait while a higher level wants the server (rule 1): None
