@@ -19,7 +19,10 @@ default 5), per payload (raw, decoded), runs in a rotating order:
              `--batches` batches (a) flat out and (b) as a training loop whose step takes 1.1x
              its solo batch time (wall per batch; a sleep per batch): its rate against solo (target
              >= 0.9x, median of the rounds) and its data stall (the loop's wait over its wall
-             time; target <= 5 %). After the high job leaves, how long until the low jobs' summed
+             time; target <= 5 %). The same loop alone (no low job, after solo) gives the stall
+             the client's own delivery costs (`solo.training_stall`): measured 14-16 % raw (each
+             75-batch epoch begins with a new pass: 0.3-0.4 s at a twentieth of a core) and 6-8 %
+             decoded (the first blocks), so the contended stall is read against it. After the high job leaves, how long until the low jobs' summed
              rate over a window of about 10 of their batches (at least 1 s) is back to 0.9x their
              rate over the warm-up before the high job came (target: 2 s raw, 5 s decoded);
              `low_rates` has both rates and the window (the lows stay `--after-s`, decoded
@@ -247,6 +250,16 @@ def solo(jobs: Jobs, decoded: bool, batches: int) -> dict:
             "cpu_s": r["cpu_s"], "exact": r["exact"], "cpu": used}
 
 
+def solo_training(jobs: Jobs, decoded: bool, batches: int, step_s: float) -> float:
+    """The training loop of `contended` with no other job: its data stall alone (the client's own
+    delivery: raw epochs of 75 batches each begin with a new pass, ~0.3-0.4 s at a twentieth of a
+    core; decoded, the second server's first block), the floor the contended stall is read against."""
+    jobs.start("high", HIGH, decoded=decoded, batches=batches, step_s=step_s)
+    r = jobs.wait("high")
+    took = r["times"][-1] - r["times"][0] if len(r["times"]) >= 2 else 0.0
+    return r["wait_s"] / took if took else 0.0
+
+
 def contended(jobs: Jobs, decoded: bool, batches: int, step_s: float, warmup_s: float, after_s: float) -> dict:
     for i in range(3):
         jobs.start(f"low{i}", LOW, decoded=decoded)
@@ -403,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
                     throttle.limit(proc.pid, jobs.cores)
                 batches = a.batches if decoded else a.raw_batches
                 s = solo(jobs, decoded, batches)
+                s["training_stall"] = solo_training(jobs, decoded, batches, 1.1 * s["batch_s"])
                 warmup_s, after_s = (a.decoded_warmup_s, a.decoded_after_s) if decoded else (a.warmup_s, a.after_s)
                 c = contended(jobs, decoded, batches, 0.0, warmup_s, after_s)
                 t = contended(jobs, decoded, batches, 1.1 * s["batch_s"], warmup_s, after_s)
@@ -410,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row[payload] = {"solo": s, "contended": c, "training": t, "equal": e,
                                 "rate_vs_solo": c["rate"] / s["rate"] if s["rate"] else None}
                 print(f"round {r + 1} {payload}: high {c['rate']:.1f}/s vs solo {s['rate']:.1f}/s "
-                      f"({row[payload]['rate_vs_solo'] or 0:.2f}x), training stall {100 * (t['stall'] or 0):.1f} %, "
+                      f"({row[payload]['rate_vs_solo'] or 0:.2f}x), training stall {100 * (t['stall'] or 0):.1f} % "
+                      f"(alone {100 * s['training_stall']:.1f} %), "
                       f"low recovery {c['recovery_s']} s, equal max/min {e['max_over_min']:.2f}, exact "
                       f"{s['exact'] and c['exact'] and t['exact'] and e['exact']}; CPU share contended: clients "
                       f"{c['cpu']['client_share'] or 0:.2f} of a core, servers {c['cpu']['server_share'] or 0:.2f} "
@@ -425,6 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
     out["summary"] = {p: {
         "rate_vs_solo_median": statistics.median(r[p]["rate_vs_solo"] or 0 for r in out["rounds"]),
         "training_stall_median": statistics.median(r[p]["training"]["stall"] or 0 for r in out["rounds"]),
+        "solo_training_stall_median": statistics.median(r[p]["solo"]["training_stall"] for r in out["rounds"]),
         "recovery_s": [r[p]["contended"]["recovery_s"] for r in out["rounds"]],
         "client_share_median": statistics.median(r[p]["contended"]["cpu"]["client_share"] or 0 for r in out["rounds"]),
         "server_share_median": statistics.median(r[p]["contended"]["cpu"]["server_share"] or 0 for r in out["rounds"]),
