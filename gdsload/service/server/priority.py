@@ -39,10 +39,10 @@ sending, are charged to its job). The rules, in this order:
    stream with the same `BatchRequest.job` from the same credentials; an empty job is a job of
    its own), ties to the job served least recently; of that job's streams, the one whose next
    batch comes first in its plan (`Turn.place`: a striping client hands batches out in plan
-   order, so it waits for its head block, not for a later one). A job that arrives starts level with the
-   least-served job already there (it does not get the time it was absent); a job whose streams
-   all ended keeps its seconds for `FORGET_S` (a striping client's next block is a new stream:
-   it comes back to its own share, not to the least-served job's). The seconds a batch
+   order, so it waits for its head block, not for a later one). A job that arrives starts level
+   with the least-served job already there (it does not get the time it was absent); a job whose
+   streams all ended keeps its seconds for `FORGET_S` (a striping client's next block is a new
+   stream: it comes back to its own share, not to the least-served job's). The seconds a batch
    takes (from the grant to the batch's frames ready: the wait for its loader and its encoding;
    then from the start of its send to its end) are its cost, so a decoded batch counts for what
    it took, not as one batch, and a raw one for its send too. A batch decoded in the server's
