@@ -77,12 +77,8 @@ class Levels:
 
     def made(self, level: int, took: float, now: float) -> None:
         """A batch of `level` took `took` seconds."""
-        lv = self.add(level)
-        lv.batches += 1
-        lv.busy_s += took
-        lv.recent.append((now, took))
-        while lv.recent and now - lv.recent[0][0] > USE_SPAN_S:
-            lv.recent.popleft()
+        self.busy(level, took, now)
+        self.levels[level].batches += 1
         if self.metrics is not None:
             counter = self.counters.get(level)
             if counter is None:
@@ -90,10 +86,12 @@ class Levels:
             counter.inc()
 
     def busy(self, level: int, took: float, now: float) -> None:
-        """`level` spent `took` more seconds on a batch counted by `made` (its send)."""
+        """`level` spent `took` more seconds on a batch (`made`: making it, counted; or its send)."""
         lv = self.add(level)
         lv.busy_s += took
         lv.recent.append((now, took))
+        while lv.recent and now - lv.recent[0][0] > USE_SPAN_S:
+            lv.recent.popleft()
 
     def paused(self, level: int, took: float) -> None:
         """A stream of `level` was paused `took` seconds."""

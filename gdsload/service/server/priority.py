@@ -194,10 +194,7 @@ class Arbiter:
                 self._settle(now)
             while True:
                 if stop():  # (it no longer waits, nor wants the server)
-                    self._unpause(t, now)
-                    t.state, t.since = IDLE, now - RETURN_S
-                    self._settle(now)
-                    return False
+                    return self._stopped(t, now)
                 mine = self.level_of(t)
                 above, until = self._above(t, mine, now)
                 timeout = POLL_S
@@ -217,6 +214,13 @@ class Arbiter:
                         return self._grant(t, mine, now)
                 t.cv.wait(max(timeout, 0.001))
                 now = self.clock()
+
+    def _stopped(self, t: Turn, now: float) -> bool:
+        """(`wait`, `may_send`: the lock is held) `t`'s stop condition came: it wants nothing now."""
+        self._unpause(t, now)
+        t.state, t.since = IDLE, now - RETURN_S
+        self._settle(now)
+        return False
 
     def _holds(self, o: Turn, now: float, cost: float) -> tuple[bool, float | None]:
         """Whether `o` (of a higher level) holds back a lower stream whose batch takes `cost`
@@ -378,10 +382,7 @@ class Arbiter:
             cost = self.jobs[t.job].send if t.job in self.jobs else 0.0
             while True:
                 if stop():
-                    self._unpause(t, now)
-                    t.state, t.since = IDLE, now - RETURN_S
-                    self._settle(now)
-                    return False
+                    return self._stopped(t, now)
                 above, until = self._above(t, self.level_of(t), now, cost)
                 if above is None or t.hurry:
                     if t.state is HELD:

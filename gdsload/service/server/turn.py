@@ -112,8 +112,8 @@ class Turn:
 
     def wanting(self) -> bool:
         """Whether it wants the server now (`Arbiter.wants`: waiting, making, sending, or just sent)."""
-        state, since = self.state, self.since
-        return state is WAITING or state is MAKING or (state is not HELD and self.arbiter.clock() - since < RETURN_S)
+        a = self.arbiter
+        return a.wants(self, a.clock())
 
     def leave(self) -> None:
         self.arbiter.leave(self)
