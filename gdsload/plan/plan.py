@@ -505,10 +505,11 @@ class Plan:
         w, used, b = self.world_size, self._used_positions(), self.batch_size
         first = np.asarray(steps, np.int64) * self.global_batch + self.rank
         count = np.minimum(b, np.maximum(0, -(-(used - first) // w)))
-        positions = first[:, None] + w * np.arange(b, dtype=np.int64)[None, :]  # [steps, batch]
-        full = bool((count == b).all())
+        width = int(count.max(initial=0))  # (not `b`: a batch_size over the epoch's samples costs nothing)
+        positions = first[:, None] + w * np.arange(width, dtype=np.int64)[None, :]  # [steps, batch]
+        full = width == b and bool((count == b).all())
         if not full:
-            positions = positions[np.arange(b)[None, :] < count[:, None]]  # (row-major: step by step)
+            positions = positions[np.arange(width)[None, :] < count[:, None]]  # (row-major: step by step)
         if not self.drop_last:
             positions %= self.num_samples  # the padding repeats the order from its start
         ids = order.at(positions.reshape(-1))
