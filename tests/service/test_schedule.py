@@ -538,3 +538,24 @@ def test_the_blocks_claimed_are_those_each_stream_claims_first_in_order():
     # by hand: a's stream first, then b's, then c's
     assert sch._claims(0, 12) == {3: f1, 5: f2, 6: f1, 7: f2, 8: f3, 9: f1, 11: f2}
     assert sch._claims(4, 9) == {5: f2, 6: f1, 7: f2, 8: f3}
+
+
+def test_servers_probed_by_an_earlier_pass_start_without_a_probe():
+    """Each pass is a new schedule: a server an earlier pass of the loader probed (`known`: it
+    serves the planned dataset id, and `block_stride` or not) gets work at once, each its own
+    blocks on one stream from the first pick; an unknown one is probed first."""
+    link = Link(["a:1", "b:1", "c:1"], 0, Connection(), RetryPolicy(), dataset="feats")
+    sch = Schedule(StripePolicy(stripe_batches=4, server_window=2), first_step=0, end_step=32, now=T0, stats=link,
+                   budget=Attempts(link), backoff=lambda n: BACKOFF.get(n, 1.0), retry_timeout_s=30.0,
+                   known={"a:1": True, "b:1": True})
+    sch.on_resolved({a: [Endpoint(a, None, a)] for a in ("a:1", "b:1", "c:1")}, T0)
+    assert [srv(sch, a).state for a in ("a:1", "b:1", "c:1")] == [S.OK, S.OK, S.NEW]
+    assert sch.work(srv(sch, "c:1"), T0) is PROBE
+    a, b = sch.work(srv(sch, "a:1"), T0), sch.work(srv(sch, "b:1"), T0)
+    assert (a.block, a.stride, b.block, b.stride) == (0, 2, 1, 2)  # (two live servers: blocks 0, 2, ... and 1, 3, ...)
+    # a known server that fails its first request is DOWN and probed after its backoff, as any other
+    sch.on_failure(a, Failure.RETRY, RuntimeError("gone"), T0 + 0.01)
+    sch.on_finish(a)
+    assert srv(sch, "a:1").state is S.DOWN
+    assert isinstance(sch.work(srv(sch, "a:1"), T0 + 0.02), Wait)
+    assert sch.work(srv(sch, "a:1"), T0 + 0.2) is PROBE

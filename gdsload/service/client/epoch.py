@@ -36,6 +36,11 @@ STAGES = ("receive", "map", "wait")
 GET_POLL_S = 0.25
 #: How long closing a pass waits for its receiving thread to end.
 JOIN_S = 10.0
+#: The next epoch's pass is opened when this pass's remaining steps, at the rate the loop takes
+#: them, would last this many times its own receiver's setup (open to first batch queued): a new
+#: pass costs every server a request, its loader's set-up and a first batch before anything comes
+#: (0.3-0.4 s at a twentieth of a core: 10 steps of a raw training loop; bench/priority_bench.py).
+AHEAD_SETUPS = 2.0
 
 
 class Tally:
@@ -46,6 +51,9 @@ class Tally:
         self.counts: dict[str, Any] = {"batches": 0, "bytes": 0, "wait_s": 0.0, "shared_batches": 0}
         self.stages = StageTimes(STAGES)
         self.span: list[float] = []  # [clock, wait_s] at the first batch, the clock at the last
+        # what the last pass opened at its iter() took from its receiver's start to its first
+        # batch (a pass opened ahead says nothing of it: it ran beside the epoch before it)
+        self.setup_s: float | None = None
 
     def servers_needed(self, servers: int) -> int | None:
         """`servers` (in use) scaled by the loop's time over its time not waiting since its first
@@ -76,12 +84,20 @@ class RemoteEpoch:
     where the pass starts; `convert(batch)` is the batch as handed out; `restart()` is a new pass
     of the loader (for this iterator used in a forked child); `end`: the epoch's end position
     (`Plan.end_position`): the batch that reaches it is the epoch's last, and handing it out moves
-    the cursor to (next epoch, 0), as the local `Epoch` does (`gdsload.frontend.cursor`)."""
+    the cursor to (next epoch, 0), as the local `Epoch` does (`gdsload.frontend.cursor`).
+
+    `ahead(epoch)` (optional) opens the pass of `epoch` from its start before it is asked for:
+    called once in this epoch's tail (`AHEAD_SETUPS`, and at the latest with its last batch), so
+    the loop's next `iter()`, which starts there (the cursor moved), finds its first batches on
+    the way (the loader's `_open_receiver` adopts that receiver)."""
 
     def __init__(self, open_receiver: Callable[[int, int], Receiver], cursor: Any, convert: Callable[[Any], Any],
-                 tally: Tally, restart: Callable[[], Any], *, end: int):
+                 tally: Tally, restart: Callable[[], Any], *, end: int,
+                 ahead: Callable[[int], None] | None = None):
         self.cursor = cursor
         self.end = end
+        self._ahead = ahead
+        self._began, self._handed = time.monotonic(), 0  # the pass's pace: batches handed out since
         self._open_receiver = open_receiver  # again from a new position: `skip_to`
         self.convert = convert
         self.tally = tally
@@ -101,8 +117,8 @@ class RemoteEpoch:
         self.receiver = receiver
         self._done = False
         self._finalizer = weakref.finalize(self, receiver.cancel)
-        self.thread = threading.Thread(target=receiver.run, name="gdsload-remote", daemon=True)
-        self.thread.start()
+        self._cold = receiver.thread is None  # (not opened ahead: its set-up is a new pass's)
+        self.thread = receiver.start()
 
     def __iter__(self) -> RemoteEpoch:
         return self
@@ -126,6 +142,8 @@ class RemoteEpoch:
             else:
                 self.cursor.advance(self, self.epoch, item.position)
             self.tally.delivered(item)
+            if self._ahead is not None:
+                self._look_ahead(item.position)
             return self.convert(item.batch)
         if item is END:
             self.cursor.end(self, self.epoch)  # the next pass is the next epoch
@@ -133,6 +151,18 @@ class RemoteEpoch:
             raise StopIteration
         self.close()
         raise item.error
+
+    def _look_ahead(self, position: int) -> None:
+        """Open the next epoch's pass when this one's remaining steps are few (see `ahead`)."""
+        self._handed += 1
+        now, rx, tally = time.monotonic(), self.receiver, self.tally
+        if self._handed == 1 and (self._cold or tally.setup_s is None):
+            tally.setup_s = (rx.first_at or now) - rx.opened_at
+        left = (self.end - position) // rx.G
+        if left > rx.queue.maxsize and left * (now - self._began) > AHEAD_SETUPS * tally.setup_s * self._handed:
+            return  # (left steps at the pass's pace so far outlast AHEAD_SETUPS set-ups)
+        ahead, self._ahead = self._ahead, None
+        ahead(self.epoch + 1)
 
     def _get(self) -> Any:
         rx = self.receiver

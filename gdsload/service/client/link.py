@@ -199,7 +199,7 @@ class Link(ProcessLocal):
     channels, lock and random generator are per process (`ProcessLocal`; the loader checks).
     """
 
-    _PROCESS_LOCAL = ("channels", "_lock", "_rng", "servers")
+    _PROCESS_LOCAL = ("channels", "_lock", "_rng", "servers", "probed")
 
     def __init__(self, addresses: list[str], index: int, connection: Connection, retry: RetryPolicy, *,
                  dataset: Any, resolve_names: bool = False):
@@ -223,6 +223,10 @@ class Link(ProcessLocal):
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.servers: dict[str, dict[str, Any]] = {}  # per address: stats()["servers"]
+        # (dataset id, address) -> serves block_stride: the servers whose probe said they serve the
+        # dataset id a loader planned with; a later pass of that plan starts them without one
+        # (`stripe.schedule.Schedule`, `known`)
+        self.probed: dict[tuple[str, str], bool] = {}
 
     def enter_process(self) -> None:
         """In a forked child, leave the parent's channels and locks alone and start afresh."""

@@ -127,7 +127,19 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     `max_retries`: also give up after this many consecutive failed attempts (None: no count, only
     the time). `backoff_s`, `max_backoff_s`: first and largest wait between attempts. After giving
     up, `state_dict()` is at the last batch handed out: `load_state_dict()` it into this or a new
-    loader to resume. `prefetch`: batches received ahead.
+    loader to resume. `prefetch`: batches received ahead. `prefetch_next_epoch`: in the last
+    steps of an epoch (about twice the time a pass took to get its first batch, at the loop's
+    pace) the next epoch's pass is opened, so a loop that goes on to it (the cursor moved there:
+    `iter()` again, with or without `set_epoch` of that epoch) finds its first batches on the way
+    instead of waiting for every server to set up a new stream (bench/priority_bench.py: ~0.35 s
+    at a twentieth of a core, a tenth of a raw epoch). Its batches are held until then (up to
+    `prefetch` and the striping window, as a pass's); a loader that does not go on (another epoch
+    or state loaded, a `break`) cancels it at its next `iter()`, `close()` or collection, and one
+    not taken over within `receive.AHEAD_IDLE_S` (10 s) of waiting cancels itself (a validation
+    loop ran meanwhile: the servers hold no stream for it). Off by default, as PyTorch's
+    DataLoader, which starts each pass at its `iter()`: a loader read for one epoch (inference, a
+    pass, validation) would make a window of batches on every server for nothing; turn it on for
+    a training loop over several epochs.
     `batches_per_stream`: end each stream after this many batches and open the next one (0: one
     stream per epoch); short streams let a list of servers rebalance. `max_message_bytes`: the
     largest message accepted (the server chunks below it). `bulk`: take the batches' bytes on the
@@ -164,7 +176,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     and continues where the loader stood (`state_dict()`).
     """
 
-    _PROCESS_LOCAL = ("_tally",)
+    _PROCESS_LOCAL = ("_tally", "_ahead")
 
     def __init__(
         self,
@@ -193,6 +205,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         priority: int = 0,
         job: str | None = None,
         prefetch: int = 2,
+        prefetch_next_epoch: bool = False,
         batches_per_stream: int = 0,
         stripe: bool | None = None,
         # option groups, as objects or as the keywords of their fields (gdsload.service.client.options)
@@ -224,6 +237,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             raise GdsloadError(f"batches_per_stream must be >= 0 and prefetch >= 1, got {batches_per_stream} and "
                                f"{prefetch}")
         self.prefetch, self.batches_per_stream = int(prefetch), int(batches_per_stream)
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.priority, self.job = check_priority(priority, job)
         self._parts = RequestParts.of(opts, fields, self.connection.max_message_bytes, self.batches_per_stream,
                                       priority=self.priority, job=self.job)
@@ -258,6 +272,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
 
     def _init_process_local(self) -> None:
         self._tally = Tally()  # stats(): batches, bytes, waits, stage times
+        self._ahead: tuple[int, Receiver] | None = None  # the next epoch's pass, opened ahead: (epoch, receiver)
 
     def _enter_process(self) -> None:
         """In a forked child, leave the parent's epoch, channels and locks alone and start afresh."""
@@ -327,10 +342,36 @@ class RemoteLoader(ProcessLocal, PlanCursor):
             active.close()
         return RemoteEpoch(self._open_receiver, self.cursor,
                            functools.partial(self._output.convert, stages=self._tally.stages), self._tally,
-                           restart=self.__iter__, end=self.plan.end_position)
+                           restart=self.__iter__, end=self.plan.end_position,
+                           ahead=self._open_ahead if self.prefetch_next_epoch else None)
 
     def _open_receiver(self, epoch: int, position: int) -> Receiver:
-        """The receiver of a pass from `position` of `epoch`: striped, or one server at a time."""
+        """The receiver of a pass from `position` of `epoch`: the one opened ahead when it is that
+        pass (and has not failed), else a new one (and the one ahead is cancelled)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead[0] == epoch and position == 0 and ahead[1].claim():
+                return ahead[1]
+            ahead[1].cancel()
+        return self._new_receiver(epoch, position)
+
+    def _open_ahead(self, epoch: int) -> None:
+        """A pass in its epoch's tail opens the next epoch's (`RemoteEpoch`, `ahead`): its
+        receiver starts now and the next `iter()` takes it over when it starts there. Nothing is
+        raised here: a receiver that cannot be opened now is opened by that `iter()`."""
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
+        try:
+            receiver = self._new_receiver(epoch, 0)
+        except Exception:
+            return
+        receiver.ahead = True
+        receiver.start()
+        self._ahead = (epoch, receiver)
+
+    def _new_receiver(self, epoch: int, position: int) -> Receiver:
+        """A receiver of a pass from `position` of `epoch`: striped, or one server at a time."""
         plan, link = self.plan, self._link
         dataset, mix = self.source.request_target(plan)
         template = self._parts.request(self.options, plan, dataset=dataset, mix=mix, epoch=epoch, position=position)
@@ -376,6 +417,9 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         active = self.cursor.live()
         if active is not None:
             active.close()
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
         self._link.channels.close()
 
     def __del__(self) -> None:

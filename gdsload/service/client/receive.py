@@ -21,6 +21,10 @@ from gdsload.v1 import feed_pb2 as pb
 
 #: How long a receiver's thread waits for room in the queue before it looks at `stop` again.
 PUT_POLL_S = 0.1
+#: A pass opened ahead (`RemoteLoader(prefetch_next_epoch=True)`) that waited this long with its
+#: queue full and no `iter()` took it over cancels itself, so that servers do not hold its streams
+#: while the loop does something else (a validation loop); that `iter()` then opens a new pass.
+AHEAD_IDLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,37 @@ class Receiver:
         self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self.pid = os.getpid()  # its threads and calls exist in this process only
         self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.failed = False  # a `Failed` item was queued: the pass ends with it
+        self.opened_at = time.monotonic()
+        self.first_at: float | None = None  # when its first batch was queued
+        self.ahead = False  # opened ahead and not taken over yet (`claim`): it may expire
+        self._claim = threading.Lock()
+
+    def claim(self) -> bool:
+        """A pass takes this receiver opened ahead over: False if it expired, failed or was
+        cancelled first (then it is of no use)."""
+        with self._claim:
+            self.ahead = False
+            return not self.stop.is_set() and not self.failed
+
+    def _expired(self, since: float) -> bool:
+        """Opened ahead, its queue full since `since` for `AHEAD_IDLE_S`: cancel it (True)."""
+        if not self.ahead or time.monotonic() - since < AHEAD_IDLE_S:
+            return False
+        with self._claim:
+            if not self.ahead:
+                return False
+            self.failed = True
+            self.cancel()
+            return True
+
+    def start(self) -> threading.Thread:
+        """Start `run` in its thread (once); the thread."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="gdsload-remote", daemon=True)
+            self.thread.start()
+        return self.thread
 
     def run(self) -> None:
         raise NotImplementedError
@@ -85,11 +120,17 @@ class Receiver:
 
     def put(self, item: Any, on_full: Callable[[], None] | None = None) -> bool:
         """Queue `item` unless `stop` is set first (False then); `on_full` runs while it waits."""
+        self.failed = self.failed or isinstance(item, Failed)
+        if self.first_at is None and isinstance(item, Delivery):
+            self.first_at = time.monotonic()
+        since = time.monotonic()
         while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=PUT_POLL_S)
                 return True
             except queue.Full:
+                if self._expired(since):
+                    return False
                 if on_full is not None:
                     on_full()
         return False

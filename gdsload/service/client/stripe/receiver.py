@@ -45,7 +45,8 @@ class StripedReceiver(Receiver):
         # producers are per request position, so its requests stay one per block
         self.schedule = Schedule(policy, first_step=position // global_batch, end_step=end // global_batch,
                                  now=time.monotonic(), stats=link, budget=Attempts(link), backoff=link.backoff,
-                                 retry_timeout_s=link.retry_timeout_s, stride_ok=not template.share)
+                                 retry_timeout_s=link.retry_timeout_s, stride_ok=not template.share,
+                                 known={a: s for (d, a), s in link.probed.items() if d == dataset_id and dataset_id})
         self.threads: list[threading.Thread] = []
         self._dropped = False  # cancel() was called: nobody reads the queue any more
         self._watched_at = 0.0
@@ -170,6 +171,7 @@ class StripedReceiver(Receiver):
 
     def _put_final(self, item: Any) -> None:
         """The last item, queued even though `stop` is set (unless the consumer is gone)."""
+        self.failed = isinstance(item, Failed)
         while True:
             try:
                 self.queue.put(item, timeout=self.policy.poll_s)

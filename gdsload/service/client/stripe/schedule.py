@@ -42,7 +42,7 @@ for `retry_timeout_s`, or over `max_retries` failures in a row) ends the epoch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from gdsload.service.client.stripe import pause
@@ -51,15 +51,13 @@ from gdsload.service.client.stripe.model import Fetch, Server
 from gdsload.service.client.stripe.policy import StripePolicy
 from gdsload.service.client.stripe.states import FINAL, CancelReason, ServerState
 
-S = ServerState
-C = CancelReason
+S, C = ServerState, CancelReason
 
 
 class Stats(Protocol):
     """Where per-server counters go (`link.Link`: `RemoteLoader.stats()["servers"]`)."""
 
     def bump(self, address: str, **add: float) -> None: ...
-
     def mark(self, address: str, **values: Any) -> None: ...
 
 
@@ -70,9 +68,7 @@ class Budget(Protocol):
     since: float
 
     def fail(self, now: float | None = None) -> None: ...
-
     def reset(self) -> None: ...
-
     def spent(self, now: float | None = None) -> bool: ...
 
 
@@ -81,8 +77,11 @@ class Schedule:
     every call. `first_step`/`end_step`: the steps handed out already and of the epoch."""
 
     def __init__(self, policy: StripePolicy, *, first_step: int, end_step: int, now: float, stats: Stats,
-                 budget: Budget, backoff: Callable[[int], float], retry_timeout_s: float, stride_ok: bool = True):
+                 budget: Budget, backoff: Callable[[int], float], retry_timeout_s: float, stride_ok: bool = True,
+                 known: Mapping[str, bool] | None = None):
         self.policy = policy
+        # address -> serves block_stride, of the servers an earlier pass of the loader probed: not probed
+        self.known = known or {}  # again (two calls: 55-60 ms at 0.05 core); one since changed fails its first request
         self.K, self.W = policy.stripe_batches, policy.server_window
         self.out = first_step  # next step handed out
         self.end = end_step
@@ -128,6 +127,8 @@ class Schedule:
             if target not in self.servers:
                 srv = self.servers[target] = Server(ep, self.policy.pace_s)
                 self.stats.mark(target, state=srv.state.value, in_flight=0)
+                if target in self.known:
+                    self.probe_ok(srv, self.known[target])
                 joined.append(srv)
         cancel: list[Fetch] = []
         for target, srv in self.servers.items():

@@ -76,6 +76,8 @@ class FetchWorker:
         with rx.cond:
             rx.schedule.probe_ok(srv, server.serves_block_stride)
             rx.settle()
+        if rx.dataset_id:  # (the loader's later passes start it without a probe: schedule.py)
+            link.probed[(rx.dataset_id, srv.address)] = server.serves_block_stride
 
     def fetch(self, f: Fetch) -> None:
         """Run `f`: one block's steps (`max_batches`), or with `f.stride` this server's blocks from
