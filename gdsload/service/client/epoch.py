@@ -36,10 +36,13 @@ STAGES = ("receive", "map", "wait")
 GET_POLL_S = 0.25
 #: How long closing a pass waits for its receiving thread to end.
 JOIN_S = 10.0
-#: The next epoch's pass is opened when this pass's remaining steps, at the rate the loop takes
-#: them, would last this many times its own receiver's setup (open to first batch queued): a new
-#: pass costs every server a request, its loader's set-up and a first batch before anything comes
-#: (0.3-0.4 s at a twentieth of a core: 10 steps of a raw training loop; bench/priority_bench.py).
+#: The next epoch's pass is opened when this pass's remaining steps, at the rate the loop took
+#: them so far, would last this many times a new pass's set-up (`Tally.setup_s`: the last pass
+#: opened at its `iter()`, from its receiver's start to its first batch queued): a new pass costs
+#: every server a request, its loader's set-up and a first batch before anything comes (0.3-0.5 s
+#: at a twentieth of a core: 10 steps of a raw training loop; bench/priority_bench.py). Opened
+#: earlier, it took the servers from this epoch's last blocks (seen: half an epoch early, when an
+#: opened-ahead pass's own set-up, slowed by the epoch beside it, was taken for a new pass's).
 AHEAD_SETUPS = 2.0
 
 

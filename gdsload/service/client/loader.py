@@ -347,7 +347,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
 
     def _open_receiver(self, epoch: int, position: int) -> Receiver:
         """The receiver of a pass from `position` of `epoch`: the one opened ahead when it is that
-        pass (and has not failed), else a new one (and the one ahead is cancelled)."""
+        pass and still of use (`Receiver.claim`), else a new one (and the one ahead is cancelled)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             if ahead[0] == epoch and position == 0 and ahead[1].claim():
