@@ -87,7 +87,8 @@ def run_job(spec: dict) -> dict:
 
         kw["transform"] = ImageTransform(size=64, train=False)
     loader = RemoteLoader(spec["addresses"], priority=spec["priority"], job=spec["name"], stall_timeout_s=30,
-                          prefetch_next_epoch=True, **kw)  # (every job reads epoch after epoch)
+                          prefetch_next_epoch=spec["priority"] == HIGH, **kw)  # (the training job: the lows
+    # stand for preprocessing passes, which read one epoch, and loop here only to stay present)
     plan = DataLoader(Dataset(spec["dataset"]), batch_size=spec["batch_size"], shuffle=True, seed=0,
                       decode=False, device="cpu", output="numpy")
     every = plan.dataset.shards.keys()  # by sample id; an epoch's keys are its plan's ids' (nothing read:
