@@ -223,10 +223,10 @@ class Link(ProcessLocal):
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.servers: dict[str, dict[str, Any]] = {}  # per address: stats()["servers"]
-        # (dataset id, address) -> serves block_stride: the servers whose probe said they serve the
+        # dataset id -> {address: serves block_stride}: the servers whose probe said they serve the
         # dataset id a loader planned with; a later pass of that plan starts them without one
-        # (`stripe.schedule.Schedule`, `known`)
-        self.probed: dict[tuple[str, str], bool] = {}
+        # (`stripe.schedule.Schedule`, `known`; a pass takes a copy: another pass's threads add)
+        self.probed: dict[str, dict[str, bool]] = {}
 
     def enter_process(self) -> None:
         """In a forked child, leave the parent's channels and locks alone and start afresh."""

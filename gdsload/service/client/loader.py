@@ -348,20 +348,24 @@ class RemoteLoader(ProcessLocal, PlanCursor):
     def _open_receiver(self, epoch: int, position: int) -> Receiver:
         """The receiver of a pass from `position` of `epoch`: the one opened ahead when it is that
         pass and still of use (`Receiver.claim`), else a new one (and the one ahead is cancelled)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            if ahead[0] == epoch and position == 0 and ahead[1].claim():
-                return ahead[1]
-            ahead[1].cancel()
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == epoch and position == 0 and ahead[1].claim():
+            self._ahead = None
+            return ahead[1]
+        self._drop_ahead()
         return self._new_receiver(epoch, position)
+
+    def _drop_ahead(self) -> None:
+        """Cancel the pass opened ahead, if any."""
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
 
     def _open_ahead(self, epoch: int) -> None:
         """A pass in its epoch's tail opens the next epoch's (`RemoteEpoch`, `ahead`): its
         receiver starts now and the next `iter()` takes it over when it starts there. Nothing is
         raised here: a receiver that cannot be opened now is opened by that `iter()`."""
-        if self._ahead is not None:
-            self._ahead[1].cancel()
-            self._ahead = None
+        self._drop_ahead()
         try:
             receiver = self._new_receiver(epoch, 0)
         except Exception:
@@ -417,9 +421,7 @@ class RemoteLoader(ProcessLocal, PlanCursor):
         active = self.cursor.live()
         if active is not None:
             active.close()
-        if self._ahead is not None:
-            self._ahead[1].cancel()
-            self._ahead = None
+        self._drop_ahead()
         self._link.channels.close()
 
     def __del__(self) -> None:

@@ -46,7 +46,7 @@ class StripedReceiver(Receiver):
         self.schedule = Schedule(policy, first_step=position // global_batch, end_step=end // global_batch,
                                  now=time.monotonic(), stats=link, budget=Attempts(link), backoff=link.backoff,
                                  retry_timeout_s=link.retry_timeout_s, stride_ok=not template.share,
-                                 known={a: s for (d, a), s in link.probed.items() if d == dataset_id and dataset_id})
+                                 known=dict(link.probed.get(dataset_id or "", {})))
         self.threads: list[threading.Thread] = []
         self._dropped = False  # cancel() was called: nobody reads the queue any more
         self._watched_at = 0.0

@@ -77,7 +77,7 @@ class FetchWorker:
             rx.schedule.probe_ok(srv, server.serves_block_stride)
             rx.settle()
         if rx.dataset_id:  # (the loader's later passes start it without a probe: schedule.py)
-            link.probed[(rx.dataset_id, srv.address)] = server.serves_block_stride
+            link.probed.setdefault(rx.dataset_id, {})[srv.address] = server.serves_block_stride
 
     def fetch(self, f: Fetch) -> None:
         """Run `f`: one block's steps (`max_batches`), or with `f.stride` this server's blocks from
