@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, write_shard
+from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, remove_temporaries, write_shard
 from gdsload.convert.sources import Sample
 from gdsload.errors import GdsloadError, InputError, require
 from gdsload.io import is_remote, local_path
@@ -43,7 +43,10 @@ from gdsload.io.store import Store, open_store
 
 MAX_RETRIES = 3  # retries after the first attempt, per shard unit
 IN_FLIGHT_PER_CPU = 2  # tasks submitted per cluster CPU, so a freed CPU never waits on the driver
+CANCEL_WAIT_S = 30.0  # how long a failed run waits for the tasks it cancelled to end
 FAULTS_ENV = "GDSLOAD_RAY_FAULTS"  # test hook: a folder of fault markers, see `_fault_hook`
+
+log = logging.getLogger(__name__)
 
 
 def import_ray() -> Any:
@@ -84,7 +87,11 @@ def run_unit(dst: str, name: str, samples: list[Sample], validate: bool, cwd: st
                 f"every node; give the source as an absolute path"
             )
         os.chdir(cwd)  # a Ray worker runs one task at a time, so this is the task's own cwd
-    return write_shard(dst, name, samples, validate, _fault_hook(name))
+    try:
+        return write_shard(dst, name, samples, validate, _fault_hook(name))
+    except BaseException:  # `ray.cancel` raises KeyboardInterrupt here: leave no temporary behind
+        remove_temporaries(open_store(dst), name)
+        raise
 
 
 # -- the runner ----------------------------------------------------------------------------------
@@ -151,9 +158,16 @@ class RayRunner:
                     entry = result["entry"]
                     report(len(sizes[name]), entry["bytes"] if entry else 0)
         finally:
-            for ref in pending:  # an error or Ctrl-C: stop the rest (their writers abort)
-                ray.cancel(ref)
-        _remove_temporaries(store, [name for name, _ in units])
+            if pending:  # an error or Ctrl-C: stop the rest (their writers abort)
+                for ref in pending:
+                    ray.cancel(ref)
+                # A cancel only asks: wait for the tasks to end, so that none is still writing into
+                # DST after this returns (a `--resume` started next would race it).
+                _, running = ray.wait(list(pending), num_returns=len(pending), timeout=CANCEL_WAIT_S)
+                if running:
+                    log.warning("%d cancelled Ray task(s) still running after %.0f s; --resume removes "
+                                "what they leave", len(running), CANCEL_WAIT_S)
+            _remove_temporaries(store, [name for name, _ in units])
 
     @staticmethod
     def _result(ray: Any, ref: Any, name: str) -> dict[str, Any]:
@@ -173,15 +187,20 @@ class RayRunner:
 
 
 def _remove_temporaries(dst: Store, names: list[str]) -> None:
-    """Drop what lost attempts left in a local DST: `.NAME.tar.tmp-PID`, and `.NAME.json.tmp-PID`
-    done records (one listing of each folder, not one per shard: DST may be a shared filesystem).
-    At a URL there are none: files are written by one upload each, to their final names."""
+    """Drop what lost attempts left in a local DST: `.NAME.tar.tmp-PID`, `.NAME.idx.tmp-PID`,
+    `.NAME.dali.idx.tmp-PID` and `.NAME.json.tmp-PID` done records, whichever worker wrote them
+    (one listing of each folder, not one per shard: DST may be a shared filesystem). At a URL
+    there are none: files are written by one upload each, to their final names."""
     wanted = set(names)
-    for folder, suffix in (("", ".tar"), (f"{STATE_DIR}/done", ".json")):
+    for folder in ("", f"{STATE_DIR}/done"):
         for name in dst.list(folder):
             stem, sep, _ = name.partition(".tmp-")
-            if sep and stem.startswith(".") and stem.endswith(suffix) and stem[1: -len(suffix)] in wanted:
+            unit = next((stem[1: -len(x)] for x in _SUFFIXES if stem.endswith(x)), None) if sep else None
+            if stem.startswith(".") and unit in wanted:
                 dst.remove(f"{folder}/{name}" if folder else name)
+
+
+_SUFFIXES = (".dali.idx", ".idx", ".tar", ".json")  # `.dali.idx` before `.idx`: the longer first
 
 
 # -- entry point ---------------------------------------------------------------------------------

@@ -121,6 +121,9 @@ def test_task_lost_for_good_fails_the_run_and_resume_finishes_it(cluster, world,
     err = capsys.readouterr().err
     assert "shard shard-000002: its Ray task was lost 1 time(s)" in err and "--resume" in err
     assert not (world / "out-lost" / "manifest.json").exists()
+    # the tasks the failure cancelled have ended and left nothing half written (the resume below
+    # once raced one of them, which wrote a shard's temporaries after the resume had cleaned up)
+    assert not [p.name for p in (world / "out-lost").rglob(".*tmp-*")]
     monkeypatch.setattr(ray_engine, "MAX_RETRIES", 3)
     assert main(["convert", "src", "out-lost", "--engine", "ray", "--resume", *OPTS]) == 0
     assert_same_output(world / "out-lost", world / "ref")
