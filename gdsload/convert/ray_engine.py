@@ -9,10 +9,12 @@ engine's for the same input and options; the manifest differs only in `created.a
 
 Failure handling: a task whose worker or node dies, or that raises `OSError`, is retried
 (`MAX_RETRIES`); a shard is published only when complete and the manifest is written last, so
-a lost task leaves at most a hidden `.NAME.tar.tmp-PID` file in a local DST, removed once every
+a lost task leaves at most hidden `.NAME.*.tmp-PID` files in a local DST, removed once every
 unit has finished (or by `--resume`), and at a URL an unfinished upload that never appears as an
-object (`gdsload.io.store`). A unit that still fails raises `GdsloadError`; the done records
-of finished shards stay, and `--resume` continues.
+object (`gdsload.io.store`). A unit that still fails raises `GdsloadError` once the tasks still
+in flight are cancelled and have ended (`CANCEL_WAIT_S` at most: none writes into DST after the
+run returns) and their temporaries are removed; the done records of finished shards stay, and
+`--resume` continues.
 
 Where things run: tasks read inputs and write DST by the path or URL the driver was given. With
 fsspec URLs (`s3://`, `gs://`, ...) for both, every node reads and writes the object store
