@@ -47,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -226,19 +226,27 @@ def _pool_unit(dst: str, name: str, samples: list[Sample], validate: bool) -> di
     finally:
         _in_unit = False
         if _stop_requested:  # also when a finalizer swallowed `_Stopped` and the unit went on
-            remove_temporaries(open_store(dst), name)
+            remove_temporaries(open_store(dst), [name])
             os._exit(128 + signal.SIGTERM)
     raise AssertionError("unreachable: _Stopped is raised only after _stop_requested is set")
 
 
-def remove_temporaries(dst: Store, name: str) -> None:
-    """Remove this process's temporary files of shard unit `name` (`.NAME.*.tmp-PID`, see
-    `gdsload.io.store`). Unwinding an interrupted unit removes the files it was writing,
-    except one opened in the instant before its writer object existed: this removes that one."""
-    prefix, suffix = f".{name}.", f".tmp-{os.getpid()}"
+def remove_temporaries(dst: Store, names: Iterable[str], *, any_process: bool = False) -> None:
+    """Remove the temporary files of shard units `names` (`.NAME.*.tmp-PID`: the tar, both
+    indexes and the done record, see `gdsload.io.store`) written by this process (`any_process`:
+    by any). Unwinding an interrupted unit removes the files it was writing, except one opened in
+    the instant before its writer object existed: this removes that one. A driver whose workers
+    were lost removes theirs with `any_process=True`. One listing of each folder, however many
+    units (DST may be a shared filesystem)."""
+    wanted = set(names)
+    owner = str(os.getpid())
     for folder in ("", f"{STATE_DIR}/done"):
         for n in dst.list(folder):
-            if n.startswith(prefix) and n.endswith(suffix):
+            stem, sep, writer = n.partition(".tmp-")
+            if not sep or not stem.startswith(".") or (not any_process and writer != owner):
+                continue
+            parts = stem[1:].split(".")  # NAME.ext: NAME may hold dots itself
+            if any(".".join(parts[:k]) in wanted for k in range(1, len(parts))):
                 dst.remove(f"{folder}/{n}" if folder else n)
 
 
@@ -723,7 +731,7 @@ def _write_units(store: Store, units: list[tuple[str, list[Sample]]], opts: Conv
             try:
                 write_shard(store.root, name, samples, opts.validate, report)
             except BaseException:  # Ctrl-C, SIGTERM (the CLI's `Terminated`), a full disk
-                remove_temporaries(store, name)
+                remove_temporaries(store, [name])
                 raise
             yield name
 

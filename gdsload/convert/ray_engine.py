@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gdsload.convert.engine import STATE_DIR, ConvertOptions, convert, remove_temporaries, write_shard
+from gdsload.convert.engine import ConvertOptions, convert, remove_temporaries, write_shard
 from gdsload.convert.sources import Sample
 from gdsload.errors import GdsloadError, InputError, require
 from gdsload.io import is_remote, local_path
-from gdsload.io.store import Store, open_store
+from gdsload.io.store import open_store
 
 MAX_RETRIES = 3  # retries after the first attempt, per shard unit
 IN_FLIGHT_PER_CPU = 2  # tasks submitted per cluster CPU, so a freed CPU never waits on the driver
@@ -92,7 +92,7 @@ def run_unit(dst: str, name: str, samples: list[Sample], validate: bool, cwd: st
     try:
         return write_shard(dst, name, samples, validate, _fault_hook(name))
     except BaseException:  # `ray.cancel` raises KeyboardInterrupt here: leave no temporary behind
-        remove_temporaries(open_store(dst), name)
+        remove_temporaries(open_store(dst), [name])
         raise
 
 
@@ -169,7 +169,7 @@ class RayRunner:
                 if running:
                     log.warning("%d cancelled Ray task(s) still running after %.0f s; --resume removes "
                                 "what they leave", len(running), CANCEL_WAIT_S)
-            _remove_temporaries(store, [name for name, _ in units])
+            remove_temporaries(store, [name for name, _ in units], any_process=True)
 
     @staticmethod
     def _result(ray: Any, ref: Any, name: str) -> dict[str, Any]:
@@ -186,23 +186,6 @@ class RayRunner:
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); the finished shards are kept, "
                 f"re-run with --resume to continue"
             ) from exc
-
-
-def _remove_temporaries(dst: Store, names: list[str]) -> None:
-    """Drop what lost attempts left in a local DST: `.NAME.tar.tmp-PID`, `.NAME.idx.tmp-PID`,
-    `.NAME.dali.idx.tmp-PID` and `.NAME.json.tmp-PID` done records, whichever worker wrote them
-    (one listing of each folder, not one per shard: DST may be a shared filesystem). At a URL
-    there are none: files are written by one upload each, to their final names."""
-    wanted = set(names)
-    for folder in ("", f"{STATE_DIR}/done"):
-        for name in dst.list(folder):
-            stem, sep, _ = name.partition(".tmp-")
-            unit = next((stem[1: -len(x)] for x in _SUFFIXES if stem.endswith(x)), None) if sep else None
-            if stem.startswith(".") and unit in wanted:
-                dst.remove(f"{folder}/{name}" if folder else name)
-
-
-_SUFFIXES = (".dali.idx", ".idx", ".tar", ".json")  # `.dali.idx` before `.idx`: the longer first
 
 
 # -- entry point ---------------------------------------------------------------------------------
