@@ -163,6 +163,53 @@ def test_a_worker_is_kept_for_a_higher_stream_attached_but_idle(monkeypatch):
         p.close()
 
 
+def test_a_job_s_later_stream_waits_for_its_head_stream(monkeypatch):
+    """Two workers, one job's two streams (a striping client's head block and a later one): the
+    later stream's batch waits while the head stream has one being decoded (else each takes half
+    the server while the client waits for the head's), another job's does not, and the wait
+    ends when the head stream has had nothing for `HOLD_S` or the later stream holds a slot."""
+    monkeypatch.setattr(image_mod, "ImageDecoder", Costly)
+    clock = Clock()
+    p = DecodePool(workers=2, threads=1, clock=clock)
+    try:
+        log: list = []
+        gate, gate2 = threading.Event(), threading.Event()
+        head, later, other = Turn("J", 0), Turn("J", 0), Turn("K", 0)
+        head.place, later.place, other.place = (0, 0), (0, 4), (0, 0)
+        sh, sl, so = seat_of(p, head), seat_of(p, later), seat_of(p, other)
+        clock.t += 10 * HOLD_S
+        threads = [submit(sh, clock, 1.0, "head", log, gate)]
+        until(lambda: p._busy[sh.sid] == 1, "the head batch decoding")
+        threads.append(submit(sl, clock, 1.0, "later", log))
+        until(lambda: queued(p) == 1, "the later batch queued")
+        time.sleep(0.2)
+        assert p._busy[sl.sid] == 0 and queued(p) == 1  # a worker free, and it waits for the head
+        threads.append(submit(so, clock, 1.0, "other", log, gate2))
+        until(lambda: p._busy[so.sid] == 1, "another job's batch on the free worker")
+        gate2.set()
+        until(lambda: log == ["other"], "the other job's batch")
+        gate.set()
+        until(lambda: log == ["other", "head"], "the head batch")
+        time.sleep(0.2)  # the clock stands still: the head decoded less than HOLD_S ago
+        assert log == ["other", "head"]
+        clock.t += 2 * HOLD_S  # the head stream has nothing more now
+        until(lambda: log == ["other", "head", "later"], "the later batch once the head is idle")
+        gate.clear()
+        threads.append(submit(sh, clock, 1.0, "head2", log, gate))
+        until(lambda: p._busy[sh.sid] == 1, "the head's next batch decoding")
+        threads.append(submit(sl, clock, 1.0, "later2", log))
+        time.sleep(0.2)
+        assert log[-1] == "later"
+        later.slot = True  # the later stream holds the batch slot: never held
+        until(lambda: log[-1] == "later2", "the later batch of a stream holding a slot")
+        gate.set()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        p.close()
+
+
 def run_seats(p: DecodePool, clock: Clock, seats: list, batches: int) -> list:
     """Each seat (its cost per batch) submits one batch at a time (as a loader does) until
     `batches` were decoded in all; a blocker holds the worker until every seat has one queued."""
