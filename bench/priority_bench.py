@@ -93,7 +93,7 @@ def run_job(spec: dict) -> dict:
                       decode=False, device="cpu", output="numpy")
     every = plan.dataset.shards.keys()  # by sample id; an epoch's keys are its plan's ids' (nothing read:
     stop = Path(spec["stop"])  # iterating the local loader read the whole dataset per epoch, client CPU)
-    times, exact, epochs = [], True, 0
+    times, exact, epochs, waits = [], True, 0, []
     c0, t_wait, first_wait = _self_cpu_s(), 0.0, 0.0
     while True:
         want = [every[i] for ids in plan.plan.batches(epochs) for i in ids.tolist()]
@@ -105,8 +105,11 @@ def run_job(spec: dict) -> dict:
                 batch = next(it)
             except StopIteration:
                 break
-            t_wait += time.monotonic() - t0
+            waited = time.monotonic() - t0
+            t_wait += waited
             first_wait = t_wait if not times else first_wait
+            if times and waited > 0.01:  # (where a training loop's stall comes from: batch, seconds)
+                waits.append((len(times), round(waited, 4)))
             got += list(batch["__key__"])
             times.append(time.monotonic())
             if len(times) == 1:
@@ -124,6 +127,7 @@ def run_job(spec: dict) -> dict:
     loader.close()
     plan.close()
     return {"name": spec["name"], "times": times, "wait_s": t_wait - first_wait, "first_wait_s": first_wait,
+            "waits": waits,
             "cpu_s": _self_cpu_s() - c0,
             "exact": exact, "epochs": epochs, "pauses": sum(r.get("pauses", 0) for r in stats["servers"].values()),
             "paused_s": sum(r.get("paused_s", 0.0) for r in stats["servers"].values()),
@@ -251,14 +255,14 @@ def solo(jobs: Jobs, decoded: bool, batches: int) -> dict:
             "cpu_s": r["cpu_s"], "exact": r["exact"], "cpu": used}
 
 
-def solo_training(jobs: Jobs, decoded: bool, batches: int, step_s: float) -> float:
+def solo_training(jobs: Jobs, decoded: bool, batches: int, step_s: float) -> tuple[float, list]:
     """The training loop of `contended` with no other job: its data stall alone (the client's own
     delivery: raw epochs of 75 batches each begin with a new pass, ~0.3-0.4 s at a twentieth of a
     core; decoded, the second server's first block), the floor the contended stall is read against."""
     jobs.start("high", HIGH, decoded=decoded, batches=batches, step_s=step_s)
     r = jobs.wait("high")
     took = r["times"][-1] - r["times"][0] if len(r["times"]) >= 2 else 0.0
-    return r["wait_s"] / took if took else 0.0
+    return (r["wait_s"] / took if took else 0.0), r["waits"]
 
 
 def contended(jobs: Jobs, decoded: bool, batches: int, step_s: float, warmup_s: float, after_s: float) -> dict:
@@ -277,7 +281,7 @@ def contended(jobs: Jobs, decoded: bool, batches: int, step_s: float, warmup_s: 
     used = cpu.done([high] + lows)  # (the lows' CPU from their start: the clients' share is an upper bound)
     took = high["times"][-1] - high["times"][0] if len(high["times"]) >= 2 else 0.0
     recovery, rates = _recovery_s(lows, came, left, max(1.0, came - warm - 1.0))
-    return {"rate": _rate(high["times"]), "stall": high["wait_s"] / took if took else None,
+    return {"rate": _rate(high["times"]), "stall": high["wait_s"] / took if took else None, "waits": high["waits"],
             "recovery_s": recovery, "low_rates": rates, "cpu": used,
             "exact": high["exact"] and all(r["exact"] for r in lows),
             "high_cpu_s": high["cpu_s"], "low_cpu_s": sum(r["cpu_s"] for r in lows),
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
                     throttle.limit(proc.pid, jobs.cores)
                 batches = a.batches if decoded else a.raw_batches
                 s = solo(jobs, decoded, batches)
-                s["training_stall"] = solo_training(jobs, decoded, batches, 1.1 * s["batch_s"])
+                s["training_stall"], s["training_waits"] = solo_training(jobs, decoded, batches, 1.1 * s["batch_s"])
                 warmup_s, after_s = (a.decoded_warmup_s, a.decoded_after_s) if decoded else (a.warmup_s, a.after_s)
                 c = contended(jobs, decoded, batches, 0.0, warmup_s, after_s)
                 t = contended(jobs, decoded, batches, 1.1 * s["batch_s"], warmup_s, after_s)

@@ -105,6 +105,7 @@ class Arbiter:
         self.levels = Levels(metrics)
         self.group_levels: dict[Any, int] = {}  # share group -> its highest priority (replaced, never changed)
         self.top = self.bottom = 0  # the highest and lowest level of its streams (read without the lock)
+        self.crowded: frozenset = frozenset()  # the jobs with several streams here (read without the lock)
         self.last_left = float("-inf")  # when a job with a known pace last lost its last stream here
         self.grants: collections.deque = collections.deque(maxlen=100_000)
 
@@ -164,6 +165,8 @@ class Arbiter:
         self.group_levels = levels
         present = [self.level_of(o) for o in self.turns.values()]
         self.top, self.bottom = max(present, default=0), min(present, default=0)
+        jobs = collections.Counter(o.job for o in self.turns.values())
+        self.crowded = frozenset(j for j, n in jobs.items() if n > 1)
 
     def _forget(self, now: float) -> None:
         """Drop the jobs with no stream for `FORGET_S` (the lock is held)."""
@@ -210,7 +213,7 @@ class Arbiter:
                 else:
                     if not t.memory:
                         self._unpause(t, now)
-                    if self.busy < self.slots and self._chosen(mine) is t:
+                    if self.busy < self.slots and self._chosen(mine, now) is t:
                         return self._grant(t, mine, now)
                 t.cv.wait(max(timeout, 0.001))
                 now = self.clock()
@@ -269,7 +272,30 @@ class Arbiter:
         for j in self._between(mine, now):  # a higher job between two of its streams
             above = j.level if above is None else max(above, j.level)
             until = j.left + HANDOVER_S if until is None else max(until, j.left + HANDOVER_S)
+        behind, end = self._behind(t, now)
+        if behind:  # (rule 2: its job's stream earlier in the plan wants the server)
+            above = mine if above is None else above
+            if end is None:
+                hard = True
+            else:
+                until = end if until is None else max(until, end)
         return above, None if hard else until
+
+    def _behind(self, t: Turn, now: float) -> tuple[bool, float | None]:
+        """Whether a stream of `t`'s job and level whose next batch comes earlier in the plan
+        (`Turn.place`) wants the server (rule 2: it goes first), and until when (None: until it
+        changes state)."""
+        if t.job not in self.crowded or not t.place:
+            return False, None
+        held, until, mine = False, None, self.level_of(t)
+        for o in self.turns.values():
+            if o is t or o.job != t.job or not o.place or o.place >= t.place or self.level_of(o) != mine:
+                continue
+            if o.state is WAITING or o.state is MAKING:
+                return True, None
+            if o.state is not HELD and now - o.since < RETURN_S:
+                held, until = True, max(until or 0.0, o.since + RETURN_S)
+        return held, until
 
     def _between(self, mine: int, now: float) -> list[Job]:
         """The jobs above level `mine` that were reading (their pace is known) and whose streams
@@ -313,6 +339,8 @@ class Arbiter:
                 for lv, due in soon:
                     if lv > level and due < now + cost and (by is None or lv > by):
                         by = lv
+            if by is None and self._behind(o, now)[0]:
+                by = level  # (its job's earlier stream goes first)
             if by is not None:
                 self._mark_paused(o, by, now)
                 if o.notices and not o.noticed:
@@ -322,16 +350,17 @@ class Arbiter:
             if first is None or level > first:
                 first = level
         if first is not None and self.busy < self.slots:
-            chosen = self._chosen(first)
+            chosen = self._chosen(first, now)
             if chosen is not None:
                 chosen.cv.notify()
 
-    def _chosen(self, level: int) -> Turn | None:
+    def _chosen(self, level: int, now: float) -> Turn | None:
         """The waiting stream of `level` whose job comes next (rule 2), and of its streams the one
-        whose batch comes first in its plan (`Turn.place`)."""
+        whose batch comes first in its plan (`Turn.place`), if no stream of its job earlier in
+        the plan wants the server (`_behind`)."""
         best, key = None, None
         for o in self.turns.values():
-            if o.state is not WAITING or self.level_of(o) != level:
+            if o.state is not WAITING or self.level_of(o) != level or self._behind(o, now)[0]:
                 continue
             j = self.jobs[o.job]
             k = (j.used, j.last, o.place, o.asked, o.id)
@@ -427,9 +456,11 @@ class Arbiter:
         """(Paused) the pause notice to send, if due."""
         if not t.notices or (t.noticed and now - t.noticed < NOTICE_S):
             return None
-        t.noticed, by = now, t.paused_by
+        t.noticed, by, mine = now, t.paused_by, self.level_of(t)
+        why = (f"priority {by} work on this server (this stream: priority {mine})" if by != mine else
+               f"its job's earlier batches on this server (priority {mine})")
         return pb.BatchChunk(pause=pb.StreamPause(
-            reason=f"priority {by} work on this server (this stream: priority {self.level_of(t)})",
+            reason=why,
             by_priority=by, paused_s=now - t.paused_since)).SerializeToString()
 
     def memory_notice(self, t: Turn) -> bytes | None:

@@ -75,7 +75,7 @@ class Turn:
         became true (the batch is not sent). Without a level above this stream's on the server,
         returns at once without the lock."""
         a = self.arbiter
-        if a.top <= self.level():
+        if a.top <= self.level() and self.job not in a.crowded:
             self.send_start = a.clock()
             return None
         return a.may_send(self, stop)
@@ -85,9 +85,10 @@ class Turn:
         self.since = self.arbiter.clock()
 
     def progress_hook(self) -> Callable[[], None] | None:
-        """`progress`, for the transport, when a lower level is on the server (else None: nothing
-        to hold back, no call per member)."""
-        return self.progress if self.arbiter.bottom < self.level() else None
+        """`progress`, for the transport, when a lower level or another stream of its job is on
+        the server (else None: nothing to hold back, no call per member)."""
+        a = self.arbiter
+        return self.progress if a.bottom < self.level() or self.job in a.crowded else None
 
     def memory_notice(self) -> bytes | None:
         """(Waiting for memory) the pause notice to send, if due."""
