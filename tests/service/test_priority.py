@@ -142,6 +142,69 @@ def test_of_a_job_s_streams_the_first_in_its_plan_goes_first():
         t.leave()
 
 
+def test_a_job_s_later_stream_waits_while_its_earlier_one_wants_the_server():
+    """Of one job's streams, one whose next batch comes later in the plan (its next epoch's pass,
+    opened ahead) gets no slot, and does not send a batch it made, while an earlier one wants the
+    server (waits, makes, or sent less than RETURN_S ago): it would only take the server from
+    the batches the client waits for first (seen: a raw training loop's waits in an epoch's
+    last blocks). It is paused meanwhile and told why; another job's stream is not held."""
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    stop = threading.Event()
+    head, ahead = arb.enter(("id", "A"), 0), arb.enter(("id", "A"), 0, notices=True)
+    other = arb.enter(("id", "B"), 0)
+    head.place, ahead.place, other.place = (0, 60), (1, 0), (0, 0)
+    got: dict = {}
+    notices: list[bytes] = []
+
+    def ask(name, call):  # (until it gets an answer other than a pause notice)
+        while (r := call(stop.is_set)) is not None and r is not False:
+            notices.append(r)
+        got[name] = r
+
+    def settle_after_return():  # the clock moves past RETURN_S (no change wakes the streams)
+        clock.t += 2 * RETURN_S
+        with arb.lock:
+            arb._settle(clock.t)
+
+    def asking(name, call) -> threading.Thread:
+        t = threading.Thread(target=ask, args=(name, call), daemon=True)
+        t.start()
+        return t
+
+    assert head.wait(stop.is_set) is None  # head makes a batch (one slot of two)
+    waiter = asking("ahead", ahead.wait)
+    until(lambda: notices, "the held stream's pause notice")
+    why = pb.BatchChunk.FromString(notices[0]).pause.reason
+    assert "earlier batches" in why, why
+    assert other.wait(stop.is_set) is None  # another job's stream takes the free slot at once
+    other.made()
+    other.sent()
+    head.made(batch=True)  # head sends: it still wants the server
+    time.sleep(0.2)
+    assert "ahead" not in got and ahead.paused_since is not None
+    head.sent()
+    settle_after_return()  # head sent a while ago and asks nothing: the later stream goes
+    until(lambda: "ahead" in got, "the later stream's slot")
+    assert got["ahead"] is None and ahead.paused_since is None
+    waiter.join(10)
+    ahead.made(batch=True)
+    asking("head", head.wait).join(10)
+    assert got["head"] is None  # head asks again and makes a batch
+    sender = asking("send", ahead.may_send)
+    time.sleep(0.2)
+    assert "send" not in got  # the later stream's made batch waits
+    head.made(batch=True)
+    head.sent()
+    settle_after_return()
+    until(lambda: "send" in got, "the later stream's send")
+    assert got["send"] is None
+    sender.join(10)
+    ahead.sent()
+    for x in (head, ahead, other):
+        x.leave()
+
+
 def test_a_job_back_within_forget_s_keeps_its_seconds_a_new_one_starts_level():
     """A striping client's next block is a new stream of the same job: it comes back to its own
     seconds, not to the least-served job's (which gave a job ahead of its share a fresh start at

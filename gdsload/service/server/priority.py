@@ -48,7 +48,9 @@ sending, are charged to its job). The rules, in this order:
    it took, not as one batch, and a raw one for its send too. A batch decoded in the server's
    decode pool (`pool.DecodePool`) is charged the pool's seconds for its loader's decodes in
    place of the stream's wait for them (`Turn.made(pooled=)`): that wait is mostly other jobs'
-   decodes, charged to them, and a loader decodes ahead of its stream.
+   decodes, charged to them, and a loader decodes ahead of its stream. A job's stream later in
+   its plan (a later block, a next epoch's pass opened ahead) is paused, its batch kept, while
+   one earlier wants the server (`turn.behind`); `crowded` keeps `Turn.may_send`'s fast path.
 3. **A share group runs at its highest member's priority** (`group`: the share group's key).
 
 A request that declared it understands pauses (`BatchRequest.understands_pause`) is told: while
@@ -83,7 +85,7 @@ from typing import Any
 
 from gdsload.service.server.levels import Job, Levels
 from gdsload.service.server.turn import (FORGET_S, HANDOVER_S, HELD, IDLE, MAKING, NOTICE_S, POLL_S, RETURN_S,
-                                         SENDING, WAITING, Turn)
+                                         SENDING, WAITING, Turn, behind)
 from gdsload.v1 import feed_pb2 as pb
 
 __all__ = ["Arbiter", "FORGET_S", "NOTICE_S", "POLL_S", "RETURN_S", "Turn"]
@@ -203,7 +205,7 @@ class Arbiter:
                 timeout = POLL_S
                 if above is not None:
                     self._mark_paused(t, above, now)
-                    notice = self._notice(t, now)
+                    notice = t.notice(now, self.level_of(t))
                     if notice is not None:
                         return notice
                     if until is not None:  # (only return windows above: the server may be free then)
@@ -282,20 +284,8 @@ class Arbiter:
         return above, None if hard else until
 
     def _behind(self, t: Turn, now: float) -> tuple[bool, float | None]:
-        """Whether a stream of `t`'s job and level whose next batch comes earlier in the plan
-        (`Turn.place`) wants the server (rule 2: it goes first), and until when (None: until it
-        changes state)."""
-        if t.job not in self.crowded or not t.place:
-            return False, None
-        held, until, mine = False, None, self.level_of(t)
-        for o in self.turns.values():
-            if o is t or o.job != t.job or not o.place or o.place >= t.place or self.level_of(o) != mine:
-                continue
-            if o.state is WAITING or o.state is MAKING:
-                return True, None
-            if o.state is not HELD and now - o.since < RETURN_S:
-                held, until = True, max(until or 0.0, o.since + RETURN_S)
-        return held, until
+        """`turn.behind`: whether a stream of `t`'s job and level earlier in the plan wants the server."""
+        return behind(t, self.turns.values(), self.level_of, now) if t.job in self.crowded else (False, None)
 
     def _between(self, mine: int, now: float) -> list[Job]:
         """The jobs above level `mine` that were reading (their pace is known) and whose streams
@@ -422,7 +412,7 @@ class Arbiter:
                     t.state = HELD
                     self._settle(now)  # (it no longer wants the server: lower levels may go)
                 self._mark_paused(t, above, now)
-                notice = self._notice(t, now)
+                notice = t.notice(now, self.level_of(t))
                 if notice is not None:
                     return notice
                 timeout = POLL_S if until is None else min(POLL_S, until - now)
@@ -452,24 +442,13 @@ class Arbiter:
             t.paused_since, t.pauses, t.noticed = now, t.pauses + 1, 0.0
         t.paused_by = by
 
-    def _notice(self, t: Turn, now: float) -> bytes | None:
-        """(Paused) the pause notice to send, if due."""
-        if not t.notices or (t.noticed and now - t.noticed < NOTICE_S):
-            return None
-        t.noticed, by, mine = now, t.paused_by, self.level_of(t)
-        why = (f"priority {by} work on this server (this stream: priority {mine})" if by != mine else
-               f"its job's earlier batches on this server (priority {mine})")
-        return pb.BatchChunk(pause=pb.StreamPause(
-            reason=why,
-            by_priority=by, paused_s=now - t.paused_since)).SerializeToString()
-
     def memory_notice(self, t: Turn) -> bytes | None:
         with self.lock:
             if not t.memory:
                 return None
             now = self.clock()
             self._mark_paused(t, t.paused_by, now)
-            return self._notice(t, now)
+            return t.notice(now, self.level_of(t))
 
     def release_below(self, priority: int, need: int) -> int:
         """Suspend the sources of streams below `priority` that wait for their turn (lowest level

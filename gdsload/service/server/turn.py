@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from gdsload.v1 import feed_pb2 as pb
 
 #: A stream that sent its batch less than this ago still wants the server (it asks again at once).
 RETURN_S = 0.05
@@ -118,3 +120,30 @@ class Turn:
 
     def leave(self) -> None:
         self.arbiter.leave(self)
+
+    def notice(self, now: float, mine: int) -> bytes | None:
+        """(Paused; the arbiter's lock held) the pause notice to send, if due; `mine`: its level."""
+        if not self.notices or (self.noticed and now - self.noticed < NOTICE_S):
+            return None
+        self.noticed, by = now, self.paused_by
+        why = (f"priority {by} work on this server (this stream: priority {mine})" if by != mine else
+               f"its job's earlier batches on this server (priority {mine})")
+        return pb.BatchChunk(pause=pb.StreamPause(reason=why, by_priority=by,
+                                                  paused_s=now - self.paused_since)).SerializeToString()
+
+
+def behind(t: Turn, turns: Iterable[Turn], level_of: Callable[[Turn], int], now: float) -> tuple[bool, float | None]:
+    """Whether a stream of `t`'s job and level whose next batch comes earlier in the plan
+    (`Turn.place`) wants the server (it waits, makes, or sent less than `RETURN_S` ago: it goes
+    first), and until when (None: until it changes state)."""
+    if not t.place:
+        return False, None
+    held, until, mine = False, None, level_of(t)
+    for o in turns:
+        if o is t or o.job != t.job or not o.place or o.place >= t.place or level_of(o) != mine:
+            continue
+        if o.state is WAITING or o.state is MAKING:
+            return True, None
+        if o.state is not HELD and now - o.since < RETURN_S:
+            held, until = True, max(until or 0.0, o.since + RETURN_S)
+    return held, until
