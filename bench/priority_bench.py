@@ -143,6 +143,7 @@ class Jobs:
         self.a, self.addresses, self.dataset, self.work, self.cpus = a, addresses, dataset, work, cpus
         self.servers = servers  # the server processes' pids
         self.cores = a.server_cores  # each server's CPU limit now (per payload)
+        self.fill = len(addresses) * 4  # the first block of each server (RemoteLoader's stripe_batches)
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
         self.stop = work / f"stop-{time.monotonic_ns()}"
 
@@ -255,6 +256,12 @@ def solo(jobs: Jobs, decoded: bool, batches: int) -> dict:
             "cpu_s": r["cpu_s"], "exact": r["exact"], "cpu": used}
 
 
+def _after_fill(r: dict, took: float, fill: int) -> float | None:
+    """The loop's stall without its waits for the first `fill` batches (the servers' first
+    blocks, which come at one server's pace each: a stripe's fill, paid once per run)."""
+    return sum(w for i, w in r["waits"] if i >= fill) / took if took else None
+
+
 def solo_training(jobs: Jobs, decoded: bool, batches: int, step_s: float) -> tuple[float, list]:
     """The training loop of `contended` with no other job: its data stall alone (the client's own
     delivery: raw epochs of 75 batches each begin with a new pass, ~0.3-0.4 s at a twentieth of a
@@ -282,6 +289,7 @@ def contended(jobs: Jobs, decoded: bool, batches: int, step_s: float, warmup_s: 
     took = high["times"][-1] - high["times"][0] if len(high["times"]) >= 2 else 0.0
     recovery, rates = _recovery_s(lows, came, left, max(1.0, came - warm - 1.0))
     return {"rate": _rate(high["times"]), "stall": high["wait_s"] / took if took else None, "waits": high["waits"],
+            "stall_after_fill": _after_fill(high, took, jobs.fill),
             "recovery_s": recovery, "low_rates": rates, "cpu": used,
             "exact": high["exact"] and all(r["exact"] for r in lows),
             "high_cpu_s": high["cpu_s"], "low_cpu_s": sum(r["cpu_s"] for r in lows),
@@ -349,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2400)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--batches", type=int, default=60, help="batches the high job reads per decoded run")
+    ap.add_argument("--batches", type=int, default=120,
+                    help="batches the high job reads per decoded run (60 before: the first two blocks' fill, when "
+                         "batches come at one server's pace, was 4-6 %% of the loop's time on its own)")
     ap.add_argument("--raw-batches", type=int, default=300,
                     help="batches the high job reads per raw run (60 at 0.05 core gave solo rates of 14 to 51/s "
                          "across rounds: a run of 1-4 s measured its start)")
@@ -430,6 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "rate_vs_solo": c["rate"] / s["rate"] if s["rate"] else None}
                 print(f"round {r + 1} {payload}: high {c['rate']:.1f}/s vs solo {s['rate']:.1f}/s "
                       f"({row[payload]['rate_vs_solo'] or 0:.2f}x), training stall {100 * (t['stall'] or 0):.1f} % "
+                      f"(after the fill {100 * (t['stall_after_fill'] or 0):.1f} %) "
                       f"(alone {100 * s['training_stall']:.1f} %), "
                       f"low recovery {c['recovery_s']} s, equal max/min {e['max_over_min']:.2f}, exact "
                       f"{s['exact'] and c['exact'] and t['exact'] and e['exact']}; CPU share contended: clients "
@@ -445,6 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
     out["summary"] = {p: {
         "rate_vs_solo_median": statistics.median(r[p]["rate_vs_solo"] or 0 for r in out["rounds"]),
         "training_stall_median": statistics.median(r[p]["training"]["stall"] or 0 for r in out["rounds"]),
+        "training_stall_after_fill_median": statistics.median(r[p]["training"]["stall_after_fill"] or 0
+                                                              for r in out["rounds"]),
         "solo_training_stall_median": statistics.median(r[p]["solo"]["training_stall"] for r in out["rounds"]),
         "recovery_s": [r[p]["contended"]["recovery_s"] for r in out["rounds"]],
         "client_share_median": statistics.median(r[p]["contended"]["cpu"]["client_share"] or 0 for r in out["rounds"]),
