@@ -274,8 +274,8 @@ class Arbiter:
         for j in self._between(mine, now):  # a higher job between two of its streams
             above = j.level if above is None else max(above, j.level)
             until = j.left + HANDOVER_S if until is None else max(until, j.left + HANDOVER_S)
-        behind, end = self._behind(t, now)
-        if behind:  # (rule 2: its job's stream earlier in the plan wants the server)
+        later, end = self._behind(t, now)
+        if later:  # (rule 2: its job's stream earlier in the plan wants the server)
             above = mine if above is None else above
             if end is None:
                 hard = True

@@ -74,8 +74,8 @@ class Turn:
     def may_send(self, stop: Callable[[], bool]) -> bytes | bool | None:
         """(After `made(batch=True)`) wait while a higher level wants the server (rule 1): None
         when the batch may go, a pause notice to send (then call again), or False when `stop()`
-        became true (the batch is not sent). Without a level above this stream's on the server,
-        returns at once without the lock."""
+        became true (the batch is not sent). Without a level above this stream's on the server
+        and another stream of its job, returns at once without the lock."""
         a = self.arbiter
         if a.top <= self.level() and self.job not in a.crowded:
             self.send_start = a.clock()
