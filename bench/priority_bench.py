@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(out["summary"], indent=1))
     path = Path(a.out or Path(__file__).parent / "results" / f"priority-{platform.node()}.json")
     if not a.tiny or a.out:
-        path.write_text(json.dumps(out, indent=1))
+        path.write_text(json.dumps(out, separators=(",", ":")) + "\n")  # (compact: the tree travels to the GPU)
         print(f"wrote {path}")
     return out
 
