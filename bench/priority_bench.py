@@ -42,7 +42,7 @@ Every job checks every epoch it finished against the local loader's keys in plan
 partial last epoch as a prefix); any difference fails the run. The servers' memory in use
 (`ServerInfo.memory_in_use_bytes`) is sampled every 0.2 s and compared with `--max-memory`.
 
-The lead's run (a quiet 2-core machine, ~27 min):
+The lead's run (a quiet 2-core machine, ~37 min):
 
     python bench/priority_bench.py --rounds 5 --out bench/results/priority-cpu2.json
 
