@@ -71,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from remote_bench import _free_port, _self_cpu_s, image_dataset
 from remote_scale_bench import Throttle, _wait_serving, popen_pinned
 
+from gdsload.service.client.stripe.policy import StripePolicy
+
 HIGH, LOW = 10, 0
 
 
@@ -143,7 +145,7 @@ class Jobs:
         self.a, self.addresses, self.dataset, self.work, self.cpus = a, addresses, dataset, work, cpus
         self.servers = servers  # the server processes' pids
         self.cores = a.server_cores  # each server's CPU limit now (per payload)
-        self.fill = len(addresses) * 4  # the first block of each server (RemoteLoader's stripe_batches)
+        self.fill = len(addresses) * StripePolicy().stripe_batches  # the first block of each server
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
         self.stop = work / f"stop-{time.monotonic_ns()}"
 
