@@ -542,8 +542,9 @@ def test_the_blocks_claimed_are_those_each_stream_claims_first_in_order():
 
 def test_servers_probed_by_an_earlier_pass_start_without_a_probe():
     """Each pass is a new schedule: a server an earlier pass of the loader probed (`known`: it
-    serves the planned dataset id, and `block_stride` or not) gets work at once, each its own
-    blocks on one stream from the first pick; an unknown one is probed first."""
+    serves the planned dataset id, and `block_stride` or not) is OK at once; an unknown one is
+    probed first, and the known ones wait for its answer (`first_probes_s` at most), then each
+    gets its own blocks on one stream from the first pick."""
     link = Link(["a:1", "b:1", "c:1"], 0, Connection(), RetryPolicy(), dataset="feats")
     sch = Schedule(StripePolicy(stripe_batches=4, server_window=2), first_step=0, end_step=32, now=T0, stats=link,
                    budget=Attempts(link), backoff=lambda n: BACKOFF.get(n, 1.0), retry_timeout_s=30.0,
@@ -551,11 +552,41 @@ def test_servers_probed_by_an_earlier_pass_start_without_a_probe():
     sch.on_resolved({a: [Endpoint(a, None, a)] for a in ("a:1", "b:1", "c:1")}, T0)
     assert [srv(sch, a).state for a in ("a:1", "b:1", "c:1")] == [S.OK, S.OK, S.NEW]
     assert sch.work(srv(sch, "c:1"), T0) is PROBE
-    a, b = sch.work(srv(sch, "a:1"), T0), sch.work(srv(sch, "b:1"), T0)
-    assert (a.block, a.stride, b.block, b.stride) == (0, 2, 1, 2)  # (two live servers: blocks 0, 2, ... and 1, 3, ...)
+    assert sch.work(srv(sch, "a:1"), T0) == Wait(0.5)  # (c's answer wakes it)
+    sch.probe_ok(srv(sch, "c:1"), strided=True)
+    a, b = sch.work(srv(sch, "a:1"), T0 + 0.01), sch.work(srv(sch, "b:1"), T0 + 0.01)
+    assert (a.block, a.stride, b.block, b.stride) == (0, 3, 1, 3)  # (three live servers: blocks 0, 3, ... and 1, 4, ...)
     # a known server that fails its first request is DOWN and probed after its backoff, as any other
-    sch.on_failure(a, Failure.RETRY, RuntimeError("gone"), T0 + 0.01)
+    sch.on_failure(a, Failure.RETRY, RuntimeError("gone"), T0 + 0.02)
     sch.on_finish(a)
     assert srv(sch, "a:1").state is S.DOWN
-    assert isinstance(sch.work(srv(sch, "a:1"), T0 + 0.02), Wait)
+    assert isinstance(sch.work(srv(sch, "a:1"), T0 + 0.03), Wait)
     assert sch.work(srv(sch, "a:1"), T0 + 0.2) is PROBE
+
+
+def test_an_epoch_s_first_blocks_wait_for_every_server_s_first_probe():
+    """At an epoch's start a server that answered its probe waits for the others' first probes
+    (`first_probes_s` at most), so each block goes to its owner: asked at once, the first server
+    took blocks 0 and 1 (the only live one) and made the first eight batches alone, at one
+    server's pace. A server whose probe fails stops the wait; one that hangs holds it at most
+    `first_probes_s`, then the others start without it."""
+    sch, _ = make(("a:1", "b:1"), ok=False)
+    a, b = srv(sch, "a:1"), srv(sch, "b:1")
+    assert sch.work(a, T0) is PROBE and sch.work(b, T0) is PROBE
+    sch.probe_ok(a, strided=True)
+    assert sch.work(a, T0 + 0.01) == Wait(pytest.approx(0.49))  # not blocks 0 and 1
+    sch.probe_ok(b, strided=True)
+    fa, fb = sch.work(a, T0 + 0.02), sch.work(b, T0 + 0.02)
+    assert (fa.block, fa.stride, fb.block, fb.stride) == (0, 2, 1, 2)
+    assert sch.work(a, T0 + 0.02) == Wait(0.25)  # one stream: its next blocks are that stream's
+
+    sch, _ = make(("a:1", "b:1", "c:1"), ok=False)
+    a, b, c = (srv(sch, f"{n}:1") for n in "abc")
+    for s in (a, b, c):
+        assert sch.work(s, T0) is PROBE
+    sch.probe_ok(a, strided=True)
+    sch.probe_failed(b, "connection refused", T0 + 0.1)  # failed: not waited for
+    assert isinstance(sch.work(a, T0 + 0.1), Wait)  # c still answers
+    f = sch.work(a, T0 + 0.5)  # c hangs: a starts without it
+    assert (f.block, f.stride) == (0, 0)  # (the only live server: one block per request)
+

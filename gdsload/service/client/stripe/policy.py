@@ -49,6 +49,11 @@ class StripePolicy:
     #: A stream held beyond the window this long, its server's slots all taken, is cancelled when a
     #: block before it is fetched by nobody (its server failed).
     hold_s: float = 0.1
+    #: At an epoch's start a server's slots wait this long at most for the other servers' first
+    #: probes, so that each block goes to its owner: started as soon as one server answered, that
+    #: one took the first two blocks (the others were not live yet) and made the stripe's first
+    #: eight batches at one server's pace, half of each block's time spent on the other's.
+    first_probes_s: float = 0.5
     #: Longest and shortest wait of a request slot with nothing to do (a server backing off waits
     #: until its next try, within these).
     idle_wait_s: float = 0.25

@@ -99,7 +99,7 @@ class Schedule:
         self.block_s = 0.0  # typical (EWMA) time of a whole block
         self.resolved_at: float | None = None
         self.retry_timeout_s = retry_timeout_s
-        self.progress_at = now  # when a batch last arrived (or the head began to wait)
+        self.opened = self.progress_at = now  # progress_at: when a batch last arrived (or the head began to wait)
         self.waiting_since: float | None = None  # when the hand-out began to wait for the head
 
     # -- servers -----------------------------------------------------------------------------------
@@ -153,6 +153,8 @@ class Schedule:
                 return Wait(min(p.idle_wait_s, max(p.min_wait_s, srv.next_try - now)))
             srv.probing = True
             return PROBE
+        if now - self.opened < p.first_probes_s and any(s.state is S.NEW for s in self.servers.values()):
+            return Wait(p.first_probes_s - (now - self.opened))  # (a probe that answers wakes it)
         return self.pick(srv, now) or Wait(p.idle_wait_s)
 
     def probe_ok(self, srv: Server, strided: bool) -> None:
@@ -323,9 +325,7 @@ class Schedule:
     def on_batch(self, f: Fetch, batch: Any, nbytes: int, now: float) -> Delivered:
         """`f` delivered its step `f.next` (`batch`, of `nbytes`): kept once, in step order."""
         step, srv = f.next, f.server
-        f.next += 1
-        f.got += 1
-        f.delivered_at = now
+        f.next, f.got, f.delivered_at = f.next + 1, f.got + 1, now
         srv.pace.arrived(now)
         srv.delivered += 1
         srv.fails = 0
