@@ -787,6 +787,41 @@ def test_the_schedule_s_paused_server_is_not_stalled_not_hedged_and_does_not_spe
     finish(sch, fb, T0 + 23)
 
 
+@pytest.mark.parametrize("own", [True, False])
+def test_a_server_paused_for_its_job_s_earlier_batches_keeps_its_pace_and_its_blocks(own):
+    """A pause notice whose `by_priority` is the job's own (`turn.behind`: a pass opened ahead,
+    held while this epoch's stream on that server wants it) is not the server's slowness: the
+    server stays live (`Schedule.live`: block b is still the b-th server's, so its stream goes on)
+    and the paused time is left out of its pace, so it keeps its window and the blocks its stream
+    claims. Paused by a higher job (as before) it left the live servers (its stream was cancelled
+    at its block's end, the blocks shifted to the other server), and its pace, counting the pause,
+    read as a straggler's: the other server stole its next block (at a twentieth of a core each
+    new request is a new loader)."""
+    from test_schedule import T0, deliver, make, srv
+
+    from gdsload.service.client.stripe import pause
+
+    sch, _ = make(steps=64)
+    a, b = srv(sch, "a:1"), srv(sch, "b:1")
+    a.strided = b.strided = True
+    fa, fb = sch.pick(a, T0), sch.pick(b, T0)  # one stream each: blocks 0, 2, ... and 1, 3, ...
+    assert (fa.block, fa.stride, fb.block, fb.stride) == (0, 2, 1, 2)
+    deliver(sch, fb, T0 + 0.1, n=3, dt=0.1)  # b: a batch every 0.1 s
+    deliver(sch, fa, T0 + 0.1, n=2, dt=0.1)
+    pause.paused(sch, fa, "held", T0 + 0.2, own=own)
+    assert sch.live() == (["a:1", "b:1"] if own else ["b:1"])  # (its blocks stay its own: streams go on)
+    assert not sch.straggles(fa, b, 2, T0 + 1.6)  # never hedged while paused
+    deliver(sch, fa, T0 + 1.7, n=1)  # 1.5 s paused, then on
+    assert a.state.value == "ok"
+    if own:
+        assert a.batch_s == pytest.approx(0.05) and sch.window(a) == 2
+        assert sch.pick(b, T0 + 1.8) is None  # block 2 stays a's stream's; 3 is b's own
+    else:
+        assert a.batch_s == pytest.approx(0.8) and sch.window(a) == 1
+        f = sch.pick(b, T0 + 1.8)
+        assert (f.server, f.block, f.stride) == (b, 2, 0)  # stolen
+
+
 def test_servers_needed_is_the_servers_in_use_scaled_by_the_stall():
     from gdsload.service.client.epoch import Tally
 

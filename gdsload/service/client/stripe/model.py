@@ -60,6 +60,7 @@ class Server:
         self.delivered = 0  # batches it delivered this epoch, duplicates included (0: cold)
         self.strided = False  # it serves BatchRequest.block_stride (ServerInfo.serves_block_stride)
         self.paused_at = 0.0  # when it last became PAUSED (`pause`)
+        self.paused_own = False  # that pause is for its job's own earlier batches there (`pause.paused`)
 
     @property
     def batch_s(self) -> float:
@@ -69,6 +70,11 @@ class Server:
         """Change state along `states.TRANSITIONS` (else `IllegalTransition`); whether it changed."""
         old, self.state = self.state, check(self.state, to)
         return old is not to
+
+    def serving(self) -> bool:
+        """Whether it is healthy: OK, or PAUSED for its job's own earlier batches there (that
+        pause is an order, not a lack of capacity: its blocks stay its own, `pause.paused`)."""
+        return self.state is ServerState.OK or (self.state is ServerState.PAUSED and self.paused_own)
 
     def busy(self) -> int:
         """Its requests that are not being cancelled. A cancelled stream of its own blocks (its

@@ -138,8 +138,8 @@ class Schedule:
         return joined, cancel
 
     def live(self) -> list[str]:
-        """The healthy servers' addresses, sorted (block b belongs to `live[b % len(live)]`)."""
-        return sorted([a for a, s in self.servers.items() if s.state is S.OK])
+        """The healthy servers' addresses (`Server.serving`), sorted: block b is `live[b % len(live)]`'s."""
+        return sorted([a for a, s in self.servers.items() if s.serving()])
 
     def work(self, srv: Server, now: float) -> Fetch | Wait | str:
         """What one request slot of `srv` does next: a `Fetch` to run, `PROBE`, a `Wait`, `EXIT`."""
@@ -226,9 +226,9 @@ class Schedule:
             if start >= (b + 1) * K or start >= self.end or (corrupt and srv.address in corrupt.get(b, ())):
                 continue
             claim = claims.get(b)
-            if claim is not None and claim.server.state is not S.PAUSED and (
+            if claim is not None and claim.server.serving() and (
                     claim.server is srv or self.window(claim.server, median) == self.W):
-                continue  # a later block of a server's stream (stolen only from a straggler)
+                continue  # a later block of a server's stream (stolen from a straggler, or one paused for another job)
             if self.fetchers.get(b):
                 continue
             owner = live[b % len(live)]
@@ -326,10 +326,10 @@ class Schedule:
         """`f` delivered its step `f.next` (`batch`, of `nbytes`): kept once, in step order."""
         step, srv = f.next, f.server
         f.next, f.got, f.delivered_at = f.next + 1, f.got + 1, now
-        srv.pace.arrived(now)
         srv.delivered += 1
         srv.fails = 0
-        pause.resumed(self, srv, now)
+        pause.resumed(self, srv, now)  # (before its pace counts this batch: `pause.paused`)
+        srv.pace.arrived(now)
         out = Delivered()
         if step in self.have or step < self.out:
             self.stats.bump(srv.address, duplicates=1)
@@ -373,7 +373,7 @@ class Schedule:
     def _orphan(self, below: int) -> bool:
         """Whether a block from the head to `below` is missing, fetched by nobody and not claimed
         by a healthy server's stream."""
-        streams = [g for s in self.servers.values() if s.state is S.OK for g in s.fetches if g.stride]
+        streams = [g for s in self.servers.values() if s.serving() for g in s.fetches if g.stride]
         for b in range(self.out // self.K, below):
             if (self.first_missing(b) < self.block_end(b) and not self.fetchers.get(b)
                     and not any(g.claims(b) for g in streams)):

@@ -120,9 +120,10 @@ class FetchWorker:
             if t is None:
                 f.heard(time.monotonic())
 
-        def paused(notice: pb.StreamPause) -> None:  # (higher-priority work on its server)
+        def paused(notice: pb.StreamPause) -> None:  # (higher-priority work, or its job's earlier batches)
             with rx.cond:
-                pause.paused(rx.schedule, f, notice.reason, time.monotonic())
+                pause.paused(rx.schedule, f, notice.reason, time.monotonic(),
+                             own=notice.by_priority == rx.template.priority)
             rx.link.mark(self.server.address, paused_at=time.time())
 
         for chunk, batch, shared in read_batches(call, rx.link.channels.bodies, rx.stages, waiting, paused):
