@@ -151,8 +151,8 @@ def test_a_job_s_later_stream_waits_while_its_earlier_one_wants_the_server():
     clock = Clock()
     arb = Arbiter(2, clock=clock)
     stop = threading.Event()
-    head, ahead = arb.enter(("id", "A"), 0), arb.enter(("id", "A"), 0, notices=True)
-    other = arb.enter(("id", "B"), 0)
+    head, ahead = arb.enter(("id", "A"), 3), arb.enter(("id", "A"), 3, notices=True)
+    other = arb.enter(("id", "B"), 3)
     head.place, ahead.place, other.place = (0, 60), (1, 0), (0, 0)
     got: dict = {}
     notices: list[bytes] = []
@@ -175,8 +175,9 @@ def test_a_job_s_later_stream_waits_while_its_earlier_one_wants_the_server():
     assert head.wait(stop.is_set) is None  # head makes a batch (one slot of two)
     waiter = asking("ahead", ahead.wait)
     until(lambda: notices, "the held stream's pause notice")
-    why = pb.BatchChunk.FromString(notices[0]).pause.reason
-    assert "earlier batches" in why, why
+    notice = pb.BatchChunk.FromString(notices[0]).pause
+    assert "earlier batches" in notice.reason and notice.by_priority == 3, notice  # (the job's own: the client
+    # keeps that server live, `pause.paused(own=)`)
     assert other.wait(stop.is_set) is None  # another job's stream takes the free slot at once
     other.made()
     other.sent()

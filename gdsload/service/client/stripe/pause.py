@@ -24,11 +24,12 @@ def paused(sch: Any, f: Any, reason: str, now: float, own: bool = False) -> None
     `own`: for its job's own earlier batches there (the notice's `by_priority` is the job's).
 
     Such a pause (a pass opened ahead, held while this epoch's stream on that server wants it) is
-    not the server's slowness: its claimed blocks stay its own and the time is left out of its
-    pace (`resumed`). Taken for a higher job's pause, the other server, busy with the same job's
-    earlier batches too, stole the held stream's blocks as new requests, and the held stream was
-    cancelled and asked again: at a twentieth of a core each new request is a new loader's set-up,
-    and the raw training loop waited 0.1-0.6 s 10-20 batches into its epochs."""
+    an order, not the server's slowness: the server stays live (`Server.serving`), its claimed
+    blocks stay its own, and the time is left out of its pace (`resumed`). Taken for a higher
+    job's pause, the held stream was cancelled at its block's end (the live servers changed) and
+    the other server, as busy with the job's earlier batches, took its blocks as new requests: at
+    a twentieth of a core each a new loader's set-up, and the raw training loop waited 0.1-0.7 s
+    10-20 batches into its epochs."""
     srv = f.server
     f.last = now
     if srv.state is S.OK and srv.move(S.PAUSED):
