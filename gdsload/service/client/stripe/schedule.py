@@ -226,7 +226,7 @@ class Schedule:
             if start >= (b + 1) * K or start >= self.end or (corrupt and srv.address in corrupt.get(b, ())):
                 continue
             claim = claims.get(b)
-            if claim is not None and claim.server.serving() and (
+            if claim is not None and (claim.server.state is not S.PAUSED or claim.server.paused_own) and (
                     claim.server is srv or self.window(claim.server, median) == self.W):
                 continue  # a later block of a server's stream (stolen from a straggler, or one paused for another job)
             if self.fetchers.get(b):
