@@ -157,15 +157,41 @@ def test_a_client_that_never_connects_ends_its_stream(big_server, monkeypatch):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "bulk connection" in err.value.details()
 
 
+def test_a_sink_says_when_its_client_reads_nothing():
+    """`BulkSink.full` (the priority arbiter's test of a send that does not move: held up by its
+    client, or by the server's CPU): the kernel's buffers full, or the connection gone."""
+    mine, theirs = socket.socketpair()
+    sink = server_bulk.BulkSink(mine)
+    try:
+        assert not sink.full()
+        mine.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            while True:  # the client reads nothing
+                mine.send(b"x" * 65536)
+        mine.setblocking(True)
+        assert sink.full()
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            while True:  # it reads everything
+                theirs.recv(1 << 20)
+        assert not sink.full()
+        sink.close()
+        assert sink.full()
+    finally:
+        theirs.close()
+
+
 def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
     """A consumer that leaves mid-epoch (the loader's epoch closed) cancels the call; the server's
     write, blocked on a full socket, breaks and the stream ends."""
     srv, address = big_server
     real_init, real_connect = server_bulk.BulkSink.__init__, client_bulk._connect
+    sinks = []
 
     def small_sink(self, conn, *args, **kw):  # socket buffers far smaller than the epoch: the server blocks
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         real_init(self, conn, *args, **kw)
+        sinks.append(self)
 
     def small_connect(target, port):
         sock = real_connect(target, port)
@@ -179,6 +205,7 @@ def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
     next(it)
     time.sleep(0.3)  # the server fills the socket buffers and blocks
     assert srv.servicer.active_streams() == 1  # blocked in its write
+    assert sinks[-1].full()  # (held up by its client: it wants nothing of a priority arbiter)
     it.close()
     deadline = time.monotonic() + 10
     while srv.servicer.active_streams() and time.monotonic() < deadline:

@@ -75,14 +75,18 @@ def test_a_lower_batch_waits_before_its_send_while_a_higher_stream_wants_the_ser
         t.leave()
 
 
-def test_a_higher_send_that_does_not_move_holds_nothing():
-    """A higher stream whose client does not read (its send blocked by flow control) wants nothing
-    once its bytes have not moved for RETURN_S: lower batches go meanwhile."""
+@pytest.mark.parametrize("full", [None, True])
+def test_a_higher_send_that_does_not_move_holds_nothing(full):
+    """A higher stream whose client does not read (its send blocked by flow control: its bulk
+    connection is full, or a gRPC transport that cannot tell) wants nothing once its bytes have
+    not moved for RETURN_S: lower batches go meanwhile."""
     clock = Clock()
     arb = Arbiter(2, clock=clock)
     low = arb.enter(("id", "low"), 0)
     made_batch(low, clock, 0.1)
     high = arb.enter(("id", "high"), 10)
+    if full is not None:
+        high.full = lambda: full
     made_batch(high, clock, 0.1)
     assert high.may_send(never) is None
     high.progress_hook()()
@@ -92,6 +96,37 @@ def test_a_higher_send_that_does_not_move_holds_nothing():
     clock.t += RETURN_S * 1.5  # and then did not
     th.join(10)
     assert got == [None]
+    low.sent()
+    high.sent()
+    for t in (low, high):
+        t.leave()
+
+
+def test_a_higher_send_slowed_by_the_server_s_cpu_not_its_client_holds_lower_batches():
+    """A send whose bytes did not move for RETURN_S while its connection takes bytes waits for the
+    server's CPU (a server held to a twentieth of a core runs 1 ms in 20), not for its client: it
+    still wants the server, and a lower batch waits until it is sent (then RETURN_S more)."""
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low = arb.enter(("id", "low"), 0)
+    made_batch(low, clock, 0.1)
+    high = arb.enter(("id", "high"), 10)
+    takes = [False]  # the connection is not full
+    high.full = lambda: takes[0]
+    made_batch(high, clock, 0.1)
+    assert high.may_send(never) is None
+    high.progress_hook()()
+    th, got = in_thread(lambda: low.may_send(never))
+    clock.t += RETURN_S * 3  # nothing moved, the connection takes bytes
+    with arb.lock:  # (the waiter looks again)
+        low.cv.notify()
+    th.join(0.3)
+    assert th.is_alive() and not got and high.wanting()
+    takes[0] = True  # its client stopped reading: the send waits for it
+    with arb.lock:
+        low.cv.notify()
+    th.join(10)
+    assert got == [None] and not high.wanting()
     low.sent()
     high.sent()
     for t in (low, high):

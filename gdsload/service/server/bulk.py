@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import select
 import selectors
 import socket
 import threading
@@ -409,6 +410,17 @@ class BulkSink:
                         sent = 0
         except OSError as exc:
             raise ClientGone(str(exc)) from None
+
+    def full(self) -> bool:
+        """Whether the connection takes no bytes now: the client reads none (the kernel's buffers
+        are full), or the connection is gone. Any thread; no wait."""
+        try:
+            poll = select.poll()
+            poll.register(self.conn.fileno(), select.POLLOUT)
+            ready = poll.poll(0)
+            return not ready or bool(ready[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL))
+        except (OSError, ValueError):  # (closed meanwhile: fileno -1)
+            return True
 
     def shutdown(self) -> None:
         """Break the connection (the call ended): a blocked `send` raises ClientGone. Any thread."""

@@ -16,8 +16,11 @@ sending, are charged to its job). The rules, in this order:
    bulk socket), so three lower streams' sends would otherwise take most of a server limited to
    a twentieth of a core while the higher stream's batches waited. A stream that sends reports
    its progress (`Turn.progress`, per member on the bulk connection, per message in gRPC) while
-   a lower level is present; a send that moved nothing for `RETURN_S` is blocked by its client,
-   and the higher stream wants nothing while it is. A higher
+   a lower level is present; a send that moved nothing for `RETURN_S` while its bulk connection
+   is full (`Turn.full`; on gRPC, which cannot tell, in any case) is blocked by its client, and the
+   higher stream wants nothing while it is (one whose connection takes bytes waits for the
+   server's CPU: at a twentieth of a core a send's bytes may not move for 60 ms, and lower
+   batches made then took a tenth of the higher job's rate). A higher
    stream blocked in its send for longer (its client does not read: gRPC flow control, or the
    bulk socket full) wants nothing now, so lower streams run meanwhile, but only a batch that
    ends before the higher job is expected back (*backfill*): each job's pace is measured (the
@@ -85,7 +88,7 @@ from typing import Any
 
 from gdsload.service.server.levels import Job, Levels
 from gdsload.service.server.turn import (FORGET_S, HANDOVER_S, HELD, IDLE, MAKING, NOTICE_S, POLL_S, RETURN_S,
-                                         SENDING, WAITING, Turn, behind)
+                                         SENDING, WAITING, Turn, behind, sends)
 from gdsload.v1 import feed_pb2 as pb
 
 __all__ = ["Arbiter", "FORGET_S", "NOTICE_S", "POLL_S", "RETURN_S", "Turn"]
@@ -183,9 +186,7 @@ class Arbiter:
         """Whether `t` wants the server now (rule 1)."""
         if t.state is WAITING or t.state is MAKING:
             return True
-        if t.state is HELD:
-            return False
-        return now - t.since < RETURN_S  # sending, or just sent (or just opened): it asks again at once
+        return sends(t, now)[0]  # (or just opened: it asks at once)
 
     # -- a batch boundary --------------------------------------------------------------------------
     def wait(self, t: Turn, stop: Callable[[], bool]) -> bytes | bool | None:
@@ -233,8 +234,9 @@ class Arbiter:
         and until when (None: until `o` changes state)."""
         if o.state is WAITING or o.state is MAKING:
             return True, None
-        if o.state is not HELD and now - o.since < RETURN_S:
-            return True, o.since + RETURN_S
+        going, end = sends(o, now)
+        if going:
+            return True, end
         due = self._due(o, now)
         if due is not None and due < now + cost:
             return True, due if due > now else due + self.jobs[o.job].period

@@ -192,19 +192,21 @@ class FeedServicer(pb_grpc.FeedServicer):
             except BaseException:
                 transport.close()
                 raise
-            turn = self.turn(request, context, source)
+            turn = self.turn(request, context, source, transport)
             yield from serve(source, transport, Meter(self.metrics, self.log, source, _peer(context)),
                              draining=self.draining, turn=turn)
         except Exception as exc:
             self._fail(context, "StreamBatches", exc)
 
-    def turn(self, request: pb.BatchRequest, context: grpc.ServicerContext, source: Any) -> Any:
+    def turn(self, request: pb.BatchRequest, context: grpc.ServicerContext, source: Any, transport: Any) -> Any:
         """The stream's place in the arbiter: its job (the caller and `BatchRequest.job`; no job: a
-        job of its own), priority and share group (`share.SharedSource.key`)."""
+        job of its own), priority and share group (`share.SharedSource.key`); whether its client
+        reads (`transport.BulkFrames.full`; gRPC cannot tell)."""
         job = (identity(context), request.job) if request.job else ("stream", id(source))
         turn = self.arbiter.enter(job, request.priority, getattr(source, "key", None),
                                   notices=request.understands_pause)
         turn.release = getattr(source, "suspend", None)
+        turn.full = getattr(transport, "full", None)
         context.add_callback(turn.wake)  # the call's end wakes a waiting turn at once
         if hasattr(source, "rank"):  # its loader's decoding, in the turn's order (`pool.DecodePool`)
             source.rank(turn)

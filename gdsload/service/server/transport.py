@@ -62,6 +62,10 @@ class BulkFrames:
         self.sink.send(frames.pieces(), progress)  # raises bulk.ClientGone when the connection broke
         return ()
 
+    def full(self) -> bool:
+        """Whether the connection takes no bytes now (the client reads none: `priority`'s rule 1)."""
+        return self.sink.full()
+
     def finish(self) -> None:
         self.sink.finish()
 

@@ -54,6 +54,7 @@ class Turn:
         self.memory = False  # its source waits for memory that higher work holds
         self.hurry = False  # (held) send now: higher work needs the memory its loader holds
         self.release: Callable[[], int] | None = None  # suspend its source (`sources.LoaderSource.suspend`)
+        self.full: Callable[[], bool] | None = None  # its connection takes no bytes now (`transport.BulkFrames.full`)
         self.cv = threading.Condition(arbiter.lock)  # its own: woken only when it has something to do
 
     def wait(self, stop: Callable[[], bool]) -> bytes | bool | None:
@@ -132,6 +133,22 @@ class Turn:
                                                   paused_s=now - self.paused_since)).SerializeToString()
 
 
+def sends(o: Turn, now: float) -> tuple[bool, float | None]:
+    """Whether `o` wants the server for its send (neither waiting, making nor held), and until when
+    (None: until it changes state): its bytes moved, or it sent its batch, less than `RETURN_S` ago,
+    or its send goes on and its connection takes bytes (`Turn.full`: the send is slow for the
+    server's CPU, not held up by its client). A send whose bytes did not move for `RETURN_S` while
+    its connection is full (or, on a transport that cannot tell, `RETURN_S` in any case) waits for
+    its client, and wants nothing meanwhile."""
+    if o.state is HELD:
+        return False, None
+    if now - o.since < RETURN_S:
+        return True, o.since + RETURN_S
+    if o.state is SENDING and o.full is not None and not o.full():
+        return True, None
+    return False, None
+
+
 def behind(t: Turn, turns: Iterable[Turn], level_of: Callable[[Turn], int], now: float) -> tuple[bool, float | None]:
     """Whether a stream of `t`'s job and level whose next batch comes earlier in the plan
     (`Turn.place`) wants the server (it waits, makes, or sent less than `RETURN_S` ago: it goes
@@ -144,6 +161,9 @@ def behind(t: Turn, turns: Iterable[Turn], level_of: Callable[[Turn], int], now:
             continue
         if o.state is WAITING or o.state is MAKING:
             return True, None
-        if o.state is not HELD and now - o.since < RETURN_S:
-            held, until = True, max(until or 0.0, o.since + RETURN_S)
+        going, end = sends(o, now)
+        if going and end is None:
+            return True, None
+        if going:
+            held, until = True, max(until or 0.0, end)
     return held, until
