@@ -29,6 +29,7 @@ from gdsload.errors import GdsloadError, RemoteError
 from gdsload.service.protocol import auth
 from gdsload.service.protocol.status import PermissionDenied
 from gdsload.service.server import create_server
+from gdsload.service.server import priority
 from gdsload.service.server.priority import Arbiter
 from gdsload.service.server.turn import HANDOVER_S, RETURN_S
 from gdsload.v1 import feed_pb2 as pb
@@ -354,8 +355,6 @@ def test_waiting_streams_do_not_poll(monkeypatch):
     concerns them (at most one look each per POLL_S for their stop condition), rather than each
     looking at all the others every few milliseconds (at 0.05 of a core, that took more of the
     server than its batches)."""
-    from gdsload.service.server import priority
-
     arb = Arbiter(1)
     high = arb.enter(("id", "high"), 10)
     assert high.wait(lambda: False) is None  # making a batch: every lower stream waits
@@ -387,6 +386,57 @@ def test_waiting_streams_do_not_poll(monkeypatch):
     assert not any(t.is_alive() for t in threads)
     high.made()
     for t in lows + [high]:
+        t.leave()
+
+
+def test_a_higher_job_s_batches_do_not_wake_the_streams_they_hold_back(monkeypatch):
+    """Three lower streams wait while a higher one makes, sends (slowly: its connection takes
+    bytes, `Turn.full`) and asks again, batch after batch: none of its changes wakes them (each
+    wake costs a paused stream ~0.2 ms at a twentieth of a core: two per higher batch took 4 % of
+    such a server from the job that paused them); the higher stream's end does."""
+    arb = Arbiter(1)
+    high = arb.enter(("id", "high"), 10)
+    high.full = lambda: False
+    looks = [0]
+    above = arb._above
+    me = threading.current_thread()
+
+    def counted(*args):
+        if threading.current_thread() is not me:  # (a lower stream's own look)
+            looks[0] += 1
+        return above(*args)
+
+    monkeypatch.setattr(arb, "_above", counted)
+    assert high.wait(lambda: False) is None
+    lows = [arb.enter(("id", f"low{i}"), 0) for i in range(3)]
+    got: list = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=lambda t=t: got.append(t.wait(stop.is_set)), daemon=True) for t in lows]
+    for t in threads:
+        t.start()
+    until(lambda: looks[0] >= 3, "every low stream looked once")
+    start, t0 = looks[0], time.monotonic()
+    for _ in range(20):
+        high.made(batch=True)
+        assert high.may_send(lambda: False) is None
+        time.sleep(RETURN_S * 1.5)  # a slow send: its bytes do not move for a while
+        high.progress_hook()()
+        high.sent()
+        assert high.wait(lambda: False) is None
+    spent = time.monotonic() - t0
+    assert not got
+    # (at most their own look per POLL_S; one per change made 20 to 60)
+    assert looks[0] - start <= 3 * (spent / priority.POLL_S + 1), looks[0] - start
+    high.made()
+    high.leave()
+    until(lambda: got == [None], "a low stream goes once the higher one left (one slot)")
+    stop.set()
+    for t in lows:
+        t.wake()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads) and sorted(got, key=str) == [False, False, None]
+    for t in lows:
         t.leave()
 
 

@@ -7,34 +7,29 @@ send it (`Turn.may_send`) and sends it (`Turn.sent`: the batch's seconds, its ma
 sending, are charged to its job). The rules, in this order:
 
 1. **Strict priority between levels.** A stream waits while a stream of a higher level *wants*
-   the server: it is waiting for a slot, making a batch, sending one (and its bytes moved less
-   than `RETURN_S` ago), or sent its last batch less than `RETURN_S` ago (a stream whose client
-   reads at once asks again within microseconds). The rule holds for sending too: a lower
-   stream's batch, once made, waits before its send while a higher stream wants the server
-   (`Turn.may_send`; it is then paused, its batch kept). Sending is most of a raw batch's cost
-   (a stored batch of 3.4 MB: 0.4 ms of the stream thread's CPU to make, 2.4 ms to write to the
-   bulk socket), so three lower streams' sends would otherwise take most of a server limited to
-   a twentieth of a core while the higher stream's batches waited. A stream that sends reports
+   the server: it is waiting for a slot, making a batch, sending one (`turn.sends`: while its
+   bulk connection takes bytes, or its bytes moved less than `RETURN_S` ago), or sent its last
+   batch less than `RETURN_S` ago (it asks again within microseconds). A lower stream's batch,
+   once made, also waits before its send (`Turn.may_send`; paused, its batch kept): sending is
+   most of a raw batch's cost (a stored batch of 3.4 MB: 0.4 ms of the stream thread's CPU to
+   make, 2.4 ms to write to the bulk socket), so three lower sends would take most of a server
+   limited to a twentieth of a core while the higher batches waited. A sending stream reports
    its progress (`Turn.progress`, per member on the bulk connection, per message in gRPC) while
-   a lower level is present; a send that moved nothing for `RETURN_S` while its bulk connection
-   is full (`Turn.full`; on gRPC, which cannot tell, in any case) is blocked by its client, and the
-   higher stream wants nothing while it is (one whose connection takes bytes waits for the
-   server's CPU: at a twentieth of a core a send's bytes may not move for 60 ms, and lower
-   batches made then took a tenth of the higher job's rate). A higher
-   stream blocked in its send for longer (its client does not read: gRPC flow control, or the
-   bulk socket full) wants nothing now, so lower streams run meanwhile, but only a batch that
-   ends before the higher job is expected back (*backfill*): each job's pace is measured (the
-   gap between its asks, `Job.period`, and the seconds a batch of it takes, `Job.cost`, both
-   moving averages), and a lower stream whose job's batch would still be making when the higher
-   job asks again (`Job.asked + Job.period`) waits for that ask (a batch cannot be interrupted:
-   at a tenth of a core one decoded batch takes seconds, which a training job that reads at
-   its own pace would spend waiting). A higher job later than expected by more than its period
-   holds nothing. A higher job whose streams all ended holds lower levels back for `HANDOVER_S`
-   more: the gap to its next stream (a striping client's next block, or its next epoch's probe,
-   bulk handshake and first batch: 0.3 s of every 2-s epoch of a raw job at a twentieth of a
-   core), which lower batches would otherwise fill, leaving the higher stream to start on a
-   server busy with them. A stream
-   held back that way is *paused*: its loader stops at the batch boundary (its prefetch ring fills, its readers
+   a lower level is present. A higher send whose bytes did not move for `RETURN_S` while its
+   connection is full (`Turn.full`; on gRPC, which cannot tell, in any case) waits for its client
+   and wants nothing (one whose connection takes bytes waits for the server's CPU: at a twentieth
+   of a core for 60 ms at times, and lower batches made then took a tenth of the higher job's
+   rate), so lower streams run meanwhile, but only a batch that ends before the higher job is
+   expected back (*backfill*): each job's pace is measured (the gap between its asks,
+   `Job.period`, and the seconds a batch of it takes, `Job.cost`, both moving averages), and a
+   lower stream whose job's batch would still be making when the higher job asks again
+   (`Job.asked + Job.period`) waits for that ask (a batch cannot be interrupted: at a tenth of a
+   core one decoded batch takes seconds). A higher job later than expected by more than its
+   period holds nothing. A higher job whose streams all ended holds lower levels back for
+   `HANDOVER_S` more: the gap to its next stream (a striping client's next block, or its next
+   epoch's probe, bulk handshake and first batch: 0.3 s of every 2-s epoch of a raw job at a
+   twentieth of a core), which lower batches would otherwise fill. A stream held back that way
+   is *paused*: its loader stops at the batch boundary (its prefetch ring fills, its readers
    wait), its cursor is the request's, and its next batch is the next of its plan when it goes
    on, so nothing is lost or repeated.
 2. **Equal share of seconds per job within a level.** Among the waiting streams of the highest
@@ -64,18 +59,19 @@ it retries as today, from its cursor).
 
 What it reports (counted in `levels.Levels`): per level, streams open, paused and queued now,
 batches made, seconds spent making them and paused (`usage()`, `ServerInfo.priorities`), and the
-Prometheus metrics `gdsload_feed_priority_*`. The server's decode pool takes decoding batches in the same order,
-reading each turn without the lock (`Turn.level`, `Turn.making`, `Turn.wanting`; `pool.DecodePool`).
-`grants` keeps the last grants (job, level, the highest level then
-waiting) for tests and debugging.
+Prometheus metrics `gdsload_feed_priority_*`. The server's decode pool takes decoding batches in
+the same order, reading turns without the lock (`Turn.level`, `.making`, `.wanting`; `pool.DecodePool`).
+`grants` keeps the last grants (job, level, the highest level then waiting) for tests and debugging.
 
 Waking: a waiting stream sleeps on a condition of its own; each change (a stream entered, asked,
 made its batch or left) settles the waiting streams once (`Arbiter._settle`: their pauses, as
-bookkeeping) and wakes only those with something to do: the stream that goes next, and a stream
-whose pause just began (to send its notice). A waiting stream never polls the others: at 0.05 of
-a core, twelve streams polling every 20 ms took more of the server than its batches. Every wait is
-bounded: `Turn.wait` also wakes at least every `POLL_S` to check its stop condition, which the
-call's end and the server's drain make come at once (`Turn.wake`, `Arbiter.wake_all`).
+bookkeeping) and wakes only those with something to do: the stream that goes next, unless streams
+above hold it back until they change state, and a stream whose pause just began
+(to send its notice): a higher job's batches wake none of the streams they hold back. At 0.05 of a
+core, twelve streams polling every 20 ms took more of the server than its batches, and three
+paused streams woken twice per higher batch and every 0.25 s took 4 % of it. Every wait is
+bounded: `Turn.wait` also wakes every `POLL_S` to check its stop condition, which the call's end
+and the server's drain make come at once (`Turn.wake`, `Arbiter.wake_all`).
 """
 
 from __future__ import annotations
@@ -343,8 +339,10 @@ class Arbiter:
                 first = level
         if first is not None and self.busy < self.slots:
             chosen = self._chosen(first, now)
-            if chosen is not None:
-                chosen.cv.notify()
+            if chosen is not None:  # (held back until streams above change state, which settles
+                above, until = self._above(chosen, first, now)  # again, it is not woken to sleep)
+                if above is None or until is not None:
+                    chosen.cv.notify()
 
     def _chosen(self, level: int, now: float) -> Turn | None:
         """The waiting stream of `level` whose job comes next (rule 2), and of its streams the one
