@@ -181,6 +181,34 @@ def test_a_sink_says_when_its_client_reads_nothing():
         theirs.close()
 
 
+def test_a_sink_with_a_progress_hook_says_when_its_client_stops_reading():
+    """A send watched by the priority arbiter (a progress hook) writes without blocking: when the
+    connection fills it calls the hook with True (the send now waits for its client), waits, and
+    goes on when the client reads; every byte arrives in order."""
+    mine, theirs = socket.socketpair()
+    sink = server_bulk.BulkSink(mine)
+    payload = os.urandom(8 << 20)  # far more than the kernel's buffers
+    calls: list = []
+    th = threading.Thread(target=lambda: sink.send([[payload[:16], payload[16:]]], lambda *a: calls.append(a)))
+    try:
+        th.start()
+        deadline = time.monotonic() + 10
+        while (True,) not in calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (True,) in calls and th.is_alive()  # full: it waits for its client
+        got = bytearray()
+        head = framing.FRAME.size
+        while len(got) < len(payload) + head:
+            got += theirs.recv(1 << 20)
+        th.join(10)
+        assert not th.is_alive()
+        assert bytes(got[head:]) == payload  # (after the frame's header)
+        assert mine.getblocking()  # (blocking again for the next send)
+    finally:
+        sink.close()
+        theirs.close()
+
+
 def test_cancelling_mid_stream_ends_the_server_side(big_server, monkeypatch):
     """A consumer that leaves mid-epoch (the loader's epoch closed) cancels the call; the server's
     write, blocked on a full socket, breaks and the stream ends."""

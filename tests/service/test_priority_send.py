@@ -133,6 +133,33 @@ def test_a_higher_send_slowed_by_the_server_s_cpu_not_its_client_holds_lower_bat
         t.leave()
 
 
+def test_a_higher_send_that_finds_its_connection_full_lets_lower_batches_go_at_once():
+    """A send that finds its connection full (`progress(True)`, from the bulk sink) wakes what it
+    holds back: a lower batch held while the send's connection took bytes (until that send ends:
+    nothing timed) goes RETURN_S later, not at its own next look (`POLL_S`, a second)."""
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low = arb.enter(("id", "low"), 0)
+    made_batch(low, clock, 0.1)
+    high = arb.enter(("id", "high"), 10)
+    full = [False]
+    high.full = lambda: full[0]
+    made_batch(high, clock, 0.1)
+    assert high.may_send(never) is None
+    th, got = in_thread(lambda: low.may_send(never))
+    th.join(0.3)
+    assert th.is_alive() and not got  # held: the higher send goes on
+    full[0] = True  # its client stopped reading
+    high.progress(True)
+    clock.t += RETURN_S * 1.5
+    th.join(0.6)  # (well within POLL_S)
+    assert got == [None]
+    low.sent()
+    high.sent()
+    for t in (low, high):
+        t.leave()
+
+
 def test_with_one_level_a_send_takes_no_lock_and_no_call_per_member():
     clock = Clock()
     arb = Arbiter(1, clock=clock)

@@ -345,7 +345,20 @@ class BulkSink:
         The buffers between stored members go with one `sendmsg`, each run of members with one
         `_sendfiles` (a raw stored batch is a piece per member: no Python call per member but
         `os.sendfile`). `progress`, when given, is called per message and per stored member
-        (`priority.Turn.progress`)."""
+        (`priority.Turn.progress`), and with True when the connection is full (its client does
+        not read; the writes are then non-blocking, and wait for the client in `_wait`)."""
+        if progress is None:
+            return self._send(frames, None)
+        self.conn.setblocking(False)
+        try:
+            self._send(frames, progress)
+        finally:
+            try:
+                self.conn.setblocking(True)
+            except OSError:  # (closed meanwhile)
+                pass
+
+    def _send(self, frames: Iterable[Sequence[Any]], progress: Callable[..., None] | None) -> None:
         span = wire.FileSpan
         for pieces in frames:
             if progress is not None:
@@ -360,14 +373,14 @@ class BulkSink:
                     i += 1
                     continue
                 if i > start:
-                    self._sendmsg(views[start:i], socket.MSG_MORE)
+                    self._sendmsg(views[start:i], socket.MSG_MORE, progress)
                 start = i
                 while i < end and type(views[i]) is span:
                     i += 1
                 self._sendfiles(views[start:i], progress)
                 start = i
             if start < end:
-                self._sendmsg(views[start:])
+                self._sendmsg(views[start:], 0, progress)
 
     def _sendfiles(self, spans: list[wire.FileSpan], progress: Callable[[], None] | None = None) -> None:
         """Write each span's bytes from its file (the page cache's pages go to the socket: no copy
@@ -381,6 +394,9 @@ class BulkSink:
             while n:
                 try:
                     k = sendfile(out, fd, off, n)
+                except BlockingIOError:
+                    self._wait(progress)
+                    continue
                 except (BrokenPipeError, ConnectionError) as exc:
                     raise ClientGone(str(exc)) from None
                 except OSError as exc:
@@ -394,12 +410,16 @@ class BulkSink:
                 off += k
                 n -= k
 
-    def _sendmsg(self, views: list[memoryview], flags: int = 0) -> None:
+    def _sendmsg(self, views: list[memoryview], flags: int = 0, progress: Callable[..., None] | None = None) -> None:
         """Write every byte of `views` (byte-format memoryviews), as many per call as IOV_MAX allows
         (`flags`: MSG_MORE when a `sendfile` follows)."""
         try:
             while views:
-                sent = self.conn.sendmsg(views[:_IOV_MAX], [], flags)
+                try:
+                    sent = self.conn.sendmsg(views[:_IOV_MAX], [], flags)
+                except BlockingIOError:
+                    self._wait(progress)
+                    continue
                 while sent and views:
                     k = views[0].nbytes
                     if sent >= k:
@@ -409,6 +429,20 @@ class BulkSink:
                         views[0] = views[0][sent:]
                         sent = 0
         except OSError as exc:
+            raise ClientGone(str(exc)) from None
+
+    def _wait(self, progress: Callable[..., None] | None) -> None:
+        """(A non-blocking write found the connection full) tell `progress` (the send now waits for
+        its client: lower work may use the server), then wait until the client reads."""
+        if progress is not None:
+            progress(True)
+        try:
+            poll = select.poll()
+            poll.register(self.conn.fileno(), select.POLLOUT)
+            while not poll.poll(1000):  # (a shutdown or a broken connection ends it: the write fails)
+                if self._shut:
+                    break
+        except (OSError, ValueError) as exc:  # (closed meanwhile: fileno -1)
             raise ClientGone(str(exc)) from None
 
     def full(self) -> bool:

@@ -15,14 +15,11 @@ from gdsload.v1 import feed_pb2 as pb
 RETURN_S = 0.05
 #: How often a paused stream that understands pauses is told so.
 NOTICE_S = 1.0
-#: Longest wait of a stream between looks at its stop condition and at the higher streams that
-#: hold it back (a change in the arbiter wakes the streams it concerns at once: `Arbiter._settle`;
-#: the call's end and the server's drain too). What it alone notices: a send that waits for its
-#: client (no event: `sends`), so a stream held back by it (a lower level's, or its job's later
-#: one) goes up to this late. Each look costs a paused stream ~0.2 ms at a twentieth of a core
-#: (three paused streams: 2 % of such a server), but 1 s made a low job's recovery after a higher
-#: one left take 2.3-3.2 s (its later block's stream waited behind its earlier one's full send).
-POLL_S = 0.25
+#: Longest wait of a stream between looks at its stop condition (a change in the arbiter wakes the
+#: streams it concerns at once: `Arbiter._settle`, and a send that finds its connection full:
+#: `Turn.progress`; the call's end and the server's drain too). Each look costs a paused stream
+#: ~0.2 ms at a twentieth of a core: three paused streams looking every 0.25 s took 2 % of it.
+POLL_S = 1.0
 #: How long a higher job whose streams all ended still holds lower levels back: the gap until its
 #: next stream (a striping client's next block, the next epoch: a probe, the bulk handshake and
 #: the first batch; about 0.3 s at a twentieth of a core), which lower batches would otherwise fill.
@@ -88,9 +85,20 @@ class Turn:
             return None
         return a.may_send(self, stop)
 
-    def progress(self) -> None:
-        """Its send moved (the transport calls it per member or message; no lock)."""
-        self.since = self.arbiter.clock()
+    def progress(self, stuck: bool = False) -> None:
+        """Its send moved (the transport calls it per member or message; no lock), or, `stuck`, its
+        connection is full: the send waits for its client, so the streams it holds back that may
+        go without a slot look again (lower ones with a batch made, `HELD`, and its job's later
+        ones), and the one that goes next (`Arbiter._settle`): they go `RETURN_S` on if it still
+        waits (nothing else would wake them: `sends`)."""
+        a = self.arbiter
+        self.since = a.clock()
+        if stuck:
+            with a.lock:
+                for o in a.turns.values():
+                    if o is not self and ((o.job == self.job and o.state is WAITING) or o.state is HELD):
+                        o.cv.notify()
+                a._settle(a.clock())
 
     def progress_hook(self) -> Callable[[], None] | None:
         """`progress`, for the transport, when a lower level or another stream of its job is on
