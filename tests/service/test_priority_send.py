@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from gdsload.service.server.priority import RETURN_S, Arbiter
+from gdsload.service.server.priority import POLL_S, RETURN_S, Arbiter
+from gdsload.service.server.turn import HANDOVER_S
 
 never = lambda: False  # noqa: E731
 
@@ -158,6 +159,32 @@ def test_a_higher_send_that_finds_its_connection_full_lets_lower_batches_go_at_o
     high.sent()
     for t in (low, high):
         t.leave()
+
+
+def test_a_held_lower_batch_goes_when_the_higher_job_s_handover_ends():
+    """A lower batch held before its send while a reading higher job made its batches goes once
+    that job's last stream here left and `HANDOVER_S` passed: the leave wakes it (its hold now ends
+    at a known time), not its own next look (`POLL_S`, a second)."""
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low = arb.enter(("id", "low"), 0)
+    made_batch(low, clock, 0.01)
+    high = arb.enter(("id", "high"), 10)
+    for _ in range(3):  # it reads: its pace is known
+        made_batch(high, clock, 0.01)
+        high.sent()
+    assert high.wait(never) is None  # making its next batch
+    th, got = in_thread(lambda: low.may_send(never))
+    th.join(0.3)
+    assert th.is_alive() and not got and low.state == "held"
+    clock.t += 0.01
+    high.made()
+    high.leave()
+    clock.t += HANDOVER_S * 1.1  # it did not come back
+    th.join(POLL_S * 0.6)
+    assert got == [None]
+    low.sent()
+    low.leave()
 
 
 def test_with_one_level_a_send_takes_no_lock_and_no_call_per_member():

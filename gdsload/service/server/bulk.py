@@ -18,9 +18,7 @@ from typing import Any
 from gdsload.errors import CorruptDataError, StorageError
 from gdsload.service.protocol import wire
 from gdsload.service.protocol.config import bind_host, unix_path
-from gdsload.service.protocol.framing import (
-    ACK, FRAME, IDLE_S, TICKET_BYTES, TICKET_S, WAIT_S, unix_bulk_path,
-)
+from gdsload.service.protocol.framing import ACK, FRAME, IDLE_S, TICKET_BYTES, TICKET_S, WAIT_S, unix_bulk_path
 
 #: Accepted connections without a ticket yet, at most (`Limits.max_pending_connections`).
 MAX_PENDING = 64
@@ -336,7 +334,7 @@ class BulkSink:
         self._done = False
         self._on_done = on_done  # (sink, reuse): the listener takes the connection back, or forgets it
 
-    def send(self, frames: Iterable[Sequence[Any]], progress: Callable[[], None] | None = None) -> None:
+    def send(self, frames: Iterable[Sequence[Any]], progress: Callable[..., None] | None = None) -> None:
         """Write messages, each a list of buffers whose concatenation is one serialized BatchChunk
         and whose first buffer is its head (everything before the value of `data`, which is the
         message's last field: `wire.encode_frames`' layout), framed with their lengths, straight
@@ -345,8 +343,8 @@ class BulkSink:
         The buffers between stored members go with one `sendmsg`, each run of members with one
         `_sendfiles` (a raw stored batch is a piece per member: no Python call per member but
         `os.sendfile`). `progress`, when given, is called per message and per stored member
-        (`priority.Turn.progress`), and with True when the connection is full (its client does
-        not read; the writes are then non-blocking, and wait for the client in `_wait`)."""
+        (`priority.Turn.progress`), and with True when the connection is full (the writes are
+        then non-blocking: the send waits for its client in `_wait`, lower work may go)."""
         if progress is None:
             return self._send(frames, None)
         self.conn.setblocking(False)
@@ -382,7 +380,7 @@ class BulkSink:
             if start < end:
                 self._sendmsg(views[start:], 0, progress)
 
-    def _sendfiles(self, spans: list[wire.FileSpan], progress: Callable[[], None] | None = None) -> None:
+    def _sendfiles(self, spans: list[wire.FileSpan], progress: Callable[..., None] | None = None) -> None:
         """Write each span's bytes from its file (the page cache's pages go to the socket: no copy
         here). A file shorter than a span is a `CorruptDataError` naming it; the connection is
         then cut mid-message, so the client takes the call's status, never a short batch."""
@@ -432,16 +430,12 @@ class BulkSink:
             raise ClientGone(str(exc)) from None
 
     def _wait(self, progress: Callable[..., None] | None) -> None:
-        """(A non-blocking write found the connection full) tell `progress` (the send now waits for
-        its client: lower work may use the server), then wait until the client reads."""
+        """(A non-blocking write found the connection full) tell `progress`, wait for the client."""
         if progress is not None:
             progress(True)
         try:
-            poll = select.poll()
-            poll.register(self.conn.fileno(), select.POLLOUT)
-            while not poll.poll(1000):  # (a shutdown or a broken connection ends it: the write fails)
-                if self._shut:
-                    break
+            while not self._writable(1000) and not self._shut:  # (a shutdown ends it: the write fails)
+                pass
         except (OSError, ValueError) as exc:  # (closed meanwhile: fileno -1)
             raise ClientGone(str(exc)) from None
 
@@ -449,12 +443,17 @@ class BulkSink:
         """Whether the connection takes no bytes now: the client reads none (the kernel's buffers
         are full), or the connection is gone. Any thread; no wait."""
         try:
-            poll = select.poll()
-            poll.register(self.conn.fileno(), select.POLLOUT)
-            ready = poll.poll(0)
-            return not ready or bool(ready[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL))
+            events = self._writable(0)
         except (OSError, ValueError):  # (closed meanwhile: fileno -1)
             return True
+        return not events or bool(events & (select.POLLERR | select.POLLHUP | select.POLLNVAL))
+
+    def _writable(self, timeout_ms: int) -> int:
+        """The connection's poll events for writing within `timeout_ms` (0: none, it is full)."""
+        poll = select.poll()
+        poll.register(self.conn.fileno(), select.POLLOUT)
+        ready = poll.poll(timeout_ms)
+        return ready[0][1] if ready else 0
 
     def shutdown(self) -> None:
         """Break the connection (the call ended): a blocked `send` raises ClientGone. Any thread."""

@@ -53,9 +53,8 @@ sending, are charged to its job). The rules, in this order:
 
 A request that declared it understands pauses (`BatchRequest.understands_pause`) is told: while
 paused, `Turn.wait` returns a pause notice (a `BatchChunk` holding only `pause`) when the pause
-begins and every `NOTICE_S` while it lasts; the stream loop sends it. An older client gets no
-notice, only a slower stream (a pause longer than its stall timeout is then a stall to it, which
-it retries as today, from its cursor).
+begins and every `NOTICE_S` while it lasts; the stream loop sends it. An older client gets only a
+slower stream (a pause longer than its stall timeout is a stall to it: retried from its cursor).
 
 What it reports (counted in `levels.Levels`): per level, streams open, paused and queued now,
 batches made, seconds spent making them and paused (`usage()`, `ServerInfo.priorities`), and the
@@ -65,13 +64,13 @@ the same order, reading turns without the lock (`Turn.level`, `.making`, `.wanti
 
 Waking: a waiting stream sleeps on a condition of its own; each change (a stream entered, asked,
 made its batch or left) settles the waiting streams once (`Arbiter._settle`: their pauses, as
-bookkeeping) and wakes only those with something to do: the stream that goes next, unless streams
-above hold it back until they change state, and a stream whose pause just began
-(to send its notice): a higher job's batches wake none of the streams they hold back. At 0.05 of a
-core, twelve streams polling every 20 ms took more of the server than its batches, and three
-paused streams woken twice per higher batch and every 0.25 s took 4 % of it. Every wait is
-bounded: `Turn.wait` also wakes every `POLL_S` to check its stop condition, which the call's end
-and the server's drain make come at once (`Turn.wake`, `Arbiter.wake_all`).
+bookkeeping) and wakes only those with something to do: the stream that goes next (unless streams
+above hold it back until they change state), a stream whose pause just began (its notice), held
+batches when a job's last stream leaves, and, when a send finds its connection full, those that
+may go (`Turn.progress`): a higher job's batches wake none of the streams they hold back (three
+paused streams woken twice per higher batch and every 0.25 s took 4 % of a 0.05-core server).
+Every wait is bounded: `Turn.wait` also wakes every `POLL_S` to check its stop condition, which
+the call's end and the server's drain make come at once (`Turn.wake`, `Arbiter.wake_all`).
 """
 
 from __future__ import annotations
@@ -149,6 +148,9 @@ class Arbiter:
                 j.left = self.clock()
                 if j.period:
                     self.last_left = j.left
+                for o in self.turns.values() if not j.streams else ():  # (its hold now ends at a
+                    if o.state is HELD:  # known time, `_between`: a made batch goes then)
+                        o.cv.notify()
             self._settle(self.clock())
 
     def wake_all(self) -> None:

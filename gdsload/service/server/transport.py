@@ -1,7 +1,8 @@
 """How a stream's batches travel: inside the gRPC call (`GrpcFrames`) or on the bulk connection
 (`BulkFrames`, over a `bulk.BulkSink`), behind one interface: `send(frames, progress=None)` (an iterable of what
 the call yields: gRPC messages, or nothing when the bytes went on the bulk connection; `progress`,
-when given, is called as the bytes move: per message in gRPC, per member on the bulk connection),
+when given, is called as the bytes move: per message in gRPC, per member on the bulk connection,
+where it is also called with True when the connection is full: the send waits for its client),
 `finish()` (the stream ended cleanly), `close()` (always, last), `active()` (the call is still on).
 
 `open_transport` is a generator (it yields the bulk offer through the call, then waits for the
