@@ -37,6 +37,30 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
     return th, got
 
 
+def held_behind_a_send(full=None):
+    """A lower batch made, then a higher stream's batch made and sending (its bytes just moved;
+    `full`: its connection's test, `Turn.full`; None: a transport that cannot tell), and the lower
+    batch's `may_send` in a thread: (clock, arbiter, low, high, thread, what it returned)."""
+    clock = Clock()
+    arb = Arbiter(2, clock=clock)
+    low = arb.enter(("id", "low"), 0)
+    made_batch(low, clock, 0.1)
+    high = arb.enter(("id", "high"), 10)
+    high.full = full
+    made_batch(high, clock, 0.1)
+    assert high.may_send(never) is None
+    high.progress_hook()()
+    th, got = in_thread(lambda: low.may_send(never))
+    return clock, arb, low, high, th, got
+
+
+def both_sent(low, high) -> None:
+    low.sent()
+    high.sent()
+    for t in (low, high):
+        t.leave()
+
+
 def test_a_lower_batch_waits_before_its_send_while_a_higher_stream_wants_the_server():
     clock = Clock()
     arb = Arbiter(2, clock=clock)
@@ -81,43 +105,21 @@ def test_a_higher_send_that_does_not_move_holds_nothing(full):
     """A higher stream whose client does not read (its send blocked by flow control: its bulk
     connection is full, or a gRPC transport that cannot tell) wants nothing once its bytes have
     not moved for RETURN_S: lower batches go meanwhile."""
-    clock = Clock()
-    arb = Arbiter(2, clock=clock)
-    low = arb.enter(("id", "low"), 0)
-    made_batch(low, clock, 0.1)
-    high = arb.enter(("id", "high"), 10)
-    if full is not None:
-        high.full = lambda: full
-    made_batch(high, clock, 0.1)
-    assert high.may_send(never) is None
-    high.progress_hook()()
-    th, got = in_thread(lambda: low.may_send(never))
+    clock, arb, low, high, th, got = held_behind_a_send(None if full is None else lambda: full)
     th.join(0.3)
     assert th.is_alive() and not got  # the high send just moved
     clock.t += RETURN_S * 1.5  # and then did not
     th.join(10)
     assert got == [None]
-    low.sent()
-    high.sent()
-    for t in (low, high):
-        t.leave()
+    both_sent(low, high)
 
 
 def test_a_higher_send_slowed_by_the_server_s_cpu_not_its_client_holds_lower_batches():
     """A send whose bytes did not move for RETURN_S while its connection takes bytes waits for the
     server's CPU (a server held to a twentieth of a core runs 1 ms in 20), not for its client: it
     still wants the server, and a lower batch waits until it is sent (then RETURN_S more)."""
-    clock = Clock()
-    arb = Arbiter(2, clock=clock)
-    low = arb.enter(("id", "low"), 0)
-    made_batch(low, clock, 0.1)
-    high = arb.enter(("id", "high"), 10)
     takes = [False]  # the connection is not full
-    high.full = lambda: takes[0]
-    made_batch(high, clock, 0.1)
-    assert high.may_send(never) is None
-    high.progress_hook()()
-    th, got = in_thread(lambda: low.may_send(never))
+    clock, arb, low, high, th, got = held_behind_a_send(lambda: takes[0])
     clock.t += RETURN_S * 3  # nothing moved, the connection takes bytes
     with arb.lock:  # (the waiter looks again)
         low.cv.notify()
@@ -128,26 +130,16 @@ def test_a_higher_send_slowed_by_the_server_s_cpu_not_its_client_holds_lower_bat
         low.cv.notify()
     th.join(10)
     assert got == [None] and not high.wanting()
-    low.sent()
-    high.sent()
-    for t in (low, high):
-        t.leave()
+    both_sent(low, high)
 
 
 def test_a_higher_send_that_finds_its_connection_full_lets_lower_batches_go_at_once():
     """A send that finds its connection full (`progress(True)`, from the bulk sink) wakes what it
     holds back: a lower batch held while the send's connection took bytes (until that send ends:
     nothing timed) goes RETURN_S later, not at its own next look (`POLL_S`, a second)."""
-    clock = Clock()
-    arb = Arbiter(2, clock=clock)
-    low = arb.enter(("id", "low"), 0)
-    made_batch(low, clock, 0.1)
-    high = arb.enter(("id", "high"), 10)
     full = [False]
-    high.full = lambda: full[0]
-    made_batch(high, clock, 0.1)
-    assert high.may_send(never) is None
-    th, got = in_thread(lambda: low.may_send(never))
+    clock, arb, low, high, th, got = held_behind_a_send(lambda: full[0])
+    clock.t += RETURN_S * 1.5  # (nothing moved: held while the connection takes bytes)
     th.join(0.3)
     assert th.is_alive() and not got  # held: the higher send goes on
     full[0] = True  # its client stopped reading
@@ -155,10 +147,7 @@ def test_a_higher_send_that_finds_its_connection_full_lets_lower_batches_go_at_o
     clock.t += RETURN_S * 1.5
     th.join(0.6)  # (well within POLL_S)
     assert got == [None]
-    low.sent()
-    high.sent()
-    for t in (low, high):
-        t.leave()
+    both_sent(low, high)
 
 
 def test_a_held_lower_batch_goes_when_the_higher_job_s_handover_ends():

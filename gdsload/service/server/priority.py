@@ -83,7 +83,7 @@ from typing import Any
 
 from gdsload.service.server.levels import Job, Levels
 from gdsload.service.server.turn import (FORGET_S, HANDOVER_S, HELD, IDLE, MAKING, NOTICE_S, POLL_S, RETURN_S,
-                                         SENDING, WAITING, Turn, behind, sends)
+                                         SENDING, WAITING, Turn, behind, sends, wake_held)
 from gdsload.v1 import feed_pb2 as pb
 
 __all__ = ["Arbiter", "FORGET_S", "NOTICE_S", "POLL_S", "RETURN_S", "Turn"]
@@ -148,9 +148,8 @@ class Arbiter:
                 j.left = self.clock()
                 if j.period:
                     self.last_left = j.left
-                for o in self.turns.values() if not j.streams else ():  # (its hold now ends at a
-                    if o.state is HELD:  # known time, `_between`: a made batch goes then)
-                        o.cv.notify()
+                if not j.streams:  # (its hold now ends at a known time: `_between`)
+                    wake_held(self.turns.values())
             self._settle(self.clock())
 
     def wake_all(self) -> None:

@@ -95,9 +95,7 @@ class Turn:
         self.since = a.clock()
         if stuck:
             with a.lock:
-                for o in a.turns.values():
-                    if o is not self and ((o.job == self.job and o.state is WAITING) or o.state is HELD):
-                        o.cv.notify()
+                wake_held(a.turns.values(), self.job)
                 a._settle(a.clock())
 
     def progress_hook(self) -> Callable[[], None] | None:
@@ -144,6 +142,16 @@ class Turn:
                f"its job's earlier batches on this server (priority {mine})")
         return pb.BatchChunk(pause=pb.StreamPause(reason=why, by_priority=by,
                                                   paused_s=now - self.paused_since)).SerializeToString()
+
+
+def wake_held(turns: Iterable[Turn], job: tuple | None = None) -> None:
+    """(The arbiter's lock held) a hold just came to end at a known time that no change will mark
+    (a send waits for its client; a job's last stream left: `HANDOVER_S`): the streams that may
+    then go without a slot look again, those with a batch made (`HELD`) and `job`'s waiting ones
+    (its later streams)."""
+    for o in turns:
+        if o.state is HELD or (o.state is WAITING and o.job == job):
+            o.cv.notify()
 
 
 def sends(o: Turn, now: float) -> tuple[bool, float | None]:
