@@ -15,6 +15,7 @@ from gdsload.service.client.receive import Delivery, check_position, read_batche
 from gdsload.service.client.stripe import pause
 from gdsload.service.client.stripe.actions import EXIT, PROBE, Failure, Wait
 from gdsload.service.client.stripe.model import Fetch, Server
+from gdsload.service.client.stripe.states import ServerState
 from gdsload.service.protocol import status, wire
 from gdsload.v1 import feed_pb2 as pb
 
@@ -146,11 +147,19 @@ class FetchWorker:
 
     def _hold(self, f: Fetch) -> None:
         """Wait while `f`'s block lies beyond the window: the stream is not read meanwhile, so its
-        server stops (`Schedule.beyond_window`, `on_hold`, `on_held`)."""
+        server stops (`Schedule.beyond_window`, `on_hold`, `on_held`). The batch that came says
+        its server no longer pauses the stream (`pause.resumed`, now, not when the batch is
+        counted): the notices it sent while the stream was held lay unread before it, and kept
+        the server PAUSED for as long as this hold lasted (no new request for it, its blocks
+        taken by the other servers one stream each; the low jobs of `bench/priority_bench.py`
+        took 2-3.6 s to come back after a high job left)."""
         rx, sch = self.rx, self.rx.schedule
         with rx.cond:
             since = now = time.monotonic()
             held = False
+            if f.server.state is ServerState.PAUSED and sch.beyond_window(f):
+                pause.resumed(sch, f.server, now)
+                rx.cond.notify_all()  # (its slots may pick again)
             while not rx.stop.is_set() and sch.beyond_window(f):
                 rx.cond.wait(rx.policy.poll_s)
                 now = time.monotonic()
