@@ -842,12 +842,11 @@ def test_the_schedule_s_paused_server_is_not_stalled_not_hedged_and_does_not_spe
 def test_a_server_paused_for_its_job_s_earlier_batches_keeps_its_pace_and_its_blocks(own):
     """A pause notice whose `by_priority` is the job's own (`turn.behind`: a pass opened ahead,
     held while this epoch's stream on that server wants it) is not the server's slowness: the
-    server stays live (`Schedule.live`: block b is still the b-th server's, so its stream goes on)
-    and the paused time is left out of its pace, so it keeps its window and the blocks its stream
-    claims. Paused by a higher job (as before) it left the live servers (its stream was cancelled
-    at its block's end, the blocks shifted to the other server), and its pace, counting the pause,
-    read as a straggler's: the other server stole its next block (at a twentieth of a core each
-    new request is a new loader)."""
+    paused time is left out of its pace, so it keeps its window and the blocks its stream claims
+    (at a twentieth of a core each new request is a new loader). Paused by a higher job, its pace
+    counts the pause and reads as a straggler's: the other server steals its next block. Either
+    way its blocks stay laid out over it (`Schedule.live`, `Server.laid_out`: block b is still the
+    b-th server's, so the streams go on)."""
     from test_schedule import T0, deliver, make, srv
 
     from gdsload.service.client.stripe import pause
@@ -860,7 +859,7 @@ def test_a_server_paused_for_its_job_s_earlier_batches_keeps_its_pace_and_its_bl
     deliver(sch, fb, T0 + 0.1, n=3, dt=0.1)  # b: a batch every 0.1 s
     deliver(sch, fa, T0 + 0.1, n=2, dt=0.1)
     pause.paused(sch, fa, "held", T0 + 0.2, own=own)
-    assert sch.live() == (["a:1", "b:1"] if own else ["b:1"])  # (its blocks stay its own: streams go on)
+    assert sch.live() == ["a:1", "b:1"]  # (its blocks stay laid out over it: the streams go on)
     assert not sch.straggles(fa, b, 2, T0 + 1.6)  # never hedged while paused
     deliver(sch, fa, T0 + 1.7, n=1)  # 1.5 s paused, then on
     assert a.state.value == "ok"

@@ -76,6 +76,16 @@ class Server:
         pause is an order, not a lack of capacity: its blocks stay its own, `pause.paused`)."""
         return self.state is ServerState.OK or (self.state is ServerState.PAUSED and self.paused_own)
 
+    def laid_out(self) -> bool:
+        """Whether blocks are laid out over it (`Schedule.live`): serving, or PAUSED for another
+        job's work, which ends (its blocks may be taken meanwhile: `Schedule.pick`). Laid out
+        afresh at each such pause and again at its end, a job's blocks changed hands twice: every
+        stream of the other servers was cancelled at its block's end and begun again (a new loader
+        on a server, a new stream for each stolen block), and the paused low jobs of
+        `bench/priority_bench.py` made a server's batches at ~0.6x their rate for 1-3 s after the
+        high job left."""
+        return self.serving() or self.state is ServerState.PAUSED
+
     def busy(self) -> int:
         """Its requests that are not being cancelled. A cancelled stream of its own blocks (its
         block was done elsewhere) leaves its slot free to start the next one at once: its blocks

@@ -1,13 +1,15 @@
-"""A striped epoch's paused servers (issue 49): a server that holds a stream back for work of a higher
-priority says so (`BatchChunk.pause`, to a request with `understands_pause`), and the `Schedule`
-moves it to `ServerState.PAUSED` (`paused`). A paused server is live but slow, never failing: its
-requests in flight are neither hedged elsewhere (`Schedule.straggles`) nor cancelled as stalled
-(`Schedule.watch`), its head block does not count down `retry_timeout_s` (`holds_head`), it gets no
-new request, and the blocks its stream claims may go to the servers that are not paused (unless it
-is paused for its own job's earlier batches: `paused`). It is OK again (`resumed`) at its next
-batch, or when it has no request left (a failure of a request keeps it PAUSED, not down: it is DOWN,
-to be probed after its backoff, once its last request is over). The time it spent paused and why are
-in `RemoteLoader.stats()["servers"]` (`pauses`, `paused_s`, `paused_reason`, `paused_at`).
+"""A striped epoch's paused servers (issue 49): a server that holds a stream back for work of a
+higher priority says so (`BatchChunk.pause`, to a request with `understands_pause`), and the
+`Schedule` moves it to `ServerState.PAUSED` (`paused`). A paused server is live but slow, never
+failing: its requests in flight are neither hedged elsewhere (`Schedule.straggles`) nor cancelled as
+stalled (`Schedule.watch`), its head block does not count down `retry_timeout_s` (`holds_head`), it
+gets no new request, and the blocks its stream claims may go to the servers that are not paused
+(unless it is paused for its own job's earlier batches: `paused`), though they stay laid out over it
+(`Server.laid_out`: the other servers' streams are not begun again at the pause, nor at its end). It
+is OK again (`resumed`) at its next batch, or when it has no request left (a failure of a request
+keeps it PAUSED, not down: it is DOWN, to be probed after its backoff, once its last request is
+over). The time it spent paused and why are in `RemoteLoader.stats()["servers"]` (`pauses`,
+`paused_s`, `paused_reason`, `paused_at`).
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ given). The receiving threads (`receiver.StripedReceiver`, `worker.FetchWorker`)
 their one lock and carry out what it returns: a request to make (`Fetch`), a wait, a probe, the
 requests to cancel. tests/service/test_schedule.py drives it from tables.
 
-The epoch's steps (batches of this rank) are cut into blocks of `stripe_batches` consecutive
-steps; block b belongs to the b-th healthy server modulo their number (addresses sorted), a stable
-assignment, so jobs with the same plan and servers put step k on the same server. Each server has
-`server_window` requests in flight, only for blocks within `servers x server_window` blocks of the
-plan-order head, so what arrives out of order waits in a reorder buffer of at most that many
-blocks. A server that serves `block_stride` gets all its blocks on one stream (`stride` > 0),
-which claims its later blocks; the stream is cancelled (and the server asked again from its
+The epoch's steps (batches of this rank) are cut into blocks of `stripe_batches` consecutive steps;
+block b belongs to the b-th healthy or paused server modulo their number (addresses sorted), a
+stable assignment, so jobs with the same plan and servers put step k on the same server. Each
+server has `server_window` requests in flight, only for blocks within `servers x server_window`
+blocks of the plan-order head, so what arrives out of order waits in a reorder buffer of at most
+that many blocks. A server that serves `block_stride` gets all its blocks on one stream (`stride` >
+0), which claims its later blocks; the stream is cancelled (and the server asked again from its
 lowest missing block) when the healthy servers change or its next block is done or fetched
 elsewhere.
 
@@ -138,8 +138,8 @@ class Schedule:
         return joined, cancel
 
     def live(self) -> list[str]:
-        """The healthy servers' addresses (`Server.serving`), sorted: block b is `live[b % len(live)]`'s."""
-        return sorted([a for a, s in self.servers.items() if s.serving()])
+        """The healthy or paused servers' addresses (`Server.laid_out`), sorted: block b is `live[b % len(live)]`'s."""
+        return sorted([a for a, s in self.servers.items() if s.laid_out()])
 
     def work(self, srv: Server, now: float) -> Fetch | Wait | str:
         """What one request slot of `srv` does next: a `Fetch` to run, `PROBE`, a `Wait`, `EXIT`."""
