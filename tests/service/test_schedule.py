@@ -616,3 +616,24 @@ def test_a_server_paused_for_another_job_keeps_its_blocks():
     deliver(sch, fa, T0 + 5.0)  # a's pause ends: its batches come
     assert a.state is S.OK and sch.live() == ["a:1", "b:1"]
     assert sch.advance(fa, T0 + 5.0) == [] and (fa.block, fa.reason) == (2, None)  # and its stream goes on
+
+
+def test_a_stream_held_behind_a_paused_server_s_claimed_block_is_kept():
+    """A stream held beyond the window is cancelled when a block before it belongs to nobody (its
+    server failed: `on_hold`); a block that a paused server's stream claims is not such a block.
+    (Counted as one, the held stream was cancelled while the other server, still owning the block,
+    was paused, and begun again later: one more loader on its server.)"""
+    sch, _ = make(server_window=1)
+    for s in sch.servers.values():
+        sch.probe_ok(s, strided=True)
+    a, b = srv(sch, "a:1"), srv(sch, "b:1")
+    fa, fb = sch.pick(a, T0), sch.pick(b, T0)
+    for _ in range(2):  # a's blocks 0 and 2; b's block 1 not yet: the head waits at block 1
+        deliver(sch, fa, T0)
+        assert sch.advance(fa, T0) == []
+    assert fa.block == 4 and sch.beyond_window(fa)
+    pause.paused(sch, fb, "priority 10 work on this server (this stream: priority 0)", T0)
+    assert sch.on_hold(fa, T0, T0 + 1.0) == [] and fa.reason is None  # block 3 is b's stream's
+    b.move(S.OK)
+    b.move(S.DOWN)  # b failed: its blocks are nobody's
+    assert sch.on_hold(fa, T0, T0 + 1.1) == [fa] and fa.reason is C.DONE

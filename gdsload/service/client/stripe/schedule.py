@@ -372,8 +372,8 @@ class Schedule:
 
     def _orphan(self, below: int) -> bool:
         """Whether a block from the head to `below` is missing, fetched by nobody and not claimed
-        by a healthy server's stream."""
-        streams = [g for s in self.servers.values() if s.serving() for g in s.fetches if g.stride]
+        by the stream of a healthy or paused server (`Server.laid_out`: its blocks stay its own)."""
+        streams = [g for s in self.servers.values() if s.laid_out() for g in s.fetches if g.stride]
         for b in range(self.out // self.K, below):
             if (self.first_missing(b) < self.block_end(b) and not self.fetchers.get(b)
                     and not any(g.claims(b) for g in streams)):
