@@ -598,8 +598,7 @@ def test_a_server_paused_for_another_job_keeps_its_blocks():
     other server's stream goes on to its next block, and the paused server's stream goes on when
     its batches come. Laid out over the one server left, the other server's stream was cancelled
     at its block's end, its blocks asked again one stream each, and again when the pause ended
-    (at a twentieth of a core each new stream is a new loader: the low jobs of
-    `bench/priority_bench.py` took 2-4 s to come back after the high job left)."""
+    (at a twentieth of a core each new stream is a new loader)."""
     sch, _ = make()
     for s in sch.servers.values():
         sch.probe_ok(s, strided=True)

@@ -78,12 +78,12 @@ class Server:
 
     def laid_out(self) -> bool:
         """Whether blocks are laid out over it (`Schedule.live`): serving, or PAUSED for another
-        job's work, which ends (its blocks may be taken meanwhile: `Schedule.pick`). Laid out
-        afresh at each such pause and again at its end, a job's blocks changed hands twice: every
-        stream of the other servers was cancelled at its block's end and begun again (a new loader
-        on a server, a new stream for each stolen block), and the paused low jobs of
-        `bench/priority_bench.py` made a server's batches at ~0.6x their rate for 1-3 s after the
-        high job left."""
+        job's work, which ends (its blocks may be taken meanwhile, as a busy server's:
+        `Schedule.pick`). Laid out afresh at each such pause and again at its end, a job's blocks
+        changed hands twice: every stream of the other servers was cancelled at its block's end
+        and begun again, a new loader on a server each (traced in `bench/priority_bench.py`: the
+        three low jobs opened up to 10 streams, epoch starts included, in the 2 s after the high
+        job left)."""
         return self.serving() or self.state is ServerState.PAUSED
 
     def busy(self) -> int:
