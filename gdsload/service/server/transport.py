@@ -32,7 +32,7 @@ class GrpcFrames:
     def active(self) -> bool:
         return self.context.is_active()
 
-    def send(self, frames: Any, progress: Callable[[], None] | None = None) -> Iterable[bytes]:
+    def send(self, frames: Any, progress: Callable[..., None] | None = None) -> Iterable[bytes]:
         if progress is None:
             return frames.messages()
         return _progressing(frames.messages(), progress)
@@ -59,7 +59,7 @@ class BulkFrames:
     def active(self) -> bool:
         return self.context.is_active()
 
-    def send(self, frames: Any, progress: Callable[[], None] | None = None) -> Iterable[bytes]:
+    def send(self, frames: Any, progress: Callable[..., None] | None = None) -> Iterable[bytes]:
         self.sink.send(frames.pieces(), progress)  # raises bulk.ClientGone when the connection broke
         return ()
 

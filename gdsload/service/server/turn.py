@@ -98,7 +98,7 @@ class Turn:
                 wake_held(a.turns.values(), self.job)
                 a._settle(a.clock())
 
-    def progress_hook(self) -> Callable[[], None] | None:
+    def progress_hook(self) -> Callable[..., None] | None:
         """`progress`, for the transport, when a lower level or another stream of its job is on
         the server (else None: nothing to hold back, no call per member)."""
         a = self.arbiter
