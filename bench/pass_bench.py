@@ -191,9 +191,13 @@ def _short(w: int, h: int, size: int | None) -> tuple[int, int]:
 
 
 def pyav_windows(src, mode: str, fps: float, window: int, size: int | None, chunk_s: float):
-    """Windows of one video as `gdsload.process` makes them (its rules, in a plain loop)."""
+    """Windows of one video as `gdsload.process` makes them (its rules, in a plain loop), scaled
+    with one scaler per video as the pass does (not PyAV 18's per-thread one, which a process
+    forked after a scale in its parent cannot use: `gdsload.decode.media.rgb24_scaler`)."""
     import av
+    from av.video.reformatter import VideoReformatter
 
+    sws = VideoReformatter()
     with av.open(src) as c:
         if mode == "frames":
             s = c.streams.video[0]
@@ -208,14 +212,14 @@ def pyav_windows(src, mode: str, fps: float, window: int, size: int | None, chun
                     k += 1
                     if len(buf) == window:
                         wh = wh or _short(buf[0].width, buf[0].height, size)
-                        yield np.stack([f.reformat(width=wh[0], height=wh[1], format="rgb24",
-                                                   interpolation="BILINEAR").to_ndarray() for f in buf])
+                        yield np.stack([sws.reformat(f, width=wh[0], height=wh[1], format="rgb24",
+                                                     interpolation="BILINEAR").to_ndarray() for f in buf])
                         buf = []
                 prev = fr
             if buf:
                 wh = wh or _short(buf[0].width, buf[0].height, size)
-                arr = np.stack([f.reformat(width=wh[0], height=wh[1], format="rgb24",
-                                           interpolation="BILINEAR").to_ndarray() for f in buf])
+                arr = np.stack([sws.reformat(f, width=wh[0], height=wh[1], format="rgb24",
+                                             interpolation="BILINEAR").to_ndarray() for f in buf])
                 pad = np.zeros((window - len(buf), *arr.shape[1:]), np.uint8)
                 yield np.concatenate([arr, pad])
         else:

@@ -945,13 +945,16 @@ def fake_mixed_video_op(gpu: FakeGPU, table: dict | None, ops: list[dict]) -> An
     def decode(enc: np.ndarray, frames: np.ndarray) -> np.ndarray:
         import av
 
+        from gdsload.decode.media import rgb24_scaler
+
         frames = np.asarray(frames)
         if (frames < 0).any():
             raise RuntimeError(f"[fake DALI] frame indices must be non-negative, got {frames.tolist()}")
         with av.open(io.BytesIO(np.asarray(enc).tobytes())) as c:
             cc = c.streams.video[0].codec_context
             key = nvdec_check(table, cc.name, cc.pix_fmt or "", int(cc.width), int(cc.height))
-            decoded = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
+            rgb24 = rgb24_scaler()
+            decoded = [rgb24(f) for f in c.decode(c.streams.video[0])]
         gpu.log.append(("nvdec", key, int(cc.width), int(cc.height), threading.current_thread().name,
                         tuple(int(i) for i in frames)))
         pad = np.zeros_like(decoded[0])

@@ -877,8 +877,11 @@ def _pyav_frames(clip: np.ndarray) -> np.ndarray:
 
     import av
 
+    from gdsload.decode.media import rgb24_scaler
+
+    rgb24 = rgb24_scaler()
     with av.open(io.BytesIO(clip.tobytes())) as c:
-        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+        return np.stack([rgb24(f) for f in c.decode(c.streams.video[0])])
 
 
 @pytest.mark.parametrize("codec,size,refusal", [

@@ -164,14 +164,17 @@ def _pyav_video(data: bytes, want: np.ndarray) -> tuple[np.ndarray, int]:
 
     import av
 
+    from gdsload.decode.media import rgb24_scaler
+
     valid = want[want >= 0]
     last, need = int(valid.max()), set(valid.tolist())
     got: dict[int, np.ndarray] = {}
     n = 0
+    rgb24 = rgb24_scaler()
     with av.open(io.BytesIO(data)) as c:
         for f in c.decode(c.streams.video[0]):
             if n in need:
-                got[n] = f.to_ndarray(format="rgb24")
+                got[n] = rgb24(f)
             n += 1
             if n > last:
                 break

@@ -18,7 +18,9 @@ frame indices (-1 for padding) and crop windows.
 
 from __future__ import annotations
 
+import functools
 import io
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,38 @@ def _av() -> Any:
     import av
 
     return av
+
+
+def rgb24_scaler() -> Callable[..., np.ndarray]:
+    """A converter of decoded PyAV video frames to (H, W, 3) uint8 RGB (keywords: `width`,
+    `height`, `interpolation`, as `VideoReformatter.reformat` takes them), with its own scaler
+    context, run on the calling thread. Make one per video (a context per frame costs as much
+    again as the scaling).
+
+    Why not `frame.to_ndarray(format="rgb24")`: since PyAV 17 that scales with a pool of FFmpeg
+    slice threads by default, and PyAV 18 keeps that scaler per Python thread (PyAV #2379). A
+    process forked from a thread that has scaled so (a PyTorch DataLoader's workers, a
+    `multiprocessing` pool, gdsload's own pass and convert workers: fork is the default on Linux)
+    inherits the scaler without its threads and hangs for good the next time it scales on that
+    thread, whatever `threads` it asks for then: FFmpeg joins the old slice threads, which are
+    not there. Seen in this project's CI with PyAV 18.1 (a child stuck in
+    `avpriv_slicethread_free` under `sws_frame_setup`); test:
+    `tests/test_media.py::test_a_process_forked_after_a_video_scale_decodes_too`. A context of
+    our own is never the shared one, and one thread (`threads=1`, PyAV >= 17) starts no pool per
+    video: the loader runs samples in parallel instead."""
+    from av.video.reformatter import VideoReformatter
+
+    sws, one = VideoReformatter(), _one_thread()
+
+    def rgb24(frame: Any, **kw: Any) -> np.ndarray:
+        return sws.reformat(frame, format="rgb24", **kw, **one).to_ndarray()
+
+    return rgb24
+
+
+@functools.cache
+def _one_thread() -> dict[str, int]:
+    return {"threads": 1} if int(_av().__version__.split(".")[0]) >= 17 else {}  # no `threads` before 17
 
 
 def _open(av: Any, data: bytes | memoryview) -> Any:

@@ -60,7 +60,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,6 +72,7 @@ from gdsload.decode.media import (
     clip_indices,
     crop_roi,
     probe,
+    rgb24_scaler,
 )
 from gdsload.errors import DecodeError, require
 
@@ -452,9 +453,10 @@ class VideoDecoder:
         want = set(wanted.tolist())
         meta = meta or {}
         fps, keyint = float(meta.get("fps") or 0), int(meta.get("keyint") or 0)
+        rgb24 = rgb24_scaler()
         if fps > 0 and 0 < keyint <= first:
             try:
-                got = VideoDecoder._pyav_seek(av, buf, first, last, want, fps)
+                got = VideoDecoder._pyav_seek(av, buf, first, last, want, fps, rgb24)
             except av.FFmpegError:
                 got = None
             if got is not None:
@@ -466,7 +468,7 @@ class VideoDecoder:
                 s = c.streams.video[0]
                 for f in c.decode(s):
                     if n in want:
-                        out.append(f.to_ndarray(format="rgb24"))
+                        out.append(rgb24(f))
                     n += 1
                     if n > last:
                         break
@@ -477,7 +479,8 @@ class VideoDecoder:
         return np.stack(out), n
 
     @staticmethod
-    def _pyav_seek(av: Any, buf: bytes, first: int, last: int, want: set, fps: float) -> tuple[np.ndarray, int] | None:
+    def _pyav_seek(av: Any, buf: bytes, first: int, last: int, want: set, fps: float,
+                   rgb24: Callable[..., np.ndarray]) -> tuple[np.ndarray, int] | None:
         """`_pyav_decode` from the keyframe before frame `first`; None when the timestamps do not
         number the frames (then the caller decodes from the start)."""
         import io
@@ -501,7 +504,7 @@ class VideoDecoder:
                     return None  # landed past the frame
                 n += 1
                 if k in want:
-                    got[k] = f.to_ndarray(format="rgb24")
+                    got[k] = rgb24(f)
                 if k >= last:
                     break
         if len(got) != len(want):
