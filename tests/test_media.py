@@ -8,7 +8,6 @@ audio decoder, MP3 through PyAV. Tiny clips (64 x 48, <= 30 frames), a few sampl
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -116,32 +115,38 @@ def test_start_stride_and_padding(videos, codec: str) -> None:
     assert seen["v1"] == [0, 3, 6, -1]  # 8 frames: the fourth is padding, zeros
 
 
-def _pyav_frames(data: bytes) -> np.ndarray:
-    from gdsload.decode.video import VideoDecoder
+_FORK_AFTER_SCALE = """
+import io, multiprocessing as mp
+import av, numpy as np
+from gdsload.bench import mediagen as mg
+from gdsload.decode.video import VideoDecoder
 
+def frames(data):
     return VideoDecoder._pyav_decode(np.frombuffer(data, np.uint8), np.arange(0, 12, 3))[0]
+
+data = mg.encode_video("h264", frames=12, gop=6)
+with av.open(io.BytesIO(data)) as c:
+    for f in c.decode(video=0):
+        f.to_ndarray(format="rgb24", width=32, height=24)  # PyAV's shared scaler, its default threads
+here = frames(data)
+with mp.get_context("fork").Pool(1) as pool:
+    there = pool.apply_async(frames, (data,)).get(timeout=60)
+np.testing.assert_array_equal(there, here)
+print([mg.frame_of(float(f.mean())) for f in here])
+"""
 
 
 def test_a_process_forked_after_a_video_scale_decodes_too() -> None:
     """PyAV 18 keeps a frame scaler per thread, with slice threads by default (PyAV >= 17); a
     process forked from a thread that used it hangs the next time it scales on that thread (this
     project's CI: a DataLoader's worker and a pool's, forked by a pytest worker that had decoded
-    video earlier). Here the main thread scales as a user's code would, then a forked child runs
-    gdsload's PyAV decode on its main thread: it must finish, with the parent's frames
-    (`gdsload.decode.media.rgb24_scaler`)."""
-    import multiprocessing as mp
-
-    import av
-
-    data = mg.encode_video("h264", frames=12, gop=6)
-    with av.open(io.BytesIO(data)) as c:
-        for f in c.decode(video=0):
-            f.to_ndarray(format="rgb24", width=32, height=24)  # PyAV's shared scaler, its default threads
-    here = _pyav_frames(data)
-    assert _frame_ids(here) == [0, 3, 6, 9]
-    with mp.get_context("fork").Pool(1) as pool:
-        there = pool.apply_async(_pyav_frames, (data,)).get(timeout=60)
-    np.testing.assert_array_equal(there, here)
+    video earlier). In a process of its own (the scaler it leaves would follow this worker's later
+    forks): the main thread scales as a user's code would, then a forked child runs gdsload's PyAV
+    decode on its main thread. It must finish, with the parent's frames
+    (`gdsload.decode.media.rgb24_scaler`); before, the child hung and the pool timed out."""
+    p = subprocess.run([sys.executable, "-c", _FORK_AFTER_SCALE], capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split("\n")[-2] == "[0, 3, 6, 9]"
 
 
 def test_center_random_and_several_clips(videos) -> None:

@@ -15,6 +15,10 @@ port 0), against the same pass decoded here.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,11 +64,22 @@ def test_feed_pass_writes_the_local_pass_bytes(media_src: Path, tmp_path: Path, 
 
 
 def test_feed_pass_in_workers_writes_the_same_bytes(media_src: Path, tmp_path: Path, feed) -> None:
+    """Run as a user runs it, `gdsload process --feed --workers 2` in a process of its own: the
+    workers are forked and each opens its own gRPC channel, which gRPC allows only in a child of
+    a process with no gRPC call under way. This pytest process serves the feed (a server is always
+    inside gRPC), so a pass forked from here hung now and then (gRPC: "Other threads are currently
+    calling into gRPC, skipping fork() handlers")."""
     _, address = feed
-    kw = dict(frames=(5.0, 2), size=45, batch_size=3, shard_size="16KiB")
-    gdsload.process(media_src, tmp_path / "local", passfns.frame_stats, **kw)
-    r = gdsload.process(media_src, tmp_path / "feed", passfns.frame_stats, feed=address, workers=2, **kw)
-    assert r["workers"] == 2
+    gdsload.process(media_src, tmp_path / "local", passfns.frame_stats, frames=(5.0, 2), size=45, batch_size=3,
+                    shard_size="16KiB")
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "feed"), "--fn",
+                        "passfns:frame_stats", "--frames", "5:2", "--size", "45", "--batch-size", "3",
+                        "--shard-size", "16KiB", "--feed", address, "--workers", "2", "--json",
+                        str(tmp_path / "s.json")], cwd=here, env=env, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert json.loads((tmp_path / "s.json").read_text())["workers"] == 2
     assert_same_output(tmp_path / "feed", tmp_path / "local")
 
 
