@@ -62,9 +62,10 @@ def rgb24_scaler() -> Callable[..., np.ndarray]:
     `tests/test_media.py::test_a_process_forked_after_a_video_scale_decodes_too`. A context of
     our own is never the shared one, and one thread (`threads=1`, PyAV >= 17) starts no pool per
     video: the loader runs samples in parallel instead."""
+    one = _one_thread()  # (imports PyAV, or names the extra that installs it)
     from av.video.reformatter import VideoReformatter
 
-    sws, one = VideoReformatter(), _one_thread()
+    sws = VideoReformatter()
 
     def rgb24(frame: Any, **kw: Any) -> np.ndarray:
         return sws.reformat(frame, format="rgb24", **kw, **one).to_ndarray()
