@@ -3,8 +3,8 @@ batch that came ends the pause at once, not when the hold ends. The pause notice
 while the client held the stream lay unread before that batch; read together when the hold began,
 they kept the server PAUSED for as long as the hold lasted: no new request for it, its blocks
 taken by the other server one stream each (traced in `bench/priority_bench.py`: a server PAUSED
-2.2 s past its pause, the low jobs back 3.6 s after the high job left). A real `Schedule`, a real worker, the
-receiver's lock and events; no socket (the hold reads nothing)."""
+2.2 s past its pause, the low jobs back 3.6 s after the high job left). A real `Schedule`, a real
+worker, the receiver's lock and events; no socket (the hold reads nothing)."""
 
 from __future__ import annotations
 
