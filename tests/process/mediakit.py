@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from gdsload.bench.mediagen import encode_audio, frame_of, level
 
-__all__ = ["video", "flac", "level", "frame_of", "VFR_MS", "files", "assert_same_output"]
+__all__ = ["video", "flac", "level", "frame_of", "VFR_MS", "files", "assert_same_output", "cli_env"]
 
 
 def video(seconds: float = 3.0, fps: int = 5, width: int = 160, height: int = 90, *, audio: bool = True,
@@ -79,3 +80,10 @@ def assert_same_output(got: Path, want: Path) -> None:
     gm, wm = json.loads(g["manifest.json"]), json.loads(w["manifest.json"])
     gm["created"].pop("at"), wm["created"].pop("at")
     assert gm == wm
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """This process's environment, with `extra` and the repository first on PYTHONPATH: what
+    `python -m gdsload process ... --fn passfns:...` needs, run with tests/process as its cwd."""
+    path = os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, **extra, "PYTHONPATH": path}

@@ -171,7 +171,6 @@ def test_passes_with_frames_left_out_write_the_bytes_of_decoding_every_frame(bfr
 
 @pytest.mark.parametrize("point", ["decode", "fn"])
 def test_sigkill_then_resume_with_frames_left_out_is_exact(point, bframe_src, tmp_path) -> None:
-    import os
     import signal
     import subprocess
     import sys
@@ -185,8 +184,7 @@ def test_sigkill_then_resume_with_frames_left_out_is_exact(point, bframe_src, tm
     ref = gdsload.process(bframe_src, tmp_path / "ref", passfns.frame_stats, **KW)
     n = {"decode": ref["windows"] // 2, "fn": ref["batches"] // 2}[point]
     here = Path(__file__).parent
-    env = {**os.environ, KILL_ENV: f"{point}:{n}",
-           "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = mk.cli_env(**{KILL_ENV: f"{point}:{n}"})
     p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(bframe_src), str(tmp_path / "out"), "--fn",
                         "passfns:frame_stats", "--frames", "1.5:2", "--size", "32", "--batch-size", "3",
                         "--shard-size", "16KiB", "-q"], cwd=here, env=env, capture_output=True, timeout=120)

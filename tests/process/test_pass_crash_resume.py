@@ -11,7 +11,6 @@ resume runs here, with the same `module:qualname`.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import passfns
 import pytest
-from mediakit import assert_same_output
+from mediakit import assert_same_output, cli_env
 
 import gdsload
 from gdsload.errors import DestinationError
@@ -41,8 +40,7 @@ def reference(media_src: Path, tmp_path_factory) -> tuple[Path, dict]:
 
 
 def _kill_pass(src: Path, dst: Path, point: str, n: int, log: Path) -> None:
-    env = {**os.environ, KILL_ENV: f"{point}:{n}", "PASS_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = cli_env(**{KILL_ENV: f"{point}:{n}", "PASS_LOG": str(log)})
     p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(src), str(dst), "--fn",
                         "passfns:frame_stats", *ARGS], cwd=HERE, env=env, capture_output=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, f"not killed at {point}:{n} (rc {p.returncode}): {p.stderr.decode()[-2000:]}"
@@ -96,7 +94,7 @@ def test_resume_record_refuses_what_differs(media_src: Path, tmp_path: Path) -> 
 
 
 def test_cli_summary_json_and_usage(media_src: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = cli_env()
     p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "o"), "--fn",
                         "passfns:speech_stats", "--speech", "1.5", "--fields", "flac", "--json",
                         str(tmp_path / "s.json")], cwd=HERE, env=env, capture_output=True, timeout=120)
@@ -123,8 +121,7 @@ def test_sigterm_stops_the_cli_and_resume_finishes(media_src: Path, reference, t
     import time
 
     log = tmp_path / "fn.log"
-    env = {**os.environ, "PASS_LOG": str(log), "PASS_SLOW": "0.1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = cli_env(PASS_LOG=str(log), PASS_SLOW="0.1")
     p = subprocess.Popen([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "out"), "--fn",
                           "passfns:frame_stats", *ARGS], cwd=HERE, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)

@@ -16,7 +16,6 @@ port 0), against the same pass decoded here.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import passfns
 import pytest
-from mediakit import assert_same_output
+from mediakit import assert_same_output, cli_env
 
 pytest.importorskip("grpc")
 pytest.importorskip("grpc_health")
@@ -73,7 +72,7 @@ def test_feed_pass_in_workers_writes_the_same_bytes(media_src: Path, tmp_path: P
     gdsload.process(media_src, tmp_path / "local", passfns.frame_stats, frames=(5.0, 2), size=45, batch_size=3,
                     shard_size="16KiB")
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = cli_env()
     p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "feed"), "--fn",
                         "passfns:frame_stats", "--frames", "5:2", "--size", "45", "--batch-size", "3",
                         "--shard-size", "16KiB", "--feed", address, "--workers", "2", "--json",
@@ -258,7 +257,6 @@ def test_a_window_stream_cut_short_is_asked_again_from_its_last_event(media_src:
 def test_errors_and_limits_are_the_local_pass_s(media_src: Path, tmp_path: Path) -> None:
     """A member that does not decode and members over max_hours: with on_error='skip' the same
     rejected.jsonl (reasons included) and outputs as the local pass."""
-    import json
     import shutil
 
     src = tmp_path / "root" / "src"
@@ -286,9 +284,6 @@ def test_a_feed_that_wants_a_token_gets_the_passs_token(media_src: Path, tmp_pat
     """A server with a token: the pass given it (`feed_token=`, or `--feed-token-file` on the
     command line) writes the local pass's bytes; without it the pass fails naming the refusal and
     publishes nothing."""
-    import os
-    import subprocess
-    import sys
 
     srv, port = create_server([str(media_src.parent)], token="s3cret")
     srv.start()
@@ -306,7 +301,7 @@ def test_a_feed_that_wants_a_token_gets_the_passs_token(media_src: Path, tmp_pat
                             feed_token="s3cret", **kw)
         (tmp_path / "token").write_text("s3cret\n")
         here = Path(__file__).parent
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+        env = cli_env()
         p = subprocess.run([sys.executable, "-m", "gdsload", "process", str(media_src), str(tmp_path / "cli"), "--fn",
                             "passfns:speech_stats", "--speech", "1", "--fields", "flac", "--batch-size", "4",
                             "--shard-size", "16KiB", "--feed", address, "--feed-token-file", str(tmp_path / "token"),
